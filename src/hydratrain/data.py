@@ -1,0 +1,211 @@
+"""Token streams (byte-level corpora cached as uint8 memmaps) and a resumable, rank-sharded batch iterator.
+
+- ``python_stdlib``: the running interpreter's standard-library ``.py`` files, sorted by path, split into train/val
+  by file (a stable hash of the relative path), concatenated as bytes (vocab 256). Built once into
+  ``<cache_dir>/<key>/{train,val}.bin`` with a progress bar, written atomically, then reused.
+- ``text_files``: the user's files or globs (``data.paths``), relative paths resolved against the launch dir.
+- ``synthetic``: a generated, learnable stream (a fixed random order-2 Markov chain), for tests and benchmarks.
+
+Each rank reads only its share: sample indices come from ``torch.utils.data.DistributedSampler`` (shuffled with the
+run seed, ``set_epoch`` every epoch), so the order is reproducible and changes every epoch.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import DistributedSampler
+
+log = logging.getLogger(__name__)
+
+FILE_SEPARATOR = b"\n\n"
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("HYDRATRAIN_CACHE", Path.home() / ".cache" / "hydratrain"))
+
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    """(stdlib root, sorted ``.py`` files under it, site-packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    return root, files
+
+
+def expand_paths(patterns: Sequence[str], base_dir: Path) -> list[Path]:
+    """Files matching ``patterns`` (globs, ``**`` allowed), relative ones resolved against ``base_dir``; sorted.
+
+    Raises FileNotFoundError naming ``data.paths`` and the pattern when a pattern matches no file.
+    """
+    files: set[Path] = set()
+    for pattern in patterns:
+        full = pattern if os.path.isabs(pattern) else str(base_dir / pattern)
+        matched = [Path(p) for p in glob.glob(full, recursive=True) if os.path.isfile(p)]
+        if not matched:
+            raise FileNotFoundError(f"data.paths: {pattern!r} matches no file (looked in {base_dir})")
+        files.update(p.resolve() for p in matched)
+    return sorted(files)
+
+
+def is_val_file(rel_path: str, val_fraction: float) -> bool:
+    """Stable train/val assignment of one file: crc32 of its relative path, in units of 1/10000."""
+    return zlib.crc32(rel_path.encode()) % 10_000 < val_fraction * 10_000
+
+
+def build_corpus(files: Sequence[Path], root: Path, val_fraction: float, cache_dir: Path, progress: bool) -> Path:
+    """Write ``train.bin``/``val.bin`` (uint8) for ``files`` under a cache dir keyed by their paths, sizes and mtimes.
+
+    Returns that dir. Rebuilt only when the key changes; each file is written to a temporary name and renamed.
+    If the hash split leaves one side empty, the last file goes to val (and the first stays in train).
+    """
+    listing = [(str(f.relative_to(root)) if f.is_relative_to(root) else str(f), f.stat().st_size,
+                int(f.stat().st_mtime)) for f in files]
+    key = hashlib.sha256(json.dumps([str(root), val_fraction, listing]).encode()).hexdigest()[:16]
+    out = cache_dir / key
+    if (out / "meta.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    splits: dict[str, list[Path]] = {"train": [], "val": []}
+    for f, (rel, _, _) in zip(files, listing):
+        splits["val" if is_val_file(rel, val_fraction) else "train"].append(f)
+    if len(files) >= 2 and not splits["val"]:
+        splits["val"].append(splits["train"].pop())
+    if len(files) >= 2 and not splits["train"]:
+        splits["train"].append(splits["val"].pop(0))
+    if len(files) == 1:  # one file: split its bytes instead
+        splits = {"train": list(files), "val": list(files)}
+    from tqdm.auto import tqdm
+
+    counts = {}
+    bar = tqdm(total=sum(s for _, s, _ in listing), unit="B", unit_scale=True, desc=f"building corpus {out}",
+               disable=not progress)
+    for split, paths in splits.items():
+        tmp = out / f"{split}.bin.tmp{os.getpid()}"
+        n = 0
+        with open(tmp, "wb") as fh:
+            for f in paths:
+                data = f.read_bytes()
+                if len(files) == 1:  # the one-file case: first (1 - val_fraction) to train, rest to val
+                    cut = int(len(data) * (1 - val_fraction))
+                    data = data[:cut] if split == "train" else data[cut:]
+                fh.write(data + FILE_SEPARATOR)
+                n += len(data) + len(FILE_SEPARATOR)
+                bar.update(f.stat().st_size if split == "train" or len(files) > 1 else 0)
+        os.replace(tmp, out / f"{split}.bin")
+        counts[split] = {"files": len(paths), "tokens": n}
+    bar.close()
+    tmp = out / f"meta.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"root": str(root), "splits": counts}, indent=1))
+    os.replace(tmp, out / "meta.json")
+    return out
+
+
+def synthetic_stream(n_tokens: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+    """A learnable stream of ``n_tokens``: random picks from a fixed lexicon of 64 random "words" of 3-8 tokens.
+
+    Within a word every next token is determined, so the loss can fall well below ``log(vocab_size)``.
+    """
+    rng = np.random.default_rng(seed)
+    dtype = np.uint8 if vocab_size <= 256 else np.uint16
+    words = [rng.integers(0, vocab_size, size=rng.integers(3, 9)).astype(dtype) for _ in range(64)]
+    picks = rng.integers(0, len(words), size=n_tokens // 3 + 1)
+    return np.concatenate([words[i] for i in picks])[:n_tokens]
+
+
+class TokenDataset:
+    """Fixed windows over a 1-D token array: sample ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + 1)``.
+
+    ``batch(indices)`` returns ``(x, y)``, each ``(len(indices), seq_len)`` int64, ``y`` shifted by one.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = max(0, (len(tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
+        window = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
+        t = torch.from_numpy(window)
+        return t[:, :-1], t[:, 1:]
+
+
+@dataclass
+class LoaderState:
+    """Position of a :class:`ShardedBatches` iterator: ``epoch`` and micro-batches already taken in it."""
+
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+
+class ShardedBatches:
+    """This rank's micro-batches of a :class:`TokenDataset`, epoch after epoch, resumable from a LoaderState.
+
+    Indices come from ``DistributedSampler(shuffle, seed, drop_last=True)`` with ``set_epoch(epoch)``, so every
+    rank gets ``len(dataset) // world_size`` samples per epoch, disjoint from the other ranks'; an epoch has
+    ``batches_per_epoch`` micro-batches (a trailing partial batch is dropped).
+    """
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, rank: int, world_size: int, seed: int,
+                 shuffle: bool = True, device: Optional[torch.device] = None):
+        if len(dataset) < world_size:
+            raise ValueError(f"the split has {len(dataset)} samples of data.seq_len tokens, fewer than "
+                             f"world_size={world_size}: use more data or a smaller data.seq_len")
+        self.dataset, self.batch_size, self.device = dataset, batch_size, device
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                          drop_last=True)
+        self.state = LoaderState()
+        self.batches_per_epoch = len(self.sampler) // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"each rank has {len(self.sampler)} samples per epoch, fewer than data.batch_size="
+                             f"{batch_size}: use more data or a smaller data.batch_size / data.seq_len")
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            self.sampler.set_epoch(self.state.epoch)
+            indices = list(self.sampler)
+            while self.state.batch_in_epoch < self.batches_per_epoch:
+                k = self.state.batch_in_epoch
+                x, y = self.dataset.batch(indices[k * self.batch_size:(k + 1) * self.batch_size])
+                self.state.batch_in_epoch += 1
+                if self.device is not None:
+                    x = x.to(self.device, non_blocking=True)
+                    y = y.to(self.device, non_blocking=True)
+                yield x, y
+            self.state = LoaderState(self.state.epoch + 1, 0)
+
+
+def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool) -> dict[str, np.ndarray]:
+    """Token arrays ``{"train", "val"}`` (1-D, uint8 memmaps for the byte corpora) for ``data_cfg`` (a DataConfig).
+
+    Builds the cache when it is missing: call it on local rank 0 first, then barrier, then on the other ranks.
+    Raises FileNotFoundError when a ``data.paths`` pattern matches no file.
+    """
+    if data_cfg.name == "synthetic":
+        stream = synthetic_stream(data_cfg.synthetic_tokens, vocab_size)
+        cut = int(len(stream) * (1 - data_cfg.val_fraction))
+        return {"train": stream[:cut], "val": stream[cut:]}
+    if data_cfg.name == "python_stdlib":
+        root, files = stdlib_files()
+    else:
+        files = expand_paths(list(data_cfg.paths), launch_dir)
+        root = Path(os.path.commonpath([str(f.parent) for f in files]))
+    cache = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
+    out = build_corpus(files, root, data_cfg.val_fraction, cache, progress)
+    splits = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
+    meta = json.loads((out / "meta.json").read_text())["splits"]
+    log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
+             meta["train"]["files"], meta["train"]["tokens"], meta["val"]["files"], meta["val"]["tokens"])
+    return splits

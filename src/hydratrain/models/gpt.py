@@ -1,0 +1,175 @@
+"""A decoder-only transformer: RMSNorm, rotary position embeddings, SwiGLU MLP, optional tied embeddings.
+
+Components and where they come from:
+- RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization" (``torch.nn.RMSNorm``).
+- Rotary embeddings (RoPE): Su et al. 2021, "RoFormer", applied to query and key in the rotate-half layout.
+- SwiGLU feed-forward: Shazeer 2020, "GLU Variants Improve Transformer"; hidden width 8/3 * d_model as in LLaMA.
+- Grouped-query attention (``n_kv_head < n_head``): Ainslie et al. 2023.
+- Initialisation: normal(0, init_std), residual output projections scaled by 1/sqrt(2 * n_layer) (GPT-2).
+
+Shapes: token ids ``(B, T)`` int64 -> logits ``(B, T, vocab_size)`` in the compute dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    d_model: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: Optional[int] = None
+    d_ff: Optional[int] = None
+    ff_multiple_of: int = 64
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def ff_dim(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        hidden = int(8 * self.d_model / 3)
+        return self.ff_multiple_of * math.ceil(hidden / self.ff_multiple_of)
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each ``(max_seq_len, head_dim)`` float32, for the rotate-half RoPE layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(B, H, T, head_dim)`` by position; ``cos``/``sin`` are ``(T, head_dim)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (or grouped-query) self-attention with RoPE, via ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``: ``(B, T, d_model) -> (B, T, d_model)`` through ``ff_dim`` hidden units."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ff_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. The unit FSDP and AC wrap."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """The decoder. ``forward(idx (B, T) int64) -> logits (B, T, vocab_size)``; ``T <= max_seq_len``.
+
+    Build on ``torch.device("meta")`` and call :meth:`init_weights` after ``to_empty`` to materialise lazily.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if not self.tok_emb.weight.is_meta:
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and the rotary tables in place; works on sharded (DTensor) params."""
+        std = self.cfg.init_std
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                nn.init.ones_(p)  # RMSNorm gains
+            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        # clone(): FSDP2 warns when the root module returns a view; the Linear's (B, T, V) output is one.
+        return self.lm_head(self.norm(x)).clone(memory_format=torch.contiguous_format)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameter count (tied weights counted once); ``exclude_embedding`` drops the lookup-only embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and not self.cfg.tie_embeddings:
+            n -= self.tok_emb.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, 6*N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B)."""
+        c = self.cfg
+        return 6 * self.num_params(exclude_embedding=True) + 12 * c.n_layer * c.n_head * c.head_dim * seq_len

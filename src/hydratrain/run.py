@@ -1,0 +1,165 @@
+"""``main(cfg)``: validate -> init distributed -> build data, model, optimizer -> ``Trainer.fit`` -> always tear down.
+
+``train.py`` is a thin ``@hydra.main`` wrapper around :func:`main`; tests call :func:`main` with a composed config.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from hydratrain.config import ConfigError, validate
+from hydratrain.distributed import DistInfo, barrier, distributed, quiet_non_main_console
+
+log = logging.getLogger("hydratrain")
+
+
+def build_model(cfg: DictConfig, info: DistInfo):
+    """The GPT of ``cfg.model``, parallelized per ``cfg.strategy``. Returns (model, raw GPT, summary line).
+
+    ``model.init_device``: ``meta`` (or ``auto`` with strategy=fsdp and a model of over 100M parameters) builds
+    without storage so only shards are ever allocated.
+    """
+    import torch
+
+    from hydratrain.models.gpt import GPT, GPTConfig
+    from hydratrain.parallelize import parallelize
+
+    fields = {k: cfg.model[k] for k in GPTConfig.__dataclass_fields__}
+    gcfg = GPTConfig(**fields)
+    with torch.device("meta"):
+        n_params = GPT(gcfg).num_params()
+    on_meta = cfg.model.init_device == "meta" or (
+        cfg.model.init_device == "auto" and cfg.strategy.name == "fsdp" and n_params > 100e6)
+    build_device = torch.device("meta") if on_meta else (
+        info.device if cfg.model.init_device in ("auto", info.device.type) else torch.device(cfg.model.init_device))
+    with build_device:
+        raw = GPT(gcfg)
+    model, summary = parallelize(raw, cfg, info.device, on_meta)
+    return model, raw, n_params, summary
+
+
+def build_data(cfg: DictConfig, info: DistInfo):
+    """Train and val :class:`~hydratrain.data.ShardedBatches` for this rank (local rank 0 builds caches first)."""
+    from hydratrain.data import ShardedBatches, TokenDataset, load_splits
+
+    launch_dir = Path(os.getcwd())
+    kwargs = dict(data_cfg=cfg.data, vocab_size=cfg.model.vocab_size, launch_dir=launch_dir,
+                  progress=info.is_main and cfg.trainer.progress_bar)
+    splits = load_splits(**kwargs) if info.local_rank == 0 else None
+    barrier()
+    if splits is None:
+        splits = load_splits(**kwargs)
+    train = ShardedBatches(TokenDataset(splits["train"], cfg.data.seq_len), cfg.data.batch_size, info.rank,
+                           info.world_size, seed=cfg.trainer.seed, shuffle=True, device=info.device)
+    val = ShardedBatches(TokenDataset(splits["val"], cfg.data.seq_len), cfg.data.batch_size, info.rank,
+                         info.world_size, seed=cfg.trainer.seed, shuffle=False, device=info.device)
+    return train, val
+
+
+def hparams_of(cfg: DictConfig, world_size: int) -> dict:
+    """The flat hyper-parameters written once per run to TensorBoard's hparams table."""
+    keys = ["model.name", "model.d_model", "model.n_layer", "data.name", "data.seq_len", "data.batch_size",
+            "strategy.name", "precision.name", "wrap_policy.name", "optim.lr", "optim.weight_decay",
+            "scheduler.name", "trainer.max_steps", "trainer.grad_accum_steps", "trainer.seed",
+            "activation_checkpointing"]
+    out = {k: OmegaConf.select(cfg, k) for k in keys}
+    out["world_size"] = world_size
+    return {k: ("null" if v is None else v) for k, v in out.items()}
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """Hydra's output dir for this job (the current dir when called without Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(os.getcwd())
+
+
+def preflight(cfg: DictConfig) -> None:
+    """All checks that need no process group: :func:`validate`, the launch environment, and data paths.
+
+    Raises :class:`ConfigError`.
+    """
+    from hydratrain.distributed import env_rank_info
+
+    validate(cfg)
+    if cfg.precision.name == "auto":
+        from hydratrain.precision import resolve_auto
+
+        choice = resolve_auto(cfg.precision, cfg.device)
+        log.info("precision=auto -> %s compute (%s)", choice, cfg.precision.compute_dtype)
+    world_size = env_rank_info()[2]
+    if cfg.strategy.name == "single" and world_size > 1:
+        raise ConfigError("strategy.name", "single", f"runs one process but WORLD_SIZE={world_size}; "
+                          "allowed under torchrun: ddp, fsdp")
+    if cfg.data.name == "text_files":
+        from hydratrain.data import expand_paths
+
+        try:
+            expand_paths(list(cfg.data.paths), Path(os.getcwd()))
+        except FileNotFoundError as err:
+            raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
+
+
+def main(cfg: DictConfig, run_dir: Optional[Path] = None):
+    """Train per ``cfg`` (a composed :class:`~hydratrain.config.TrainConfig`). Returns the :class:`FitResult`.
+
+    A bad config prints ``hydratrain: config error: <key>=<value>: <why>`` and exits with status 2 before any
+    process group is created.
+    """
+    try:
+        preflight(cfg)
+    except ConfigError as err:
+        print(f"hydratrain: config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
+    need_group = cfg.strategy.name in ("ddp", "fsdp")
+    with distributed(cfg.device, cfg.strategy.backend, need_group) as info:
+        quiet_non_main_console(info.rank)
+        return _train(cfg, info, run_dir)
+
+
+def _train(cfg: DictConfig, info: DistInfo, run_dir: Path):
+    import torch
+
+    from hydratrain.metrics import peak_flops
+    from hydratrain.optim import build_optimizer, build_scheduler
+    from hydratrain.parallelize import local_param_bytes
+    from hydratrain.precision import dtype_of, grad_scaler
+    from hydratrain.trainer import Trainer
+
+    log.info("run dir %s; rank %d of %d on %s; torch %s", run_dir, info.rank, info.world_size, info.device,
+             torch.__version__)
+    torch.manual_seed(cfg.trainer.seed)
+    train_batches, val_batches = build_data(cfg, info)
+    model, raw, n_params, summary = build_model(cfg, info)
+    log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
+             local_param_bytes(model) / 1e6, summary)
+    optimizer = build_optimizer(model, cfg.optim)
+    total = Trainer.total_steps(cfg.trainer, train_batches.batches_per_epoch)
+    scheduler = build_scheduler(optimizer, cfg.scheduler, total)
+    compute = dtype_of(cfg.precision.compute_dtype)
+    trainer = Trainer(cfg, model, optimizer, scheduler, grad_scaler(cfg.precision, info.device), train_batches,
+                      val_batches, info, run_dir, raw.flops_per_token(cfg.data.seq_len),
+                      peak_flops(info.device, compute, cfg.logger.peak_flops))
+    result = trainer.fit()
+    if cfg.trainer.save_weights:
+        path = trainer.save_weights(run_dir / "model.safetensors")
+        if path:
+            log.info("wrote full model weights to %s", path)
+    if cfg.trainer.sample_tokens and cfg.model.vocab_size >= 256 and cfg.data.name != "synthetic":
+        text = trainer.sample(b"def ", cfg.trainer.sample_tokens)
+        log.info("sample:\n%s", text)
+        trainer.tb.text("sample", text, result.steps)
+    trainer.finish(result, hparams_of(cfg, info.world_size))
+    log.info("done: %d steps in %.1f s; train loss %.4f (step 1: %.4f), eval loss %.4f, perplexity %.2f, "
+             "%.0f tokens/s, mfu %.2f%%, peak memory %.1f MB, skipped steps %d", result.steps, result.seconds,
+             result.train_loss, result.first_loss, result.eval_loss, result.eval_perplexity, result.tokens_per_sec,
+             100 * result.mfu, result.peak_memory_bytes / 1e6, result.skipped_steps)
+    return result

@@ -1,0 +1,26 @@
+"""hydratrain entry point.
+
+    python train.py                                            # one process (default: gpt_tiny, fsdp, bf16)
+    torchrun --standalone --nproc_per_node 2 train.py strategy=ddp precision=fp32
+    python train.py +experiment=gpt_small_fsdp optim.lr=3e-4
+    python train.py --cfg job                                  # print the composed config
+"""
+import hydra
+from omegaconf import DictConfig
+
+from hydratrain.config import register_configs
+from hydratrain.distributed import register_resolvers
+
+register_configs()
+register_resolvers()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def train(cfg: DictConfig) -> float:
+    from hydratrain.run import main
+
+    return main(cfg).eval_loss
+
+
+if __name__ == "__main__":
+    train()
