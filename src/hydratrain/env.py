@@ -1,0 +1,42 @@
+"""``python -m hydratrain.env``: what this machine can run.
+
+Prints the torch version, CUDA availability and device count, the distributed backends compiled in, whether bf16 is
+native, and which ``strategy=`` and ``precision=`` options this machine supports.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def report() -> list[str]:
+    """The report as lines of text (no side effects)."""
+    import torch
+    import torch.distributed as dist
+
+    from hydratrain.precision import cpu_has_native_bf16
+
+    cuda = torch.cuda.is_available()
+    lines = [f"torch {torch.__version__} (python {sys.version.split()[0]})",
+             f"cuda available: {cuda}; devices: {torch.cuda.device_count()}"]
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        lines.append(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB")
+    backends = [b for b, ok in (("gloo", dist.is_available() and dist.is_gloo_available()),
+                                ("nccl", dist.is_available() and dist.is_nccl_available()),
+                                ("mpi", dist.is_available() and dist.is_mpi_available())) if ok]
+    lines.append(f"distributed available: {dist.is_available()}; backends: {', '.join(backends) or 'none'}")
+    lines.append(f"cpu cores: {os.cpu_count()}; cpu capability: {torch.backends.cpu.get_cpu_capability()}; "
+                 f"native bf16 on cpu: {cpu_has_native_bf16()}")
+    strategies = ["single"] + (["ddp", "fsdp"] if dist.is_available() and backends else [])
+    lines.append(f"strategies: {', '.join(strategies)}")
+    bf16_fast = torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16()
+    precisions = ["fp32", f"bf16{'' if bf16_fast else ' (slow here: no native bf16)'}",
+                  f"fp16{'' if cuda else ' (slow on CPU: no native fp16 matmul)'}",
+                  f"auto (-> {'bf16' if bf16_fast else 'fp32'})"]
+    lines.append(f"precisions: {', '.join(precisions)}")
+    return lines
+
+
+if __name__ == "__main__":
+    print("\n".join(report()))

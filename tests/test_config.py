@@ -1,0 +1,135 @@
+"""Every config option composes, validates and instantiates; bad values fail early with one line naming the key."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import CONF, ROOT
+from hydratrain.config import ConfigError, validate
+
+GROUPS = ["model", "data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "trainer",
+          "logger"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def test_every_group_has_options():
+    have = {g for g, _ in OPTIONS}
+    assert have == set(GROUPS)
+    assert {"gpt_tiny", "gpt_small", "llama_1b"} <= {o for g, o in OPTIONS if g == "model"}
+    assert len(EXPERIMENTS) >= 2
+
+
+def _extra(group: str, option: str) -> list[str]:
+    if (group, option) == ("data", "text_files"):
+        return [f"data.paths=[{ROOT / 'pyproject.toml'},{ROOT / 'train.py'}]"]
+    return []
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_option_composes_validates_and_instantiates(compose, group, option):
+    from hydratrain.models.gpt import GPT, GPTConfig
+    from hydratrain.optim import build_optimizer, build_scheduler
+    from hydratrain.parallelize import shard_units
+    from hydratrain.precision import autocast_context, grad_scaler, mixed_precision_policy
+
+    cfg = compose([f"{group}={option}", *_extra(group, option)])
+    assert OmegaConf.select(cfg, f"{group}.name") in (option, None) or group in ("trainer", "logger")
+    validate(cfg)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**{k: cfg.model[k] for k in GPTConfig.__dataclass_fields__}))
+    assert model.num_params() > 0
+    if group == "model":
+        expected = {"gpt_tiny": 0.89e6, "gpt_small": 85e6, "llama_1b": 1.1e9, "llama_8b": 7.3e9}[option]
+        assert abs(model.num_params() / expected - 1) < 0.1, model.num_params()
+    small = GPT(GPTConfig(d_model=32, n_layer=2, n_head=2))
+    if group == "precision":
+        from hydratrain.precision import resolve_auto
+
+        if option == "auto":
+            assert resolve_auto(cfg.precision, "cpu") in ("bf16", "fp32")
+        mixed_precision_policy(cfg.precision)
+        scaler = grad_scaler(cfg.precision, torch.device("cpu"))
+        assert (scaler is not None) == (option == "fp16")
+        with autocast_context(cfg.precision, torch.device("cpu"), "single"):
+            small(torch.zeros(1, 4, dtype=torch.long))
+    if group == "wrap_policy":
+        units = shard_units(small, cfg.wrap_policy)
+        assert len(units) == {"none": 0, "transformer_block": 2}.get(option, len(units))
+    if group in ("optim", "scheduler"):
+        opt = build_optimizer(small, cfg.optim)
+        sched = build_scheduler(opt, cfg.scheduler, total_steps=10)
+        opt.step()
+        sched.step()
+    if group == "data":
+        from hydratrain.data import load_splits
+
+        splits = load_splits(cfg.data, cfg.model.vocab_size, ROOT, progress=False)
+        assert len(splits["train"]) > 0 and len(splits["val"]) > 0
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_overlays_compose(compose, name):
+    cfg = compose([f"+experiment={name}"])
+    validate(cfg)
+    base = compose([])
+    assert OmegaConf.to_container(cfg) != OmegaConf.to_container(base)
+
+
+def test_cfg_job_prints_composed_config():
+    out = subprocess.run([sys.executable, "train.py", "--cfg", "job", "strategy=ddp", "optim.lr=3e-4"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    cfg = OmegaConf.create(out)
+    assert cfg.strategy.name == "ddp" and cfg.optim.lr == 3e-4 and cfg.model.name == "gpt_tiny"
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["optim.lr=-1"], "optim.lr"),
+    (["wrap_policy=size_based", "wrap_policy.min_num_params=0"], "wrap_policy.min_num_params"),
+    (["wrap_policy=size_based", "wrap_policy.min_num_params=null"], "wrap_policy.min_num_params"),
+    (["model.n_head=3"], "model.n_head"),
+    (["data.seq_len=4096"], "data.seq_len"),
+    (["trainer.max_steps=null"], "trainer.max_steps"),
+    (["precision.name=fp8"], "precision.name"),
+])
+def test_validate_names_the_key(compose, overrides, key):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(overrides))
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["optim.lr=-1"], "optim.lr"),
+    (["wrap_policy=size_based", "wrap_policy.min_num_params=0"], "wrap_policy.min_num_params"),
+    (["strategy=fsdq"], "strategy"),
+    (["optim.lrr=1"], "optim.lrr"),
+    (["data=text_files", "data.paths=[no/such/*.txt]"], "data.paths"),
+])
+def test_bad_config_exits_with_one_line_before_process_group(args, expect, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0
+    first = proc.stderr.strip().splitlines()[0]
+    assert expect in first, proc.stderr
+    assert "process group" not in proc.stdout + proc.stderr
+
+
+def test_bad_config_under_torchrun_fails_before_process_group(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "train.py"), "optim.lr=-1", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "hydratrain: config error: optim.lr=-1.0: must be > 0" in proc.stderr
+    assert "process group:" not in proc.stdout + proc.stderr
+
+
+def test_single_strategy_under_torchrun_is_a_config_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(ROOT / "train.py"), "strategy=single", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "config error: strategy.name='single'" in proc.stderr

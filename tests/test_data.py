@@ -1,0 +1,88 @@
+"""Corpora, caching, sharding across ranks, reproducible per-epoch order, resumable position."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hydratrain.data import (LoaderState, ShardedBatches, TokenDataset, build_corpus, expand_paths, stdlib_files,
+                             synthetic_stream)
+
+
+def test_token_dataset_windows_shift_by_one():
+    ds = TokenDataset(np.arange(100, dtype=np.uint8), seq_len=10)
+    assert len(ds) == 9
+    x, y = ds.batch([0, 3])
+    assert x.shape == y.shape == (2, 10) and x.dtype == torch.int64
+    assert x[1, 0] == 30 and y[1, -1] == 40 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def _indices(batches: ShardedBatches, n: int) -> list[int]:
+    it = iter(batches)
+    return [int(x[i, 0]) for _ in range(n) for x, _ in [next(it)] for i in range(x.shape[0])]
+
+
+def test_ranks_get_disjoint_shares_that_cover_the_epoch():
+    ds = TokenDataset(np.arange(4000, dtype=np.int64), seq_len=10)  # x[0] == 10 * sample index
+    seen = []
+    for rank in range(2):
+        b = ShardedBatches(ds, batch_size=4, rank=rank, world_size=2, seed=7)
+        seen.append(set(_indices(b, b.batches_per_epoch)))
+    assert not seen[0] & seen[1]
+    assert len(seen[0] | seen[1]) == 2 * 4 * (399 // 2 // 4)
+
+
+def test_order_is_seeded_changes_every_epoch_and_resumes():
+    ds = TokenDataset(np.arange(4000, dtype=np.int64), seq_len=10)
+    a = ShardedBatches(ds, batch_size=4, rank=0, world_size=2, seed=7)
+    per_epoch = a.batches_per_epoch
+    two_epochs = _indices(a, 2 * per_epoch)
+    assert two_epochs[:4 * per_epoch] != two_epochs[4 * per_epoch:]
+    b = ShardedBatches(ds, batch_size=4, rank=0, world_size=2, seed=7)
+    assert _indices(b, 5) == two_epochs[:20]
+    c = ShardedBatches(ds, batch_size=4, rank=0, world_size=2, seed=7)
+    c.state = LoaderState(epoch=0, batch_in_epoch=5)
+    assert _indices(c, per_epoch) == two_epochs[20:20 + 4 * per_epoch]
+    assert _indices(ShardedBatches(ds, 4, 0, 2, seed=8), 5) != two_epochs[:20]
+
+
+def test_too_little_data_is_a_clear_error():
+    with pytest.raises(ValueError, match="data.batch_size"):
+        ShardedBatches(TokenDataset(np.arange(50), seq_len=10), batch_size=8, rank=0, world_size=2, seed=0)
+
+
+def test_stdlib_corpus_is_split_by_file_cached_and_reused(tmp_path):
+    root, files = stdlib_files()
+    assert len(files) > 500 and files == sorted(files)
+    subset = files[:40]
+    out = build_corpus(subset, root, 0.1, tmp_path, progress=False)
+    meta = (out / "meta.json").read_text()
+    train = np.memmap(out / "train.bin", dtype=np.uint8, mode="r")
+    val = np.memmap(out / "val.bin", dtype=np.uint8, mode="r")
+    assert len(train) + len(val) == sum(f.stat().st_size + 2 for f in subset)
+    assert len(val) > 0 and len(train) > len(val)
+    first_val_bytes = bytes(val[:200])
+    assert any(f.read_bytes().startswith(first_val_bytes[:100]) for f in subset)  # val starts at a file boundary
+    mtime = (out / "train.bin").stat().st_mtime_ns
+    assert build_corpus(subset, root, 0.1, tmp_path, progress=False) == out
+    assert (out / "train.bin").stat().st_mtime_ns == mtime and (out / "meta.json").read_text() == meta
+
+
+def test_text_files_globs_resolve_against_launch_dir(tmp_path):
+    (tmp_path / "a").mkdir()
+    for i in range(3):
+        (tmp_path / "a" / f"f{i}.txt").write_text(f"file {i}\n" * 50)
+    files = expand_paths(["a/*.txt"], tmp_path)
+    assert [f.name for f in files] == ["f0.txt", "f1.txt", "f2.txt"]
+    with pytest.raises(FileNotFoundError, match="data.paths: 'b/\\*.txt' matches no file"):
+        expand_paths(["b/*.txt"], tmp_path)
+    out = build_corpus(files, tmp_path, 0.3, tmp_path / "cache", progress=False)
+    assert (out / "train.bin").stat().st_size > 0 and (out / "val.bin").stat().st_size > 0
+
+
+def test_synthetic_stream_is_deterministic_and_in_vocab():
+    a, b = synthetic_stream(5000, 256), synthetic_stream(5000, 256)
+    assert np.array_equal(a, b) and len(a) == 5000 and a.max() < 256
+    assert synthetic_stream(5000, 32000).dtype == np.uint16

@@ -1,0 +1,70 @@
+"""The decoder: shapes, causality, tied embeddings, meta-device build, FLOP count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hydratrain.models.gpt import GPT, GPTConfig, apply_rotary, rotary_tables
+
+
+def tiny(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(d_model=32, n_layer=2, n_head=4, max_seq_len=16, **kw))
+
+
+def test_forward_shape_and_dtype():
+    logits = tiny()(torch.randint(0, 256, (3, 16)))
+    assert logits.shape == (3, 16, 256) and logits.dtype == torch.float32
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+    m = tiny()
+    x = torch.randint(0, 256, (1, 16))
+    y = x.clone()
+    y[0, 10:] = (y[0, 10:] + 1) % 256
+    torch.testing.assert_close(m(x)[0, :10], m(y)[0, :10])
+    assert not torch.allclose(m(x)[0, 10:], m(y)[0, 10:])
+
+
+def test_tied_embeddings_share_storage_and_grouped_query_attention_runs():
+    m = tiny(tie_embeddings=True, n_kv_head=2)
+    assert m.lm_head.weight is m.tok_emb.weight
+    assert m.blocks[0].attn.wk.weight.shape == (2 * 8, 32)
+    m(torch.randint(0, 256, (2, 8))).sum().backward()
+    untied = tiny(tie_embeddings=False)
+    assert untied.num_params() == m.num_params() + 256 * 32 + 2 * 2 * 16 * 32  # lm_head + full-width k/v
+
+
+def test_rotary_preserves_norm_and_is_relative():
+    cos, sin = rotary_tables(8, 16, 10000.0)
+    q = torch.randn(1, 1, 16, 8)
+    torch.testing.assert_close(apply_rotary(q, cos, sin).norm(dim=-1), q.norm(dim=-1))
+    # <R(m)q, R(n)k> depends on m - n only
+    k = torch.randn(1, 1, 1, 8).expand(1, 1, 16, 8)
+    qq = q[:, :, :1].expand(1, 1, 16, 8)
+    dots = (apply_rotary(qq, cos, sin)[0, 0, 3:] * apply_rotary(k, cos, sin)[0, 0, :13]).sum(-1)
+    torch.testing.assert_close(dots, dots[0].expand_as(dots), rtol=1e-4, atol=1e-4)
+
+
+def test_meta_build_then_materialise_and_init():
+    with torch.device("meta"):
+        m = GPT(GPTConfig(d_model=32, n_layer=2, n_head=4, max_seq_len=16))
+    assert m.tok_emb.weight.is_meta
+    m.to_empty(device="cpu")
+    m.init_weights()
+    ref = tiny()
+    torch.testing.assert_close(m.rope_cos, ref.rope_cos)
+    assert abs(m.tok_emb.weight.std().item() - 0.02) < 0.005
+    assert torch.isfinite(m(torch.randint(0, 256, (1, 16)))).all()
+
+
+def test_flops_per_token_matches_palm_formula():
+    m = tiny()
+    c = m.cfg
+    n = m.num_params(exclude_embedding=True)
+    assert m.flops_per_token(16) == 6 * n + 12 * c.n_layer * c.n_head * c.head_dim * 16
+
+
+def test_too_long_sequence_is_a_clear_error():
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        tiny()(torch.zeros(1, 17, dtype=torch.long))
