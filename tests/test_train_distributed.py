@@ -173,3 +173,13 @@ def test_env_report():
     out = subprocess.run([sys.executable, "-m", "hydratrain.env"], capture_output=True, text=True, check=True).stdout
     assert "torch 2." in out and "cuda available:" in out and "backends: gloo" in out
     assert "strategies: single, ddp, fsdp" in out and "precisions: fp32" in out
+
+
+def test_text_files_relative_paths_resolve_against_the_launch_dir(tmp_path, cache_dir):
+    (tmp_path / "notes").mkdir()
+    for i in range(4):
+        (tmp_path / "notes" / f"n{i}.txt").write_text(f"note {i}: the quick brown fox jumps over the lazy dog\n" * 60)
+    run_train([*FAST, "strategy=single", "data=text_files", "data.paths=[notes/*.txt]", "data.val_fraction=0.3",
+               "trainer.max_steps=3"], tmp_path / "run", cwd=tmp_path, cache=cache_dir)
+    log0 = (tmp_path / "run" / "train_rank0.log").read_text()
+    assert re.search(r"data=text_files: .* \(train \d files / \d+ tokens, val \d files", log0), log0

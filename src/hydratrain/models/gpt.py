@@ -159,8 +159,7 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)
         for block in self.blocks:
             x = block(x, cos, sin)
-        # clone(): FSDP2 warns when the root module returns a view; the Linear's (B, T, V) output is one.
-        return self.lm_head(self.norm(x)).clone(memory_format=torch.contiguous_format)
+        return self.lm_head(self.norm(x))
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (tied weights counted once); ``exclude_embedding`` drops the lookup-only embedding."""
