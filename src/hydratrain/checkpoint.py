@@ -14,9 +14,9 @@ every rank has finished (DCP writes ``.metadata`` last, then a barrier), rank 0 
 fsyncs the directory, prunes to ``checkpoint.keep_last``, and all ranks wait at a barrier, so a run killed mid-save
 leaves only a temporary dir that is never loaded. A ``step_*`` dir without ``.metadata`` is not complete.
 
-Loading reads DCP's ``.metadata`` with an allow-list unpickler and every other pickled value with
-``torch.load(weights_only=True)``; shard files are checked against the metadata's offsets first, so a truncated or
-missing file stops the run with one line naming it (:class:`CheckpointError`).
+Loading (``hydratrain.checkpoint_io``) reads DCP's ``.metadata`` with an allow-list unpickler and every other pickled
+value with ``torch.load(weights_only=True)``; shard files are checked against the metadata's offsets first, so a
+truncated or missing file stops the run with one line naming it (:class:`CheckpointError`).
 
 Data position: the loader's order in an epoch is one permutation of the train samples that does not depend on the
 world size (see ``hydratrain.data.ShardedBatches``); the checkpoint stores how many samples of it all ranks have
@@ -24,15 +24,12 @@ consumed together, so a resume on another world size or batch size continues at 
 """
 from __future__ import annotations
 
-import io
 import logging
 import os
-import pickle
 import random
 import re
 import shutil
 import signal
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -40,25 +37,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint import FileSystemWriter
+
+from hydratrain.checkpoint_io import METADATA, CheckpointError, load_dcp, rank_and_world, verify
 
 log = logging.getLogger(__name__)
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 TMP_PREFIX = ".tmp-"
-METADATA = ".metadata"
 FORMAT_VERSION = 1
-# DCP warns on every call without a process group (strategy=single, export); that is intended here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 # Exit status of a run stopped by SIGTERM after saving (EX_TEMPFAIL of sysexits.h: "try again later").
 EXIT_PREEMPTED = 75
 # Exit status of a run refused because its checkpoint is missing, incomplete or corrupt.
 EXIT_CHECKPOINT_ERROR = 3
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; ``str(err)`` is one line naming the file or dir and why."""
 
 
 def step_dir_name(step: int) -> str:
@@ -113,137 +104,6 @@ def resolve_checkpoint(path: Path) -> Path:
     raise CheckpointError(f"{path}: holds no complete checkpoint (step_XXXXXXXX/{METADATA})")
 
 
-# --------------------------------------------------------------------------------------------- safe reading
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` allowing only DCP's own classes (dataclasses and enums defined in
-    ``torch.distributed.checkpoint.*``), torch sizes, dtypes and layouts, paths and plain containers: no code runs."""
-
-    _ALLOWED = {"builtins": {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool",
-                             "complex", "slice"},
-                "collections": {"OrderedDict"},
-                "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-                "torch": {"Size"},
-                "torch.serialization": {"_get_layout"}}  # maps a layout's name to torch.strided etc.
-
-    def find_class(self, module: str, name: str) -> Any:
-        if "." not in name:
-            if name in self._ALLOWED.get(module, ()):
-                return super().find_class(module, name)
-            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                           torch.memory_format)):
-                return getattr(torch, name)
-            if module.startswith("torch.distributed.checkpoint."):
-                obj = super().find_class(module, name)
-                if isinstance(obj, type) and obj.__module__ == module:
-                    return obj
-        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
-
-
-def read_metadata(ckpt: Path) -> Metadata:
-    """DCP ``Metadata`` of checkpoint dir ``ckpt``, unpickled with an allow-list (no code runs).
-
-    Raises :class:`CheckpointError` naming the file when it is missing, truncated or holds anything else."""
-    path = Path(ckpt) / METADATA
-    try:
-        with open(path, "rb") as fh:
-            md = _MetadataUnpickler(fh).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing, so {ckpt} is not a complete checkpoint") from None
-    except Exception as err:  # truncated (EOFError), not a pickle, or a disallowed global
-        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from None
-    if not isinstance(md, Metadata):
-        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP checkpoint metadata")
-    return md
-
-
-def verify(ckpt: Path) -> Metadata:
-    """Check that every shard file named by the metadata of ``ckpt`` exists and holds the bytes it should.
-
-    Returns the metadata. Raises :class:`CheckpointError` naming the first missing or truncated file.
-    """
-    ckpt = Path(ckpt)
-    md = read_metadata(ckpt)
-    need: dict[str, int] = {}
-    for info in (md.storage_data or {}).values():
-        rel = getattr(info, "relative_path", None)
-        if rel is not None:
-            need[rel] = max(need.get(rel, 0), info.offset + info.length)
-    for rel, size in sorted(need.items()):
-        f = ckpt / rel
-        if not f.is_file():
-            raise CheckpointError(f"{f}: missing shard file of checkpoint {ckpt}")
-        if f.stat().st_size < size:
-            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} bytes, the checkpoint metadata needs "
-                                  f"{size}); not loading {ckpt}")
-    return md
-
-
-class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is read by :func:`read_metadata` (allow-list unpickler)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = read_metadata(Path(self.path))
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that unpickles non-tensor values with ``torch.load(weights_only=True)``."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
-
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.original_state_dict[read_item.dest_index.fqn] = obj
-
-
-def load_dcp(state: dict, ckpt: Path) -> None:
-    """``dcp.load`` of ``state`` (filled in place) from ``ckpt`` with the safe reader and planner; every rank calls.
-
-    Raises :class:`CheckpointError` (one line naming ``ckpt``) when DCP fails on any rank.
-    """
-    try:
-        dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner())
-    except CheckpointError:
-        raise
-    except Exception as err:
-        first = str(err).strip().splitlines()
-        raise CheckpointError(f"{ckpt}: loading failed ({type(err).__name__}: "
-                              f"{first[-1] if first else ''})") from err
-
-
-def read_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model weights of checkpoint ``ckpt`` in one process, no process group needed.
-
-    Tensors are allocated from the metadata's shapes and dtypes and filled by DCP; keys are the model's parameter
-    names (``tok_emb.weight``...). Raises :class:`CheckpointError` if ``ckpt`` is incomplete or corrupt.
-    """
-    md = verify(ckpt)
-    model = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype)
-             for k, v in md.state_dict_metadata.items()
-             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    if not model:
-        raise CheckpointError(f"{ckpt}: holds no model weights (no 'model.*' entries)")
-    state = {"model": model}
-    load_dcp(state, ckpt)
-    return state["model"]
-
-
-def read_all(ckpt: Path) -> dict[str, Any]:
-    """Every entry of checkpoint ``ckpt`` by flat DCP key (tensors full size), in one process. For tests/tools."""
-    md = verify(ckpt)
-    flat: dict[str, Any] = {}
-    for k, v in md.state_dict_metadata.items():
-        flat[k] = torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
-    dcp.load(flat, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner())
-    return flat
-
-
 # ---------------------------------------------------------------------------------------------- RNG states
 def rng_state(device: torch.device) -> dict[str, Any]:
     """This process's RNG states: torch CPU (and CUDA of ``device``), numpy's global, python's ``random``."""
@@ -270,12 +130,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 # ------------------------------------------------------------------------------------------- the checkpointer
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -307,7 +161,7 @@ class Checkpointer:
 
     def __init__(self, cfg, root: Path, device: torch.device):
         self.cfg, self.ccfg, self.root, self.device = cfg, cfg.checkpoint, Path(root), device
-        self.rank, self.world_size = _rank_world()
+        self.rank, self.world_size = rank_and_world()
         self.last_saved_step: Optional[int] = None
         self._sigterm = False
         self._old_handler = None
@@ -328,10 +182,16 @@ class Checkpointer:
         self._sigterm = True
 
     def close(self) -> None:
-        """Restore the SIGTERM handler that was there before."""
-        if self._old_handler is not None:
+        """Restore the SIGTERM handler that was there before -- unless the run is stopping after a SIGTERM: then
+        SIGTERM is ignored from here on, so the launcher's own SIGTERM (torchrun signals every other worker once one
+        has exited) cannot kill a rank that is still tearing down before it exits with
+        ``checkpoint.preempt_exit_code``. (``SIG_IGN``, unlike a Python handler, survives interpreter shutdown; a
+        hung teardown still ends with torchrun's SIGKILL 30 s later.)"""
+        if self._sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        elif self._old_handler is not None:
             signal.signal(signal.SIGTERM, self._old_handler)
-            self._old_handler = None
+        self._old_handler = None
 
     # ------------------------------------------------------------------------------------------------ hooks
     def _any_rank(self, flag: bool) -> bool:
@@ -353,6 +213,7 @@ class Checkpointer:
             logging.shutdown()
             os.kill(os.getpid(), signal.SIGKILL)
         if stop:
+            self._sigterm = True  # also on ranks that did not get the signal: see close()
             log.warning("stopping at step %d after SIGTERM; checkpoint %s; exit status %d", step,
                         self.root / step_dir_name(step), self.ccfg.preempt_exit_code)
         return stop
@@ -363,7 +224,7 @@ class Checkpointer:
             self.save(trainer)
 
     # ------------------------------------------------------------------------------------------------- save
-    def _state(self, trainer, for_load: bool) -> dict[str, Any]:
+    def _state(self, trainer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
@@ -404,7 +265,7 @@ class Checkpointer:
 
             (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
         _barrier()
-        dcp.save(self._state(trainer, for_load=False), storage_writer=FileSystemWriter(str(tmp)))
+        dcp.save(self._state(trainer), storage_writer=FileSystemWriter(str(tmp)))
         _barrier()  # every rank's shards are written and DCP's .metadata is in place
         if self.rank == 0:
             if final.exists():
@@ -442,7 +303,7 @@ class Checkpointer:
         ckpt = Path(ckpt)
         md = verify(ckpt)
         keys = md.state_dict_metadata
-        state = self._state(trainer, for_load=True)
+        state = self._state(trainer)
         rank_key = f"rank{self.rank}"
         if not any(k.startswith(rank_key + ".") for k in keys):
             state.pop(rank_key)
@@ -517,64 +378,3 @@ def find_resume(cfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
     if ckpt is not None:
         verify(ckpt)
     return ckpt
-
-
-# ------------------------------------------------------------------------------------------ full-weight files
-def init_from_file(model: torch.nn.Module, path: Path) -> int:
-    """Load full weights from the safetensors file ``path`` into ``model`` (single, DDP or FSDP2; every rank calls),
-    then check every rank's local shard against the matching slice of the file.
-
-    With a process group, rank 0 reads the file and ``set_model_state_dict(full_state_dict=True,
-    broadcast_from_rank0=True)`` scatters it; the check then reads, on each rank, only the slices that rank holds.
-    Returns the number of tensors checked. Raises :class:`CheckpointError` naming ``model.init_from`` when keys or
-    shapes differ from the model or a shard does not match the file.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-    from torch.distributed.tensor import DTensor
-
-    rank, world = _rank_world()
-    where = f"model.init_from={path}"
-    live = get_model_state_dict(model)
-    try:
-        with safe_open(str(path), "pt", device="cpu") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as err:
-        raise CheckpointError(f"{where}: unreadable safetensors file ({type(err).__name__}: {err})") from None
-    missing, unexpected = sorted(set(live) - set(shapes)), sorted(set(shapes) - set(live))
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: keys differ from the model's (missing {missing[:5]}, unexpected "
-                              f"{unexpected[:5]}); check the model config")
-    wrong = [(k, shapes[k], tuple(v.shape)) for k, v in live.items() if shapes[k] != tuple(v.shape)]
-    if wrong:
-        k, got, want = wrong[0]
-        raise CheckpointError(f"{where}: {k} has shape {got} in the file, the model needs {want}; check the model "
-                              "config")
-    broadcast = dist.is_available() and dist.is_initialized() and world > 1
-    full = load_file(str(path)) if (rank == 0 or not broadcast) else {}
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast,
-                                                               strict=True))
-    del full
-    bad = []
-    with safe_open(str(path), "pt", device="cpu") as f:
-        for k, v in get_model_state_dict(model).items():
-            if isinstance(v, DTensor):
-                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-                local = v.to_local()
-                shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-                ref = f.get_slice(k)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-            else:
-                local, ref = v, f.get_tensor(k)
-            if tuple(ref.shape) != tuple(local.shape) or not torch.equal(local.detach().cpu(), ref.to(local.dtype)):
-                bad.append(k)
-    n_bad = torch.tensor([len(bad)], device=next(iter(live.values())).device if live else "cpu")
-    if broadcast:
-        dist.all_reduce(n_bad)
-    if n_bad.item():
-        raise CheckpointError(f"{where}: {int(n_bad.item())} loaded shards differ from the file (rank {rank}: "
-                              f"{bad[:3]})")
-    log.info("initialised the model from %s: %d tensors, every rank's shard checked against the file", path,
-             len(live))
-    return len(live)

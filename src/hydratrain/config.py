@@ -134,9 +134,9 @@ class TrainerConfig:
 class CheckpointConfig:
     """Sharded checkpoints under ``<run dir>/checkpoints`` and resuming (see ``hydratrain.checkpoint``)."""
 
-    every_n_steps: int = 100  # save every N optimizer steps; 0 = only at the end (save_last) and on SIGTERM
+    every_n_steps: int = 100  # save every N optimizer steps; 0 = none (only save_last and SIGTERM saves)
     keep_last: int = 2  # complete checkpoints kept in the run dir (older ones deleted); 0 = keep all
-    save_last: bool = True  # also save when training ends
+    save_last: bool = False  # also save when training ends (true: a finished run can be extended or exported)
     auto_resume: bool = True  # start from the latest complete checkpoint in this run dir, if there is one
     resume_from: Optional[str] = None  # a step_XXXXXXXX dir, or a checkpoints/run dir (its latest); used when the
     #                                    run dir has no checkpoint of its own

@@ -24,7 +24,8 @@ def export(checkpoint: Path, out: Path) -> Path:
     """
     from safetensors.torch import save_file
 
-    from hydratrain.checkpoint import read_model_weights, resolve_checkpoint, step_of
+    from hydratrain.checkpoint import resolve_checkpoint, step_of
+    from hydratrain.checkpoint_io import read_model_weights
 
     ckpt = resolve_checkpoint(Path(checkpoint))
     weights = read_model_weights(ckpt)
@@ -45,7 +46,8 @@ def export(checkpoint: Path, out: Path) -> Path:
 
 def main(argv=None) -> int:
     """Command line: ``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors``."""
-    from hydratrain.checkpoint import EXIT_CHECKPOINT_ERROR, CheckpointError
+    from hydratrain.checkpoint import EXIT_CHECKPOINT_ERROR
+    from hydratrain.checkpoint_io import CheckpointError
 
     parser = argparse.ArgumentParser(prog="python -m hydratrain.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step_XXXXXXXX dir, or a run or checkpoints dir (its latest)")

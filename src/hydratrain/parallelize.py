@@ -32,11 +32,14 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     Uses ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (the wrapper prefix is stripped from
     state-dict keys by ``torch.distributed.checkpoint.state_dict``, so checkpoints do not depend on it).
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                             apply_activation_checkpointing)
+    import functools
 
-    apply_activation_checkpointing(model, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                   check_fn=lambda m: isinstance(m, Block))
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block))
     return sum(1 for m in model.modules() if isinstance(m, Block))
 
 

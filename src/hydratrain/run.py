@@ -159,7 +159,8 @@ def _agree_on_resume(resume: Optional[Path], device) -> None:
 def _train(cfg: DictConfig, info: DistInfo, run_dir: Path, resume: Optional[Path] = None):
     import torch
 
-    from hydratrain.checkpoint import Checkpointer, init_from_file
+    from hydratrain.checkpoint import Checkpointer
+    from hydratrain.checkpoint_io import init_from_file
     from hydratrain.metrics import peak_flops
     from hydratrain.optim import build_optimizer, build_scheduler
     from hydratrain.parallelize import local_param_bytes
@@ -169,6 +170,12 @@ def _train(cfg: DictConfig, info: DistInfo, run_dir: Path, resume: Optional[Path
     log.info("run dir %s; rank %d of %d on %s; torch %s", run_dir, info.rank, info.world_size, info.device,
              torch.__version__)
     torch.manual_seed(cfg.trainer.seed)
+    import random
+
+    import numpy as np
+
+    random.seed(cfg.trainer.seed)  # python's and numpy's global RNGs too, so every RNG a checkpoint holds is
+    np.random.seed(cfg.trainer.seed % 2**32)  # reproducible (unseeded, they start from OS entropy)
     train_batches, val_batches = build_data(cfg, info)
     model, raw, n_params, summary = build_model(cfg, info)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
