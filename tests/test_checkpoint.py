@@ -328,3 +328,25 @@ def test_config_checks():
         cfg = compose("train", overrides=["checkpoint.resume_from=/nonexistent/x"])
         with pytest.raises(CheckpointError, match="/nonexistent/x: no such checkpoint dir"):
             find_resume(cfg, Path("/nonexistent/run"), Path("/"))
+
+
+@pytest.mark.slow
+def test_exact_resume_keeps_logging_windows(tmp_path):
+    """Checkpoint at step 10 inside a 3-step logging window (logged at 9, 12, ...): the resumed run logs the same
+    window means (its step-12 value includes step 10's loss from before the kill)."""
+    cmd = ["trainer.max_steps=14", "checkpoint.every_n_steps=10", "trainer.log_every_n_steps=3", "strategy=ddp"]
+    launch(2, tmp_path / "a", *cmd)
+    launch(2, tmp_path / "b", *cmd, "checkpoint.debug_kill_at_step=10", check=False)
+    launch(2, tmp_path / "b", *cmd, "checkpoint.debug_kill_at_step=10")
+    a, b = tb_scalars(tmp_path / "a"), tb_scalars(tmp_path / "b")
+    assert sorted(a) == [1, 3, 6, 9, 12, 14] and a == b
+
+
+@pytest.mark.slow
+def test_fp16_grad_scaler_state_round_trips(tmp_path):
+    launch(1, tmp_path / "a", "precision=fp16", "trainer.max_steps=3", "checkpoint.save_last=true")
+    src = ckpt_of(tmp_path / "a", 3)
+    assert read_all(src)["scaler.scale"] > 0
+    launch(1, tmp_path / "b", "precision=fp16", "trainer.max_steps=3", "checkpoint.save_last=true",
+           f"checkpoint.resume_from={src}")
+    assert diff_checkpoints(src, ckpt_of(tmp_path / "b", 3)) == []

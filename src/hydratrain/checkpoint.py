@@ -305,14 +305,18 @@ class Checkpointer:
         keys = md.state_dict_metadata
         state = self._state(trainer)
         rank_key = f"rank{self.rank}"
-        if not any(k.startswith(rank_key + ".") for k in keys):
-            state.pop(rank_key)
         if "scaler" in state and not any(k.startswith("scaler.") for k in keys):
             log.warning("%s has no grad scaler state (saved without fp16): the scaler starts fresh", ckpt)
             state.pop("scaler")
-        for group in ("scheduler", "scaler"):  # only entries the checkpoint has (torch versions add keys)
-            if group in state:
-                state[group] = {k: v for k, v in state[group].items() if f"{group}.{k}" in keys}
+        # Ask only for entries the checkpoint has: torch versions add scheduler keys, a CPU run saved no CUDA RNG,
+        # and a run on more ranks than saved has no RNG state for the new ranks.
+        for prefix, group in (("scheduler", state.get("scheduler")), ("scaler", state.get("scaler")),
+                              (rank_key, state.get(rank_key)), (rank_key + ".rng", state.get(rank_key, {}).get("rng"))):
+            if isinstance(group, dict):
+                for k in [k for k, v in group.items() if not isinstance(v, dict) and f"{prefix}.{k}" not in keys]:
+                    del group[k]
+        if not any(k.startswith(rank_key + ".rng.") for k in keys):
+            state.pop(rank_key)
         load_dcp(state, ckpt)
         set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
@@ -325,7 +329,7 @@ class Checkpointer:
         same_layout = saved["world_size"] == self.world_size
         if rank_key in state:
             set_rng_state(state[rank_key]["rng"], self.device)
-            if same_layout:
+            if same_layout and "window_steps" in state[rank_key]:
                 trainer.window_loss = state[rank_key]["window_loss"].to(self.device)
                 trainer.window_steps = int(state[rank_key]["window_steps"])
         else:

@@ -157,6 +157,9 @@ def _agree_on_resume(resume: Optional[Path], device) -> None:
 
 
 def _train(cfg: DictConfig, info: DistInfo, run_dir: Path, resume: Optional[Path] = None):
+    import random
+
+    import numpy as np
     import torch
 
     from hydratrain.checkpoint import Checkpointer
@@ -170,12 +173,10 @@ def _train(cfg: DictConfig, info: DistInfo, run_dir: Path, resume: Optional[Path
     log.info("run dir %s; rank %d of %d on %s; torch %s", run_dir, info.rank, info.world_size, info.device,
              torch.__version__)
     torch.manual_seed(cfg.trainer.seed)
-    import random
-
-    import numpy as np
-
-    random.seed(cfg.trainer.seed)  # python's and numpy's global RNGs too, so every RNG a checkpoint holds is
-    np.random.seed(cfg.trainer.seed % 2**32)  # reproducible (unseeded, they start from OS entropy)
+    # python's and numpy's global RNGs too, so every RNG state a checkpoint holds is reproducible (unseeded, they
+    # would start from OS entropy)
+    random.seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed % 2**32)
     train_batches, val_batches = build_data(cfg, info)
     model, raw, n_params, summary = build_model(cfg, info)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
