@@ -350,3 +350,60 @@ def test_fp16_grad_scaler_state_round_trips(tmp_path):
     launch(1, tmp_path / "b", "precision=fp16", "trainer.max_steps=3", "checkpoint.save_last=true",
            f"checkpoint.resume_from={src}")
     assert diff_checkpoints(src, ckpt_of(tmp_path / "b", 3)) == []
+
+
+def _trainer(tmp_path: Path, *overrides: str):
+    """A real single-process Trainer (tiny GPT, no process group) and its config, built in this process."""
+    from hydra import compose, initialize_config_dir
+
+    from hydratrain.config import register_configs
+    from hydratrain.distributed import DistInfo, register_resolvers
+    from hydratrain.optim import build_optimizer, build_scheduler
+    from hydratrain.run import build_data, build_model
+    from hydratrain.trainer import Trainer
+
+    register_configs()
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["+debug=fast", "precision=fp32", "strategy=single", "device=cpu",
+                                          "logger.tensorboard=false", *overrides])
+    info = DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    train, val = build_data(cfg, info)
+    model, raw, _, _ = build_model(cfg, info)
+    opt = build_optimizer(model, cfg.optim)
+    sched = build_scheduler(opt, cfg.scheduler, 10)
+    return cfg, Trainer(cfg, model, opt, sched, None, train, val, info, tmp_path, 1.0, 1e12)
+
+
+def test_save_is_atomic_and_pruned(tmp_path, monkeypatch):
+    """keep_last prunes; a save that dies before its rename leaves the previous checkpoint as the latest, loadable,
+    and the next start removes the leftover temporary dir."""
+    import hydratrain.checkpoint as ck
+
+    cfg, trainer = _trainer(tmp_path, "checkpoint.keep_last=2")
+    root = tmp_path / "checkpoints"
+    saver = ck.Checkpointer(cfg, root, torch.device("cpu"))
+    batches = iter(trainer.train_batches)
+    for step in range(1, 5):
+        trainer.train_step(batches)
+        trainer.state.step = step
+        saver.save(trainer)
+    assert [p.name for _, p in list_checkpoints(root)] == ["step_00000003", "step_00000004"]
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    trainer.train_step(batches)
+    trainer.state.step = 5
+    monkeypatch.setattr(ck.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    with pytest.raises(KeyboardInterrupt):
+        saver.save(trainer)
+    monkeypatch.undo()
+    assert (root / ".tmp-step_00000005" / ".metadata").exists() and latest_checkpoint(root).name == "step_00000004"
+
+    cfg2, fresh = _trainer(tmp_path)
+    loader = ck.Checkpointer(cfg2, root, torch.device("cpu"))
+    assert not (root / ".tmp-step_00000005").exists()
+    loader.load(fresh, latest_checkpoint(root))
+    assert fresh.state.step == 4 and fresh.train_batches.position() == (0, 4 * 4)
+    assert_same_tensors(fresh.model.state_dict(), weights, "weights loaded from step 4")
+    loader.close()
+    saver.close()

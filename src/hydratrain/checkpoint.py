@@ -39,7 +39,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from hydratrain.checkpoint_io import METADATA, CheckpointError, load_dcp, rank_and_world, verify
+from hydratrain.checkpoint_io import (METADATA, CheckpointError, load_dcp, quiet_without_process_group, rank_and_world,
+                                      verify)
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +266,8 @@ class Checkpointer:
 
             (tmp / "config.yaml").write_text(OmegaConf.to_yaml(self.cfg, resolve=True))
         _barrier()
-        dcp.save(self._state(trainer), storage_writer=FileSystemWriter(str(tmp)))
+        with quiet_without_process_group():
+            dcp.save(self._state(trainer), storage_writer=FileSystemWriter(str(tmp)))
         _barrier()  # every rank's shards are written and DCP's .metadata is in place
         if self.rank == 0:
             if final.exists():

@@ -7,12 +7,13 @@ through ``torch.load(weights_only=True)`` (:class:`SafeLoadPlanner`; DCP's own p
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 log = logging.getLogger(__name__)
 
 METADATA = ".metadata"
-# DCP warns on every call without a process group (strategy=single, export); that is intended here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextlib.contextmanager
+def quiet_without_process_group() -> Iterator[None]:
+    """Hide DCP's warning, given on every call without a process group (strategy=single, export): that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class CheckpointError(RuntimeError):
@@ -149,7 +156,8 @@ def load_dcp(state: dict, ckpt: Path) -> None:
     Raises :class:`CheckpointError` (one line naming the corrupt file, or ``ckpt``) when DCP fails on any rank.
     """
     try:
-        dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner())
+        with quiet_without_process_group():
+            dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner())
     except (CheckpointError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
