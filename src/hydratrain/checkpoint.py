@@ -339,9 +339,23 @@ class Checkpointer:
                         self.rank, saved["world_size"])
         if self.root.resolve() == ckpt.parent.resolve():
             self.last_saved_step = trainer.state.step
+        self._purge_tensorboard(trainer)
         log.info("resumed from %s: step %d, epoch %d, %d samples of the epoch consumed (saved by %d ranks, now %d)",
                  ckpt, trainer.state.step, saved["epoch"], saved["samples_in_epoch"], saved["world_size"],
                  self.world_size)
+
+    @staticmethod
+    def _purge_tensorboard(trainer) -> None:
+        """Tell TensorBoard to drop what earlier launches logged after the resumed step (a run killed at step 12
+        whose last checkpoint is step 10 had logged 11 and 12; they are logged again now): a ``SessionLog.START``
+        event at the next step, as ``SummaryWriter(purge_step=...)`` writes. Rank 0 only (it owns the writer)."""
+        writer = getattr(getattr(trainer, "tb", None), "writer", None)
+        if writer is None:
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        writer.file_writer.add_event(Event(step=trainer.state.step + 1,
+                                           session_log=SessionLog(status=SessionLog.START)))
 
     def _restore_position(self, trainer, saved: dict, ckpt: Path) -> None:
         batches = trainer.train_batches
