@@ -131,6 +131,22 @@ class TrainerConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints under ``<run dir>/checkpoints`` and resuming (see ``hydratrain.checkpoint``)."""
+
+    every_n_steps: int = 100  # save every N optimizer steps; 0 = none (only save_last and SIGTERM saves)
+    keep_last: int = 2  # complete checkpoints kept in the run dir (older ones deleted); 0 = keep all
+    save_last: bool = False  # also save when training ends (true: a finished run can be extended or exported)
+    auto_resume: bool = True  # start from the latest complete checkpoint in this run dir, if there is one
+    resume_from: Optional[str] = None  # a step_XXXXXXXX dir, or a checkpoints/run dir (its latest); used when the
+    #                                    run dir has no checkpoint of its own
+    restore_data_position: bool = True  # false: start the saved epoch over when its order cannot be kept
+    save_on_sigterm: bool = True  # on SIGTERM: finish the step, save, exit with preempt_exit_code
+    preempt_exit_code: int = 75  # exit status after a SIGTERM save (EX_TEMPFAIL: relaunch to resume)
+    debug_kill_at_step: Optional[int] = None  # testing only: SIGKILL every rank right after this step (and its save)
+
+
+@dataclass
 class LoggerConfig:
     tensorboard: bool = True  # rank 0 writes events under <run dir>/tensorboard
     peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; null = known GPU table or a measured CPU matmul
@@ -150,6 +166,7 @@ class TrainConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
 
@@ -200,9 +217,10 @@ def validate(cfg: DictConfig) -> None:
                 "trainer.log_every_n_steps", "precision.init_scale"):
         positive(key)
     for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",
-                "trainer.eval_batches", "trainer.sample_tokens"):
+                "trainer.eval_batches", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
         positive(key, allow_zero=True)
-    for key in ("trainer.max_steps", "trainer.max_epochs", "model.n_kv_head", "model.d_ff", "logger.peak_flops"):
+    for key in ("trainer.max_steps", "trainer.max_epochs", "model.n_kv_head", "model.d_ff", "logger.peak_flops",
+                "checkpoint.debug_kill_at_step"):
         positive(key, allow_none=True)
 
     m = cfg.model
@@ -235,5 +253,13 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("precision.compute_dtype", cfg.precision.compute_dtype, "auto goes with precision=auto only")
     if cfg.precision.compute_dtype == "float16" and not cfg.precision.grad_scaler:
         raise ConfigError("precision.grad_scaler", False, "float16 compute needs the grad scaler (true)")
+    code = cfg.checkpoint.preempt_exit_code
+    if not 3 < code < 126:
+        raise ConfigError("checkpoint.preempt_exit_code", code, "must be in 4..125 (0-3 mean success, error, "
+                          "config error, checkpoint error; 126+ are the shell's)")
+    init_from = cfg.model.init_from
+    if init_from is not None and not str(init_from).endswith(".safetensors"):
+        raise ConfigError("model.init_from", init_from, "must be a .safetensors file (python -m hydratrain.export "
+                          "CHECKPOINT_DIR OUT.safetensors makes one)")
     if cfg.strategy.cpu_offload and cfg.strategy.name != "fsdp":
         raise ConfigError("strategy.cpu_offload", True, "only strategy=fsdp can offload to CPU")

@@ -7,7 +7,8 @@
 - ``synthetic``: a generated, learnable stream (a fixed random order-2 Markov chain), for tests and benchmarks.
 
 Each rank reads only its share: sample indices come from ``torch.utils.data.DistributedSampler`` (shuffled with the
-run seed, ``set_epoch`` every epoch), so the order is reproducible and changes every epoch.
+run seed, ``set_epoch`` every epoch), so the order is reproducible and changes every epoch; the position in it is
+one global sample count, which checkpoints store and a resume on another world size continues from.
 """
 from __future__ import annotations
 
@@ -144,18 +145,28 @@ class TokenDataset:
 
 @dataclass
 class LoaderState:
-    """Position of a :class:`ShardedBatches` iterator: ``epoch`` and micro-batches already taken in it."""
+    """Position of a :class:`ShardedBatches` iterator: ``epoch`` and micro-batches already taken in it.
+
+    ``start_sample``: samples of the epoch's global order consumed (by all ranks together) before its micro-batch 0;
+    0 except after :meth:`ShardedBatches.seek` to a position that another world size or batch size reached.
+    """
 
     epoch: int = 0
     batch_in_epoch: int = 0
+    start_sample: int = 0
 
 
 class ShardedBatches:
     """This rank's micro-batches of a :class:`TokenDataset`, epoch after epoch, resumable from a LoaderState.
 
-    Indices come from ``DistributedSampler(shuffle, seed, drop_last=True)`` with ``set_epoch(epoch)``, so every
-    rank gets ``len(dataset) // world_size`` samples per epoch, disjoint from the other ranks'; an epoch has
-    ``batches_per_epoch`` micro-batches (a trailing partial batch is dropped).
+    Each epoch has one global order of samples: ``DistributedSampler(shuffle, seed, drop_last=True)`` with
+    ``set_epoch(epoch)`` over one replica, i.e. a permutation that does not depend on the world size, cut to
+    ``len(dataset) // world_size * world_size`` samples. Micro-batch ``k`` of rank ``r`` takes positions
+    ``start + k*B*W + r + W*j`` (``j < B``), which is exactly what a per-rank ``DistributedSampler`` gives rank ``r``
+    (every rank ``len(dataset) // world_size`` samples per epoch, disjoint from the other ranks'). So after any
+    number of micro-batches all ranks together have consumed a prefix of the order, :meth:`position` is one number,
+    and :meth:`seek` continues at that sample on any world size or batch size: nothing skipped or repeated.
+    An epoch has ``batches_per_epoch`` micro-batches (a trailing partial global batch is dropped).
     """
 
     def __init__(self, dataset: TokenDataset, batch_size: int, rank: int, world_size: int, seed: int,
@@ -164,21 +175,40 @@ class ShardedBatches:
             raise ValueError(f"the split has {len(dataset)} samples of data.seq_len tokens, fewer than "
                              f"world_size={world_size}: use more data or a smaller data.seq_len")
         self.dataset, self.batch_size, self.device = dataset, batch_size, device
+        self.rank, self.world_size = rank, world_size
         self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
                                           drop_last=True)
+        # The global order: the same permutation the per-rank samplers slice, independent of world_size.
+        self.order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=True)
+        self.epoch_samples = len(self.sampler) * world_size  # samples of the order used per epoch
         self.state = LoaderState()
         self.batches_per_epoch = len(self.sampler) // batch_size
         if self.batches_per_epoch == 0:
             raise ValueError(f"each rank has {len(self.sampler)} samples per epoch, fewer than data.batch_size="
                              f"{batch_size}: use more data or a smaller data.batch_size / data.seq_len")
 
+    def batches_left_in_epoch(self) -> int:
+        """Micro-batches per rank still to come in the current epoch."""
+        total = max(0, self.epoch_samples - self.state.start_sample) // (self.batch_size * self.world_size)
+        return max(0, total - self.state.batch_in_epoch)
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, samples of its global order consumed by all ranks together)."""
+        s = self.state
+        return s.epoch, s.start_sample + s.batch_in_epoch * self.batch_size * self.world_size
+
+    def seek(self, epoch: int, samples_consumed: int) -> None:
+        """Continue at sample ``samples_consumed`` of epoch ``epoch``'s global order (see :meth:`position`)."""
+        self.state = LoaderState(epoch, 0, samples_consumed)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        B, W = self.batch_size, self.world_size
         while True:
-            self.sampler.set_epoch(self.state.epoch)
-            indices = list(self.sampler)
-            while self.state.batch_in_epoch < self.batches_per_epoch:
-                k = self.state.batch_in_epoch
-                x, y = self.dataset.batch(indices[k * self.batch_size:(k + 1) * self.batch_size])
+            self.order.set_epoch(self.state.epoch)
+            order = list(self.order)
+            while self.batches_left_in_epoch() > 0:
+                first = self.state.start_sample + self.state.batch_in_epoch * B * W + self.rank
+                x, y = self.dataset.batch(order[first:first + B * W:W])
                 self.state.batch_in_epoch += 1
                 if self.device is not None:
                     x = x.to(self.device, non_blocking=True)

@@ -105,6 +105,10 @@ def preflight(cfg: DictConfig) -> None:
             expand_paths(list(cfg.data.paths), Path(os.getcwd()))
         except FileNotFoundError as err:
             raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
+    for key in ("model.init_from", "checkpoint.resume_from"):
+        value = OmegaConf.select(cfg, key)
+        if value and not (Path(os.getcwd()) / Path(value).expanduser()).exists():
+            raise ConfigError(key, value, f"no such path (relative paths are resolved against {os.getcwd()})")
 
 
 def main(cfg: DictConfig, run_dir: Optional[Path] = None):
@@ -119,15 +123,47 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         print(f"hydratrain: config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
-    need_group = cfg.strategy.name in ("ddp", "fsdp")
-    with distributed(cfg.device, cfg.strategy.backend, need_group) as info:
-        quiet_non_main_console(info.rank)
-        return _train(cfg, info, run_dir)
+    from hydratrain.checkpoint import EXIT_CHECKPOINT_ERROR, CheckpointError, find_resume
+
+    try:
+        resume = find_resume(cfg, run_dir, Path(os.getcwd()))
+        need_group = cfg.strategy.name in ("ddp", "fsdp")
+        with distributed(cfg.device, cfg.strategy.backend, need_group) as info:
+            quiet_non_main_console(info.rank)
+            result = _train(cfg, info, run_dir, resume)
+    except CheckpointError as err:
+        print(f"hydratrain: checkpoint error: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_CHECKPOINT_ERROR) from None
+    if result.preempted:
+        raise SystemExit(cfg.checkpoint.preempt_exit_code)
+    return result
 
 
-def _train(cfg: DictConfig, info: DistInfo, run_dir: Path):
+def _agree_on_resume(resume: Optional[Path], device) -> None:
+    """Raise CheckpointError unless every rank found the same checkpoint step to resume from (-1: none)."""
+    import torch
+    import torch.distributed as dist
+
+    from hydratrain.checkpoint import CheckpointError, step_of
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    mine = -1 if resume is None else (step_of(resume) or 0)
+    t = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[0].item() != -t[1].item():
+        raise CheckpointError(f"ranks found different checkpoints to resume from (this rank: {resume}); is the "
+                              "run dir on a filesystem every node shares?")
+
+
+def _train(cfg: DictConfig, info: DistInfo, run_dir: Path, resume: Optional[Path] = None):
+    import random
+
+    import numpy as np
     import torch
 
+    from hydratrain.checkpoint import Checkpointer
+    from hydratrain.checkpoint_io import init_from_file
     from hydratrain.metrics import peak_flops
     from hydratrain.optim import build_optimizer, build_scheduler
     from hydratrain.parallelize import local_param_bytes
@@ -137,10 +173,19 @@ def _train(cfg: DictConfig, info: DistInfo, run_dir: Path):
     log.info("run dir %s; rank %d of %d on %s; torch %s", run_dir, info.rank, info.world_size, info.device,
              torch.__version__)
     torch.manual_seed(cfg.trainer.seed)
+    # python's and numpy's global RNGs too, so every RNG state a checkpoint holds is reproducible (unseeded, they
+    # would start from OS entropy)
+    random.seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed % 2**32)
     train_batches, val_batches = build_data(cfg, info)
     model, raw, n_params, summary = build_model(cfg, info)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
              local_param_bytes(model) / 1e6, summary)
+    _agree_on_resume(resume, info.device)
+    if cfg.model.init_from and resume is not None:
+        log.info("model.init_from=%s not used: resuming from %s", cfg.model.init_from, resume)
+    elif cfg.model.init_from:
+        init_from_file(model, Path(os.getcwd()) / Path(cfg.model.init_from).expanduser())
     optimizer = build_optimizer(model, cfg.optim)
     total = Trainer.total_steps(cfg.trainer, train_batches.batches_per_epoch)
     scheduler = build_scheduler(optimizer, cfg.scheduler, total)
@@ -148,7 +193,17 @@ def _train(cfg: DictConfig, info: DistInfo, run_dir: Path):
     trainer = Trainer(cfg, model, optimizer, scheduler, grad_scaler(cfg.precision, info.device), train_batches,
                       val_batches, info, run_dir, raw.flops_per_token(cfg.data.seq_len),
                       peak_flops(info.device, compute, cfg.logger.peak_flops))
-    result = trainer.fit()
+    checkpointer = Checkpointer(cfg, run_dir / "checkpoints", info.device)
+    trainer.checkpointer = checkpointer
+    try:
+        if resume is not None:
+            checkpointer.load(trainer, resume)
+        result = trainer.fit()
+    finally:
+        checkpointer.close()
+    if result.preempted:
+        trainer.tb.close()
+        return result
     if cfg.trainer.save_weights:
         path = trainer.save_weights(run_dir / "model.safetensors")
         if path:

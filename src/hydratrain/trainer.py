@@ -52,6 +52,7 @@ class FitResult:
     peak_memory_bytes: int = 0  # max over ranks
     skipped_steps: int = 0
     seconds: float = 0.0
+    preempted: bool = False  # stopped early by SIGTERM after saving a checkpoint (no final eval)
 
 
 def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
@@ -85,6 +86,11 @@ class Trainer:
                                 * dist_info.world_size)
         self.throughput = Throughput(flops_per_token, peak_flops * dist_info.world_size)
         self.max_steps = self.total_steps(cfg.trainer, train_batches.batches_per_epoch)
+        # Sum of this rank's step losses since the last log line and their count (restored on resume, so a resumed
+        # run logs the same window means as an uninterrupted one).
+        self.window_loss = torch.zeros((), device=self.device)
+        self.window_steps = 0
+        self.checkpointer = None  # a hydratrain.checkpoint.Checkpointer: after_step()/at_end() hooks
 
     @staticmethod
     def total_steps(trainer_cfg, batches_per_epoch: int) -> int:
@@ -193,15 +199,14 @@ class Trainer:
             bar = tqdm(total=self.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True,
                        mininterval=1.0)
         batches = iter(self.train_batches)
-        window_loss = torch.zeros((), device=self.device)
-        window_steps, t_start, tps_sum, mfu_sum, n_rates = 0, time.perf_counter(), 0.0, 0.0, 0
+        t_start, tps_sum, mfu_sum, n_rates = time.perf_counter(), 0.0, 0.0, 0
         self.model.train()
         while self.state.step < self.max_steps:
             loss, grad_norm, skipped = self.train_step(batches)
             self.state.step += 1
             self.state.skipped_steps += int(skipped)
-            window_loss += loss
-            window_steps += 1
+            self.window_loss += loss
+            self.window_steps += 1
             self.throughput.add(self.tokens_per_step)
             step = self.state.step
             if bar:
@@ -209,7 +214,7 @@ class Trainer:
             if step == 1:
                 self.throughput.read()  # drop start-up (allocations, compile) from the rate
             if step == 1 or step % cfg.log_every_n_steps == 0 or step == self.max_steps:
-                stats = all_reduce_mean(torch.stack([window_loss / window_steps, grad_norm.float()]))
+                stats = all_reduce_mean(torch.stack([self.window_loss / self.window_steps, grad_norm.float()]))
                 train_loss, norm = stats.tolist()
                 tps, mfu = self.throughput.read() if step > 1 else (math.nan, math.nan)
                 if step == 1:
@@ -231,14 +236,22 @@ class Trainer:
                 log.info(msg)
                 if bar:
                     bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
-                window_loss.zero_()
-                window_steps = 0
+                self.window_loss.zero_()
+                self.window_steps = 0
             if cfg.eval_every_n_steps and step % cfg.eval_every_n_steps == 0 and step < self.max_steps:
                 self._eval_and_log(step)
                 self.throughput.read()  # keep eval time out of tokens/s
+            if self.checkpointer is not None and self.checkpointer.after_step(self):
+                result.preempted = True
+                break
         if bar:
             bar.close()
         result.steps = self.state.step
+        result.skipped_steps = self.state.skipped_steps
+        if result.preempted:
+            return result
+        if self.checkpointer is not None:
+            self.checkpointer.at_end(self)
         result.eval_loss, result.eval_perplexity = self._eval_and_log(self.state.step)
         result.seconds = time.perf_counter() - t_start
         result.tokens_per_sec = tps_sum / n_rates if n_rates else math.nan

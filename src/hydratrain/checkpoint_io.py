@@ -1,0 +1,257 @@
+"""Reading DCP checkpoints safely: allow-list unpickling of ``.metadata``, ``weights_only`` values, shard-file checks
+with one-line errors; full model weights in one process; ``model.init_from`` from a safetensors file.
+
+Used by :mod:`hydratrain.checkpoint` (save/resume) and :mod:`hydratrain.export`. Nothing here runs pickled code:
+DCP's ``.metadata`` is a plain pickle, read here by :class:`_MetadataUnpickler`, and every other pickled value goes
+through ``torch.load(weights_only=True)`` (:class:`SafeLoadPlanner`; DCP's own planner uses ``weights_only=False``).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+log = logging.getLogger(__name__)
+
+METADATA = ".metadata"
+
+
+@contextlib.contextmanager
+def quiet_without_process_group() -> Iterator[None]:
+    """Hide DCP's warning, given on every call without a process group (strategy=single, export): that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; ``str(err)`` is one line naming the file or dir and why."""
+
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` allowing only DCP's own classes (dataclasses and enums defined in
+    ``torch.distributed.checkpoint.*``), torch sizes, dtypes and layouts, paths and plain containers: no code runs."""
+
+    _ALLOWED = {"builtins": {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool",
+                             "complex", "slice"},
+                "collections": {"OrderedDict"},
+                "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+                "torch": {"Size"},
+                "torch.serialization": {"_get_layout"}}  # maps a layout's name to torch.strided etc.
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:
+            if name in self._ALLOWED.get(module, ()):
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                           torch.memory_format)):
+                return getattr(torch, name)
+            if module.startswith("torch.distributed.checkpoint."):
+                obj = super().find_class(module, name)
+                if isinstance(obj, type) and obj.__module__ == module:
+                    return obj
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_metadata(ckpt: Path) -> Metadata:
+    """DCP ``Metadata`` of checkpoint dir ``ckpt``, unpickled with an allow-list (no code runs).
+
+    Raises :class:`CheckpointError` naming the file when it is missing, truncated or holds anything else."""
+    path = Path(ckpt) / METADATA
+    try:
+        with open(path, "rb") as fh:
+            md = _MetadataUnpickler(fh).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing, so {ckpt} is not a complete checkpoint") from None
+    except Exception as err:  # truncated (EOFError), not a pickle, or a disallowed global
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP checkpoint metadata")
+    return md
+
+
+def verify(ckpt: Path) -> Metadata:
+    """Check that every shard file named by the metadata of ``ckpt`` exists and holds the bytes it should.
+
+    Returns the metadata. Raises :class:`CheckpointError` naming the first missing or truncated file.
+    """
+    ckpt = Path(ckpt)
+    md = read_metadata(ckpt)
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            need[rel] = max(need.get(rel, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = ckpt / rel
+        if not f.is_file():
+            raise CheckpointError(f"{f}: missing shard file of checkpoint {ckpt}")
+        if f.stat().st_size < size:
+            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} bytes, the checkpoint metadata needs "
+                                  f"{size}); not loading {ckpt}")
+    return md
+
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is read by :func:`read_metadata` (allow-list unpickler)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = read_metadata(Path(self.path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that unpickles non-tensor values with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.original_state_dict[read_item.dest_index.fqn] = obj
+
+
+def find_corrupt_entry(ckpt: Path) -> Optional[str]:
+    """The first stored entry of ``ckpt`` that ``torch.load(weights_only=True)`` cannot read, as
+    ``"<file>: bytes A..B (<key>)"``, or None when every entry reads. Reads the whole checkpoint: for diagnosis."""
+    md = verify(ckpt)
+    for index, info in sorted((md.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        f = Path(ckpt) / info.relative_path
+        try:
+            with open(f, "rb") as fh:
+                fh.seek(info.offset)
+                torch.load(io.BytesIO(fh.read(info.length)), map_location="cpu", weights_only=True)
+        except Exception as err:
+            return (f"{f}: bytes {info.offset}..{info.offset + info.length} ({index.fqn}) are corrupt "
+                    f"({type(err).__name__})")
+    return None
+
+
+def load_dcp(state: dict, ckpt: Path) -> None:
+    """``dcp.load`` of ``state`` (filled in place) from ``ckpt`` with the safe reader and planner; every rank calls.
+
+    Raises :class:`CheckpointError` (one line naming the corrupt file, or ``ckpt``) when DCP fails on any rank.
+    """
+    try:
+        with quiet_without_process_group():
+            dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner())
+    except (CheckpointError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # DCP's CheckpointException derives from BaseException
+        where = find_corrupt_entry(ckpt)
+        if where:
+            raise CheckpointError(where + f"; not loading {ckpt}") from err
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise CheckpointError(f"{ckpt}: loading failed ({type(err).__name__}: "
+                              f"{lines[0] if lines else ''})") from err
+
+
+def read_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model weights of checkpoint ``ckpt`` in one process, no process group needed.
+
+    Tensors are allocated from the metadata's shapes and dtypes and filled by DCP; keys are the model's parameter
+    names (``tok_emb.weight``...). Raises :class:`CheckpointError` if ``ckpt`` is incomplete or corrupt.
+    """
+    md = verify(ckpt)
+    model = {k[len("model."):]: torch.empty(v.size, dtype=v.properties.dtype)
+             for k, v in md.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not model:
+        raise CheckpointError(f"{ckpt}: holds no model weights (no 'model.*' entries)")
+    state = {"model": model}
+    load_dcp(state, ckpt)
+    return state["model"]
+
+
+def read_all(ckpt: Path) -> dict[str, Any]:
+    """Every entry of checkpoint ``ckpt`` by flat DCP key (tensors full size), in one process. For tests/tools."""
+    md = verify(ckpt)
+    flat: dict[str, Any] = {}
+    for k, v in md.state_dict_metadata.items():
+        flat[k] = torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
+    load_dcp(flat, ckpt)
+    return flat
+
+
+# ------------------------------------------------------------------------------------------ full-weight files
+def init_from_file(model: torch.nn.Module, path: Path) -> int:
+    """Load full weights from the safetensors file ``path`` into ``model`` (single, DDP or FSDP2; every rank calls),
+    then check every rank's local shard against the matching slice of the file.
+
+    With a process group, rank 0 reads the file and ``set_model_state_dict(full_state_dict=True,
+    broadcast_from_rank0=True)`` scatters it; the check then reads, on each rank, only the slices that rank holds.
+    Returns the number of tensors checked. Raises :class:`CheckpointError` naming ``model.init_from`` when keys or
+    shapes differ from the model or a shard does not match the file.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    rank, world = rank_and_world()
+    where = f"model.init_from={path}"
+    live = get_model_state_dict(model)
+    try:
+        with safe_open(str(path), "pt", device="cpu") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as err:
+        raise CheckpointError(f"{where}: unreadable safetensors file ({type(err).__name__}: {err})") from None
+    missing, unexpected = sorted(set(live) - set(shapes)), sorted(set(shapes) - set(live))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: keys differ from the model's (missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]}); check the model config")
+    wrong = [(k, shapes[k], tuple(v.shape)) for k, v in live.items() if shapes[k] != tuple(v.shape)]
+    if wrong:
+        k, got, want = wrong[0]
+        raise CheckpointError(f"{where}: {k} has shape {got} in the file, the model needs {want}; check the model "
+                              "config")
+    broadcast = dist.is_available() and dist.is_initialized() and world > 1
+    full = load_file(str(path)) if (rank == 0 or not broadcast) else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast,
+                                                               strict=True))
+    del full
+    bad = []
+    with safe_open(str(path), "pt", device="cpu") as f:
+        for k, v in get_model_state_dict(model).items():
+            if isinstance(v, DTensor):
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                local = v.to_local()
+                shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+                ref = f.get_slice(k)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+            else:
+                local, ref = v, f.get_tensor(k)
+            if tuple(ref.shape) != tuple(local.shape) or not torch.equal(local.detach().cpu(), ref.to(local.dtype)):
+                bad.append(k)
+    n_bad = torch.tensor([len(bad)], device=next(iter(live.values())).device if live else "cpu")
+    if broadcast:
+        dist.all_reduce(n_bad)
+    if n_bad.item():
+        raise CheckpointError(f"{where}: {int(n_bad.item())} loaded shards differ from the file (rank {rank}: "
+                              f"{bad[:3]})")
+    log.info("initialised the model from %s: %d tensors, every rank's shard checked against the file", path,
+             len(live))
+    return len(live)
