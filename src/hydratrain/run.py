@@ -69,7 +69,22 @@ def hparams_of(cfg: DictConfig, world_size: int) -> dict:
             "activation_checkpointing"]
     out = {k: OmegaConf.select(cfg, k) for k in keys}
     out["world_size"] = world_size
+    out.update(_override_hparams())
     return {k: ("null" if v is None else v) for k, v in out.items()}
+
+
+def _override_hparams() -> dict:
+    """This Hydra job's command-line overrides as ``{key: value}`` (so any swept key is an hparams column)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    out = {}
+    for item in HydraConfig.get().overrides.task:
+        key, sep, value = str(item).partition("=")
+        if sep and not key.startswith(("hydra.", "~")):
+            out[key.lstrip("+")] = value
+    return out
 
 
 def run_dir_of(cfg: DictConfig) -> Path:
