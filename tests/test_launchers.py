@@ -112,6 +112,7 @@ def test_failed_job_is_reported_and_the_sweep_goes_on_or_stops(tmp_path):
     assert not (sweep / "1").exists()
 
 
+@pytest.mark.slow  # ~40-70 s on 2 busy cores
 def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
     procs = [start([sys.executable, TRAIN, "+debug=fast", "precision=fp32", "device=cpu", "logger.peak_flops=1e11",
                     "launcher=torchrun", "launcher.nproc_per_node=2", "strategy=ddp",
@@ -145,6 +146,7 @@ def test_sweep_inside_each_torchrun_rank(tmp_path):
     assert [r["status"] for r in report_rows(sweep)] == ["COMPLETED", "COMPLETED"]
 
 
+@pytest.mark.slow  # ~40-70 s on 2 busy cores
 def test_elastic_restart_after_a_killed_worker(tmp_path):
     """Job 0 (max_restarts=0): rank 1 is SIGKILLed at step 3, the job fails and is reported; job 1
     (max_restarts=1): the agent restarts both workers and the run completes. Resuming from the last checkpoint
@@ -182,6 +184,7 @@ def test_two_nodes_with_torchrun_cli_share_one_group_and_run_dir(tmp_path):
     _one_run_dir_with_both_ranks(tmp_path / "outputs")
 
 
+@pytest.mark.slow  # ~40-70 s on 2 busy cores
 def test_two_nodes_with_the_launcher_share_one_group_and_run_dir(tmp_path):
     port = free_port()
     procs = [start([sys.executable, TRAIN, "+debug=fast", "precision=fp32", "device=cpu", "logger.peak_flops=1e11",

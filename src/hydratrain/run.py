@@ -69,12 +69,13 @@ def hparams_of(cfg: DictConfig, world_size: int) -> dict:
             "activation_checkpointing"]
     out = {k: OmegaConf.select(cfg, k) for k in keys}
     out["world_size"] = world_size
-    out.update(_override_hparams())
+    out.update(_override_hparams(cfg))
     return {k: ("null" if v is None else v) for k, v in out.items()}
 
 
-def _override_hparams() -> dict:
-    """This Hydra job's command-line overrides as ``{key: value}`` (so any swept key is an hparams column)."""
+def _override_hparams(cfg: DictConfig) -> dict:
+    """This Hydra job's command-line overrides as ``{key: value}`` (so any swept key is an hparams column); the
+    config's typed value for leaf keys (``optim.lr`` -> 0.001), the chosen option for groups (``strategy`` -> ddp)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -82,8 +83,10 @@ def _override_hparams() -> dict:
     out = {}
     for item in HydraConfig.get().overrides.task:
         key, sep, value = str(item).partition("=")
+        key = key.lstrip("+")
         if sep and not key.startswith(("hydra.", "~")):
-            out[key.lstrip("+")] = value
+            typed = OmegaConf.select(cfg, key, default=None)
+            out[key] = typed if isinstance(typed, (int, float, str, bool)) else value
     return out
 
 
