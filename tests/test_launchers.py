@@ -240,7 +240,6 @@ def test_issue_sweep_precision_by_strategy(tmp_path):
     assert len(hparams_runs(sweep)) == 4
 
 
-@pytest.mark.slow
 def test_plugin_is_discovered_from_a_normal_install(tmp_path):
     """Editable installs can hide namespace plugins from Hydra's scan: check a wheel, imported without site .pth."""
     import site

@@ -50,11 +50,11 @@ def _overrides_yaml(job_dir: Path) -> Optional[List[str]]:
 
 def sweep_rows(sweep_dir: Path) -> List[dict]:
     """One dict per job dir found under ``sweep_dir`` (a dir holding ``status.json``, ``results.json`` or
-    ``.hydra/overrides.yaml``), ordered by job number. Values are floats, ints or strings; missing figures are ''."""
+    ``.hydra/overrides.yaml``, at any depth, so nested ``hydra.sweep.subdir`` values work), ordered by job number. Values are floats, ints or strings; missing figures are ''."""
     rows = []
-    for job_dir in sorted({p.parent for pattern in ("*/status.json", "*/results.json") for p in
-                           sweep_dir.glob(pattern)} | {p.parent.parent for p in
-                                                       sweep_dir.glob("*/.hydra/overrides.yaml")}):
+    job_dirs = {p.parent for name in ("status.json", "results.json") for p in sweep_dir.rglob(name)}
+    job_dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
+    for job_dir in sorted(d for d in job_dirs if d != sweep_dir and ".submitit" not in d.parts):
         status, results = _read_json(job_dir / "status.json"), _read_json(job_dir / "results.json")
         overrides = status.get("overrides") or _overrides_yaml(job_dir) or []
         if status.get("status"):
@@ -69,7 +69,7 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
             return "" if v is None or (isinstance(v, float) and math.isnan(v)) else round(v * scale, 6)
 
         num = status.get("num")
-        rows.append({"job": job_dir.name, "_num": num if num is not None else math.inf,
+        rows.append({"job": job_dir.relative_to(sweep_dir).as_posix(), "_num": num if num is not None else math.inf,
                      "overrides": " ".join(overrides), "status": state, "steps": results.get("steps", ""),
                      "train_loss": fig("train_loss"), "eval_loss": fig("eval_loss"),
                      "tokens_per_sec": fig("tokens_per_sec"), "peak_memory_mb": fig("peak_memory_bytes", 1e-6),
