@@ -136,6 +136,14 @@ def test_port_that_cannot_be_had_is_a_clear_error_not_a_hang(tmp_path):
     assert report_rows(tmp_path / "s")[0]["status"] == "FAILED"
 
 
+@pytest.mark.slow  # ~40 s, mostly waiting
+def test_node_that_cannot_reach_node0_gives_up_with_a_clear_error(tmp_path):
+    rc, out = train(["launcher=torchrun", "strategy=ddp", "launcher.nnodes=2", "launcher.node_rank=1",
+                     "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint=127.0.0.1:{free_port()}",
+                     "launcher.rdzv_timeout=10", f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path, timeout=150)
+    assert rc != 0 and "no rendezvous with all 2 node(s) within launcher.rdzv_timeout=10 s" in out, out[-3000:]
+
+
 def test_sweep_inside_each_torchrun_rank(tmp_path):
     sweep = tmp_path / "sweep"
     rc, out = finish(torchrun(["--standalone", "--nproc_per_node", "2"],

@@ -101,7 +101,8 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
             # Same id on every node (they run the same jobs in the same order), new for every job.
             run_id=f"hydratrain-{sweep_config.hydra.job.name}-{num}",
             rdzv_backend="c10d", rdzv_endpoint=endpoint,
-            rdzv_configs={"is_host": lc.node_rank == 0, "timeout": lc.rdzv_timeout, "join_timeout": lc.rdzv_timeout},
+            rdzv_configs={"is_host": lc.node_rank == 0, "timeout": lc.rdzv_timeout, "join_timeout": lc.rdzv_timeout,
+                          "read_timeout": lc.rdzv_timeout},  # also bounds a node waiting for node 0's store
             max_restarts=lc.max_restarts, monitor_interval=launcher.monitor_interval,
             start_method=launcher.start_method)
         values = elastic_launch(launch_cfg, _worker)(payload)
@@ -120,7 +121,11 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
         ret.return_value = err if isinstance(err, LaunchError) else LaunchError(f"config error: {err}")
     except Exception as err:  # rendezvous errors and the like: report, do not hang or take the sweep down
         ret.status = JobStatus.FAILED
-        ret.return_value = LaunchError(f"job #{num}: {type(err).__name__}: {err}".splitlines()[0])
+        why = f"{type(err).__name__}: {err}".splitlines()[0]
+        if "Rendezvous" in type(err).__name__:
+            why = (f"launcher.rdzv_endpoint={lc.rdzv_endpoint}: no rendezvous with all {lc.nnodes} node(s) within "
+                   f"launcher.rdzv_timeout={lc.rdzv_timeout} s (is node 0 running the same sweep?): {why}")
+        ret.return_value = LaunchError(f"job #{num}: {why}")
     if ret.status == JobStatus.FAILED and lc.node_rank == 0:
         job_dir.mkdir(parents=True, exist_ok=True)
         write_job_status(job_dir, num, overrides, "FAILED", str(ret._return_value), time.time() - started)
