@@ -17,7 +17,8 @@ from typing import List, Sequence
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
+from torch.distributed.elastic.multiprocessing.errors import record
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hydratrain.config import ConfigError, validate_launcher
+    from hydratrain.config import ConfigError, validate, validate_launcher
     from hydratrain.sweep import write_job_status
 
     lc = sweep_config.launcher
@@ -93,6 +94,7 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     started = time.time()
     try:
         validate_launcher(lc)
+        validate(sweep_config)  # a bad job config fails here, before any worker or process group exists
         endpoint = _check_endpoint(lc)
         payload = cloudpickle.dumps((launcher.hydra_context, sweep_config, launcher.task_function,
                                      Singleton.get_state()))
@@ -110,9 +112,9 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
         ret.return_value = values[min(values)] if values else None  # rank 0's on node 0
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        why = failure.message if isinstance(failure.message, str) and failure.message else (
-            f"exit code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.exitcode < 0 else ""))
-        why = str(why).strip().splitlines()[-1] if str(why).strip() else why
+        why = f"exit code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.exitcode < 0 else "")
+        if failure.error_file_data and str(failure.message).strip():  # the worker's exception, via @record
+            why = str(failure.message).strip().splitlines()[0]
         ret.status = JobStatus.FAILED
         ret.return_value = LaunchError(f"job #{num}: rank {rank} failed "
                                        f"(after {lc.max_restarts} restart(s) allowed): {why}")
@@ -132,6 +134,7 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     return ret
 
 
+@record
 def _worker(payload: bytes):
     """Entry point of every worker: run the Hydra job on this rank; re-raise its exception so the agent sees the
     failure (and restarts the workers when ``max_restarts`` allows). Returns the task function's value."""
