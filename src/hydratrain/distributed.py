@@ -72,13 +72,13 @@ def run_stamp() -> str:
 
     Hydra's ``${now:}`` resolves per process, so ranks started a second apart would write to two run dirs.
 
-    * Under a torch elastic agent (torchrun, or the ``launcher=torchrun`` plugin; ``TORCHELASTIC_RUN_ID`` is set),
-      every rank proposes a stamp to the agent's TCPStore (``MASTER_ADDR``/``MASTER_PORT``) with ``compare_set``;
-      the first proposal wins and all ranks, on all nodes, read it back. The proposal is the launching process's
-      stamp (``$HYDRATRAIN_STAMP``) if there is one, else the local time. The key is per launch, so ranks restarted
-      by the agent (``max_restarts``) keep the same run dir and can resume from it.
-    * Else ``$HYDRATRAIN_STAMP`` if set (processes started by a launcher: submitit tasks inherit it).
-    * Else the local time.
+    * With several ranks (torchrun, the ``launcher=torchrun`` plugin, submitit tasks), every rank proposes a stamp
+      to the TCPStore at ``MASTER_ADDR``/``MASTER_PORT`` (see :func:`_base_store`) with ``compare_set``; the first
+      proposal wins and all ranks, on all nodes, read it back. The proposal is the launching process's stamp
+      (``$HYDRATRAIN_STAMP``, inherited from a launcher) if there is one, else the local time. The key is per
+      launch (elastic run id / SLURM job id), so ranks restarted by the agent (``max_restarts``) keep the same run
+      dir and can resume from it.
+    * Else ``$HYDRATRAIN_STAMP`` if set, else the local time.
 
     The stamp is exported as ``$HYDRATRAIN_STAMP`` so processes this one starts (launcher workers) agree with it.
     """
@@ -86,9 +86,11 @@ def run_stamp() -> str:
     if _STAMP is None:
         mine = os.environ.get(STAMP_ENV) or time.strftime("%Y-%m-%d/%H-%M-%S")
         _, _, world_size, _ = env_rank_info()
-        if world_size > 1 and "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ:
+        if world_size > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             store = _base_store()
-            key = "hydratrain/run_stamp/" + os.environ["TORCHELASTIC_RUN_ID"]
+            launch_id = next((os.environ[k] for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SUBMITIT_LOCAL_JOB_ID")
+                              if k in os.environ), "none")
+            key = "hydratrain/run_stamp/" + launch_id
             _STAMP = store.compare_set(key, "", mine).decode()
             if _STAMP == "":  # very old stores return the expected value when they set the key
                 _STAMP = store.get(key).decode()
