@@ -81,6 +81,7 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     as a FAILED JobReturn whose ``return_value`` raises :class:`LaunchError` with a one-line reason.
     """
     import cloudpickle
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -121,6 +122,8 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     except (ConfigError, LaunchError) as err:
         ret.status = JobStatus.FAILED
         ret.return_value = err if isinstance(err, LaunchError) else LaunchError(f"config error: {err}")
+    except SignalException:  # Ctrl-C / SIGTERM to this process: the agent has stopped the workers; end the sweep
+        raise
     except Exception as err:  # rendezvous errors and the like: report, do not hang or take the sweep down
         ret.status = JobStatus.FAILED
         why = f"{type(err).__name__}: {err}".splitlines()[0]
