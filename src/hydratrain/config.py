@@ -92,9 +92,29 @@ class WrapPolicyConfig:
 
 @dataclass
 class LauncherConfig:
-    """How processes are started. ``local``: by the user (plain python or torchrun)."""
+    """How processes are started (see ``docs/launching.md``).
 
-    name: str = MISSING  # local
+    ``local``: by you (``python train.py`` or ``torchrun ... train.py``). ``torchrun``: the hydratrain Hydra launcher
+    plugin starts ``nproc_per_node`` workers per Hydra job through torch's elastic launch API. ``slurm`` /
+    ``submitit_local``: hydra-submitit-launcher starts one task per GPU (extra ``[slurm]``).
+    """
+
+    name: str = MISSING  # local | torchrun | slurm | submitit_local
+    # --- launcher=torchrun (the elastic agent's settings, as torchrun's flags of the same names)
+    nproc_per_node: int = 1  # workers (ranks) per node
+    nnodes: int = 1  # nodes; > 1 needs rdzv_endpoint and one launch per node with its node_rank
+    node_rank: int = 0  # this node's index in [0, nnodes); node 0 hosts the rendezvous store
+    rdzv_endpoint: Optional[str] = None  # HOST:PORT of node 0's rendezvous store; null = a free port per job
+    rdzv_timeout: int = 600  # seconds to wait for all nodes to join a job's rendezvous
+    max_restarts: int = 0  # times the agent restarts all workers of a job after one fails
+    # --- launcher=slurm / submitit_local (mapped onto hydra-submitit-launcher; one task per GPU)
+    nodes: int = 1  # SLURM nodes per job
+    tasks_per_node: int = 1  # ranks per node; must equal gpus_per_node when gpus_per_node > 0
+    gpus_per_node: int = 0  # GPUs per node (0: CPU-only tasks)
+    cpus_per_task: Optional[int] = None  # null = submitit's default
+    partition: Optional[str] = None  # SLURM partition; null = the cluster's default
+    account: Optional[str] = None  # SLURM account to charge; null = your default
+    timeout_min: int = 60  # job time limit, minutes
 
 
 @dataclass
@@ -187,7 +207,7 @@ ALLOWED = {
     "precision.compute_dtype": ("auto", "float32", "bfloat16", "float16"),
     "precision.reduce_dtype": ("float32", "bfloat16", "float16"),
     "wrap_policy.name": ("none", "size_based", "transformer_block"),
-    "launcher.name": ("local",),
+    "launcher.name": ("local", "torchrun", "slurm", "submitit_local"),
     "optim.name": ("adamw",),
     "scheduler.name": ("warmup_cosine", "constant"),
     "device": ("auto", "cpu", "cuda"),
@@ -263,3 +283,40 @@ def validate(cfg: DictConfig) -> None:
                           "CHECKPOINT_DIR OUT.safetensors makes one)")
     if cfg.strategy.cpu_offload and cfg.strategy.name != "fsdp":
         raise ConfigError("strategy.cpu_offload", True, "only strategy=fsdp can offload to CPU")
+    validate_launcher(cfg.launcher)
+    launched = {"torchrun": cfg.launcher.nproc_per_node * cfg.launcher.nnodes,
+                "slurm": cfg.launcher.tasks_per_node * cfg.launcher.nodes,
+                "submitit_local": cfg.launcher.tasks_per_node * cfg.launcher.nodes}.get(cfg.launcher.name, 1)
+    if cfg.strategy.name == "single" and launched > 1:
+        raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
+                          f"{launched}; allowed: ddp, fsdp")
+
+
+def validate_launcher(launcher: DictConfig) -> None:
+    """Check the ``launcher`` group alone (the launchers call it before starting any process).
+
+    Raises :class:`ConfigError` naming the key, e.g. a GPUs-per-node / tasks-per-node mismatch for SLURM.
+    """
+    name = launcher.name
+    if name not in ALLOWED["launcher.name"]:
+        raise ConfigError("launcher.name", name, "allowed: " + ", ".join(ALLOWED["launcher.name"]))
+    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout"):
+        if launcher[key] is None or launcher[key] <= 0:
+            raise ConfigError(f"launcher.{key}", launcher[key], "must be > 0")
+    for key in ("max_restarts", "gpus_per_node"):
+        if launcher[key] is None or launcher[key] < 0:
+            raise ConfigError(f"launcher.{key}", launcher[key], "must be >= 0")
+    if not 0 <= launcher.node_rank < launcher.nnodes:
+        raise ConfigError("launcher.node_rank", launcher.node_rank, f"must be in [0, launcher.nnodes={launcher.nnodes})")
+    endpoint = launcher.rdzv_endpoint
+    if endpoint is not None:
+        host, _, port = str(endpoint).rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ConfigError("launcher.rdzv_endpoint", endpoint, "must be HOST:PORT (port in 0-65535)")
+    if launcher.nnodes > 1 and (endpoint is None or str(endpoint).endswith(":0")):
+        raise ConfigError("launcher.rdzv_endpoint", endpoint,
+                          f"launcher.nnodes={launcher.nnodes} needs node 0's HOST:PORT, the same on every node")
+    if name in ("slurm", "submitit_local") and launcher.gpus_per_node and \
+            launcher.tasks_per_node != launcher.gpus_per_node:
+        raise ConfigError("launcher.tasks_per_node", launcher.tasks_per_node,
+                          f"must equal launcher.gpus_per_node={launcher.gpus_per_node} (one task per GPU)")

@@ -69,7 +69,25 @@ def hparams_of(cfg: DictConfig, world_size: int) -> dict:
             "activation_checkpointing"]
     out = {k: OmegaConf.select(cfg, k) for k in keys}
     out["world_size"] = world_size
+    out.update(_override_hparams(cfg))
     return {k: ("null" if v is None else v) for k, v in out.items()}
+
+
+def _override_hparams(cfg: DictConfig) -> dict:
+    """This Hydra job's command-line overrides as ``{key: value}`` (so any swept key is an hparams column); the
+    config's typed value for leaf keys (``optim.lr`` -> 0.001), the chosen option for groups (``strategy`` -> ddp)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    out = {}
+    for item in HydraConfig.get().overrides.task:
+        key, sep, value = str(item).partition("=")
+        key = key.lstrip("+")
+        if sep and not key.startswith(("hydra.", "~")):
+            typed = OmegaConf.select(cfg, key, default=None)
+            out[key] = typed if isinstance(typed, (int, float, str, bool)) else value
+    return out
 
 
 def run_dir_of(cfg: DictConfig) -> Path:

@@ -1,0 +1,1 @@
+"""hydratrain's Hydra launcher plugin: ``hydra/launcher=torchrun`` (selected by the ``launcher=torchrun`` preset)."""

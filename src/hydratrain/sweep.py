@@ -1,0 +1,147 @@
+"""The sweep report: one row per Hydra job of a multirun, and the Hydra callback that keeps it current.
+
+Each job's rank 0 writes ``results.json`` (``Trainer.finish``) and ``status.json`` (this module's callback, or the
+launcher when workers die); :func:`write_sweep_report` joins them into ``sweep_report.csv`` and ``sweep_report.md`` in
+the sweep dir. Registered in ``conf/train.yaml`` as ``hydra.callbacks.sweep_report``.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, List, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ["job", "overrides", "status", "steps", "train_loss", "eval_loss", "tokens_per_sec", "peak_memory_mb",
+           "mfu", "seconds", "error"]
+
+
+def write_job_status(job_dir: Path, num: int, overrides: List[str], status: str, error: str = "",
+                     seconds: float = math.nan) -> None:
+    """Write ``<job_dir>/status.json``: job number, overrides, ``COMPLETED``/``FAILED`` and a one-line error."""
+    payload = {"num": num, "overrides": list(overrides), "status": status, "error": error, "seconds": seconds}
+    tmp = job_dir / f".status.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, job_dir / "status.json")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _overrides_yaml(job_dir: Path) -> Optional[List[str]]:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return None
+    from omegaconf import OmegaConf
+
+    return [str(o) for o in OmegaConf.load(path)]
+
+
+def sweep_rows(sweep_dir: Path) -> List[dict]:
+    """One dict per job dir found under ``sweep_dir`` (a dir holding ``status.json``, ``results.json`` or
+    ``.hydra/overrides.yaml``, at any depth, so nested ``hydra.sweep.subdir`` values work), ordered by job number. Values are floats, ints or strings; missing figures are ''."""
+    rows = []
+    job_dirs = {p.parent for name in ("status.json", "results.json") for p in sweep_dir.rglob(name)}
+    job_dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
+    for job_dir in sorted(d for d in job_dirs if d != sweep_dir and ".submitit" not in d.parts):
+        status, results = _read_json(job_dir / "status.json"), _read_json(job_dir / "results.json")
+        overrides = status.get("overrides") or _overrides_yaml(job_dir) or []
+        if status.get("status"):
+            state = status["status"]
+        else:
+            state = "COMPLETED" if results else "RUNNING"
+        if state == "COMPLETED" and not results:
+            state = "COMPLETED (no results.json)"
+
+        def fig(key: str, scale: float = 1.0) -> Any:
+            v = results.get(key)
+            return "" if v is None or (isinstance(v, float) and math.isnan(v)) else round(v * scale, 6)
+
+        num = status.get("num")
+        rows.append({"job": job_dir.relative_to(sweep_dir).as_posix(), "_num": num if num is not None else math.inf,
+                     "overrides": " ".join(overrides), "status": state, "steps": results.get("steps", ""),
+                     "train_loss": fig("train_loss"), "eval_loss": fig("eval_loss"),
+                     "tokens_per_sec": fig("tokens_per_sec"), "peak_memory_mb": fig("peak_memory_bytes", 1e-6),
+                     "mfu": fig("mfu"), "seconds": fig("seconds") if results else status.get("seconds", ""),
+                     "error": status.get("error", "")})
+    rows.sort(key=lambda r: (r["_num"], r["job"]))
+    for r in rows:
+        del r["_num"]
+    return rows
+
+
+def write_sweep_report(sweep_dir: Path) -> Optional[Path]:
+    """(Re)write ``sweep_report.csv`` and ``sweep_report.md`` in ``sweep_dir`` from the job dirs found there.
+
+    Returns the CSV path, or None when no job dir exists yet. Safe to call after every job.
+    """
+    sweep_dir = Path(sweep_dir)
+    rows = sweep_rows(sweep_dir)
+    if not rows:
+        return None
+    csv_path = sweep_dir / "sweep_report.csv"
+    tmp = sweep_dir / f".sweep_report.csv.tmp{os.getpid()}"
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, csv_path)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in COLUMNS) + " |" for r in rows]
+    md = sweep_dir / f".sweep_report.md.tmp{os.getpid()}"
+    md.write_text("\n".join(lines) + "\n")
+    os.replace(md, sweep_dir / "sweep_report.md")
+    return csv_path
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+class SweepReportCallback(Callback):
+    """Hydra callback: on multirun start, check the ``launcher`` keys (a SLURM GPU/task mismatch fails before
+    anything is submitted); after each job (rank 0), record its status and refresh the report; at multirun end,
+    refresh it and log where it is. Does nothing in single runs."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydratrain.config import ConfigError, validate_launcher
+
+        if "launcher" in config:
+            try:
+                validate_launcher(config.launcher)
+            except ConfigError as err:
+                raise SystemExit(f"hydratrain: config error: {err}") from None
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN or not _is_rank0():
+            return
+        job_dir = Path(hc.runtime.output_dir)
+        error = ""
+        if job_return.status.name == "FAILED":
+            error = f"{type(job_return._return_value).__name__}: {job_return._return_value}".splitlines()[0]
+        results = _read_json(job_dir / "results.json")
+        write_job_status(job_dir, hc.job.num, list(hc.overrides.task), job_return.status.name, error,
+                         results.get("seconds", math.nan))
+        write_sweep_report(Path(hc.sweep.dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):
+            return
+        path = write_sweep_report(Path(str(config.hydra.sweep.dir)))
+        if path:
+            log.info("sweep report: %s\n%s", path, path.with_suffix(".md").read_text())
