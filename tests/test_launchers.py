@@ -158,19 +158,21 @@ def test_sweep_inside_each_torchrun_rank(tmp_path):
 
 
 @pytest.mark.slow  # ~40-70 s on 2 busy cores
-def test_elastic_restart_after_a_killed_worker(tmp_path):
+def test_elastic_restart_after_a_killed_worker_resumes_from_its_checkpoint(tmp_path):
     """Job 0 (max_restarts=0): rank 1 is SIGKILLed at step 3, the job fails and is reported; job 1
-    (max_restarts=1): the agent restarts both workers and the run completes. Resuming from the last checkpoint
-    needs the checkpoint feature (not on this branch): the restarted run trains from step 0."""
+    (max_restarts=1): the agent restarts both workers, which resume from the step-2 checkpoint in the same run dir
+    and complete the run."""
     sweep = tmp_path / "sweep"
     rc, out = train(["-m", "launcher=torchrun", "launcher.nproc_per_node=2", "strategy=ddp", "trainer.max_steps=6",
-                     "launcher.max_restarts=0,1", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=300,
-                    script=str(ROOT / "tests" / "_kill_task.py"))
+                     "checkpoint.every_n_steps=2", "launcher.max_restarts=0,1", f"hydra.sweep.dir={sweep}"],
+                    tmp_path, timeout=300, script=str(ROOT / "tests" / "_kill_task.py"))
     rows = report_rows(sweep)
     assert [r["status"] for r in rows] == ["FAILED", "COMPLETED"], (rows, out[-3000:])
     assert "rank 1" in rows[0]["error"] and "SIGKILL" in rows[0]["error"]
     assert (sweep / "1" / "rank1_killed_at_step3").exists()
     assert results(sweep / "1")["steps"] == 6 and results(sweep / "1")["hparams"]["world_size"] == 2
+    log0 = (sweep / "1" / "train_rank0.log").read_text()
+    assert "resumed from" in log0 and "step_00000002" in log0 and ": step 2," in log0, log0[-3000:]
     assert rc != 0  # the sweep as a whole reports job 0's failure
 
 

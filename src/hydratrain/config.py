@@ -92,7 +92,7 @@ class WrapPolicyConfig:
 
 @dataclass
 class LauncherConfig:
-    """How processes are started (see ``docs/launching.md``).
+    """How processes are started (see README.md, "Launching and sweeping").
 
     ``local``: by you (``python train.py`` or ``torchrun ... train.py``). ``torchrun``: the hydratrain Hydra launcher
     plugin starts ``nproc_per_node`` workers per Hydra job through torch's elastic launch API. ``slurm`` /
