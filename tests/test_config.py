@@ -124,7 +124,7 @@ def test_bad_config_under_torchrun_fails_before_process_group(tmp_path):
                            str(ROOT / "train.py"), "optim.lr=-1", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    assert "hydratrain: config error: optim.lr=-1.0: must be > 0" in proc.stderr
+    assert "hydratrain: config error: optim.lr=-1.0: must be finite and > 0" in proc.stderr
     assert "process group:" not in proc.stdout + proc.stderr
 
 
@@ -133,3 +133,48 @@ def test_single_strategy_under_torchrun_is_a_config_error(tmp_path):
                            str(ROOT / "train.py"), "strategy=single", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "config error: strategy.name='single'" in proc.stderr
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["optim.lr=inf"], "hydratrain: config error: optim.lr=inf: must be finite and > 0"),
+    (["trainer.grad_clip=nan"], "hydratrain: config error: trainer.grad_clip=nan: must be finite and >= 0"),
+    (["device=cuda"] if not torch.cuda.is_available() else ["optim.lr=-1"], "hydratrain: config error: "),
+    (["strategy=ddp", "strategy.backend=nccl"] if not torch.distributed.is_nccl_available() else ["optim.lr=-1"],
+     "hydratrain: config error: "),
+    (["data.synthetic_tokens=0"], "hydratrain: config error: data.synthetic_tokens=0: must be finite and > 0"),
+    (["data.synthetic_tokens=300"], "hydratrain: config error: data='synthetic': val split (15 tokens)"),
+    (["trainer.max_steps=null", "trainer.max_epochs=1", "trainer.grad_accum_steps=1000"],
+     "hydratrain: config error: trainer.max_epochs=1: gives 0 optimizer steps"),
+])
+def test_bad_values_found_at_run_time_are_one_line_config_errors(args, expect, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "+debug=fast", "precision=fp32", "strategy=single",
+                           *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(expect), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_config_error_in_a_local_sweep_fails_that_job_only(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "+debug=fast", "precision=fp32",
+                           "strategy=single", "optim.lr=-1,2e-3", "trainer.max_steps=2",
+                           f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert (tmp_path / "1" / "results.json").exists(), proc.stderr[-3000:]
+    report = (tmp_path / "sweep_report.csv").read_text()
+    assert "FAILED" in report and "COMPLETED" in report
+
+
+def test_size_based_policy_never_picks_a_container_without_forward():
+    from torch import nn
+
+    from hydratrain.models.gpt import GPT, GPTConfig
+    from hydratrain.parallelize import shard_units
+
+    model = GPT(GPTConfig())  # gpt_tiny: ~212k parameters per block, ~850k in the ModuleList of blocks
+    policy = OmegaConf.create({"name": "size_based", "min_num_params": 500_000})
+    assert shard_units(model, policy) == []
+    units = shard_units(model, OmegaConf.create({"name": "size_based", "min_num_params": 100_000}))
+    assert units == [b.mlp for b in model.blocks]  # 147k each; the rest of a block (attention, 66k) stays below
+    units = shard_units(model, OmegaConf.create({"name": "size_based", "min_num_params": 60_000}))
+    assert units == [m for b in model.blocks for m in (b.attn, b.mlp)]
+    assert not any(isinstance(u, nn.ModuleList) for u in units)

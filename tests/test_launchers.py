@@ -102,7 +102,7 @@ def test_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
     rows = report_rows(sweep)
     assert [r["status"] for r in rows] == ["FAILED", "COMPLETED"], rows
     # the bad job is rejected from its composed config before any worker starts
-    assert rows[0]["error"] == "config error: trainer.max_steps=-1: must be > 0", rows[0]
+    assert rows[0]["error"] == "config error: trainer.max_steps=-1: must be finite and > 0", rows[0]
     assert results(sweep / "1")["steps"] == 3
 
 

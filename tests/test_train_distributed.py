@@ -141,7 +141,7 @@ def test_run_stamp_is_agreed_by_ranks_started_apart(tmp_path):
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**__import__("os").environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-           "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "t1"}
+           "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "t1", "TORCHELASTIC_USE_AGENT_STORE": "True"}  # as torchrun
     procs = [subprocess.Popen([sys.executable, "-c", code, str(delay)], env={**env, "RANK": str(r)},
                               stdout=subprocess.PIPE, text=True) for r, delay in enumerate((0.0, 1.5))]
     stamps = [p.communicate(timeout=60)[0].strip() for p in procs]

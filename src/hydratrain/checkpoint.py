@@ -234,7 +234,8 @@ class Checkpointer:
         state: dict[str, Any] = {
             "model": model_sd, "optim": optim_sd, "scheduler": trainer.scheduler.state_dict(),
             "trainer": {"format_version": FORMAT_VERSION, "step": trainer.state.step,
-                        "skipped_steps": trainer.state.skipped_steps, "epoch": epoch, "samples_in_epoch": consumed,
+                        "skipped_steps": trainer.state.skipped_steps, "first_loss": trainer.state.first_loss,
+                        "epoch": epoch, "samples_in_epoch": consumed,
                         "world_size": self.world_size, "batch_size": batches.batch_size,
                         "seed": self.cfg.trainer.seed, "train_samples": len(batches.dataset),
                         "seq_len": batches.dataset.seq_len},
@@ -312,7 +313,8 @@ class Checkpointer:
             state.pop("scaler")
         # Ask only for entries the checkpoint has: torch versions add scheduler keys, a CPU run saved no CUDA RNG,
         # and a run on more ranks than saved has no RNG state for the new ranks.
-        for prefix, group in (("scheduler", state.get("scheduler")), ("scaler", state.get("scaler")),
+        for prefix, group in (("trainer", state.get("trainer")), ("scheduler", state.get("scheduler")),
+                              ("scaler", state.get("scaler")),
                               (rank_key, state.get(rank_key)), (rank_key + ".rng", state.get(rank_key, {}).get("rng"))):
             if isinstance(group, dict):
                 for k in [k for k, v in group.items() if not isinstance(v, dict) and f"{prefix}.{k}" not in keys]:
@@ -327,6 +329,7 @@ class Checkpointer:
             trainer.scaler.load_state_dict(state["scaler"])
         saved = state["trainer"]
         trainer.state.step, trainer.state.skipped_steps = int(saved["step"]), int(saved["skipped_steps"])
+        trainer.state.first_loss = float(saved.get("first_loss", float("nan")))
         self._restore_position(trainer, saved, ckpt)
         same_layout = saved["world_size"] == self.world_size
         if rank_key in state:

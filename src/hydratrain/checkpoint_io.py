@@ -164,9 +164,14 @@ def load_dcp(state: dict, ckpt: Path) -> None:
         where = find_corrupt_entry(ckpt)
         if where:
             raise CheckpointError(where + f"; not loading {ckpt}") from err
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        raise CheckpointError(f"{ckpt}: loading failed ({type(err).__name__}: "
-                              f"{lines[0] if lines else ''})") from err
+        cause = err
+        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: exception or traceback}
+        if isinstance(failures, dict) and failures:
+            cause = next(iter(failures.values()))
+            cause = getattr(cause, "exc", cause)
+        lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+        raise CheckpointError(f"{ckpt}: loading failed ({type(cause).__name__}: {lines[-1] if lines else ''}); is "
+                              "this checkpoint from a model of another shape (model.*)?") from err
 
 
 def read_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:

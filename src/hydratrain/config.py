@@ -9,6 +9,7 @@ Importing this module has no side effects and does not import torch; call :func:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
@@ -146,7 +147,7 @@ class TrainerConfig:
     seed: int = 1234
     compile: bool = False  # torch.compile each decoder block
     progress_bar: bool = True  # rank-0 tqdm bar
-    sample_tokens: int = 200  # tokens of text generated at the end; 0 = none
+    sample_tokens: int = 120  # tokens of text generated at the end; 0 = none
     save_weights: bool = True  # write the full model as model.safetensors in the run dir at the end
 
 
@@ -229,11 +230,12 @@ def validate(cfg: DictConfig) -> None:
         value = _get(cfg, key)
         if value is None and allow_none:
             return
-        if value is None or value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(key, value, "must be " + (">= 0" if allow_zero else "> 0"))
+        if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(key, value, "must be finite and " + (">= 0" if allow_zero else "> 0"))
 
     for key in ("model.vocab_size", "model.max_seq_len", "model.d_model", "model.n_layer", "model.n_head",
-                "data.seq_len", "data.batch_size", "optim.lr", "optim.eps", "trainer.grad_accum_steps",
+                "data.seq_len", "data.batch_size", "data.synthetic_tokens", "optim.lr", "optim.eps",
+                "trainer.grad_accum_steps",
                 "trainer.log_every_n_steps", "precision.init_scale"):
         positive(key)
     for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",

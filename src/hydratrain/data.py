@@ -89,7 +89,7 @@ def build_corpus(files: Sequence[Path], root: Path, val_fraction: float, cache_d
 
     counts = {}
     bar = tqdm(total=sum(s for _, s, _ in listing), unit="B", unit_scale=True, desc=f"building corpus {out}",
-               disable=not progress)
+               disable=None if progress else True)  # None: only on a terminal
     for split, paths in splits.items():
         tmp = out / f"{split}.bin.tmp{os.getpid()}"
         n = 0

@@ -17,13 +17,27 @@ import sys
 from pathlib import Path
 
 
+def write_safetensors(tensors: dict, out: Path, metadata: dict) -> Path:
+    """Write ``tensors`` (name -> CPU tensor) to ``out`` as safetensors: a temporary name, then a rename, so a
+    reader never sees a partial file. Permissions follow the umask (like any new file). Returns ``out``."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, out)
+    return out
+
+
 def export(checkpoint: Path, out: Path) -> Path:
     """Write the model weights of ``checkpoint`` (a step dir, or a run/checkpoints dir: its latest) to ``out``.
 
     Written to a temporary name and renamed. Returns ``out``. Raises :class:`~hydratrain.checkpoint.CheckpointError`.
     """
-    from safetensors.torch import save_file
-
     from hydratrain.checkpoint import resolve_checkpoint, step_of
     from hydratrain.checkpoint_io import read_model_weights
 
@@ -36,12 +50,7 @@ def export(checkpoint: Path, out: Path) -> Path:
         from omegaconf import OmegaConf
 
         meta["model_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(cfg_file).get("model", {})))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, out)
-    return out
+    return write_safetensors(weights, out, meta)
 
 
 def main(argv=None) -> int:

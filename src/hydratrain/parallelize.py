@@ -61,7 +61,7 @@ def size_based_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
     def visit(module: nn.Module) -> None:
         for child in module.children():
             visit(child)
-        if module is model:
+        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # no forward: cannot be a unit
             return
         free = [p for p in module.parameters() if id(p) not in claimed]
         if sum(p.numel() for p in free) >= min_num_params:

@@ -54,11 +54,15 @@ def build_data(cfg: DictConfig, info: DistInfo):
     barrier()
     if splits is None:
         splits = load_splits(**kwargs)
-    train = ShardedBatches(TokenDataset(splits["train"], cfg.data.seq_len), cfg.data.batch_size, info.rank,
-                           info.world_size, seed=cfg.trainer.seed, shuffle=True, device=info.device)
-    val = ShardedBatches(TokenDataset(splits["val"], cfg.data.seq_len), cfg.data.batch_size, info.rank,
-                         info.world_size, seed=cfg.trainer.seed, shuffle=False, device=info.device)
-    return train, val
+    out = []
+    for split in ("train", "val"):
+        try:
+            out.append(ShardedBatches(TokenDataset(splits[split], cfg.data.seq_len), cfg.data.batch_size, info.rank,
+                                      info.world_size, seed=cfg.trainer.seed, shuffle=split == "train",
+                                      device=info.device))
+        except ValueError as err:  # too little data for seq_len x batch_size x world_size
+            raise ConfigError("data", cfg.data.name, f"{split} split ({len(splits[split])} tokens): {err}") from None
+    return tuple(out)
 
 
 def hparams_of(cfg: DictConfig, world_size: int) -> dict:
@@ -112,6 +116,13 @@ def preflight(cfg: DictConfig) -> None:
 
         choice = resolve_auto(cfg.precision, cfg.device)
         log.info("precision=auto -> %s compute (%s)", choice, cfg.precision.compute_dtype)
+    import torch
+    import torch.distributed as dist
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda", "torch sees no CUDA device here; allowed: auto, cpu")
+    if cfg.strategy.backend == "nccl" and not (dist.is_available() and dist.is_nccl_available()):
+        raise ConfigError("strategy.backend", "nccl", "this torch has no NCCL; allowed here: gloo (or null)")
     world_size = env_rank_info()[2]
     if cfg.strategy.name == "single" and world_size > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but WORLD_SIZE={world_size}; "
@@ -135,26 +146,32 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     A bad config prints ``hydratrain: config error: <key>=<value>: <why>`` and exits with status 2 before any
     process group is created.
     """
-    try:
-        preflight(cfg)
-    except ConfigError as err:
-        print(f"hydratrain: config error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
     from hydratrain.checkpoint import EXIT_CHECKPOINT_ERROR, CheckpointError, find_resume
 
     try:
+        preflight(cfg)
+        run_dir = Path(run_dir) if run_dir is not None else run_dir_of(cfg)
         resume = find_resume(cfg, run_dir, Path(os.getcwd()))
         need_group = cfg.strategy.name in ("ddp", "fsdp")
         with distributed(cfg.device, cfg.strategy.backend, need_group) as info:
             quiet_non_main_console(info.rank)
             result = _train(cfg, info, run_dir, resume)
-    except CheckpointError as err:
-        print(f"hydratrain: checkpoint error: {err}", file=sys.stderr)
-        raise SystemExit(EXIT_CHECKPOINT_ERROR) from None
+    except (ConfigError, CheckpointError) as err:
+        kind = "config" if isinstance(err, ConfigError) else "checkpoint"
+        print(f"hydratrain: {kind} error: {err}", file=sys.stderr)
+        if _in_multirun():
+            raise  # Hydra records the job as failed and the sweep goes on
+        raise SystemExit(2 if kind == "config" else EXIT_CHECKPOINT_ERROR) from None
     if result.preempted:
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
+
+
+def _in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _agree_on_resume(resume: Optional[Path], device) -> None:
@@ -206,6 +223,10 @@ def _train(cfg: DictConfig, info: DistInfo, run_dir: Path, resume: Optional[Path
         init_from_file(model, Path(os.getcwd()) / Path(cfg.model.init_from).expanduser())
     optimizer = build_optimizer(model, cfg.optim)
     total = Trainer.total_steps(cfg.trainer, train_batches.batches_per_epoch)
+    if total == 0:
+        raise ConfigError("trainer.max_epochs", cfg.trainer.max_epochs,
+                          f"gives 0 optimizer steps: an epoch has {train_batches.batches_per_epoch} micro-batches per "
+                          f"rank, fewer than trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}")
     scheduler = build_scheduler(optimizer, cfg.scheduler, total)
     compute = dtype_of(cfg.precision.compute_dtype)
     trainer = Trainer(cfg, model, optimizer, scheduler, grad_scaler(cfg.precision, info.device), train_batches,
@@ -216,6 +237,10 @@ def _train(cfg: DictConfig, info: DistInfo, run_dir: Path, resume: Optional[Path
     try:
         if resume is not None:
             checkpointer.load(trainer, resume)
+            if trainer.state.step >= trainer.max_steps:
+                log.warning("resumed at step %d, which is already at or past the %d steps this config trains "
+                            "(trainer.max_steps / max_epochs): nothing to train, evaluating only",
+                            trainer.state.step, trainer.max_steps)
         result = trainer.fit()
     finally:
         checkpointer.close()
@@ -227,12 +252,12 @@ def _train(cfg: DictConfig, info: DistInfo, run_dir: Path, resume: Optional[Path
         if path:
             log.info("wrote full model weights to %s", path)
     if cfg.trainer.sample_tokens and cfg.model.vocab_size >= 256 and cfg.data.name != "synthetic":
-        text = trainer.sample(b"def ", cfg.trainer.sample_tokens)
+        text = trainer.sample(b"def " if cfg.data.name == "python_stdlib" else b"\n", cfg.trainer.sample_tokens)
         log.info("sample:\n%s", text)
         trainer.tb.text("sample", text, result.steps)
     trainer.finish(result, hparams_of(cfg, info.world_size))
-    log.info("done: %d steps in %.1f s; train loss %.4f (step 1: %.4f), eval loss %.4f, perplexity %.2f, "
-             "%.0f tokens/s, mfu %.2f%%, peak memory %.1f MB, skipped steps %d", result.steps, result.seconds,
-             result.train_loss, result.first_loss, result.eval_loss, result.eval_perplexity, result.tokens_per_sec,
+    log.info("done: step %d (%d steps in this launch, %.1f s); train loss %.4f (step 1: %.4f), eval loss %.4f, "
+             "perplexity %.2f, %.0f tokens/s, mfu %.2f%%, peak memory %.1f MB, skipped steps %d", result.steps,
+             result.steps_this_launch, result.seconds, result.train_loss, result.first_loss, result.eval_loss, result.eval_perplexity, result.tokens_per_sec,
              100 * result.mfu, result.peak_memory_bytes / 1e6, result.skipped_steps)
     return result

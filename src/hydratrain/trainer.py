@@ -36,13 +36,15 @@ class TrainState:
 
     step: int = 0
     skipped_steps: int = 0
+    first_loss: float = math.nan  # train loss of step 1 (kept across resumes)
 
 
 @dataclass
 class FitResult:
     """Final figures of a run (rank-0 view, all reduced across ranks)."""
 
-    steps: int = 0
+    steps: int = 0  # the step the run ended at
+    steps_this_launch: int = 0  # steps trained by this launch (fewer than ``steps`` after a resume)
     first_loss: float = math.nan  # train loss of step 1
     train_loss: float = math.nan  # mean train loss of the last logging window
     eval_loss: float = math.nan
@@ -192,14 +194,18 @@ class Trainer:
                  "world_size=%d), %d micro-batches per epoch per rank", self.max_steps, self.tokens_per_step,
                  cfg.grad_accum_steps, self.cfg.data.batch_size, self.cfg.data.seq_len, self.info.world_size,
                  self.train_batches.batches_per_epoch)
-        bar = None
+        bar, quiet_logs = None, contextlib.ExitStack()
         if self.info.is_main and cfg.progress_bar:
             from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
+            # disable=None: no bar when stderr is not a terminal (logs, pipes); the log lines carry progress there
             bar = tqdm(total=self.max_steps, initial=self.state.step, desc="train", unit="step", dynamic_ncols=True,
-                       mininterval=1.0)
+                       mininterval=1.0, disable=None)
+            quiet_logs.enter_context(logging_redirect_tqdm())  # log lines above the bar, not glued onto it
         batches = iter(self.train_batches)
         t_start, tps_sum, mfu_sum, n_rates = time.perf_counter(), 0.0, 0.0, 0
+        first = self.state.step + 1  # this launch's first step (> 1 after a resume)
         self.model.train()
         while self.state.step < self.max_steps:
             loss, grad_norm, skipped = self.train_step(batches)
@@ -211,17 +217,17 @@ class Trainer:
             step = self.state.step
             if bar:
                 bar.update(1)
-            if step == 1:
+            if step == first:
                 self.throughput.read()  # drop start-up (allocations, compile) from the rate
-            if step == 1 or step % cfg.log_every_n_steps == 0 or step == self.max_steps:
+            if step in (1, first) or step % cfg.log_every_n_steps == 0 or step == self.max_steps:
                 stats = all_reduce_mean(torch.stack([self.window_loss / self.window_steps, grad_norm.float()]))
                 train_loss, norm = stats.tolist()
-                tps, mfu = self.throughput.read() if step > 1 else (math.nan, math.nan)
+                tps, mfu = self.throughput.read() if step > first else (math.nan, math.nan)
                 if step == 1:
-                    result.first_loss = train_loss
+                    self.state.first_loss = train_loss
                 scalars = {"train/loss": train_loss, "train/lr": self.scheduler.get_last_lr()[0],
                            "train/grad_norm": norm, "mem/peak": peak_memory_bytes(self.device)}
-                if step > 1:
+                if step > first:
                     scalars.update({"perf/tokens_per_sec": tps, "perf/mfu": mfu})
                     tps_sum, mfu_sum, n_rates = tps_sum + tps, mfu_sum + mfu, n_rates + 1
                 if self.scaler:
@@ -230,7 +236,7 @@ class Trainer:
                 self.tb.scalars(scalars, step)
                 result.train_loss = train_loss
                 msg = (f"step {step}/{self.max_steps} loss {train_loss:.4f} lr {scalars['train/lr']:.2e} "
-                       f"grad_norm {norm:.3f}" + (f" tokens/s {tps:,.0f} mfu {mfu:.2%}" if step > 1 else ""))
+                       f"grad_norm {norm:.3f}" + (f" tokens/s {tps:,.0f} mfu {mfu:.2%}" if step > first else ""))
                 if self.scaler:
                     msg += f" loss_scale {self.scaler.get_scale():.0f} skipped {self.state.skipped_steps}"
                 log.info(msg)
@@ -246,7 +252,10 @@ class Trainer:
                 break
         if bar:
             bar.close()
+            quiet_logs.close()
         result.steps = self.state.step
+        result.steps_this_launch = self.state.step - first + 1
+        result.first_loss = self.state.first_loss
         result.skipped_steps = self.state.skipped_steps
         if result.preempted:
             return result
@@ -277,7 +286,8 @@ class Trainer:
         if self.info.is_main:
             payload = {**result.__dict__, "hparams": hparams}
             tmp = self.run_dir / f".results.json.tmp{os.getpid()}"
-            tmp.write_text(json.dumps(payload, indent=1, default=str))
+            payload = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in payload.items()}
+            tmp.write_text(json.dumps(payload, indent=1, default=str, allow_nan=False))
             os.replace(tmp, self.run_dir / "results.json")
 
     def save_weights(self, path: Path) -> Optional[Path]:
@@ -291,13 +301,10 @@ class Trainer:
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.info.is_main:
             return None
-        from safetensors.torch import save_file
+        from hydratrain.export import write_safetensors
 
-        state = {k: v.detach().contiguous().clone() for k, v in state.items()}  # tied weights: one tensor each
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        save_file(state, str(tmp), metadata={"format": "pt", "producer": "hydratrain"})
-        os.replace(tmp, path)
-        return path
+        state = {k: v.clone() for k, v in state.items()}  # tied weights share storage; safetensors wants one each
+        return write_safetensors(state, path, {"format": "pt", "producer": "hydratrain"})
 
     @torch.no_grad()
     def sample(self, prompt: bytes, n_tokens: int, temperature: float = 0.8, top_k: int = 40) -> str:

@@ -85,7 +85,8 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hydratrain.config import ConfigError, validate, validate_launcher
+    from hydratrain.config import ConfigError, validate_launcher
+    from hydratrain.run import preflight
     from hydratrain.sweep import write_job_status
 
     lc = sweep_config.launcher
@@ -95,7 +96,7 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     started = time.time()
     try:
         validate_launcher(lc)
-        validate(sweep_config)  # a bad job config fails here, before any worker or process group exists
+        preflight(sweep_config)  # a bad job config fails here, before any worker or process group exists
         endpoint = _check_endpoint(lc)
         payload = cloudpickle.dumps((launcher.hydra_context, sweep_config, launcher.task_function,
                                      Singleton.get_state()))
@@ -114,8 +115,11 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         why = f"exit code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.exitcode < 0 else "")
-        if failure.error_file_data and str(failure.message).strip():  # the worker's exception, via @record
-            why = str(failure.message).strip().splitlines()[0]
+        message = failure.message
+        if isinstance(message, dict):  # torch >= 2.x: the error file's {"message": ..., "extraInfo": ...}
+            message = message.get("message", "")
+        if failure.error_file_data and str(message).strip():  # the worker's exception, via @record
+            why = str(message).strip().splitlines()[0]
         ret.status = JobStatus.FAILED
         ret.return_value = LaunchError(f"job #{num}: rank {rank} failed "
                                        f"(after {lc.max_restarts} restart(s) allowed): {why}")
