@@ -219,7 +219,7 @@ class Trainer:
                 bar.update(1)
             if step == first:
                 self.throughput.read()  # drop start-up (allocations, compile) from the rate
-            if step in (1, first) or step % cfg.log_every_n_steps == 0 or step == self.max_steps:
+            if step == 1 or step % cfg.log_every_n_steps == 0 or step == self.max_steps:
                 stats = all_reduce_mean(torch.stack([self.window_loss / self.window_steps, grad_norm.float()]))
                 train_loss, norm = stats.tolist()
                 tps, mfu = self.throughput.read() if step > first else (math.nan, math.nan)
