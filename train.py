@@ -1,6 +1,6 @@
 """hydratrain entry point.
 
-    python train.py                                            # one process (default: gpt_tiny, fsdp, bf16)
+    python train.py                                            # one process (default: gpt_tiny, fsdp, precision=auto)
     torchrun --standalone --nproc_per_node 2 train.py strategy=ddp precision=fp32
     python train.py +experiment=gpt_small_fsdp optim.lr=3e-4
     python train.py --cfg job                                  # print the composed config
@@ -9,7 +9,7 @@ import hydra
 from omegaconf import DictConfig
 
 from hydratrain.config import register_configs
-from hydratrain.distributed import register_resolvers
+from hydratrain.dist.run_dir import register_resolvers
 
 register_configs()
 register_resolvers()

@@ -11,20 +11,24 @@ TRAIN = str(REPO / "train.py")
 
 # A run of a few seconds: tiny GPT, synthetic data, fp32 (exact on CPU), every step logged.
 FAST = ["+debug=fast", "precision=fp32", "strategy=fsdp", "trainer.progress_bar=false", "trainer.sample_tokens=0",
-        "trainer.log_every_n_steps=1", "trainer.eval_batches=1", "logger.peak_flops=1e12", "device=cpu"]
+        "trainer.log_every_n_steps=1", "trainer.eval_samples=8", "logger.peak_flops=1e12", "device=cpu"]
+
+
+FAULTY = str(REPO / "tests" / "scripts" / "faulty_train.py")
 
 
 def launch(nproc: int, run_dir: Path, *overrides: str, timeout: float = 300, check: bool = True,
-           background: bool = False):
+           background: bool = False, script: str = TRAIN, env: dict | None = None):
     """Run train.py with FAST + ``overrides`` in ``run_dir`` on ``nproc`` processes (torchrun when > 1).
 
     Returns the CompletedProcess (or the Popen when ``background``); with ``check`` a non-zero exit fails the test
-    and shows the output's tail.
+    and shows the output's tail. ``script``: train.py or a twin (:data:`FAULTY`, which reads ``HT_FAULT*`` from
+    ``env``).
     """
-    cmd = [sys.executable, TRAIN] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN]
+    cmd = [sys.executable, script] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
     cmd += FAST + [f"hydra.run.dir={run_dir}", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if background:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)

@@ -28,7 +28,7 @@ def compose(cache_dir, monkeypatch):
     from hydra.core.global_hydra import GlobalHydra
 
     from hydratrain.config import register_configs
-    from hydratrain.distributed import register_resolvers
+    from hydratrain.dist.run_dir import register_resolvers
 
     monkeypatch.setenv("HYDRATRAIN_CACHE", str(cache_dir))
     register_configs()

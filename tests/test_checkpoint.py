@@ -21,13 +21,17 @@ import numpy as np
 import pytest
 import torch
 
-from _ckpt_utils import REPO, assert_same_tensors, launch, load_weights, tb_scalars
-from hydratrain.checkpoint import (EXIT_CHECKPOINT_ERROR, EXIT_PREEMPTED, find_resume, latest_checkpoint,
-                                   list_checkpoints, resolve_checkpoint)
-from hydratrain.checkpoint_io import CheckpointError, SafeLoadPlanner, read_all, read_metadata, verify
+from _ckpt_utils import FAULTY, REPO, assert_same_tensors, launch, load_weights, tb_scalars
+from hydratrain.checkpoint.io import SafeLoadPlanner, read_all, read_metadata, verify
+from hydratrain.checkpoint.manager import find_resume, latest_checkpoint, list_checkpoints, resolve_checkpoint
+from hydratrain.errors import EXIT_CHECKPOINT, EXIT_PREEMPTED, CheckpointError
 from hydratrain.data import ShardedBatches, TokenDataset
 
 RUN_A = ["trainer.max_steps=20", "checkpoint.every_n_steps=10", "trainer.save_weights=true"]
+# every rank SIGKILLs itself right after step 10 and its save (tests/scripts/faulty_train.py)
+KILL_AT_10 = {"HT_FAULT": "kill", "HT_FAULT_STEP": "10", "HT_FAULT_AT": "after_step", "HT_FAULT_RANK": "all"}
+# what differs between a checkpoint and its re-save on another world size
+WORLD_SIZE_KEYS = ["checkpoint.world_size", "data.world_size"]
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +67,11 @@ def test_exact_resume_after_sigkill(run_a, tmp_path):
     """Run B is SIGKILLed right after its step-10 save, relaunched with the same command, and matches run A
     bit for bit: every logged loss (steps 1-20) and the final weights."""
     run_b = tmp_path / "b"
-    cmd = [*RUN_A, "checkpoint.debug_kill_at_step=10"]
-    killed = launch(2, run_b, *cmd, check=False)
+    killed = launch(2, run_b, *RUN_A, check=False, script=FAULTY, env=KILL_AT_10)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr
     assert [p.name for _, p in list_checkpoints(run_b / "checkpoints")] == ["step_00000010"]
     assert not (run_b / "model.safetensors").exists()
-    launch(2, run_b, *cmd)
+    launch(2, run_b, *RUN_A)
     log = (run_b / "train_rank0.log").read_text()
     assert f"resumed from {ckpt_of(run_b, 10)}: step 10" in log
     losses_a, losses_b = tb_scalars(run_a), tb_scalars(run_b)
@@ -89,7 +92,7 @@ def test_resume_fsdp2_into_fsdp1_with_activation_checkpointing(run_a, tmp_path):
     assert "activation checkpointing on 2 blocks" in log and f"resumed from {src}" in log
     assert "data position remapped: 2 ranks x batch 4 -> 1 ranks x batch 4" in log
     # Same keys (AC adds no prefix) and values; only rank 1's RNG and the world size differ.
-    assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10), skip=["rank1."]) == ["trainer.world_size"]
+    assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10), skip=["rank1."]) == WORLD_SIZE_KEYS
 
 
 def test_resume_fsdp2_into_ddp2(run_a, tmp_path):
@@ -107,7 +110,7 @@ def test_resume_fsdp2_into_fsdp4(run_a, tmp_path):
     launch(4, tmp_path / "r", f"checkpoint.resume_from={src}", "trainer.max_steps=10", "checkpoint.save_last=true")
     log = (tmp_path / "r" / "train_rank0.log").read_text()
     assert "data position remapped: 2 ranks x batch 4 -> 4 ranks x batch 4" in log
-    assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10), skip=["rank2.", "rank3."]) == ["trainer.world_size"]
+    assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10), skip=["rank2.", "rank3."]) == WORLD_SIZE_KEYS
     # auto-resumes from its own step 10 and trains on
     launch(4, tmp_path / "r", "trainer.max_steps=12", "checkpoint.save_last=true")
     assert "step 12/12" in (tmp_path / "r" / "train_rank0.log").read_text()
@@ -118,7 +121,7 @@ def test_compile_does_not_change_keys(run_a, tmp_path):
     src = ckpt_of(run_a, 10)
     launch(1, tmp_path / "r", f"checkpoint.resume_from={src}", "trainer.max_steps=10", "checkpoint.save_last=true",
            "trainer.compile=true", timeout=600)
-    assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10), skip=["rank1."]) == ["trainer.world_size"]
+    assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10), skip=["rank1."]) == WORLD_SIZE_KEYS
 
 
 # -------------------------------------------------------------------------------------- export / init_from
@@ -150,7 +153,7 @@ def test_init_from_other_strategies(run_a, tmp_path, nproc, strategy):
 def test_init_from_wrong_shapes_is_refused(tmp_path):
     from safetensors.torch import save_file
 
-    from hydratrain.checkpoint_io import init_from_file
+    from hydratrain.checkpoint.io import init_from_file
     from hydratrain.models.gpt import GPT, GPTConfig
 
     bad = tmp_path / "bad.safetensors"
@@ -202,7 +205,7 @@ def test_sigterm_on_one_rank_saves_exits_75_and_resumes(tmp_path):
     step = int(saved.name.split("_")[1])
     assert 3 <= step < 400
     for rank in (0, 1):
-        assert f"stopping at step {step} after SIGTERM" in (run / f"train_rank{rank}.log").read_text()
+        assert f"stopping at step {step} after a preemption signal" in (run / f"train_rank{rank}.log").read_text()
     launch(2, run, *args[1:], f"trainer.max_steps={step + 2}")
     log = (run / "train_rank0.log").read_text()
     assert f"resumed from {saved}: step {step}" in log and f"step {step + 2}/{step + 2}" in log
@@ -230,7 +233,7 @@ def test_truncated_shard_stops_the_run_with_one_line(run_a, tmp_path):
     with pytest.raises(CheckpointError, match=re.escape(str(shard)) + ": truncated"):
         verify(ckpt)
     proc = launch(1, run, "trainer.max_steps=20", check=False)  # auto-resume finds it: refused before any step
-    assert proc.returncode == EXIT_CHECKPOINT_ERROR
+    assert proc.returncode == EXIT_CHECKPOINT
     errors = [line for line in proc.stderr.splitlines() if "checkpoint error" in line]
     assert len(errors) == 1 and errors[0].startswith(f"hydratrain: checkpoint error: {shard}: truncated")
     assert "step 1/" not in proc.stdout + proc.stderr
@@ -314,7 +317,7 @@ def test_config_checks():
     from hydra import compose, initialize_config_dir
 
     from hydratrain.config import ConfigError, register_configs, validate
-    from hydratrain.distributed import register_resolvers
+    from hydratrain.dist.run_dir import register_resolvers
 
     register_configs()
     register_resolvers()
@@ -327,7 +330,7 @@ def test_config_checks():
             validate(cfg)
         cfg = compose("train", overrides=["checkpoint.resume_from=/nonexistent/x"])
         with pytest.raises(CheckpointError, match="/nonexistent/x: no such checkpoint dir"):
-            find_resume(cfg, Path("/nonexistent/run"), Path("/"))
+            find_resume(cfg.checkpoint, Path("/nonexistent/run"), Path("/"))
 
 
 @pytest.mark.slow
@@ -336,8 +339,8 @@ def test_exact_resume_keeps_logging_windows(tmp_path):
     window means (its step-12 value includes step 10's loss from before the kill)."""
     cmd = ["trainer.max_steps=14", "checkpoint.every_n_steps=10", "trainer.log_every_n_steps=3", "strategy=ddp"]
     launch(2, tmp_path / "a", *cmd)
-    launch(2, tmp_path / "b", *cmd, "checkpoint.debug_kill_at_step=10", check=False)
-    launch(2, tmp_path / "b", *cmd, "checkpoint.debug_kill_at_step=10")
+    launch(2, tmp_path / "b", *cmd, check=False, script=FAULTY, env=KILL_AT_10)
+    launch(2, tmp_path / "b", *cmd)
     a, b = tb_scalars(tmp_path / "a"), tb_scalars(tmp_path / "b")
     assert sorted(a) == [1, 3, 6, 9, 12, 14] and a == b
 
@@ -352,58 +355,50 @@ def test_fp16_grad_scaler_state_round_trips(tmp_path):
     assert diff_checkpoints(src, ckpt_of(tmp_path / "b", 3)) == []
 
 
-def _trainer(tmp_path: Path, *overrides: str):
-    """A real single-process Trainer (tiny GPT, no process group) and its config, built in this process."""
+def _job(tmp_path: Path, *overrides: str):
+    """A real single-process training job (tiny GPT, no process group), built in this process."""
     from hydra import compose, initialize_config_dir
 
     from hydratrain.config import register_configs
-    from hydratrain.distributed import DistInfo, register_resolvers
-    from hydratrain.optim import build_optimizer, build_scheduler
-    from hydratrain.run import build_data, build_model
-    from hydratrain.trainer import Trainer
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.dist.run_dir import register_resolvers
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.run import build
 
     register_configs()
     register_resolvers()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["+debug=fast", "precision=fp32", "strategy=single", "device=cpu",
-                                          "logger.tensorboard=false", *overrides])
-    info = DistInfo(0, 0, 1, 1, torch.device("cpu"))
-    train, val = build_data(cfg, info)
-    model, raw, _, _ = build_model(cfg, info)
-    opt = build_optimizer(model, cfg.optim)
-    sched = build_scheduler(opt, cfg.scheduler, 10)
-    return cfg, Trainer(cfg, model, opt, sched, None, train, val, info, tmp_path, 1.0, 1e12)
+                                          "logger.tensorboard=false", "logger.peak_flops=1e12", *overrides])
+    return build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), tmp_path, tmp_path)
 
 
 def test_save_is_atomic_and_pruned(tmp_path, monkeypatch):
     """keep_last prunes; a save that dies before its rename leaves the previous checkpoint as the latest, loadable,
     and the next start removes the leftover temporary dir."""
-    import hydratrain.checkpoint as ck
+    import hydratrain.checkpoint.manager as ck
 
-    cfg, trainer = _trainer(tmp_path, "checkpoint.keep_last=2")
+    job = _job(tmp_path, "checkpoint.keep_last=2")
     root = tmp_path / "checkpoints"
-    saver = ck.Checkpointer(cfg, root, torch.device("cpu"))
+    trainer = job.trainer
     batches = iter(trainer.train_batches)
     for step in range(1, 5):
         trainer.train_step(batches)
-        trainer.state.step = step
-        saver.save(trainer)
+        trainer.progress.step = step
+        job.checkpoints.save(step)
     assert [p.name for _, p in list_checkpoints(root)] == ["step_00000003", "step_00000004"]
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
 
     trainer.train_step(batches)
-    trainer.state.step = 5
+    trainer.progress.step = 5
     monkeypatch.setattr(ck.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
     with pytest.raises(KeyboardInterrupt):
-        saver.save(trainer)
+        job.checkpoints.save(5)
     monkeypatch.undo()
     assert (root / ".tmp-step_00000005" / ".metadata").exists() and latest_checkpoint(root).name == "step_00000004"
 
-    cfg2, fresh = _trainer(tmp_path)
-    loader = ck.Checkpointer(cfg2, root, torch.device("cpu"))
+    fresh = _job(tmp_path)
     assert not (root / ".tmp-step_00000005").exists()
-    loader.load(fresh, latest_checkpoint(root))
-    assert fresh.state.step == 4 and fresh.train_batches.position() == (0, 4 * 4)
+    fresh.checkpoints.load(latest_checkpoint(root))
+    assert fresh.trainer.progress.step == 4 and fresh.trainer.train_batches.position() == (0, 4 * 4)
     assert_same_tensors(fresh.model.state_dict(), weights, "weights loaded from step 4")
-    loader.close()
-    saver.close()

@@ -35,8 +35,8 @@ def _extra(group: str, option: str) -> list[str]:
 def test_option_composes_validates_and_instantiates(compose, group, option):
     from hydratrain.models.gpt import GPT, GPTConfig
     from hydratrain.optim import build_optimizer, build_scheduler
-    from hydratrain.parallelize import shard_units
-    from hydratrain.precision import autocast_context, grad_scaler, mixed_precision_policy
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.parallel.wrap_policy import shard_units
 
     cfg = compose([f"{group}={option}", *_extra(group, option)])
     assert OmegaConf.select(cfg, f"{group}.name") in (option, None) or group in ("trainer", "logger")
@@ -49,18 +49,15 @@ def test_option_composes_validates_and_instantiates(compose, group, option):
         assert abs(model.num_params() / expected - 1) < 0.1, model.num_params()
     small = GPT(GPTConfig(d_model=32, n_layer=2, n_head=2))
     if group == "precision":
-        from hydratrain.precision import resolve_auto
-
-        if option == "auto":
-            assert resolve_auto(cfg.precision, "cpu") in ("bf16", "fp32")
-        mixed_precision_policy(cfg.precision)
-        scaler = grad_scaler(cfg.precision, torch.device("cpu"))
-        assert (scaler is not None) == (option == "fp16")
-        with autocast_context(cfg.precision, torch.device("cpu"), "single"):
+        precision = Precision.resolve(cfg.precision, torch.device("cpu"))
+        assert precision.name in ("fp32", "bf16", "fp16") and (option == "auto" or precision.name == option)
+        precision.mixed_precision_policy()
+        assert precision.grad_scaler(torch.device("cpu")).is_enabled() == (option == "fp16")
+        with precision.autocast(torch.device("cpu")):
             small(torch.zeros(1, 4, dtype=torch.long))
     if group == "wrap_policy":
         units = shard_units(small, cfg.wrap_policy)
-        assert len(units) == {"none": 0, "transformer_block": 2}.get(option, len(units))
+        assert len(units) == {"none": 0, "transformer_block": 2, "auto": 2}.get(option, len(units))
     if group in ("optim", "scheduler"):
         opt = build_optimizer(small, cfg.optim)
         sched = build_scheduler(opt, cfg.scheduler, total_steps=10)
@@ -91,11 +88,13 @@ def test_cfg_job_prints_composed_config():
 @pytest.mark.parametrize("overrides,key", [
     (["optim.lr=-1"], "optim.lr"),
     (["wrap_policy=size_based", "wrap_policy.min_num_params=0"], "wrap_policy.min_num_params"),
-    (["wrap_policy=size_based", "wrap_policy.min_num_params=null"], "wrap_policy.min_num_params"),
+    (["wrap_policy=size_based", "wrap_policy.min_num_params=-5"], "wrap_policy.min_num_params"),
     (["model.n_head=3"], "model.n_head"),
     (["data.seq_len=4096"], "data.seq_len"),
     (["trainer.max_steps=null"], "trainer.max_steps"),
-    (["precision.name=fp8"], "precision.name"),
+    (["strategy=ddp", "wrap_policy=size_based"], "wrap_policy"),
+    (["strategy=single", "precision.reduce_dtype=bfloat16"], "precision.reduce_dtype"),
+    (["strategy=fsdp", "strategy.name=ddp"], "strategy.name"),
 ])
 def test_validate_names_the_key(compose, overrides, key):
     with pytest.raises(ConfigError) as err:
@@ -168,7 +167,7 @@ def test_size_based_policy_never_picks_a_container_without_forward():
     from torch import nn
 
     from hydratrain.models.gpt import GPT, GPTConfig
-    from hydratrain.parallelize import shard_units
+    from hydratrain.parallel.wrap_policy import shard_units
 
     model = GPT(GPTConfig())  # gpt_tiny: ~212k parameters per block, ~850k in the ModuleList of blocks
     policy = OmegaConf.create({"name": "size_based", "min_num_params": 500_000})

@@ -170,12 +170,12 @@ class ShardedBatches:
     """
 
     def __init__(self, dataset: TokenDataset, batch_size: int, rank: int, world_size: int, seed: int,
-                 shuffle: bool = True, device: Optional[torch.device] = None):
+                 shuffle: bool = True, device: Optional[torch.device] = None, strict_position: bool = True):
         if len(dataset) < world_size:
             raise ValueError(f"the split has {len(dataset)} samples of data.seq_len tokens, fewer than "
                              f"world_size={world_size}: use more data or a smaller data.seq_len")
         self.dataset, self.batch_size, self.device = dataset, batch_size, device
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.seed, self.strict_position = rank, world_size, seed, strict_position
         self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
                                           drop_last=True)
         # The global order: the same permutation the per-rank samplers slice, independent of world_size.
@@ -201,6 +201,43 @@ class ShardedBatches:
         """Continue at sample ``samples_consumed`` of epoch ``epoch``'s global order (see :meth:`position`)."""
         self.state = LoaderState(epoch, 0, samples_consumed)
 
+    # --------------------------------------------------------------------------------------------- Stateful
+    def state_dict(self) -> dict:
+        """The data position and what the order depends on (so a resume can check it is the same order)."""
+        epoch, consumed = self.position()
+        return {"epoch": epoch, "samples_in_epoch": consumed, "world_size": self.world_size,
+                "batch_size": self.batch_size, "seed": self.seed, "train_samples": len(self.dataset),
+                "seq_len": self.dataset.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved position, remapped to this world size and batch size (nothing skipped or repeated).
+
+        Raises :class:`~hydratrain.errors.CheckpointError` when the saved order differs (another ``trainer.seed``,
+        ``data.seq_len`` or train split), unless the iterator was made with ``strict_position=False``: then the
+        saved epoch starts over from its first sample.
+        """
+        from hydratrain.errors import CheckpointError
+
+        mismatch = [(key, state[name], now) for key, name, now in (
+            ("trainer.seed", "seed", self.seed), ("data.seq_len", "seq_len", self.dataset.seq_len),
+            ("data (train split size, in samples)", "train_samples", len(self.dataset))) if state[name] != now]
+        if mismatch and self.strict_position:
+            what = "; ".join(f"{k} was {a}, now {b}" for k, a, b in mismatch)
+            raise CheckpointError(f"cannot restore the data position ({what}): the sample order would differ and "
+                                  "samples would be skipped or repeated. Use the saved values, or set "
+                                  "checkpoint.restore_data_position=false to start that epoch over")
+        if not self.strict_position:
+            log.warning("checkpoint.restore_data_position=false: epoch %d starts over from its first sample "
+                        "(samples already seen in it will be seen again)", state["epoch"])
+            self.seek(int(state["epoch"]), 0)
+            return
+        self.seek(int(state["epoch"]), int(state["samples_in_epoch"]))
+        if state["world_size"] != self.world_size or state["batch_size"] != self.batch_size:
+            log.warning("data position remapped: %d ranks x batch %d -> %d ranks x batch %d; epoch %d continues at "
+                        "sample %d of its order (nothing skipped or repeated); %d micro-batches per rank left in it",
+                        state["world_size"], state["batch_size"], self.world_size, self.batch_size, state["epoch"],
+                        state["samples_in_epoch"], self.batches_left_in_epoch())
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         B, W = self.batch_size, self.world_size
         while True:
@@ -215,6 +252,43 @@ class ShardedBatches:
                     y = y.to(self.device, non_blocking=True)
                 yield x, y
             self.state = LoaderState(self.state.epoch + 1, 0)
+
+
+class EvalBatches:
+    """The eval set: the first ``n_samples`` samples (all when 0 or more than there are) of a fixed shuffled order
+    of a split (seed 0, independent of the run), in global batches of ``world_size x batch_size``.
+
+    Rank ``r`` takes positions ``g*W*B + r + W*j`` (``j < B``) of global batch ``g``; the last global batch is padded
+    with sample 0 and the padding is flagged invalid, so every rank runs the same number of forwards (FSDP needs
+    that) and each sample of the set counts exactly once, whatever the world size and batch size. Iterating yields
+    ``(x, y, valid)``: ``x, y`` ``(B, seq_len)`` int64 and ``valid`` ``(B,)`` bool.
+    """
+
+    def __init__(self, dataset: TokenDataset, n_samples: int, batch_size: int, rank: int, world_size: int,
+                 device: Optional[torch.device] = None):
+        if len(dataset) == 0:
+            raise ValueError("the split has no sample of data.seq_len + 1 tokens: use more data or a smaller "
+                             "data.seq_len")
+        self.dataset, self.batch_size, self.rank, self.world_size, self.device = (dataset, batch_size, rank,
+                                                                                  world_size, device)
+        order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        order.set_epoch(0)
+        self.order = list(order)[:n_samples or None]
+        self.n_samples = len(self.order)
+        self.global_batches = -(-self.n_samples // (batch_size * world_size))
+
+    def __len__(self) -> int:
+        return self.global_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        B, W = self.batch_size, self.world_size
+        for g in range(self.global_batches):
+            positions = [g * W * B + self.rank + W * j for j in range(B)]
+            valid = torch.tensor([p < self.n_samples for p in positions])
+            x, y = self.dataset.batch([self.order[p] if p < self.n_samples else self.order[0] for p in positions])
+            if self.device is not None:
+                x, y, valid = (t.to(self.device, non_blocking=True) for t in (x, y, valid))
+            yield x, y, valid
 
 
 def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool) -> dict[str, np.ndarray]:
@@ -233,9 +307,41 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool) -> 
         files = expand_paths(list(data_cfg.paths), launch_dir)
         root = Path(os.path.commonpath([str(f.parent) for f in files]))
     cache = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
+    if not cache.is_absolute():
+        cache = launch_dir / cache
     out = build_corpus(files, root, data_cfg.val_fraction, cache, progress)
     splits = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
     meta = json.loads((out / "meta.json").read_text())["splits"]
     log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
              meta["train"]["files"], meta["train"]["tokens"], meta["val"]["files"], meta["val"]["tokens"])
     return splits
+
+
+def build_data(cfg, info, launch_dir: Path, progress: bool) -> tuple[ShardedBatches, EvalBatches]:
+    """This rank's train micro-batches and eval set for the run config ``cfg``.
+
+    Local rank 0 builds missing caches first while the node's other ranks wait at a barrier. ``info`` is the
+    :class:`~hydratrain.dist.env.DistInfo` (with its device). Raises :class:`~hydratrain.errors.ConfigError` when a
+    split is too small for ``data.seq_len`` x ``data.batch_size`` x world size.
+    """
+    from hydratrain.dist.collectives import barrier
+    from hydratrain.errors import ConfigError
+
+    kwargs = dict(data_cfg=cfg.data, vocab_size=cfg.model.vocab_size, launch_dir=launch_dir,
+                  progress=progress and info.is_main)
+    splits = load_splits(**kwargs) if info.local_rank == 0 else None
+    barrier()
+    if splits is None:
+        splits = load_splits(**kwargs)
+    try:
+        train = ShardedBatches(TokenDataset(splits["train"], cfg.data.seq_len), cfg.data.batch_size, info.rank,
+                               info.world_size, seed=cfg.trainer.seed, device=info.device,
+                               strict_position=cfg.checkpoint.restore_data_position)
+    except ValueError as err:
+        raise ConfigError("data", cfg.data.name, f"train split ({len(splits['train'])} tokens): {err}") from None
+    try:
+        evals = EvalBatches(TokenDataset(splits["val"], cfg.data.seq_len), cfg.trainer.eval_samples,
+                            cfg.data.batch_size, info.rank, info.world_size, device=info.device)
+    except ValueError as err:
+        raise ConfigError("data", cfg.data.name, f"val split ({len(splits['val'])} tokens): {err}") from None
+    return train, evals

@@ -14,7 +14,7 @@ def report() -> list[str]:
     import torch
     import torch.distributed as dist
 
-    from hydratrain.precision import cpu_has_native_bf16
+    from hydratrain.parallel.precision import cpu_has_native_bf16
 
     cuda = torch.cuda.is_available()
     lines = [f"torch {torch.__version__} (python {sys.version.split()[0]})",

@@ -1,75 +1,7 @@
-"""Write the full (unsharded) model weights of a sharded checkpoint to one safetensors file, in one process.
+"""``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors``: the command of :mod:`hydratrain.checkpoint.export`."""
+from hydratrain.checkpoint.export import export, main
 
-    python -m hydratrain.export outputs/RUN/checkpoints/step_00000300 model.safetensors
-    python -m hydratrain.export outputs/RUN model.safetensors          # the run's latest complete checkpoint
-    python train.py model.init_from=model.safetensors ...              # fine-tune from it, on any strategy
-
-No process group is needed: DCP loads the checkpoint's model entries into full-size tensors allocated from its
-metadata (any number of saving ranks, any strategy). Keys are the model's parameter names; the file's metadata
-holds the step and the model config the checkpoint was saved with. Exit status 3 when the checkpoint is unusable.
-"""
-from __future__ import annotations
-
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
-
-
-def write_safetensors(tensors: dict, out: Path, metadata: dict) -> Path:
-    """Write ``tensors`` (name -> CPU tensor) to ``out`` as safetensors: a temporary name, then a rename, so a
-    reader never sees a partial file. Permissions follow the umask (like any new file). Returns ``out``."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, out)
-    return out
-
-
-def export(checkpoint: Path, out: Path) -> Path:
-    """Write the model weights of ``checkpoint`` (a step dir, or a run/checkpoints dir: its latest) to ``out``.
-
-    Written to a temporary name and renamed. Returns ``out``. Raises :class:`~hydratrain.checkpoint.CheckpointError`.
-    """
-    from hydratrain.checkpoint import resolve_checkpoint, step_of
-    from hydratrain.checkpoint_io import read_model_weights
-
-    ckpt = resolve_checkpoint(Path(checkpoint))
-    weights = read_model_weights(ckpt)
-    meta = {"format": "pt", "producer": "hydratrain", "checkpoint": str(ckpt.resolve()),
-            "step": str(step_of(ckpt))}
-    cfg_file = ckpt / "config.yaml"
-    if cfg_file.is_file():
-        from omegaconf import OmegaConf
-
-        meta["model_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(cfg_file).get("model", {})))
-    return write_safetensors(weights, out, meta)
-
-
-def main(argv=None) -> int:
-    """Command line: ``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors``."""
-    from hydratrain.checkpoint import EXIT_CHECKPOINT_ERROR
-    from hydratrain.checkpoint_io import CheckpointError
-
-    parser = argparse.ArgumentParser(prog="python -m hydratrain.export", description=__doc__.split("\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a step_XXXXXXXX dir, or a run or checkpoints dir (its latest)")
-    parser.add_argument("out", type=Path, help="the .safetensors file to write")
-    args = parser.parse_args(argv)
-    try:
-        out = export(args.checkpoint, args.out)
-    except CheckpointError as err:
-        print(f"hydratrain: checkpoint error: {err}", file=sys.stderr)
-        return EXIT_CHECKPOINT_ERROR
-    print(f"wrote {out}")
-    return 0
-
+__all__ = ["export", "main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

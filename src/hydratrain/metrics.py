@@ -106,6 +106,13 @@ class TensorBoardLogger:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
 
+    def purge_after(self, step: int) -> None:
+        """Mark the events of steps after ``step`` stale (TensorBoard drops them when it loads the run)."""
+        if self.writer:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            self.writer.file_writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer:
             self.writer.add_text(tag, text, step)

@@ -34,7 +34,20 @@ def lr_factor(step: int, name: str, warmup_steps: int, total_steps: int, min_lr_
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg, total_steps: int):
-    """``torch.optim.lr_scheduler.LambdaLR`` applying :func:`lr_factor`; step it once per optimizer step."""
+    """``torch.optim.lr_scheduler.LambdaLR`` applying :func:`lr_factor`; step it once per optimizer step (the update
+    of optimizer step ``s``, 1-based, uses factor ``s - 1``)."""
+    name, warmup = str(scheduler_cfg.name), scheduler_cfg.warmup_steps
+    min_ratio = scheduler_cfg.get("min_lr_ratio", 1.0)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, scheduler_cfg.name, scheduler_cfg.warmup_steps, total_steps,
-                                          scheduler_cfg.min_lr_ratio))
+        optimizer, lambda step: lr_factor(step, name, warmup, total_steps, min_ratio))
+
+
+def total_steps(trainer_cfg, batches_per_epoch: int) -> int:
+    """Optimizer steps the run takes: ``trainer.max_steps`` capped by ``trainer.max_epochs`` worth of micro-batches
+    (``batches_per_epoch`` per rank, ``trainer.grad_accum_steps`` per step)."""
+    steps = []
+    if trainer_cfg.max_steps is not None:
+        steps.append(trainer_cfg.max_steps)
+    if trainer_cfg.max_epochs is not None:
+        steps.append(trainer_cfg.max_epochs * batches_per_epoch // trainer_cfg.grad_accum_steps)
+    return max(0, min(steps))

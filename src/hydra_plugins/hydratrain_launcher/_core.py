@@ -85,8 +85,7 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hydratrain.config import ConfigError, validate_launcher
-    from hydratrain.run import preflight
+    from hydratrain.config import ConfigError, validate, validate_launcher
     from hydratrain.sweep import write_job_status
 
     lc = sweep_config.launcher
@@ -96,7 +95,7 @@ def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) 
     started = time.time()
     try:
         validate_launcher(lc)
-        preflight(sweep_config)  # a bad job config fails here, before any worker or process group exists
+        validate(sweep_config)  # a bad job config fails here, before any worker or process group exists
         endpoint = _check_endpoint(lc)
         payload = cloudpickle.dumps((launcher.hydra_context, sweep_config, launcher.task_function,
                                      Singleton.get_state()))

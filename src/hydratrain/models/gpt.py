@@ -83,8 +83,19 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
+        gqa = self.n_kv_head != self.n_head
+        if gqa and expand_kv_heads(q):
+            k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))
+            gqa = False
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def expand_kv_heads(q: torch.Tensor) -> bool:
+    """Whether grouped-query attention should repeat k/v to every query head before SDPA instead of passing
+    ``enable_gqa``: on CUDA in float32, where the flash kernel (fp16/bf16 only) is out and the memory-efficient one
+    does not take ``enable_gqa``, so SDPA would fall back to the math kernel and materialise the full (T, T) scores."""
+    return q.is_cuda and q.dtype == torch.float32
 
 
 class SwiGLU(nn.Module):
@@ -136,20 +147,33 @@ class GPT(nn.Module):
         if not self.tok_emb.weight.is_meta:
             self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """(Re)initialise every parameter and the rotary tables in place; works on sharded (DTensor) params."""
+    def init_param_(self, name: str, tensor: torch.Tensor, generator: Optional[torch.Generator] = None) -> None:
+        """Fill ``tensor`` (the full shape of parameter ``name``) with its initial values, drawing from ``generator``
+        (on ``tensor``'s device): RMSNorm gains 1, residual output projections normal(0, init_std / sqrt(2 *
+        n_layer)) (GPT-2), everything else normal(0, init_std)."""
         std = self.cfg.init_std
+        with torch.no_grad():
+            if tensor.ndim == 1:
+                tensor.fill_(1.0)
+            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
+                tensor.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layer), generator=generator)
+            else:
+                tensor.normal_(0.0, std, generator=generator)
+
+    @torch.no_grad()
+    def init_weights(self, generator_for=None) -> None:
+        """(Re)initialise every parameter (plain tensors) and the rotary tables in place. ``generator_for(name)``
+        gives each parameter its own ``torch.Generator``; None draws from the global RNG."""
+        for name, p in self.named_parameters():
+            self.init_param_(name, p, generator_for(name) if generator_for else None)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the rotary tables in place on their device (after ``to_empty`` they hold garbage)."""
         cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        for name, p in self.named_parameters():
-            if p.ndim == 1:
-                nn.init.ones_(p)  # RMSNorm gains
-            elif name.endswith(("attn.wo.weight", "mlp.w2.weight")):
-                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
-            else:
-                nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         T = idx.shape[1]

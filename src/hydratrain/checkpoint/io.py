@@ -1,7 +1,7 @@
 """Reading DCP checkpoints safely: allow-list unpickling of ``.metadata``, ``weights_only`` values, shard-file checks
 with one-line errors; full model weights in one process; ``model.init_from`` from a safetensors file.
 
-Used by :mod:`hydratrain.checkpoint` (save/resume) and :mod:`hydratrain.export`. Nothing here runs pickled code:
+Used by :mod:`hydratrain.checkpoint.manager` (save/resume) and :mod:`hydratrain.checkpoint.export`. Nothing here runs pickled code:
 DCP's ``.metadata`` is a plain pickle, read here by :class:`_MetadataUnpickler`, and every other pickled value goes
 through ``torch.load(weights_only=True)`` (:class:`SafeLoadPlanner`; DCP's own planner uses ``weights_only=False``).
 """
@@ -21,6 +21,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from hydratrain.dist.collectives import rank_and_world
+from hydratrain.errors import CheckpointError
+
 log = logging.getLogger(__name__)
 
 METADATA = ".metadata"
@@ -32,18 +35,6 @@ def quiet_without_process_group() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; ``str(err)`` is one line naming the file or dir and why."""
-
-
-
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group; (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -164,14 +155,49 @@ def load_dcp(state: dict, ckpt: Path) -> None:
         where = find_corrupt_entry(ckpt)
         if where:
             raise CheckpointError(where + f"; not loading {ckpt}") from err
-        cause = err
-        failures = getattr(err, "failures", None)  # DCP's CheckpointException: {rank: exception or traceback}
-        if isinstance(failures, dict) and failures:
-            cause = next(iter(failures.values()))
-            cause = getattr(cause, "exc", cause)
+        cause = root_cause(err)
         lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
-        raise CheckpointError(f"{ckpt}: loading failed ({type(cause).__name__}: {lines[-1] if lines else ''}); is "
-                              "this checkpoint from a model of another shape (model.*)?") from err
+        raise CheckpointError(f"{ckpt}: loading failed ({type(cause).__name__}: {lines[-1] if lines else ''})") \
+            from err
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's ``CheckpointException`` (whose ``failures`` map ranks to an
+    exception, a wrapper with ``.exc``, or an ``(exception, traceback frames)`` tuple), else ``err`` itself."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return err
+    cause = next(iter(failures.values()))
+    if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+        cause = cause[0]
+    cause = getattr(cause, "exc", cause)
+    return cause if isinstance(cause, BaseException) else RuntimeError(str(cause))
+
+
+def check_model_shapes(md: Metadata, model_shapes: dict[str, tuple], ckpt: Path, saved_config: Optional[dict],
+                       config: Optional[dict]) -> None:
+    """Raise :class:`CheckpointError` (one line) when the checkpoint's ``model.*`` tensors do not match
+    ``model_shapes`` (``{name: full shape}``): missing or extra names, or other shapes; names the ``model.*`` config
+    keys that differ between ``saved_config`` (the checkpoint's config.yaml) and ``config`` when both are given."""
+    saved = {k[len("model."):]: tuple(v.size) for k, v in md.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    missing, extra = sorted(set(model_shapes) - set(saved)), sorted(set(saved) - set(model_shapes))
+    wrong = [(k, saved[k], tuple(s)) for k, s in model_shapes.items() if k in saved and saved[k] != tuple(s)]
+    if not (missing or extra or wrong):
+        return
+    if wrong:
+        k, got, want = wrong[0]
+        what = f"model.{k} has shape {got} in the checkpoint, this model has {want}"
+    else:
+        what = f"the checkpoint's model has other parameters (missing {missing[:3]}, unexpected {extra[:3]})"
+    keys = ""
+    if saved_config and config:
+        diffs = [f"model.{k}: {saved_config['model'].get(k)!r} -> {config['model'].get(k)!r}"
+                 for k in sorted(set(saved_config.get("model", {})) | set(config.get("model", {})))
+                 if k not in ("name", "init_device", "init_from")
+                 and saved_config["model"].get(k) != config["model"].get(k)]
+        keys = f"; the model config differs: {', '.join(diffs)}" if diffs else ""
+    raise CheckpointError(f"{ckpt}: {what}{keys}; load it with the model config it was saved with")
 
 
 def read_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:

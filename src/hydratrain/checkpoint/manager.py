@@ -1,0 +1,334 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): a dict of Stateful components, saved
+atomically, found again for auto-resume, and loaded into any strategy and world size.
+
+Layout: ``<run dir>/checkpoints/step_XXXXXXXX/`` is one complete DCP checkpoint (``.metadata`` plus one
+``__<rank>_0.distcp`` file per saving rank, and ``config.yaml``, the run config that wrote it). Each component given
+to :class:`CheckpointManager` is stored under its own name (``run.py`` passes ``model``, ``optim``, ``scheduler``,
+``scaler``, ``progress``, ``data``) and each rank's own ones under ``rank<r>`` (``rng``, ``step_logger``); the
+manager knows nothing else about them. Format 1 (hydratrain before the Stateful components: ``trainer`` held the
+counters and data position, ``rank<r>`` the loss window directly) still loads.
+
+Every rank writes its own shards and nothing is gathered to one rank. A save goes to ``.tmp-step_XXXXXXXX``; after
+every rank has finished (DCP writes ``.metadata`` last, then a barrier), rank 0 renames it to ``step_XXXXXXXX``,
+fsyncs the directory, prunes to ``checkpoint.keep_last``, and all ranks wait at a barrier, so a run killed mid-save
+leaves only a temporary dir that is never loaded. A ``step_*`` dir without ``.metadata`` is not complete. A state
+holding a non-finite value is never saved (so it can never evict a good checkpoint).
+
+Loading (:mod:`hydratrain.checkpoint.io`) reads DCP's ``.metadata`` with an allow-list unpickler and every other
+pickled value with ``torch.load(weights_only=True)``; shard files are checked against the metadata's offsets first,
+and the model's shapes against this run's model, so an unusable checkpoint stops the run with one line naming it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
+from hydratrain.checkpoint.io import METADATA, check_model_shapes, load_dcp, quiet_without_process_group, verify
+from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
+from hydratrain.errors import CheckpointError, DivergenceError
+
+log = logging.getLogger(__name__)
+
+STEP_RE = re.compile(r"^step_(\d{8})$")
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 2
+
+
+def step_dir_name(step: int) -> str:
+    """``step_XXXXXXXX`` (8 digits) for optimizer step ``step``."""
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> Optional[int]:
+    """The step of a ``step_XXXXXXXX`` dir, else None."""
+    m = STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under ``root`` as (step, path), oldest first. Skips (with a warning) ``step_*`` dirs
+    without ``.metadata`` and ignores temporary ``.tmp-*`` dirs of unfinished saves."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        step = step_of(p)
+        if step is None or not p.is_dir():
+            continue
+        if (p / METADATA).is_file():
+            out.append((step, p))
+        else:
+            log.warning("ignoring %s: no %s, so it is not a complete checkpoint", p, METADATA)
+    return sorted(out)
+
+
+def latest_checkpoint(root: Path) -> Optional[Path]:
+    """The complete checkpoint with the highest step under ``root``, or None."""
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint dir from ``path``: a ``step_*`` dir itself, or the latest complete one in a ``checkpoints`` dir
+    or in a run dir's ``checkpoints/``. Raises :class:`CheckpointError` when there is none."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint dir")
+    if (path / METADATA).is_file() or step_of(path) is not None:
+        if not (path / METADATA).is_file():
+            raise CheckpointError(f"{path / METADATA}: missing, so {path} is not a complete checkpoint")
+        return path
+    for root in (path, path / "checkpoints"):
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    raise CheckpointError(f"{path}: holds no complete checkpoint (step_XXXXXXXX/{METADATA})")
+
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """DCP's flat keys (``a.b.c``) of a nested dict, nested dicts walked, everything else a leaf."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _keep_stored(tree: dict, stored: set) -> dict:
+    """``tree`` without the entries the checkpoint does not hold (torch versions add scheduler keys, a CPU run saved
+    no CUDA RNG, a run on more ranks than saved has no RNG state for the new ranks), in DCP's own flat layout."""
+    flat, paths = flatten_state_dict(tree)
+    kept = {k: v for k, v in flat.items() if k in stored}
+    return unflatten_state_dict(kept, {k: paths[k] for k in kept})
+
+
+def _has(stored: set, name: str) -> bool:
+    return any(k == name or k.startswith(name + ".") for k in stored)
+
+
+def _non_finite(state: dict) -> list[str]:
+    """Names of floating tensors (local shards) in ``state`` that hold a NaN or an inf."""
+    bad = []
+    for key, v in flatten_state_dict(state)[0].items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            local = v.to_local() if hasattr(v, "to_local") else v
+            if local.numel() and not bool(torch.isfinite(local).all()):
+                bad.append(key)
+    return bad
+
+
+def config_diff(saved: Mapping, now: Mapping) -> list[str]:
+    """``key: old -> new`` for every leaf that differs between two config containers (keys in either)."""
+    a, b = _flat(saved), _flat(now)
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in sorted(set(a) | set(b))
+            if a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+
+class CheckpointManager:
+    """Saves and loads a dict of Stateful components under ``root``; every rank calls every method together.
+
+    Args:
+        root: where checkpoints go (``<run dir>/checkpoints``).
+        components: ``{name: Stateful}`` saved by all ranks (sharded tensors are split by DCP); loaded in this order.
+        rank_components: ``{name: Stateful}`` of this rank alone, stored under ``rank<r>``.
+        config: the run config as a plain container; written to each checkpoint's ``config.yaml`` and compared
+            with the saved one on load.
+        keep_last: complete checkpoints kept (0 = all).
+    """
+
+    def __init__(self, root: Path, components: dict[str, Any], rank_components: dict[str, Any],
+                 config: Mapping, keep_last: int, device: torch.device):
+        self.root, self.components, self.rank_components = Path(root), components, rank_components
+        self.config, self.keep_last, self.device = config, keep_last, device
+        self.rank, self.world_size = rank_and_world()
+        self.last_saved_step: Optional[int] = None
+        if self.rank == 0 and self.root.is_dir():
+            for stale in self.root.glob(TMP_PREFIX + "*"):
+                log.warning("removing %s, left by a save that did not finish", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def latest(self) -> Optional[Path]:
+        """The newest complete checkpoint under ``root`` (None if there is none)."""
+        return latest_checkpoint(self.root)
+
+    def _state(self) -> dict[str, Any]:
+        state = {name: obj.state_dict() for name, obj in self.components.items()}
+        state[f"rank{self.rank}"] = {name: obj.state_dict() for name, obj in self.rank_components.items()}
+        state["checkpoint"] = {"format_version": FORMAT_VERSION, "world_size": self.world_size}
+        return state
+
+    # ------------------------------------------------------------------------------------------------- save
+    def save(self, step: int) -> Path:
+        """Write a checkpoint for optimizer step ``step``; every rank calls. Returns the final dir.
+
+        Written to ``.tmp-step_XXXXXXXX`` then renamed by rank 0 once all ranks have finished; older checkpoints
+        beyond ``keep_last`` are deleted. Replaces a checkpoint of the same step, if any. Raises
+        :class:`~hydratrain.errors.DivergenceError`, writing nothing, when any rank's state holds a non-finite value.
+        """
+        from omegaconf import OmegaConf
+
+        t0 = time.perf_counter()
+        state = self._state()
+        bad = _non_finite(state)
+        if any_rank(bool(bad), self.device):
+            raise DivergenceError(f"not saving step {step}: the state holds non-finite values"
+                                  + (f" ({', '.join(bad[:3])} on rank {self.rank})" if bad else ""),
+                                  step, str(self.latest()) if self.latest() else None)
+        final = self.root / step_dir_name(step)
+        tmp = self.root / (TMP_PREFIX + final.name)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config)))
+        barrier()
+        with quiet_without_process_group():
+            dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+        barrier()  # every rank's shards are written and DCP's .metadata is in place
+        if self.rank == 0:
+            if final.exists():
+                old = self.root / (TMP_PREFIX + "old-" + final.name)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        barrier()  # no rank goes on (or exits) before the rename is done
+        self.last_saved_step = step
+        log.info("saved checkpoint %s (%.2f s)", final, time.perf_counter() - t0)
+        return final
+
+    def _prune(self) -> None:
+        if not self.keep_last:
+            return
+        for _, path in list_checkpoints(self.root)[:-self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", path, self.keep_last)
+
+    # ------------------------------------------------------------------------------------------------- load
+    def load(self, ckpt: Path) -> None:
+        """Restore every component from ``ckpt`` (resharded by DCP to this strategy and world size); every rank
+        calls. Logs every config value that differs from the one the checkpoint was saved with.
+
+        Raises :class:`CheckpointError` when the checkpoint is unreadable, from a model of another shape, or a
+        component refuses its state (e.g. the data order changed).
+        """
+        ckpt = Path(ckpt)
+        md = verify(ckpt)
+        stored = set(md.state_dict_metadata)
+        saved_config = self._saved_config(ckpt)
+        if "model" in self.components:
+            shapes = {k: tuple(v.shape) for k, v in self.components["model"].state_dict().items()}
+            check_model_shapes(md, shapes, ckpt, saved_config, dict(self.config))
+        rank_key = f"rank{self.rank}"
+        targets = {name: obj.state_dict() for name, obj in self.components.items()}
+        mine = {name: obj.state_dict() for name, obj in self.rank_components.items()}
+        format_1 = not _has(stored, "checkpoint.format_version")
+        if format_1:  # trainer.* held progress and data position; rank<r> held the loss window directly
+            targets["trainer"] = {**targets.pop("progress", {}), **targets.pop("data", {})}
+            mine = {"rng": mine.get("rng", {}), **mine.get("step_logger", {})}
+        targets[rank_key] = mine
+        loadable = _keep_stored(targets, stored)
+        for name in self.components:
+            if name not in loadable and targets.get(name) and not (format_1 and name in ("progress", "data")):
+                log.warning("%s holds no '%s' state: it starts fresh", ckpt, name)
+        load_dcp(loadable, ckpt)
+        if format_1:
+            trainer = loadable.pop("trainer", {})
+            for name in ("progress", "data"):
+                if name in self.components:
+                    keys = self.components[name].state_dict().keys()
+                    loadable[name] = {k: v for k, v in trainer.items() if k in keys}
+            window = {k: v for k, v in loadable.get(rank_key, {}).items() if k != "rng"}
+            loadable[rank_key] = {"rng": loadable.get(rank_key, {}).get("rng", {}), "step_logger": window}
+        try:
+            for name, obj in self.components.items():
+                if name in loadable:
+                    obj.load_state_dict(loadable[name])
+        except CheckpointError as err:
+            raise CheckpointError(f"{ckpt}: {err}") from None
+        self._load_rank_state(loadable.get(rank_key, {}), ckpt)
+        if self.root.resolve() == ckpt.parent.resolve():
+            self.last_saved_step = step_of(ckpt)
+        if saved_config is not None:
+            diff = [d for d in config_diff(saved_config, self.config) if not d.startswith("launcher.")]
+            if diff:
+                log.warning("resuming from %s with a config that differs from the one that saved it (the new values "
+                            "apply; optimizer moments, step counts and data position come from the checkpoint):\n  %s",
+                            ckpt, "\n  ".join(diff))
+        log.info("resumed from %s: step %s (saved by %s ranks, now %d)", ckpt, step_of(ckpt),
+                 self._saved_world_size(loadable, md), self.world_size)
+
+    def _load_rank_state(self, state: dict, ckpt: Path) -> None:
+        saved_ws = None
+        if not state.get("rng"):
+            log.warning("%s has no RNG state for rank %d: keeping this rank's seeded RNG", ckpt, self.rank)
+        for name, obj in self.rank_components.items():
+            if state.get(name):
+                obj.load_state_dict(state[name])
+        return saved_ws
+
+    @staticmethod
+    def _saved_world_size(loadable: dict, md) -> Any:
+        data = loadable.get("data") or {}
+        return data.get("world_size", "?")
+
+    @staticmethod
+    def _saved_config(ckpt: Path) -> Optional[dict]:
+        from omegaconf import OmegaConf
+
+        path = ckpt / "config.yaml"
+        if not path.is_file():
+            return None
+        try:
+            return OmegaConf.to_container(OmegaConf.load(path))
+        except Exception:  # a config file we cannot read is not a reason to refuse the checkpoint
+            return None
+
+
+def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
+    """The checkpoint this run starts from, checked for completeness: the latest complete one in
+    ``<run_dir>/checkpoints`` (auto-resume, when ``checkpoint.auto_resume``), else ``checkpoint.resume_from``
+    (relative to ``launch_dir``), else None. A run dir's own checkpoint wins over ``resume_from`` so that a
+    relaunch of a preempted run continues where it stopped.
+
+    Raises :class:`CheckpointError` when the chosen checkpoint is incomplete, truncated or unreadable.
+    """
+    from hydratrain.dist.run_dir import resolve_path
+
+    ckpt = latest_checkpoint(Path(run_dir) / "checkpoints") if ccfg.auto_resume else None
+    if ckpt is None and ccfg.resume_from:
+        ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir))
+    if ckpt is not None:
+        verify(ckpt)
+    return ckpt

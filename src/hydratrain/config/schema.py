@@ -1,0 +1,449 @@
+"""Typed schemas for the run config and their ConfigStore registration.
+
+Every option name is defined once, as an :class:`Option` Enum below; Hydra rejects any other value while composing
+(``strategy.name=fsdq`` -> ``Invalid value 'fsdq', expected one of [single, ddp, fsdp]``). Groups whose options take
+different keys get one dataclass per option (``ddp`` has ``bucket_cap_mb``, ``fsdp`` has ``cpu_offload``), stored as
+``schema/<group>/<option>`` and pulled in by each ``conf/<group>/<option>.yaml`` (``defaults: [/schema/...@_here_]``),
+so a key that an option does not use is a composition error instead of being silently ignored. ``TrainConfig`` ties
+the groups together and is registered as ``train_schema`` (listed first in ``conf/train.yaml``).
+
+Importing this module has no side effects and does not import torch; call :func:`register_configs` once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar, List, Optional
+
+from omegaconf import MISSING
+
+
+class Option(str, Enum):
+    """A config option name. A ``str``, so ``cfg.strategy.name == "fsdp"`` holds; prints as its plain value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> list[str]:
+        return [m.value for m in cls]
+
+
+class StrategyName(Option):
+    single = "single"
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
+class PrecisionName(Option):
+    auto = "auto"
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class DType(Option):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class WrapPolicyName(Option):
+    auto = "auto"
+    none = "none"
+    size_based = "size_based"
+    transformer_block = "transformer_block"
+
+
+class DataName(Option):
+    python_stdlib = "python_stdlib"
+    text_files = "text_files"
+    synthetic = "synthetic"
+
+
+class LauncherName(Option):
+    local = "local"
+    torchrun = "torchrun"
+    slurm = "slurm"
+    submitit_local = "submitit_local"
+
+
+class OptimName(Option):
+    adamw = "adamw"
+
+
+class SchedulerName(Option):
+    warmup_cosine = "warmup_cosine"
+    constant = "constant"
+
+
+class Device(Option):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class InitDevice(Option):
+    auto = "auto"
+    meta = "meta"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Backend(Option):
+    gloo = "gloo"
+    nccl = "nccl"
+
+
+class NonFinitePolicy(Option):
+    stop = "stop"
+    skip = "skip"
+
+
+# ------------------------------------------------------------------------------------------------------ model
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer size (see ``hydratrain.models.gpt``)."""
+
+    name: str = MISSING  # preset name: gpt_tiny, gpt_small, llama_1b, llama_8b (free text: presets are files)
+    vocab_size: int = 256  # tokens; 256 for the byte-level corpora
+    max_seq_len: int = 256  # longest sequence the rotary table covers, tokens
+    d_model: int = 128  # residual width
+    n_layer: int = 4  # decoder blocks
+    n_head: int = 4  # query heads; head_dim = d_model // n_head
+    n_kv_head: Optional[int] = None  # key/value heads for grouped-query attention; null = n_head
+    d_ff: Optional[int] = None  # SwiGLU hidden width; null = 8/3 * d_model rounded up to ff_multiple_of
+    ff_multiple_of: int = 64
+    tie_embeddings: bool = True  # share the token embedding with the output projection
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    # meta: build without storage, shard, then materialise and initialise (no rank ever holds the whole model);
+    # cpu/cuda: build with storage on that device kind; auto: meta under strategy=fsdp, else the run's device.
+    # Every choice gives the same weights (each parameter is drawn from its own generator seeded by trainer.seed).
+    init_device: InitDevice = InitDevice.auto
+    init_from: Optional[str] = None  # a .safetensors file of full weights to start from (fine-tuning)
+
+
+# ------------------------------------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    """Keys every ``data`` option has (see ``hydratrain.data``)."""
+
+    option: ClassVar[Optional[DataName]] = None
+    name: DataName = MISSING
+    seq_len: int = 256  # tokens per sample (the model sees seq_len tokens and predicts the next seq_len)
+    batch_size: int = 8  # samples per micro-batch per rank
+    val_fraction: float = 0.02  # share of files (or of the synthetic stream) held out for eval
+
+
+@dataclass
+class PythonStdlibData(DataConfig):
+    option: ClassVar[DataName] = DataName.python_stdlib
+    name: DataName = DataName.python_stdlib
+    cache_dir: Optional[str] = None  # where built memmaps are kept; null = $HYDRATRAIN_CACHE or ~/.cache/hydratrain
+
+
+@dataclass
+class TextFilesData(DataConfig):
+    option: ClassVar[DataName] = DataName.text_files
+    name: DataName = DataName.text_files
+    paths: List[str] = MISSING  # files or globs (** allowed); relative ones resolve against the launch dir
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class SyntheticData(DataConfig):
+    option: ClassVar[DataName] = DataName.synthetic
+    name: DataName = DataName.synthetic
+    synthetic_tokens: int = 2_000_000  # stream length in tokens
+
+
+# --------------------------------------------------------------------------------------------------- strategy
+@dataclass
+class StrategyConfig:
+    option: ClassVar[Optional[StrategyName]] = None
+    name: StrategyName = MISSING
+
+
+@dataclass
+class SingleStrategy(StrategyConfig):
+    """One process, no process group."""
+
+    option: ClassVar[StrategyName] = StrategyName.single
+    name: StrategyName = StrategyName.single
+
+
+@dataclass
+class DDPStrategy(StrategyConfig):
+    """``torch.nn.parallel.DistributedDataParallel``: a full replica per rank, gradients all-reduced."""
+
+    option: ClassVar[StrategyName] = StrategyName.ddp
+    name: StrategyName = StrategyName.ddp
+    backend: Optional[Backend] = None  # process-group backend; null = nccl on CUDA, gloo on CPU
+    bucket_cap_mb: int = 25  # gradient all-reduce bucket size, MiB
+    find_unused_parameters: bool = False
+
+
+@dataclass
+class FSDPStrategy(StrategyConfig):
+    """FSDP2 ``fully_shard``: per-parameter sharding over a 1-D device mesh."""
+
+    option: ClassVar[StrategyName] = StrategyName.fsdp
+    name: StrategyName = StrategyName.fsdp
+    backend: Optional[Backend] = None  # null = nccl on CUDA (plus gloo for CPU tensors with cpu_offload), gloo on CPU
+    reshard_after_forward: bool = True  # free gathered params after forward (ZeRO-3) or keep them (ZeRO-2)
+    cpu_offload: bool = False  # keep sharded params, grads and optimizer state in CPU memory
+
+
+# -------------------------------------------------------------------------------------------------- precision
+@dataclass
+class PrecisionConfig:
+    """Numeric formats (see ``hydratrain.parallel.precision``). Master weights and optimizer state are always fp32;
+    the compute dtype follows from ``name`` (auto: bf16 where the device computes it natively, else fp32)."""
+
+    option: ClassVar[Optional[PrecisionName]] = None
+    name: PrecisionName = MISSING
+    reduce_dtype: DType = DType.float32  # dtype of the gradient reduction across ranks (ddp: a compression hook)
+    tf32: bool = True  # CUDA only: let float32 matmuls use TF32 tensor cores (no effect on CPU)
+
+
+@dataclass
+class AutoPrecision(PrecisionConfig):
+    option: ClassVar[PrecisionName] = PrecisionName.auto
+    name: PrecisionName = PrecisionName.auto
+
+
+@dataclass
+class FP32Precision(PrecisionConfig):
+    option: ClassVar[PrecisionName] = PrecisionName.fp32
+    name: PrecisionName = PrecisionName.fp32
+
+
+@dataclass
+class BF16Precision(PrecisionConfig):
+    option: ClassVar[PrecisionName] = PrecisionName.bf16
+    name: PrecisionName = PrecisionName.bf16
+
+
+@dataclass
+class FP16Precision(PrecisionConfig):
+    """float16 compute with dynamic loss scaling (``torch.amp.GradScaler``)."""
+
+    option: ClassVar[PrecisionName] = PrecisionName.fp16
+    name: PrecisionName = PrecisionName.fp16
+    init_scale: float = 65536.0  # the scaler's first scale
+    growth_interval: int = 2000  # clean steps before the scale doubles
+
+
+# ------------------------------------------------------------------------------------------------ wrap policy
+@dataclass
+class WrapPolicyConfig:
+    """Which submodules FSDP shards as their own unit before the root (see ``hydratrain.parallel.wrap_policy``).
+    Only ``strategy=fsdp`` shards; other strategies allow ``auto`` (the default) and ``none`` only."""
+
+    option: ClassVar[Optional[WrapPolicyName]] = None
+    name: WrapPolicyName = MISSING
+
+
+@dataclass
+class NamedWrapPolicy(WrapPolicyConfig):
+    """``auto`` (transformer_block under fsdp), ``none`` or ``transformer_block``: no further keys."""
+
+
+@dataclass
+class SizeBasedWrapPolicy(WrapPolicyConfig):
+    option: ClassVar[WrapPolicyName] = WrapPolicyName.size_based
+    name: WrapPolicyName = WrapPolicyName.size_based
+    min_num_params: int = 100_000  # a module with at least this many not-yet-sharded parameters becomes a unit
+
+
+# --------------------------------------------------------------------------------------------------- launcher
+@dataclass
+class LauncherConfig:
+    """Who starts the processes (see README.md, "Launching and sweeping"). The keys of each option are the
+    user-facing ones; ``conf/launcher/<option>.yaml`` maps them onto the Hydra launcher plugin's ``hydra.launcher``."""
+
+    option: ClassVar[Optional[LauncherName]] = None
+    name: LauncherName = MISSING
+
+
+@dataclass
+class LocalLauncher(LauncherConfig):
+    """You start the processes: ``python train.py`` or ``torchrun ... train.py``."""
+
+    option: ClassVar[LauncherName] = LauncherName.local
+    name: LauncherName = LauncherName.local
+
+
+@dataclass
+class TorchrunLauncher(LauncherConfig):
+    """hydratrain's Hydra launcher plugin: every job is one elastic launch (torchrun's engine)."""
+
+    option: ClassVar[LauncherName] = LauncherName.torchrun
+    name: LauncherName = LauncherName.torchrun
+    nproc_per_node: int = 2  # workers (ranks) per node
+    nnodes: int = 1  # nodes; > 1 needs rdzv_endpoint and one launch per node with its node_rank
+    node_rank: int = 0  # this node's index in [0, nnodes); node 0 hosts the rendezvous store
+    rdzv_endpoint: Optional[str] = None  # HOST:PORT of node 0's rendezvous store; null = a free port per job
+    rdzv_timeout: int = 600  # seconds to wait for all nodes to join a job's rendezvous
+    max_restarts: int = 0  # times the agent restarts all workers of a job after one fails
+
+
+@dataclass
+class SubmititLauncher(LauncherConfig):
+    """hydra-submitit-launcher (extra ``[slurm]``): one task, i.e. one rank, per GPU."""
+
+    nodes: int = 1  # nodes per job
+    tasks_per_node: int = 1  # ranks per node; must equal gpus_per_node when gpus_per_node > 0
+    gpus_per_node: int = 0  # GPUs per node (0: CPU-only tasks)
+    cpus_per_task: Optional[int] = None  # null = submitit's default
+    timeout_min: int = 60  # job time limit, minutes
+
+
+@dataclass
+class SlurmLauncher(SubmititLauncher):
+    option: ClassVar[LauncherName] = LauncherName.slurm
+    name: LauncherName = LauncherName.slurm
+    gpus_per_node: int = 8
+    tasks_per_node: int = 8
+    partition: Optional[str] = None  # SLURM partition; null = the cluster's default
+    account: Optional[str] = None  # SLURM account to charge; null = your default
+
+
+@dataclass
+class SubmititLocalLauncher(SubmititLauncher):
+    option: ClassVar[LauncherName] = LauncherName.submitit_local
+    name: LauncherName = LauncherName.submitit_local
+    tasks_per_node: int = 2
+
+
+# ------------------------------------------------------------------------------------------- optim, schedule
+@dataclass
+class AdamWConfig:
+    """``torch.optim.AdamW``; weight decay on matrices only (see ``hydratrain.optim``)."""
+
+    option: ClassVar[OptimName] = OptimName.adamw
+    name: OptimName = OptimName.adamw
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.1  # applied to matrices only (not norms or biases)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class SchedulerConfig:
+    option: ClassVar[Optional[SchedulerName]] = None
+    name: SchedulerName = MISSING
+    warmup_steps: int = 0  # linear warm-up from optim.lr / warmup_steps (step 1) to optim.lr, optimizer steps
+
+
+@dataclass
+class ConstantSchedule(SchedulerConfig):
+    option: ClassVar[SchedulerName] = SchedulerName.constant
+    name: SchedulerName = SchedulerName.constant
+
+
+@dataclass
+class WarmupCosineSchedule(SchedulerConfig):
+    option: ClassVar[SchedulerName] = SchedulerName.warmup_cosine
+    name: SchedulerName = SchedulerName.warmup_cosine
+    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * optim.lr
+
+
+# ------------------------------------------------------------------------------------------ trainer and rest
+@dataclass
+class TrainerConfig:
+    max_steps: Optional[int] = 300  # optimizer steps; null = until max_epochs
+    max_epochs: Optional[int] = None  # passes over the train split; null = until max_steps
+    grad_accum_steps: int = 1  # micro-batches per optimizer step
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still logged)
+    eval_every_n_steps: int = 100  # 0 = only at the end
+    eval_samples: int = 256  # val samples per eval, the same set whatever the world size and batch; 0 = all
+    log_every_n_steps: int = 10
+    seed: int = 1234
+    compile: bool = False  # torch.compile each decoder block
+    progress_bar: bool = True  # rank-0 tqdm bar
+    sample_tokens: int = 120  # tokens generated at the end (text for byte corpora, ids otherwise); 0 = none
+    save_weights: bool = True  # write the full model as model.safetensors in the run dir at the end
+    on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop  # non-finite loss/grad norm (outside fp16): stop | skip
+    max_consecutive_nonfinite: int = 20  # skip (and fp16's scaler): stop after this many skipped steps in a row
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints under ``<run dir>/checkpoints`` and resuming (see ``hydratrain.checkpoint``)."""
+
+    every_n_steps: int = 100  # save every N optimizer steps; 0 = none (only save_last and SIGTERM saves)
+    keep_last: int = 2  # complete checkpoints kept in the run dir (older ones deleted); 0 = keep all
+    save_last: bool = False  # also save when training ends (true: a finished run can be extended or exported)
+    auto_resume: bool = True  # start from the latest complete checkpoint in this run dir, if there is one
+    resume_from: Optional[str] = None  # a step_XXXXXXXX dir, or a checkpoints/run dir (its latest); used when the
+    #                                    run dir has no checkpoint of its own; relative to the launch dir
+    restore_data_position: bool = True  # false: start the saved epoch over when its order cannot be kept
+    save_on_sigterm: bool = True  # on SIGTERM (SIGUSR2 under submitit): save, exit with preempt_exit_code
+    preempt_exit_code: int = 75  # exit status after a SIGTERM save (EX_TEMPFAIL: relaunch to resume)
+
+
+@dataclass
+class LoggerConfig:
+    tensorboard: bool = True  # rank 0 writes events under <run dir>/tensorboard
+    peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; null = known GPU table or a measured CPU matmul
+
+
+@dataclass
+class DistributedConfig:
+    """Process-group behaviour (see ``hydratrain.dist.process_group``)."""
+
+    failure_timeout_s: float = 60.0  # when a rank raises or dies, every other rank exits within this many seconds
+    collective_timeout_s: float = 600.0  # a collective that waits longer than this fails (process-group timeout)
+
+
+@dataclass
+class TrainConfig:
+    """The whole run config: one field per config group, plus a few top-level switches."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: Any = MISSING
+    strategy: Any = MISSING
+    precision: Any = MISSING
+    wrap_policy: Any = MISSING
+    launcher: Any = MISSING
+    optim: Any = MISSING
+    scheduler: Any = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
+    device: Device = Device.auto  # auto (cuda if available) | cpu | cuda
+
+
+# group -> {option: schema}; each conf/<group>/<option>.yaml starts with `- /schema/<group>/<option>@_here_`
+SCHEMAS: dict[str, dict[str, type]] = {
+    "data": {o.value: c for c in (PythonStdlibData, TextFilesData, SyntheticData) for o in [c.option]},
+    "strategy": {o.value: c for c in (SingleStrategy, DDPStrategy, FSDPStrategy) for o in [c.option]},
+    "precision": {o.value: c for c in (AutoPrecision, FP32Precision, BF16Precision, FP16Precision) for o in [c.option]},
+    "wrap_policy": {"auto": NamedWrapPolicy, "none": NamedWrapPolicy, "transformer_block": NamedWrapPolicy,
+                    "size_based": SizeBasedWrapPolicy},
+    "launcher": {o.value: c for c in (LocalLauncher, TorchrunLauncher, SlurmLauncher, SubmititLocalLauncher)
+                 for o in [c.option]},
+    "optim": {"adamw": AdamWConfig},
+    "scheduler": {o.value: c for c in (ConstantSchedule, WarmupCosineSchedule) for o in [c.option]},
+}
+
+
+def register_configs() -> None:
+    """Store :class:`TrainConfig` as ``train_schema`` and every option schema as ``schema/<group>/<option>`` in
+    Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, options in SCHEMAS.items():
+        for option, schema in options.items():
+            cs.store(group=f"schema/{group}", name=option, node=schema)

@@ -1,0 +1,185 @@
+"""Value and cross-field checks of a composed run config, before any process or process group exists.
+
+:func:`validate` reads the config only (it never writes it) and raises :class:`~hydratrain.errors.ConfigError`
+naming the first bad key, its value and what is allowed. It imports nothing heavy, so launchers can call it on each
+job's config before starting workers. Checks that depend on the machine (is there a GPU, NCCL, do the files exist)
+are in :func:`check_environment`.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from hydratrain.config.schema import DType, StrategyName, WrapPolicyName
+from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError
+
+BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
+GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler")
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key, throw_on_missing=False)
+
+
+def _check_option_nodes(cfg: DictConfig) -> None:
+    """``<group>.name`` must be the option its node was composed for (``strategy.name=ddp`` on the fsdp node would
+    keep fsdp's keys under ddp's name): choose options with ``<group>=<option>``."""
+    for group in GROUPS_WITH_OPTIONS:
+        node = cfg.get(group)
+        if node is None:
+            continue
+        option = getattr(OmegaConf.get_type(node), "option", None)
+        if option is not None and node.name != option:
+            raise ConfigError(f"{group}.name", node.name, f"the {group} node was composed as {option}; pick an "
+                              f"option with {group}={node.name}, not by renaming it")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check values that the schema's types cannot. Raises :class:`ConfigError` on the first bad key."""
+    _check_option_nodes(cfg)
+
+    def positive(key: str, allow_zero: bool = False, allow_none: bool = False) -> None:
+        value = _get(cfg, key)
+        if value is None and allow_none:
+            return
+        if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(key, value, "must be finite and " + (">= 0" if allow_zero else "> 0"))
+
+    for key in ("model.vocab_size", "model.max_seq_len", "model.d_model", "model.n_layer", "model.n_head",
+                "model.init_std", "model.ff_multiple_of", "data.seq_len", "data.batch_size", "data.synthetic_tokens",
+                "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
+                "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",
+                "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb",
+                "wrap_policy.min_num_params"):
+        if OmegaConf.select(cfg, key, default="<absent>") != "<absent>":
+            positive(key)
+    for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",
+                "trainer.eval_samples", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
+        positive(key, allow_zero=True)
+    for key in ("trainer.max_steps", "trainer.max_epochs", "model.n_kv_head", "model.d_ff", "logger.peak_flops"):
+        positive(key, allow_none=True)
+
+    m = cfg.model
+    if m.d_model % m.n_head:
+        raise ConfigError("model.n_head", m.n_head, f"must divide model.d_model={m.d_model}")
+    if (m.d_model // m.n_head) % 2:
+        raise ConfigError("model.n_head", m.n_head, "head_dim = d_model // n_head must be even for rotary embeddings")
+    kv = m.n_kv_head or m.n_head
+    if m.n_head % kv:
+        raise ConfigError("model.n_kv_head", m.n_kv_head, f"must divide model.n_head={m.n_head}")
+    if cfg.data.seq_len > m.max_seq_len:
+        raise ConfigError("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
+    if cfg.data.name in BYTE_LEVEL_DATA and m.vocab_size < 256:
+        raise ConfigError("model.vocab_size", m.vocab_size, f"byte-level data={cfg.data.name} needs >= 256")
+    if cfg.data.name == "text_files" and not cfg.data.paths:
+        raise ConfigError("data.paths", list(cfg.data.paths), "data=text_files needs at least one file or glob")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)")
+    if not 0.0 <= cfg.optim.beta1 < 1.0 or not 0.0 <= cfg.optim.beta2 < 1.0:
+        raise ConfigError("optim.beta1/beta2", (cfg.optim.beta1, cfg.optim.beta2), "must be in [0, 1)")
+    ratio = _get(cfg, "scheduler.min_lr_ratio")
+    if ratio is not None and not 0.0 <= ratio <= 1.0:
+        raise ConfigError("scheduler.min_lr_ratio", ratio, "must be in [0, 1]")
+    if cfg.trainer.max_steps is None and cfg.trainer.max_epochs is None:
+        raise ConfigError("trainer.max_steps", None, "set trainer.max_steps and/or trainer.max_epochs")
+
+    strategy = cfg.strategy.name
+    if cfg.wrap_policy.name not in (WrapPolicyName.auto, WrapPolicyName.none) and strategy != StrategyName.fsdp:
+        raise ConfigError("wrap_policy", cfg.wrap_policy.name, f"only strategy=fsdp shards modules by a wrap policy "
+                          f"(this run: strategy={strategy}); allowed here: auto, none")
+    if strategy == StrategyName.single and cfg.precision.reduce_dtype != DType.float32:
+        raise ConfigError("precision.reduce_dtype", cfg.precision.reduce_dtype, "strategy=single reduces no "
+                          "gradients across ranks; allowed: float32")
+    if cfg.model.init_device == "cuda" and cfg.device == "cpu":
+        raise ConfigError("model.init_device", "cuda", "the run's device is cpu; allowed: auto, meta, cpu")
+    code = cfg.checkpoint.preempt_exit_code
+    if not 0 < code < 126 or code in RESERVED_EXIT_CODES:
+        raise ConfigError("checkpoint.preempt_exit_code", code, f"must be in {max(RESERVED_EXIT_CODES) + 1}..125 "
+                          f"({', '.join(map(str, RESERVED_EXIT_CODES))} are hydratrain's own exit statuses, 126+ "
+                          "the shell's)")
+    init_from = cfg.model.init_from
+    if init_from is not None and not str(init_from).endswith(".safetensors"):
+        raise ConfigError("model.init_from", init_from, "must be a .safetensors file (python -m hydratrain.export "
+                          "CHECKPOINT_DIR OUT.safetensors makes one)")
+    validate_launcher(cfg.launcher)
+    launched = launched_processes(cfg.launcher)
+    if strategy == StrategyName.single and launched > 1:
+        raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
+                          f"{launched}; allowed: ddp, fsdp")
+
+
+def launched_processes(launcher: DictConfig) -> int:
+    """How many ranks the ``launcher`` option starts per job (1 for ``local``: torchrun's count is not known here)."""
+    if "nproc_per_node" in launcher:
+        return launcher.nproc_per_node * launcher.nnodes
+    if "tasks_per_node" in launcher:
+        return launcher.tasks_per_node * launcher.nodes
+    return 1
+
+
+def validate_launcher(launcher: DictConfig) -> None:
+    """Check the ``launcher`` group alone (the sweep callback calls it before anything is submitted).
+
+    Raises :class:`ConfigError` naming the key, e.g. a GPUs-per-node / tasks-per-node mismatch for SLURM.
+    """
+    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout"):
+        if key in launcher and (launcher[key] is None or launcher[key] <= 0):
+            raise ConfigError(f"launcher.{key}", launcher[key], "must be > 0")
+    for key in ("max_restarts", "gpus_per_node"):
+        if key in launcher and (launcher[key] is None or launcher[key] < 0):
+            raise ConfigError(f"launcher.{key}", launcher[key], "must be >= 0")
+    if "node_rank" in launcher and not 0 <= launcher.node_rank < launcher.nnodes:
+        raise ConfigError("launcher.node_rank", launcher.node_rank, f"must be in [0, launcher.nnodes={launcher.nnodes})")
+    endpoint = launcher.get("rdzv_endpoint")
+    if endpoint is not None:
+        host, _, port = str(endpoint).rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ConfigError("launcher.rdzv_endpoint", endpoint, "must be HOST:PORT (port in 0-65535)")
+    if launcher.get("nnodes", 1) > 1 and (endpoint is None or str(endpoint).endswith(":0")):
+        raise ConfigError("launcher.rdzv_endpoint", endpoint,
+                          f"launcher.nnodes={launcher.nnodes} needs node 0's HOST:PORT, the same on every node")
+    if launcher.get("gpus_per_node") and launcher.tasks_per_node != launcher.gpus_per_node:
+        raise ConfigError("launcher.tasks_per_node", launcher.tasks_per_node,
+                          f"must equal launcher.gpus_per_node={launcher.gpus_per_node} (one task per GPU)")
+
+
+def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path) -> None:
+    """Checks that depend on this machine and launch: the device, the backend, the world size, input paths.
+
+    ``world_size`` comes from the launch environment (``hydratrain.dist.env``); relative paths resolve against
+    ``launch_dir`` (see :func:`hydratrain.dist.run_dir.resolve_path`). Raises :class:`ConfigError`.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from hydratrain.dist.run_dir import resolve_path
+
+    cuda = torch.cuda.is_available()
+    if "cuda" in (cfg.device, cfg.model.init_device) and not cuda:
+        key = "device" if cfg.device == "cuda" else "model.init_device"
+        raise ConfigError(key, "cuda", "torch sees no CUDA device here; allowed: auto, cpu" +
+                          (", meta" if key != "device" else ""))
+    backend: Optional[str] = cfg.strategy.get("backend")
+    if backend == "nccl":
+        if not (dist.is_available() and dist.is_nccl_available()):
+            raise ConfigError("strategy.backend", "nccl", "this torch has no NCCL; allowed here: gloo (or null)")
+        if cfg.device == "cpu" or not cuda:
+            raise ConfigError("strategy.backend", "nccl", "NCCL needs CUDA tensors and this run's device is the "
+                              "CPU; allowed: gloo (or null)")
+    if cfg.strategy.name == StrategyName.single and world_size > 1:
+        raise ConfigError("strategy.name", "single", f"runs one process but WORLD_SIZE={world_size}; "
+                          "allowed under torchrun: ddp, fsdp")
+    if cfg.data.name == "text_files":
+        from hydratrain.data import expand_paths
+
+        try:
+            expand_paths(list(cfg.data.paths), launch_dir)
+        except FileNotFoundError as err:
+            raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
+    for key in ("model.init_from", "checkpoint.resume_from"):
+        value = _get(cfg, key)
+        if value and not resolve_path(value, launch_dir).exists():
+            raise ConfigError(key, value, f"no such path (relative paths resolve against the launch dir {launch_dir})")

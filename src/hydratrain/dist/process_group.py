@@ -1,0 +1,275 @@
+"""The process group: device and backend choice, creation on a per-job store prefix, failure watch, teardown.
+
+Commands this module serves::
+
+    python train.py                                        # world_size 1 (a 1-rank group for ddp/fsdp)
+    torchrun --standalone --nproc_per_node 2 train.py      # one node
+    torchrun --nnodes 2 --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:PORT --nproc_per_node 8 train.py
+    python train.py -m launcher=torchrun launcher.nproc_per_node=2   # the hydratrain launcher plugin starts ranks
+    python train.py launcher=submitit_local                          # submitit tasks: ranks from submitit's env
+
+Fail fast: when a rank raises, it records its error in the job's store and leaves without the teardown barrier; a
+watch thread on every rank (:class:`FailureWatch`) sees that record, or a peer whose heartbeat stopped (killed,
+OOM-killed, hung in C++), and ends its own process, so every rank exits within ``distributed.failure_timeout_s``
+instead of waiting forever in a collective the failed rank will never join.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import replace
+from datetime import timedelta
+from typing import Iterator, Optional
+
+from hydratrain.dist.env import DistInfo, dist_info
+from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
+
+log = logging.getLogger(__name__)
+
+_BASE_STORE = None  # this process's client (or, on rank 0 without an agent store, server) of MASTER_ADDR:PORT
+_GROUPS_MADE = 0  # process groups created in this process (a sweep inside each rank makes one per job)
+
+
+class PeerFailedError(HydratrainError):
+    """Another rank of this job failed first; this rank stops (exit status 5)."""
+
+    label = "stopped"
+    exit_status = EXIT_PEER_FAILED
+
+
+def _store_client(timeout_s: float):
+    from torch.distributed import TCPStore
+
+    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master=False,
+                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=True)
+
+
+def base_store():
+    """This process's TCPStore at ``MASTER_ADDR:MASTER_PORT``, made once and shared by the run-dir stamp and every
+    process group of this process. Rank 0 hosts it unless a torch elastic agent already does
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's c10d rendezvous)."""
+    global _BASE_STORE
+    if _BASE_STORE is None:
+        from torch.distributed import TCPStore
+
+        info = dist_info()
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        if info.rank == 0 and not agent_hosts:
+            _BASE_STORE = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+                                   is_master=True, timeout=timedelta(minutes=5), wait_for_workers=False,
+                                   use_libuv=True)
+        else:
+            _BASE_STORE = _store_client(300)
+    return _BASE_STORE
+
+
+def _next_job_prefix() -> str:
+    """A fresh key prefix for the next process group of this process.
+
+    A sweep inside each rank (``torchrun ... train.py -m a=1,2``) runs several jobs, each with its own group, in one
+    process; re-running ``init_process_group`` on the same keys fails or hangs. Every rank runs the same jobs in the
+    same order, so the n-th group of each rank meets the others under prefix n (and under the agent's restart count,
+    so restarted workers do not read the keys of the failed attempt).
+    """
+    global _GROUPS_MADE
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"hydratrain/attempt{attempt}/group{_GROUPS_MADE}"
+    _GROUPS_MADE += 1
+    return prefix
+
+
+def device_index(local_rank: int, device_count: int) -> int:
+    """The CUDA device of a rank: ``local_rank % device_count``, so it also works where each task sees only its own
+    GPU (SLURM ``--gpus-per-task=1``: every rank has device count 1 and uses cuda:0)."""
+    if device_count < 1:
+        raise RuntimeError("no CUDA device visible to this process")
+    return local_rank % device_count
+
+
+def choose_device(kind: str, local_rank: int):
+    """``torch.device`` for this rank and, on CUDA, ``torch.cuda.set_device`` to it (before anything touches CUDA,
+    so no rank creates a context on cuda:0). ``kind``: auto (CUDA when available) | cpu | cuda."""
+    import torch
+
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    device = torch.device("cuda", device_index(local_rank, torch.cuda.device_count()))
+    torch.cuda.set_device(device)
+    return device
+
+
+def backend_for(device, configured: Optional[str], cpu_offload: bool) -> str:
+    """The process-group backend: ``configured`` (``strategy.backend``) if set, else nccl on CUDA and gloo on CPU.
+
+    On CUDA with ``cpu_offload``, FSDP keeps gradients (and so the grad-norm and inf-check reductions) on the CPU,
+    which NCCL cannot reduce: the group then gets a gloo backend for CPU tensors too (``cuda:nccl,cpu:gloo``)."""
+    name = str(configured) if configured else ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda" and cpu_offload and name == "nccl":
+        return "cuda:nccl,cpu:gloo"
+    return name
+
+
+class FailureWatch:
+    """A daemon thread that ends this process when another rank of the job failed or died.
+
+    Keys live under the job's store prefix: ``failed`` (the first failure's one-line message, set with
+    ``compare_set`` so the first one wins) and ``hb/<rank>`` (a heartbeat counter, ``done`` after a clean finish).
+    Every ``poll_s`` seconds each rank bumps its heartbeat, checks ``failed`` and watches one neighbour's heartbeat
+    (``rank + 1 mod world_size``, so every rank is watched by exactly one other, O(1) store traffic per rank). A
+    neighbour silent for ``stale_s`` seconds (its process is gone, or hung with its GIL held) is reported as failed.
+    Seeing a failure, the thread logs it and calls ``os._exit(5)``: the main thread may be blocked inside a C++
+    collective that no Python exception can interrupt. The thread uses its own store connection.
+    """
+
+    def __init__(self, prefix: str, rank: int, world_size: int, failure_timeout_s: float, poll_s: float = 1.0):
+        from torch.distributed import PrefixStore
+
+        self.rank, self.world_size, self.poll_s = rank, world_size, poll_s
+        self.stale_s = max(3 * poll_s, failure_timeout_s / 2)  # detection + exit fit in failure_timeout_s
+        self.prefix = prefix + "/watch"
+        self._timeout_s = failure_timeout_s
+        self._main_store = PrefixStore(self.prefix, base_store())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hydratrain-failure-watch", daemon=True)
+
+    def start(self) -> "FailureWatch":
+        self._main_store.set(f"hb/{self.rank}", "0")
+        self._thread.start()
+        return self
+
+    def report(self, message: str) -> str:
+        """Record ``message`` as the job's failure unless one is recorded already; returns the first failure."""
+        try:
+            return self._main_store.compare_set("failed", "", message).decode() or message
+        except Exception:  # the store is gone (its host died): nothing to tell anyone
+            return message
+
+    def stop(self, done: bool) -> None:
+        """Stop the thread; ``done``: mark this rank finished so its silence is not taken for a failure."""
+        self._stop.set()
+        self._thread.join(timeout=5 * self.poll_s)
+        if done:
+            with contextlib.suppress(Exception):
+                self._main_store.set(f"hb/{self.rank}", "done")
+
+    def _run(self) -> None:
+        from torch.distributed import PrefixStore
+
+        try:
+            store = PrefixStore(self.prefix, _store_client(max(5.0, self._timeout_s / 4)))
+        except Exception as err:
+            self._die(f"cannot reach the job's store ({type(err).__name__}: {err})")
+            return
+        neighbour = (self.rank + 1) % self.world_size
+        beat, last_seen, last_change, store_ok = 0, None, time.monotonic(), time.monotonic()
+        while not self._stop.wait(self.poll_s):
+            now = time.monotonic()
+            try:
+                beat += 1
+                store.set(f"hb/{self.rank}", str(beat))
+                if store.check(["failed"]):
+                    failure = store.get("failed").decode()
+                    if failure and not self._stop.is_set():
+                        self._die(failure)
+                        return
+                seen = store.get(f"hb/{neighbour}").decode() if store.check([f"hb/{neighbour}"]) else None
+                store_ok = now
+            except Exception as err:
+                if now - store_ok > self.stale_s and not self._stop.is_set():
+                    self._die(f"lost the job's store for {now - store_ok:.0f} s ({type(err).__name__}); the rank "
+                              "hosting it (or the launcher) is gone")
+                    return
+                continue
+            if seen != last_seen:
+                last_seen, last_change = seen, now
+            elif seen != "done" and now - last_change > self.stale_s and not self._stop.is_set():
+                message = (f"rank {neighbour} stopped responding (no heartbeat for {now - last_change:.0f} s: killed, "
+                           "out of memory, or hung)")
+                with contextlib.suppress(Exception):
+                    store.compare_set("failed", "", message)
+                self._die(message)
+                return
+
+    def _die(self, failure: str) -> None:
+        log.error("stopping rank %d (exit status %d): %s", self.rank, EXIT_PEER_FAILED, failure)
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_FAILED)
+
+
+def _exit_after(seconds: float, status: int) -> threading.Timer:
+    """A daemon timer that ends the process with ``status`` after ``seconds`` (bounds a teardown that could hang)."""
+    timer = threading.Timer(seconds, lambda: os._exit(status))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+@contextlib.contextmanager
+def process_group(device_kind: str, backend: Optional[str], needs_group: bool, cpu_offload: bool = False,
+                  failure_timeout_s: float = 60.0, collective_timeout_s: float = 600.0) -> Iterator[DistInfo]:
+    """Create the default process group (when ``needs_group`` or there are several ranks), choose this rank's
+    device, watch for failed peers, and tear it all down on exit.
+
+    Each call makes a fresh group on its own key prefix of the ``MASTER_ADDR:MASTER_PORT`` store, so one process can
+    run several jobs one after another (a Hydra sweep inside each rank). Yields the :class:`DistInfo` with its
+    device. On success every rank meets at a barrier before the group is destroyed. On an exception the rank records
+    it for its peers (:class:`FailureWatch`), skips the barrier, and re-raises; if another rank had failed first, it
+    raises :class:`PeerFailedError` naming that failure instead.
+    """
+    import torch
+    import torch.distributed as dist
+
+    info = dist_info()
+    device = choose_device(device_kind, info.local_rank)
+    info = replace(info, device=device)
+    if device.type == "cpu":
+        # Ranks on one node share its cores; oversubscribing them makes every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+    watch = None
+    if info.world_size > 1 or needs_group:
+        from torch.distributed import PrefixStore
+
+        name = backend_for(device, backend, cpu_offload)
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        timeout = timedelta(seconds=collective_timeout_s)
+        if info.world_size > 1:
+            prefix = _next_job_prefix()
+            dist.init_process_group(name, store=PrefixStore(prefix, base_store()), rank=info.rank,
+                                    world_size=info.world_size, timeout=timeout, **kwargs)
+            watch = FailureWatch(prefix, info.rank, info.world_size, failure_timeout_s).start()
+        else:
+            dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs)
+        log.info("process group: backend=%s world_size=%d rank=%d local_rank=%d device=%s", name, info.world_size,
+                 info.rank, info.local_rank, device)
+    failed_with = None  # the exit status this rank will have when the body raised
+    try:
+        yield info
+    except BaseException as err:
+        failed_with = getattr(err, "exit_status", EXIT_ERROR)
+        if watch is not None and not isinstance(err, (KeyboardInterrupt, PeerFailedError)):
+            text = str(err).strip().splitlines()
+            mine = f"rank {info.rank}: {type(err).__name__}" + (f": {text[0]}" if text else "")
+            first = watch.report(mine)
+            if first != mine:
+                failed_with = EXIT_PEER_FAILED
+                raise PeerFailedError(f"another rank failed first ({first}); this rank stopped with "
+                                      f"{type(err).__name__}") from err
+        raise
+    finally:
+        if watch is not None:
+            watch.stop(done=failed_with is None)
+        if dist.is_available() and dist.is_initialized():
+            if failed_with is None:
+                dist.barrier()  # no rank tears down while a peer is still in a collective
+                dist.destroy_process_group()
+            else:  # no barrier: the peers may sit in another collective; bound a teardown that could hang
+                timer = _exit_after(failure_timeout_s, failed_with)
+                dist.destroy_process_group()
+                timer.cancel()

@@ -1,0 +1,77 @@
+"""The errors a run stops with, each one line, and the process exit status that goes with each.
+
+| status | meaning |
+| --- | --- |
+| 0 | done |
+| 1 | an unexpected exception on this rank (its traceback is on the console and in its log) |
+| 2 | :class:`ConfigError`: a bad config value, found before any process group exists |
+| 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used; nothing was trained |
+| 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
+| 5 | another rank of the job failed or died; this rank stopped (``distributed.failure_timeout_s``) |
+| 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint: relaunch to resume |
+
+Importing this module imports nothing heavy (no torch).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 2
+EXIT_CHECKPOINT = 3
+EXIT_DIVERGED = 4
+EXIT_PEER_FAILED = 5
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL of sysexits.h, "try again later"; the default of checkpoint.preempt_exit_code
+RESERVED_EXIT_CODES = (EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_CHECKPOINT, EXIT_DIVERGED, EXIT_PEER_FAILED)
+
+
+class HydratrainError(Exception):
+    """An error that ends a run with one line on the console (``hydratrain: <label>: <message>``) and the exit
+    status :attr:`exit_status`."""
+
+    label = "error"
+    exit_status = EXIT_ERROR
+
+
+class ConfigError(HydratrainError, ValueError):
+    """A config value is invalid. ``str(err)`` is one line: ``<key>=<value>: <why> (allowed: ...)``."""
+
+    label = "config error"
+    exit_status = EXIT_CONFIG
+
+    def __init__(self, key: str, value: Any, why: str):
+        self.key, self.value, self.why = key, value, why
+        super().__init__(f"{key}={_show(value)}: {why}")
+
+
+class CheckpointError(HydratrainError, RuntimeError):
+    """A checkpoint cannot be used; ``str(err)`` is one line naming the file or dir and why."""
+
+    label = "checkpoint error"
+    exit_status = EXIT_CHECKPOINT
+
+
+class DivergenceError(HydratrainError, RuntimeError):
+    """Training produced a non-finite loss or gradient norm (see ``trainer.on_nonfinite``).
+
+    Attributes: ``step`` (the optimizer step that was not taken), ``last_checkpoint`` (the newest complete checkpoint,
+    or None).
+    """
+
+    label = "diverged"
+    exit_status = EXIT_DIVERGED
+
+    def __init__(self, message: str, step: int, last_checkpoint: Optional[str] = None):
+        self.step, self.last_checkpoint = step, last_checkpoint
+        where = f"last good checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written before"
+        super().__init__(f"{message}; {where}")
+
+
+def _show(value: Any) -> str:
+    """``repr`` of a config value, but an option Enum shows as its plain name (``'fsdp'``)."""
+    from enum import Enum
+
+    if isinstance(value, Enum):
+        value = value.value
+    return repr(value)

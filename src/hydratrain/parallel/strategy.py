@@ -1,0 +1,229 @@
+"""The distribution strategy, built once from the config; every strategy decision lives here.
+
+``build_strategy(cfg)`` gives a :class:`Single`, :class:`DDP` or :class:`FSDP`. Nothing else reads
+``strategy.name`` or looks at wrapper or tensor types: the loop asks the strategy (needs a process group? build on
+meta? gradient sync on or off for this micro-batch? global grad norm and clipping? the autocast to use? the plain
+module under the wrapper? how many bytes of parameters does this rank hold?).
+
+Model set-up order (as torchtitan's parallelize functions): build (on meta or on the device) -> activation
+checkpointing -> compile -> wrap (DDP, or FSDP2 ``fully_shard`` per wrap policy then the root) -> materialise (meta
+only) -> initialise every parameter from its own seeded generator (:mod:`hydratrain.parallel.init`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import ContextManager, Optional
+
+import torch
+from torch import nn
+
+from hydratrain.parallel import init as param_init
+from hydratrain.parallel.ac_compile import apply_activation_checkpointing, compile_blocks
+from hydratrain.parallel.precision import Precision
+from hydratrain.parallel.wrap_policy import shard_units
+
+log = logging.getLogger(__name__)
+
+
+class Strategy:
+    """Base: one process's full model. Subclasses override what differs."""
+
+    name = "single"
+    needs_process_group = False  # ddp/fsdp need one even on a single rank
+    shards_parameters = False
+
+    def __init__(self, cfg):
+        self.cfg = cfg  # the whole run config, read only
+        self.backend: Optional[str] = cfg.strategy.get("backend")
+        self.cpu_offload: bool = bool(cfg.strategy.get("cpu_offload", False))
+
+    # ---------------------------------------------------------------------------------------------- building
+    def build_on_meta(self) -> bool:
+        """``model.init_device``: meta -> yes; auto -> only for strategies that shard parameters."""
+        init_device = str(self.cfg.model.init_device)
+        return init_device == "meta" or (init_device == "auto" and self.shards_parameters)
+
+    def build_device(self, device: torch.device) -> torch.device:
+        """Where the model's constructor allocates: meta, the run's device, or ``model.init_device``'s kind."""
+        init_device = str(self.cfg.model.init_device)
+        if self.build_on_meta():
+            return torch.device("meta")
+        if init_device in ("auto", device.type):
+            return device
+        return torch.device(init_device)
+
+    def parallelize(self, raw: nn.Module, precision: Precision, device: torch.device, seed: int) -> tuple[nn.Module, str]:
+        """AC, compile and this strategy's wrapping applied to ``raw`` (a ``GPT`` built on :meth:`build_device`),
+        then materialised (when on meta) and initialised from per-parameter generators seeded by ``seed``.
+        Returns (the model to train, a one-line summary)."""
+        notes = []
+        if self.cfg.activation_checkpointing:
+            notes.append(f"activation checkpointing on {apply_activation_checkpointing(raw)} blocks")
+        if self.cfg.trainer.compile:
+            notes.append(f"compiled {compile_blocks(raw)} blocks")
+        model, note = self._wrap(raw, precision, device, seed)
+        return model, "; ".join(notes + [note])
+
+    def _wrap(self, raw: nn.Module, precision: Precision, device: torch.device, seed: int):
+        self._materialise_plain(raw, device, seed)
+        return raw, self.name
+
+    @staticmethod
+    def _materialise_plain(raw: nn.Module, device: torch.device, seed: int) -> None:
+        if any(p.is_meta for p in raw.parameters()):
+            param_init.to_empty_keeping_ties(raw, device)
+        raw.to(device)
+        raw.init_weights(param_init.generators(seed, device))
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def autocast(self, precision: Precision, device: torch.device) -> ContextManager:
+        """The context each forward runs in: autocast to the compute dtype (FSDP casts parameters instead)."""
+        return precision.autocast(device)
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
+        """Context for one micro-batch's backward: gradient sync only on the last micro-batch of a step."""
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
+        """Global L2 norm of all gradients (over all ranks and shards), before clipping; clips to ``max_norm`` when
+        it is > 0. Returns the norm as a 0-d float tensor on ``device``."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = self._global_norm(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm.to(device, non_blocking=True)
+
+    def _global_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        return norm
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module under any wrapper (DDP's ``.module``; FSDP2 and AC keep the module itself)."""
+        return model
+
+    def local_param_bytes(self, model: nn.Module) -> int:
+        """Bytes of parameter storage this rank holds (its shards under FSDP)."""
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Single(Strategy):
+    """One process, no process group."""
+
+
+class DDP(Strategy):
+    """``DistributedDataParallel``: a full replica per rank; gradients all-reduced in buckets during backward, in
+    ``precision.reduce_dtype`` (a bf16/fp16 compression hook when it is not float32)."""
+
+    name = "ddp"
+    needs_process_group = True
+
+    def _wrap(self, raw, precision, device, seed):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._materialise_plain(raw, device, seed)
+        model = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None,
+                                        bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
+                                        find_unused_parameters=self.cfg.strategy.find_unused_parameters)
+        note = "ddp"
+        if precision.reduce_dtype != torch.float32:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = {torch.bfloat16: default_hooks.bf16_compress_hook,
+                    torch.float16: default_hooks.fp16_compress_hook}[precision.reduce_dtype]
+            model.register_comm_hook(None, hook)
+            note += f", gradients all-reduced in {str(precision.reduce_dtype).removeprefix('torch.')}"
+        return model, note
+
+    def grad_sync(self, model, enabled):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+
+    def unwrap(self, model):
+        return model.module
+
+
+class FSDP(Strategy):
+    """FSDP2 ``fully_shard`` over a 1-D device mesh: each unit of the wrap policy, then the root.
+
+    Options: ``strategy.reshard_after_forward``, ``strategy.cpu_offload`` (``CPUOffloadPolicy``; pinned memory only
+    with CUDA), and the precision's ``MixedPrecisionPolicy`` (parameters cast by FSDP, so no autocast)."""
+
+    name = "fsdp"
+    needs_process_group = True
+    shards_parameters = True
+
+    def _wrap(self, raw, precision, device, seed):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        scfg = self.cfg.strategy
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        kwargs = dict(mesh=mesh, reshard_after_forward=scfg.reshard_after_forward,
+                      mp_policy=precision.mixed_precision_policy())
+        if scfg.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        units = shard_units(raw, self.cfg.wrap_policy)
+        ties = param_init.tied_parameters(raw)
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        # The root holds what no unit took; it is never resharded after forward since backward needs it at once.
+        fully_shard(raw, **{**kwargs, "reshard_after_forward": False if units else scfg.reshard_after_forward})
+        if any(p.is_meta for p in raw.parameters()):
+            raw.to_empty(device="cpu" if scfg.cpu_offload else device)
+        param_init.retie(ties)
+        param_init.move_buffers(raw, device)
+        self._init_shards(raw, seed)
+        return raw, (f"fsdp: sharded {len(units) + 1} modules ({len(units)} by wrap_policy={self.cfg.wrap_policy.name} "
+                     f"+ root), reshard_after_forward={scfg.reshard_after_forward}, cpu_offload={scfg.cpu_offload}")
+
+    @staticmethod
+    @torch.no_grad()
+    def _init_shards(raw: nn.Module, seed: int) -> None:
+        """Initialise each DTensor parameter's local shard with the slice of the full tensor its generator gives
+        (every rank draws the full parameter, one parameter at a time, and keeps its slice: no communication)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for name, p in raw.named_parameters():
+            local = p.to_local()
+            full = torch.empty(p.shape, dtype=local.dtype, device=local.device)
+            gen = torch.Generator(device=local.device).manual_seed(param_init.param_seed(seed, name))
+            raw.init_param_(name, full, gen)
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
+        raw.init_buffers()
+
+    def autocast(self, precision, device):
+        return contextlib.nullcontext()
+
+    def grad_sync(self, model, enabled):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    def _global_norm(self, norm):
+        return norm.full_tensor()  # the DTensor of per-shard partial norms, reduced over the mesh
+
+    def local_param_bytes(self, model):
+        return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+
+STRATEGIES = {"single": Single, "ddp": DDP, "fsdp": FSDP}
+
+
+def build_strategy(cfg) -> Strategy:
+    """The :class:`Strategy` for ``cfg.strategy.name`` (validated by ``hydratrain.config``)."""
+    return STRATEGIES[str(cfg.strategy.name)](cfg)
+
+
+def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.device):
+    """The GPT of ``cfg.model``, built where ``strategy`` says, parallelized and initialised.
+
+    Returns (model to train, the plain GPT under any wrapper, parameter count, summary line).
+    """
+    from hydratrain.models.gpt import GPT, GPTConfig
+
+    gcfg = GPTConfig(**{k: cfg.model[k] for k in GPTConfig.__dataclass_fields__})
+    with torch.device(strategy.build_device(device)):
+        raw = GPT(gcfg)
+    n_params = raw.num_params()
+    model, summary = strategy.parallelize(raw, precision, device, cfg.trainer.seed)
+    return model, raw, n_params, summary

@@ -1,0 +1,55 @@
+"""Which submodules FSDP shards as their own unit (their own all-gather / reduce-scatter) before the root.
+
+- ``transformer_block`` (and ``auto``, the default): every decoder block (``hydratrain.models.Block``).
+- ``size_based``: walking the module tree children-first, a module whose parameters not yet in a unit number at
+  least ``wrap_policy.min_num_params`` becomes a unit (the rule of FSDP1's ``size_based_auto_wrap_policy``).
+- ``none``: the root only.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from hydratrain.models import Block
+
+
+def size_based_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
+    """Non-root modules that become FSDP units under the size rule, children before parents."""
+    units: list[nn.Module] = []
+    claimed: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        if module is model or isinstance(module, (nn.ModuleList, nn.ModuleDict)):  # no forward: cannot be a unit
+            return
+        free = [p for p in module.parameters() if id(p) not in claimed]
+        if sum(p.numel() for p in free) >= min_num_params:
+            units.append(module)
+            claimed.update(id(p) for p in free)
+
+    visit(model)
+    return units
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """ids of parameters registered under more than one module (tied weights)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+    return {pid for pid, n in seen.items() if n > 1}
+
+
+def shard_units(model: nn.Module, wrap_policy_cfg) -> list[nn.Module]:
+    """The submodules that ``wrap_policy`` gives their own ``fully_shard`` call (the root excluded). A tied weight
+    must live in one unit, so a unit that owns only some of a tied weight's modules is dropped (the root keeps it)."""
+    name = str(wrap_policy_cfg.name)
+    if name in ("transformer_block", "auto"):
+        units = [m for m in model.modules() if isinstance(m, Block)]
+    elif name == "size_based":
+        units = size_based_units(model, wrap_policy_cfg.min_num_params)
+    else:
+        return []
+    shared = _shared_parameters(model)
+    return [u for u in units if not shared & {id(p) for p in u.parameters()}]

@@ -1,0 +1,41 @@
+"""Evaluation over the fixed eval set (``hydratrain.data.EvalBatches``): the same samples, each counted once,
+whatever the world size and batch size, so ``eval/loss`` is comparable across the runs of a sweep that varies them.
+"""
+from __future__ import annotations
+
+import math
+from typing import ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Evaluator:
+    """Mean next-token loss and perplexity of a model over ``eval_batches``, synced across ranks by torchmetrics.
+
+    The loss is a token-weighted ``torchmetrics.MeanMetric`` over the valid (non-padding) samples, reduced over all
+    ranks by its ``compute()`` (every rank calls); perplexity is ``exp`` of that mean (the definition torchmetrics'
+    ``Perplexity`` computes, without a second softmax over the logits).
+    """
+
+    def __init__(self, eval_batches, device: torch.device):
+        self.batches, self.device = eval_batches, device
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, autocast: ContextManager) -> tuple[float, float]:
+        """(mean loss in nats/token, perplexity) of ``model`` (every rank calls; the model is put back in train mode)."""
+        from torchmetrics import MeanMetric
+
+        mean_loss = MeanMetric(nan_strategy="disable").to(self.device)
+        was_training = model.training
+        model.eval()
+        for x, y, valid in self.batches:
+            with autocast:
+                logits = model(x)
+            token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
+            weight = valid[:, None].to(token_loss.dtype).expand_as(token_loss)
+            mean_loss.update(torch.where(weight > 0, token_loss, torch.zeros_like(token_loss)), weight=weight)
+        model.train(was_training)
+        loss = mean_loss.compute().item()
+        return loss, math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf

@@ -1,0 +1,136 @@
+"""What a finished run leaves in its run dir: ``model.safetensors`` (full weights), a generated sample, the hparams
+row in TensorBoard and ``results.json``. Every rank calls :func:`write_outputs` (gathering weights and sampling are
+collective); rank 0 writes the files.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("hydratrain")
+
+HPARAM_KEYS = ["model.name", "model.d_model", "model.n_layer", "data.name", "data.seq_len", "data.batch_size",
+               "strategy.name", "precision.name", "wrap_policy.name", "optim.lr", "optim.weight_decay",
+               "scheduler.name", "trainer.max_steps", "trainer.grad_accum_steps", "trainer.seed",
+               "activation_checkpointing"]
+
+
+def _plain(value):
+    return value.value if isinstance(value, Enum) else value
+
+
+def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
+    """The flat hyper-parameters written once per run to TensorBoard's hparams table and results.json: a fixed set,
+    the resolved precision, the world size, and every command-line override of this Hydra job (so any swept key is
+    a column), with the config's typed value (``optim.lr`` -> 0.001) or the chosen option (``strategy`` -> ddp)."""
+    out = {k: _plain(OmegaConf.select(cfg, k)) for k in HPARAM_KEYS}
+    out["precision.resolved"] = precision_name
+    out["world_size"] = world_size
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        for item in HydraConfig.get().overrides.task:
+            key, sep, value = str(item).partition("=")
+            key = key.lstrip("+")
+            if sep and not key.startswith(("hydra.", "~")):
+                typed = _plain(OmegaConf.select(cfg, key, default=None))
+                out[key] = typed if isinstance(typed, (int, float, str, bool)) else value
+    return {k: ("null" if v is None else v) for k, v in out.items()}
+
+
+def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Optional[Path]:
+    """Gather the full (unsharded) weights on rank 0 and write them to ``path`` as safetensors, atomically.
+
+    Every rank must call (FSDP all-gathers). Keys are the model's own parameter names (no DDP/AC/compile prefixes);
+    a tied weight is stored under each of its names. Returns ``path`` on rank 0, None elsewhere.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from hydratrain.checkpoint.export import write_safetensors
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return None
+    state = {k: v.clone() for k, v in state.items()}  # tied weights share storage; safetensors wants one each
+    return write_safetensors(state, path, {"format": "pt", "producer": "hydratrain"})
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, prompt: list[int], n_tokens: int, device: torch.device, autocast, seed: int,
+           temperature: float = 0.8, top_k: int = 40) -> list[int]:
+    """Generate ``n_tokens`` token ids after ``prompt`` with ``model`` (the module under any DDP wrapper; an FSDP
+    module itself); every rank calls, rank 0's draws win.
+
+    Each token is drawn on rank 0 from the top-k softmax at ``temperature`` and broadcast, so sharded (FSDP)
+    forwards stay in lockstep. Returns prompt + generated ids.
+    """
+    was_training = model.training
+    model.eval()
+    max_len = model.cfg.max_seq_len
+    idx = torch.tensor([prompt], dtype=torch.long, device=device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for _ in range(n_tokens):
+        with autocast:
+            logits = model(idx[:, -max_len:])[0, -1].float().cpu()
+        vals, ids = torch.topk(logits / temperature, min(top_k, logits.numel()))
+        nxt = ids[torch.multinomial(torch.softmax(vals, -1), 1, generator=gen)].to(device).view(1, 1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(nxt, src=0)
+        idx = torch.cat([idx, nxt], dim=1)
+    model.train(was_training)
+    return idx[0].tolist()
+
+
+def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, autocast) -> str:
+    """The end-of-run sample as text: bytes decoded as UTF-8 for the byte-level corpora (prompt ``def `` on the
+    stdlib corpus), token ids otherwise (``trainer.sample_tokens`` ids after token 0)."""
+    byte_level = cfg.data.name in ("python_stdlib", "text_files")
+    prompt = list(b"def " if cfg.data.name == "python_stdlib" else b"\n") if byte_level else [0]
+    ids = sample(model, prompt, cfg.trainer.sample_tokens, device, autocast, cfg.trainer.seed)
+    if byte_level:
+        return bytes(t % 256 for t in ids).decode("utf-8", errors="replace")
+    return "token ids: " + " ".join(map(str, ids))
+
+
+def write_results(run_dir: Path, result, hparams: dict) -> Path:
+    """``<run_dir>/results.json``: the FitResult fields and the hparams (non-finite figures as null), atomically."""
+    payload = {**result.__dict__, "hparams": hparams}
+    payload = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in payload.items()}
+    tmp = run_dir / f".results.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(payload, indent=1, default=str, allow_nan=False))
+    os.replace(tmp, run_dir / "results.json")
+    return run_dir / "results.json"
+
+
+def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, tb) -> None:
+    """Weights, sample, hparams row and results.json of a finished run (every rank calls), then close ``tb``."""
+    if cfg.trainer.save_weights:
+        path = save_weights(model, run_dir / "model.safetensors", info.is_main)
+        if path:
+            log.info("wrote full model weights to %s", path)
+    if cfg.trainer.sample_tokens:
+        text = sample_text(cfg, strategy.unwrap(model), info.device, strategy.autocast(precision, info.device))
+        log.info("sample:\n%s", text)
+        tb.text("sample", text, result.steps)
+    hparams = hparams_of(cfg, info.world_size, precision.name)
+    metrics = {"train_loss": result.train_loss, "eval_loss": result.eval_loss,
+               "eval_perplexity": result.eval_perplexity, "tokens_per_sec": result.tokens_per_sec, "mfu": result.mfu,
+               "peak_memory_bytes": float(result.peak_memory_bytes)}
+    tb.hparams(hparams, metrics, result.steps)
+    tb.close()
+    if info.is_main:
+        write_results(run_dir, result, hparams)
+    log.info("done: step %d (%d steps in this launch, %.1f s); train loss %.4f (step 1: %.4f), eval loss %.4f, "
+             "perplexity %.2f, %.0f tokens/s, mfu %.2f%%, peak memory %.1f MB, skipped steps %d", result.steps,
+             result.steps_this_launch, result.seconds, result.train_loss, result.first_loss, result.eval_loss,
+             result.eval_perplexity, result.tokens_per_sec, 100 * result.mfu, result.peak_memory_bytes / 1e6,
+             result.skipped_steps)

@@ -1,0 +1,157 @@
+"""What the loop reports, and when: log lines, TensorBoard scalars and the progress bar.
+
+Each logged scalar means exactly this (README, "Logged metrics"):
+
+- ``train/loss``: mean over the steps of the logging window (since the previous log line) and over ranks of each
+  step's loss, itself the mean next-token cross-entropy (nats/token) over the step's micro-batches.
+- ``train/lr``: the learning rate the optimizer update of that step used.
+- ``train/grad_norm``: that step's global L2 gradient norm before clipping (all ranks and shards).
+- ``perf/tokens_per_sec``: tokens of all ranks over the wall time of the window's steps, eval and checkpoint time
+  excluded (:meth:`StepLogger.paused`); ``perf/mfu``: the same as a fraction of the peak (``hydratrain.metrics``).
+- ``mem/peak``: this rank's peak memory so far in bytes (``hydratrain.metrics.peak_memory_bytes``).
+- ``train/loss_scale``, ``train/skipped_steps`` (fp16; skipped steps also count non-finite steps skipped with
+  ``trainer.on_nonfinite=skip``).
+
+Losses stay on the device between log steps: the one host synchronisation is the all-reduce at a log step.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from hydratrain.dist.collectives import all_reduce_mean
+from hydratrain.metrics import TensorBoardLogger, peak_memory_bytes
+
+log = logging.getLogger("hydratrain.trainer")
+
+
+class StepLogger:
+    """The logging window (Stateful: its per-rank sums survive a resume), throughput, TensorBoard and progress.
+
+    Args:
+        run_dir: TensorBoard events go to ``<run_dir>/tensorboard`` (rank 0, when ``tensorboard``).
+        device: where the window's loss sum lives.
+        tokens_per_step: tokens of all ranks per optimizer step.
+        flops_per_token, peak_flops_total: for MFU (peak of all ranks together, FLOP/s).
+        log_every: log every this many steps (and at step 1 and the last step).
+        is_main: rank 0 (writes TensorBoard, shows the bar).
+    """
+
+    def __init__(self, run_dir: Path, device: torch.device, tokens_per_step: int, flops_per_token: float,
+                 peak_flops_total: float, log_every: int, max_steps: int, is_main: bool, tensorboard: bool,
+                 progress_bar: bool):
+        self.device, self.tokens_per_step, self.log_every, self.max_steps = device, tokens_per_step, log_every, max_steps
+        self.flops_per_token, self.peak = flops_per_token, peak_flops_total
+        self.tb = TensorBoardLogger(run_dir / "tensorboard", tensorboard and is_main)
+        self.window_loss = torch.zeros((), device=device)
+        self.window_steps = 0
+        self._timed_s, self._tokens, self._t0, self._paused = 0.0, 0, time.perf_counter(), False
+        self.rates: list[tuple[float, float]] = []  # (tokens/s, mfu) of each window this launch
+        self.last_loss = math.nan
+        self._bar, self._redirect = None, contextlib.ExitStack()
+        if is_main and progress_bar:
+            from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            # disable=None: no bar when stderr is not a terminal (logs, pipes); the log lines carry progress there
+            self._bar = tqdm(total=max_steps, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0,
+                             disable=None)
+            self._redirect.enter_context(logging_redirect_tqdm())  # log lines above the bar, not glued onto it
+
+    # --------------------------------------------------------------------------------------------- Stateful
+    def state_dict(self) -> dict:
+        return {"window_loss": self.window_loss.detach().clone().cpu(), "window_steps": int(self.window_steps)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "window_steps" in state:
+            self.window_loss = state["window_loss"].to(self.device)
+            self.window_steps = int(state["window_steps"])
+
+    # ---------------------------------------------------------------------------------------------- timing
+    def start(self, step: int) -> None:
+        """Training starts (or resumes) after ``step``: the bar starts there, the clock starts now. On a resume,
+        TensorBoard is told to drop what earlier launches logged after ``step`` (they are logged again now): a
+        ``SessionLog.START`` event at ``step + 1``, as ``SummaryWriter(purge_step=...)`` writes."""
+        if self._bar is not None:
+            self._bar.reset(total=self.max_steps)
+            self._bar.update(step)
+        if step > 0:
+            self.tb.purge_after(step)
+        self._t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Keep the enclosed time (eval, checkpoint saves) out of tokens/s."""
+        if self._paused:
+            yield
+            return
+        self._timed_s += time.perf_counter() - self._t0
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+            self._t0 = time.perf_counter()
+
+    def drop_timing(self) -> None:
+        """Forget the time and tokens counted so far (the first step of a launch: allocation, compile)."""
+        self._timed_s, self._tokens, self._t0 = 0.0, 0, time.perf_counter()
+
+    # ---------------------------------------------------------------------------------------------- steps
+    def step_done(self, step: int, loss: torch.Tensor) -> None:
+        """Add one optimizer step's mean loss (a 0-d device tensor; no host sync) to the window."""
+        self.window_loss += loss.detach()
+        self.window_steps += 1
+        self._tokens += self.tokens_per_step
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def due(self, step: int) -> bool:
+        return step == 1 or step % self.log_every == 0 or step == self.max_steps
+
+    def log(self, step: int, grad_norm: torch.Tensor, lr: float, timed: bool,
+            extra: Optional[dict] = None) -> float:
+        """Reduce the window over ranks (every rank calls), log one line and the scalars, reset the window.
+        ``timed``: report tokens/s and MFU for this window. Returns the window's mean train loss."""
+        stats = all_reduce_mean(torch.stack([self.window_loss / max(self.window_steps, 1), grad_norm.float()]))
+        loss, norm = stats.tolist()
+        self.last_loss = loss
+        scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
+                   "mem/peak": peak_memory_bytes(self.device)}
+        msg = f"step {step}/{self.max_steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f}"
+        if timed:
+            seconds = self._timed_s + time.perf_counter() - self._t0
+            tps = self._tokens / max(seconds, 1e-9)
+            mfu = tps * self.flops_per_token / self.peak if self.peak > 0 else math.nan
+            self.rates.append((tps, mfu))
+            scalars.update({"perf/tokens_per_sec": tps, "perf/mfu": mfu})
+            msg += f" tokens/s {tps:,.0f}" + (f" mfu {mfu:.2%}" if math.isfinite(mfu) else "")
+        for key, value in (extra or {}).items():
+            scalars[key] = value
+            msg += f" {key.split('/')[-1]} {value:g}"
+        self.tb.scalars(scalars, step)
+        log.info(msg)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        self.window_loss.zero_()
+        self.window_steps = 0
+        self.drop_timing()
+        return loss
+
+    def mean_rates(self) -> tuple[float, float]:
+        """(tokens/s, mfu) averaged over the timed windows of this launch (NaN if none)."""
+        if not self.rates:
+            return math.nan, math.nan
+        return (sum(r[0] for r in self.rates) / len(self.rates), sum(r[1] for r in self.rates) / len(self.rates))
+
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._redirect.close()

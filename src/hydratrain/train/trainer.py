@@ -1,0 +1,222 @@
+"""The training loop: gradient accumulation, clipping, loss scaling, the non-finite guard, lr schedule, eval,
+periodic checkpoints and preemption.
+
+One optimizer step = ``trainer.grad_accum_steps`` micro-batches of ``data.batch_size`` samples on every rank, i.e.
+``grad_accum_steps * batch_size * seq_len * world_size`` tokens. Gradient sync runs only on the last micro-batch
+(the strategy's ``grad_sync``). Every rank constructs the :class:`Trainer` and calls every method together.
+
+Non-finite guard (``trainer.on_nonfinite``): the global gradient norm (identical on every rank: gradients are
+reduced before it is taken, so a non-finite loss on any rank shows in it) is checked before ``optimizer.step()``;
+this is the loop's one host synchronisation per step. ``stop`` raises :class:`~hydratrain.errors.DivergenceError`
+before the update (so the weights, and every checkpoint, stay finite); ``skip`` drops the update on every rank,
+counts it (``train/skipped_steps``) and stops after ``trainer.max_consecutive_nonfinite`` in a row. With fp16 the
+grad scaler skips such steps itself (and the same limit on consecutive skips applies).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hydratrain.errors import DivergenceError
+
+log = logging.getLogger("hydratrain.trainer")
+
+
+@dataclass
+class TrainProgress:
+    """Where a run is (Stateful): optimizer ``step`` done, steps whose update was skipped (fp16 scaler or
+    non-finite), how many of the latest were skipped in a row, and the train loss of step 1 (kept across resumes)."""
+
+    step: int = 0
+    skipped_steps: int = 0
+    consecutive_skipped: int = 0
+    first_loss: float = math.nan
+
+    def state_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive_skipped = int(state.get("consecutive_skipped", 0))
+        self.first_loss = float(state.get("first_loss", math.nan))
+
+
+@dataclass
+class FitResult:
+    """Final figures of a run (rank-0 view, all reduced across ranks)."""
+
+    steps: int = 0  # the step the run ended at
+    steps_this_launch: int = 0  # steps trained by this launch (fewer than ``steps`` after a resume)
+    first_loss: float = math.nan  # train loss of step 1
+    train_loss: float = math.nan  # mean train loss of the last logging window
+    eval_loss: float = math.nan
+    eval_perplexity: float = math.nan
+    tokens_per_sec: float = math.nan  # mean over the timed windows, excluding the first step, eval and saves
+    mfu: float = math.nan
+    peak_memory_bytes: int = 0  # max over ranks
+    skipped_steps: int = 0
+    seconds: float = 0.0
+    preempted: bool = False  # stopped early by a preemption signal after saving a checkpoint (no final eval)
+
+
+class Trainer:
+    """Runs :meth:`fit`. Components come built (see ``hydratrain.run``); the trainer owns the loop only.
+
+    Args:
+        tcfg: the ``trainer`` config node (read only).
+        model, strategy, precision, device: the parallelized model and the decisions it was built with.
+        optimizer, scheduler, scaler: the update (the scaler is always present; disabled unless fp16).
+        train_batches: this rank's micro-batches (an iterator factory with a data position).
+        evaluator: ``evaluate(model) -> (loss, perplexity)`` over the fixed eval set.
+        step_logger: the logging window, TensorBoard and progress (``hydratrain.train.step_logger``).
+        checkpoints: a ``CheckpointManager`` (``save(step)``, ``latest()``), or None.
+        preemption: a ``Preemption`` (``should_stop()``, agreed by all ranks).
+        progress: the :class:`TrainProgress` (restored by the checkpoint manager before :meth:`fit`).
+        max_steps: optimizer steps the run trains to.
+        save_every, save_last: checkpoint cadence (``checkpoint.every_n_steps``, ``checkpoint.save_last``).
+    """
+
+    def __init__(self, *, tcfg, model: nn.Module, strategy, precision, device: torch.device,
+                 optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler, train_batches, evaluator,
+                 step_logger, checkpoints, preemption, progress: TrainProgress, max_steps: int, save_every: int = 0,
+                 save_last: bool = False):
+        self.tcfg, self.model, self.strategy, self.precision, self.device = tcfg, model, strategy, precision, device
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
+        self.train_batches, self.evaluator, self.logger = train_batches, evaluator, step_logger
+        self.checkpoints, self.preemption, self.progress = checkpoints, preemption, progress
+        self.max_steps, self.save_every, self.save_last = max_steps, save_every, save_last
+        self.autocast = strategy.autocast(precision, device)
+
+    # ----------------------------------------------------------------------------------------------- steps
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats/token) of a micro-batch ``x, y`` of shape ``(B, T)``."""
+        with self.autocast:
+            logits = self.model(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches.
+
+        Returns (mean loss over the micro-batches, a 0-d device tensor; pre-clipping global grad norm; the lr this
+        update used; whether the update was applied). Raises :class:`DivergenceError` per ``trainer.on_nonfinite``.
+        """
+        accum = self.tcfg.grad_accum_steps
+        total = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = next(batches)
+            with self.strategy.grad_sync(self.model, micro == accum - 1):
+                loss = self.loss_of(x, y)
+                self.scaler.scale(loss / accum).backward()
+            total += loss.detach()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = self.strategy.clip_grad_norm_(self.model, self.tcfg.grad_clip, self.device)
+        lr = self.optimizer.param_groups[0]["lr"]
+        step = self.progress.step + 1
+        if not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            what = f"non-finite gradient norm ({grad_norm.item()}) at step {step} (loss {(total / accum).item():.4g})"
+            if str(self.tcfg.on_nonfinite) == "stop":
+                raise DivergenceError(f"{what}: stopped before the optimizer step (trainer.on_nonfinite=stop; "
+                                      "lower optim.lr, raise scheduler.warmup_steps, or set trainer.grad_clip)",
+                                      step, self._last_checkpoint())
+            log.warning("%s: update skipped on every rank (trainer.on_nonfinite=skip)", what)
+            applied = False
+        else:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            applied = not self.scaler.get_scale() < scale  # the scale drops exactly when the step was skipped
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total / accum, grad_norm, lr, applied
+
+    def _last_checkpoint(self) -> Optional[str]:
+        latest = self.checkpoints.latest() if self.checkpoints is not None else None
+        return str(latest) if latest is not None else None
+
+    def _count(self, applied: bool) -> None:
+        p = self.progress
+        p.step += 1
+        p.skipped_steps += int(not applied)
+        p.consecutive_skipped = 0 if applied else p.consecutive_skipped + 1
+        if p.consecutive_skipped >= self.tcfg.max_consecutive_nonfinite:
+            raise DivergenceError(f"{p.consecutive_skipped} steps in a row up to step {p.step} had non-finite "
+                                  f"gradients and were skipped (trainer.max_consecutive_nonfinite="
+                                  f"{self.tcfg.max_consecutive_nonfinite})", p.step, self._last_checkpoint())
+
+    # ------------------------------------------------------------------------------------------------- fit
+    def fit(self) -> FitResult:
+        """Train until ``max_steps``; eval every ``trainer.eval_every_n_steps`` and at the end; checkpoint per the
+        cadence; stop after saving when a preemption signal arrives. Returns the :class:`FitResult`."""
+        result, t_start = FitResult(), time.perf_counter()
+        first = self.progress.step + 1  # this launch's first step (> 1 after a resume)
+        self.logger.start(self.progress.step)
+        batches = iter(self.train_batches)
+        self.model.train()
+        ok = False
+        try:
+            while self.progress.step < self.max_steps:
+                loss, grad_norm, lr, applied = self.train_step(batches)
+                self._count(applied)
+                step = self.progress.step
+                self.logger.step_done(step, loss)
+                if step == first:
+                    self.logger.drop_timing()  # start-up (allocations, compile) stays out of tokens/s
+                if self.logger.due(step):
+                    extra = {}
+                    if self.scaler.is_enabled():
+                        extra["train/loss_scale"] = self.scaler.get_scale()
+                    if self.scaler.is_enabled() or self.progress.skipped_steps:
+                        extra["train/skipped_steps"] = self.progress.skipped_steps
+                    train_loss = self.logger.log(step, grad_norm, lr, timed=step > first, extra=extra)
+                    if step == 1:
+                        self.progress.first_loss = train_loss
+                if self._end_of_step(step):
+                    result.preempted = True
+                    break
+            ok = True
+        finally:
+            self.preemption.close(wait=ok)
+            self.logger.close_bar()
+        result.steps, result.steps_this_launch = self.progress.step, self.progress.step - first + 1
+        result.first_loss, result.skipped_steps = self.progress.first_loss, self.progress.skipped_steps
+        result.train_loss = self.logger.last_loss
+        if result.preempted:
+            return result
+        if self.save_last and self.checkpoints is not None and self.checkpoints.last_saved_step != self.progress.step:
+            self.checkpoints.save(self.progress.step)
+        result.eval_loss, result.eval_perplexity = self._eval_and_log(self.progress.step)
+        result.seconds = time.perf_counter() - t_start
+        result.tokens_per_sec, result.mfu = self.logger.mean_rates()
+        return result
+
+    def _end_of_step(self, step: int) -> bool:
+        """Eval, periodic save, and the preemption agreement after optimizer step ``step``; True to stop now."""
+        every_eval = self.tcfg.eval_every_n_steps
+        if every_eval and step % every_eval == 0 and step < self.max_steps:
+            self._eval_and_log(step)
+        stop = self.preemption.should_stop()
+        due = self.save_every and step % self.save_every == 0
+        if self.checkpoints is not None and (due or stop) and self.checkpoints.last_saved_step != step:
+            with self.logger.paused():
+                self.checkpoints.save(step)
+        if stop:
+            self.preemption.stopping(step, self._last_checkpoint())
+        return stop
+
+    def _eval_and_log(self, step: int) -> tuple[float, float]:
+        with self.logger.paused():
+            loss, ppl = self.evaluator.evaluate(self.model, self.autocast)
+        if not math.isfinite(loss):
+            raise DivergenceError(f"non-finite eval loss ({loss}) at step {step}", step, self._last_checkpoint())
+        self.logger.tb.scalars({"eval/loss": loss, "eval/perplexity": ppl}, step)
+        log.info("eval at step %d: loss %.4f perplexity %.3f", step, loss, ppl)
+        return loss, ppl

@@ -1,0 +1,74 @@
+"""A train.py twin that injects one fault, for the fail-fast, resume and restart tests. Environment:
+
+- ``HT_FAULT``: ``raise`` (a RuntimeError, as a CUDA out-of-memory error would be), ``kill`` (SIGKILL itself) or
+  ``hang`` (sleep forever, as a rank stuck outside any collective would).
+- ``HT_FAULT_STEP``: the optimizer step; ``HT_FAULT_AT``: ``step`` (inside it, before its backward; default) or
+  ``after_step`` (after the step's eval, checkpoint save and preemption check).
+- ``HT_FAULT_RANK``: the rank that fails, or ``all`` (default 1).
+- ``HT_FAULT_ATTEMPT``: only on this elastic restart attempt (``TORCHELASTIC_RESTART_COUNT``; default 0).
+Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so tests can see where the fault happened.
+"""
+import os
+import signal
+import time
+from pathlib import Path
+
+import hydra
+
+from hydratrain.config import register_configs
+from hydratrain.dist.run_dir import register_resolvers
+
+register_configs()
+register_resolvers()
+
+
+def _inject() -> None:
+    from hydratrain.dist.run_dir import run_dir_of
+    from hydratrain.train import trainer
+
+    kind, step = os.environ.get("HT_FAULT"), int(os.environ.get("HT_FAULT_STEP", "0"))
+    rank, who = os.environ.get("RANK", "0"), os.environ.get("HT_FAULT_RANK", "1")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not kind or (who != "all" and who != rank) or attempt != os.environ.get("HT_FAULT_ATTEMPT", "0"):
+        return
+
+    def fault() -> None:
+        (run_dir_of() / f"fault_rank{rank}_step{step}").touch()
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "hang":
+            while True:
+                time.sleep(3600)
+        raise RuntimeError(f"injected fault on rank {rank} at step {step}")
+
+    if os.environ.get("HT_FAULT_AT", "step") == "step":
+        original = trainer.Trainer.train_step
+
+        def train_step(self, batches):
+            if self.progress.step + 1 == step:
+                fault()
+            return original(self, batches)
+
+        trainer.Trainer.train_step = train_step
+    else:
+        original_end = trainer.Trainer._end_of_step
+
+        def end_of_step(self, s):
+            stop = original_end(self, s)
+            if s == step:
+                fault()
+            return stop
+
+        trainer.Trainer._end_of_step = end_of_step
+
+
+@hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="train")
+def task(cfg) -> float:
+    from hydratrain.run import main
+
+    _inject()
+    return main(cfg).eval_loss
+
+
+if __name__ == "__main__":
+    task()
