@@ -155,10 +155,10 @@ class Watchdog:
 
 
 def human(nbytes: float) -> str:
-    """4096 -> '4 KiB'."""
+    """4096 -> '4 KiB' (3 significant digits: 4092 bytes, a size rounded for 3 ranks, is '4 KiB' too)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.4g} {unit}"
+            return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes:.3g} {unit}"
         nbytes /= 1024
 
 
