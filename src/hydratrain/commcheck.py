@@ -286,7 +286,8 @@ def _run(cfg: CommCheckConfig, dog: Watchdog, rank: int, n: int) -> int:
     rec = {"rank": rank, "node": socket.gethostname(), "barrier": [], "coll": {}, "pairs": []}
     pair_bytes = min(cfg.rank_bytes, sizes[-1]) // 4 * 4
     send, recv = torch.zeros(pair_bytes // 4, device=device), torch.empty(pair_bytes // 4, device=device)
-    rec["pairs"] = [(k, p[rank], [], []) for k, p in enumerate(round_robin(n)[: cfg.max_rounds]) if rank in p]
+    rounds = round_robin(n)[: max(cfg.max_rounds, 1 + n % 2)]  # odd n: 2 rounds give everyone a partner
+    rec["pairs"] = [(k, p[rank], [], []) for k, p in enumerate(rounds) if rank in p]
 
     def exchange_pass(after: str, timed: bool) -> None:
         """Exchange ``pair_bytes`` with each partner in turn; record own and wire times (see the docstring)."""
