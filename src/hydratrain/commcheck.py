@@ -68,7 +68,7 @@ class CommCheckConfig:
     rank_bytes: str = "4M"  # bytes sent each way per pairwise exchange (at most the largest size)
     max_rounds: int = 16  # partners per rank at most (n-1 is every other rank)
     slow_factor: float = 2.0  # flag a rank or node whose time is >= slow_factor x the median
-    timeout_s: float = 120.0  # seconds one call may block before every rank exits 124
+    timeout_s: float = 120.0  # seconds one call may block (a dead or stuck peer) before the rank exits 124
     mem_fraction: float = 0.5  # of the free GPU memory (CPU: available RAM / ranks on the node) for buffers
     backend: Optional[str] = None  # nccl | gloo | mpi; default nccl on CUDA, gloo on CPU
     device: str = "auto"  # auto | cpu | cuda (cuda:LOCAL_RANK)
@@ -202,7 +202,9 @@ def score_ranks(records: list[dict], slow_factor: float) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
-        print(__doc__ + "\n" + "\n".join(f"  commcheck.{f.name}={f.default}" for f in fields(CommCheckConfig)))
+        import inspect
+
+        print(__doc__ + "\nKeys, defaults and meaning (commcheck.KEY=VALUE):\n" + inspect.getsource(CommCheckConfig))
         return 0
     try:
         cfg = parse_args(argv)
