@@ -2,25 +2,165 @@
 
 MFU (model FLOPs utilisation, PaLM, Chowdhery et al. 2022, appendix B) = achieved model FLOP/s / peak FLOP/s, where
 achieved = tokens/s x FLOPs per token (6*N + 12*L*H*Q*T, see ``GPT.flops_per_token``) and peak is the per-device peak
-times world_size. Peak: ``logger.peak_flops`` if set, else a table of dense bf16/fp16 tensor-core peaks for known
-GPUs (vendor datasheets), else a matmul measured on this device in the compute dtype (CPU).
+times world_size. :func:`peak_flops` chooses the per-device peak, in this order:
+
+1. ``logger.peak_flops`` when set (FLOP/s of one device);
+2. CUDA: :data:`GPU_PEAKS`, dense (no 2:4 sparsity) vendor-datasheet peaks keyed by the exact name
+   ``torch.cuda.get_device_name()`` returns, one figure per compute mode (bf16, fp16, TF32, plain fp32). A GPU that is
+   not in the table (or a MIG slice, or a mode the GPU has no figure for) gets no MFU (NaN) and one warning, never a
+   guessed figure;
+3. CPU: a matmul measured once per machine in the compute dtype and cached in ``<cache dir>/cpu_peak_flops.json``, so
+   runs on one machine report comparable MFU and do not pay the measurement at every start.
+
+Peak memory (``mem/peak``, bytes): :func:`peak_memory_bytes` since the last :func:`reset_peak_memory`.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
+import math
+import os
+import platform
+import re
 import resource
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional, Union
 
 import torch
 
 log = logging.getLogger(__name__)
 
-# Dense (no sparsity) peak FLOP/s per GPU for bf16/fp16 tensor cores, from NVIDIA datasheets.
-GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "V100": 125e12,
-                  "L4": 121e12, "4090": 165e12, "3090": 71e12}
+
+@dataclass(frozen=True)
+class GpuPeak:
+    """Dense (no sparsity) peak FLOP/s of one GPU model per compute mode; None where the GPU has no such mode or the
+    vendor publishes no figure. ``pattern`` is matched against the whole device name (``re.fullmatch``, case and
+    repeated spaces ignored), so "NVIDIA L4" never matches "NVIDIA L40"."""
+
+    pattern: str
+    bf16: Optional[float]  # bfloat16 tensor cores, FP32 accumulate
+    fp16: Optional[float]  # float16 tensor cores, FP32 accumulate
+    tf32: Optional[float]  # float32 matmuls with TF32 enabled (tensor cores)
+    fp32: Optional[float]  # plain float32 (CUDA cores, no tensor cores)
+    source: str
+
+
+def _tflops(pattern: str, bf16: Optional[float], fp16: Optional[float], tf32: Optional[float],
+            fp32: Optional[float], source: str) -> GpuPeak:
+    """A :class:`GpuPeak` from figures in TFLOP/s (as datasheets print them)."""
+    return GpuPeak(pattern, *(None if v is None else v * 1e12 for v in (bf16, fp16, tf32, fp32)), source)
+
+
+# Sources: NVIDIA datasheets and architecture whitepapers. Datasheets print tensor-core peaks "with sparsity" (2:4
+# structured); models train dense, so those are halved here. Each source string quotes the document's own numbers in
+# TFLOP/s, * marking a figure with sparsity.
+_H100 = "NVIDIA H100 datasheet (resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet)"
+_H200 = "NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200)"
+_A100 = "NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf, SXM and PCIe, 40/80 GB)"
+_V100 = "NVIDIA V100 datasheet (volta-v100-datasheet-update-us-1165301-r5.pdf), tensor = fp16 mixed precision"
+# Most specific first; patterns match the whole name, so at most one matches (the order only breaks ties).
+GPU_PEAKS: tuple[GpuPeak, ...] = (
+    # Hopper
+    _tflops(r"NVIDIA H100 PCIe", 756.5, 756.5, 378, 51, _H100 + ", H100 PCIe: BF16 1513*, TF32 756*, FP32 51"),
+    _tflops(r"NVIDIA H100 NVL", 835.5, 835.5, 417.5, 60, _H100 + ", H100 NVL: BF16 1671*, TF32 835*, FP32 60"),
+    _tflops(r"NVIDIA H100 80GB HBM3", 989.5, 989.5, 494.5, 67,
+            _H100 + ", H100 SXM: BF16 1979*, TF32 989*, FP32 67"),
+    _tflops(r"NVIDIA H200 NVL", 835.5, 835.5, 417.5, 60, _H200 + ", H200 NVL: BF16 1671*, TF32 835*, FP32 60"),
+    _tflops(r"NVIDIA H200", 989.5, 989.5, 494.5, 67, _H200 + ", H200 SXM: BF16 1979*, TF32 989*, FP32 67"),
+    _tflops(r"NVIDIA GH200 (480GB|144G HBM3e)", 990, 990, 494, 67,
+            "NVIDIA GH200 datasheet (nvidia.com/en-us/data-center/grace-hopper-superchip): BF16 990, TF32 494, "
+            "FP32 67"),
+    # Blackwell
+    _tflops(r"NVIDIA B200", 2250, 2250, 1100, 75,
+            "NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/hgx), per GPU: BF16 4500*, TF32 2200*, "
+            "FP32 75"),
+    # Ampere
+    _tflops(r"NVIDIA A100-(SXM4-40GB|SXM4-80GB|SXM-80GB|PCIE-40GB|PCIE-80GB)", 312, 312, 156, 19.5,
+            _A100 + ": BF16 312, TF32 156, FP32 19.5"),
+    _tflops(r"NVIDIA A100 80GB PCIe", 312, 312, 156, 19.5, _A100 + ": BF16 312, TF32 156, FP32 19.5"),
+    _tflops(r"NVIDIA A10G", None, None, None, None, "AWS's A10G: NVIDIA publishes no datasheet for it"),
+    _tflops(r"NVIDIA A10", 125, 125, 62.5, 31.2,
+            "NVIDIA A10 datasheet (nvidia-a10-datasheet.pdf): BF16 125, TF32 62.5, FP32 31.2"),
+    _tflops(r"NVIDIA A30", 165, 165, 82, 10.3,
+            "NVIDIA A30 datasheet (nvidia-a30-datasheet.pdf): BF16 165, TF32 82, FP32 10.3"),
+    _tflops(r"NVIDIA A40", 149.7, 149.7, 74.8, 37.4,
+            "NVIDIA A40 datasheet (nvidia-a40-datasheet.pdf): BF16 149.7, TF32 74.8, FP32 37.4"),
+    _tflops(r"NVIDIA GeForce RTX 3090", 71, 71, 35.6, 35.6,
+            "NVIDIA Ampere GA102 GPU architecture whitepaper, RTX 3090: FP16/BF16 tensor with FP32 accumulate 71, "
+            "TF32 35.6, FP32 35.6"),
+    # Ada Lovelace
+    _tflops(r"NVIDIA L40S", 362.05, 362.05, 183, 91.6, "NVIDIA L40S datasheet: BF16 362.05, TF32 183, FP32 91.6"),
+    _tflops(r"NVIDIA L40", 181.05, 181.05, 90.5, 90.5, "NVIDIA L40 datasheet: BF16 181.05, TF32 90.5, FP32 90.5"),
+    _tflops(r"NVIDIA L4", 121, 121, 60, 30.3,
+            "NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4): BF16 242*, TF32 120*, FP32 30.3"),
+    _tflops(r"NVIDIA GeForce RTX 4090", 165.2, 165.2, 82.6, 82.6,
+            "NVIDIA Ada GPU architecture whitepaper, RTX 4090: FP16/BF16 tensor with FP32 accumulate 165.2, "
+            "TF32 82.6, FP32 82.6"),
+    # Volta, Turing: fp16 tensor cores only; no bf16, and no TF32 (fp32 matmuls run as plain fp32)
+    _tflops(r"Tesla V100-(SXM2|SXM3)-(16|32)GB", None, 125, None, 15.7, _V100 + ", SXM2: tensor 125, FP32 15.7"),
+    _tflops(r"Tesla V100S-PCIE-32GB", None, 130, None, 16.4, _V100 + ", V100S PCIe: tensor 130, FP32 16.4"),
+    _tflops(r"Tesla V100-PCIE-(16|32)GB", None, 112, None, 14, _V100 + ", PCIe: tensor 112, FP32 14"),
+    _tflops(r"Tesla T4", None, 65, None, 8.1,
+            "NVIDIA T4 datasheet (t4-tensor-core-datasheet-951643.pdf): FP16/FP32 mixed precision 65, FP32 8.1"),
+)
+
+CPU_PEAK_CACHE = "cpu_peak_flops.json"  # in the cache dir ($HYDRATRAIN_CACHE or ~/.cache/hydratrain)
+_CPU_MEASURE_VERSION = 1  # part of the cache key: bump when measure_matmul_flops changes what it measures
+_WARNED: set = set()  # (device name, mode) pairs already warned about, so a sweep warns once per process
+
+
+def _normalise(name: str) -> str:
+    return " ".join(name.split())
+
+
+def gpu_peak(name: str) -> Optional[GpuPeak]:
+    """The :data:`GPU_PEAKS` entry whose pattern matches the whole of ``name`` (a ``torch.cuda.get_device_name()``
+    string), or None. A MIG slice ("... MIG 1g.10gb") matches nothing: it has a fraction of the GPU's peak."""
+    name = _normalise(name)
+    for entry in GPU_PEAKS:
+        if re.fullmatch(entry.pattern, name, flags=re.IGNORECASE):
+            return entry
+    return None
+
+
+def _mode(dtype: torch.dtype, tf32: bool) -> Optional[str]:
+    """The :class:`GpuPeak` field that bounds matmuls in ``dtype``: bf16 | fp16 | tf32 | fp32; None if unknown."""
+    if dtype == torch.float32:
+        return "tf32" if tf32 else "fp32"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool) -> tuple[float, str]:
+    """(dense peak FLOP/s of one GPU called ``name`` for matmuls in ``dtype``, where the figure comes from), or
+    (NaN, why there is none). With ``tf32`` on a GPU without TF32 (Volta, Turing) fp32 matmuls run as plain fp32, so
+    the fp32 peak applies."""
+    entry, mode = gpu_peak(name), _mode(dtype, tf32)
+    if entry is None:
+        why = "a MIG slice has a fraction of its GPU's peak" if " MIG " in f" {name} " else "not in the table"
+        return math.nan, f"no peak FLOP/s known for GPU {name!r} ({why})"
+    if mode is None:
+        return math.nan, f"no peak FLOP/s for compute dtype {dtype}"
+    value = getattr(entry, mode)
+    if value is None and mode == "tf32":
+        mode, value = "fp32", entry.fp32
+    if value is None:
+        return math.nan, f"no {mode} peak FLOP/s for GPU {name!r} ({entry.source})"
+    return value, f"{name}, {mode} dense peak from {entry.source}"
+
+
+def tf32_enabled() -> bool:
+    """Whether CUDA float32 matmuls may use TF32 tensor cores, as torch is configured now
+    (``torch.backends.cuda.matmul.fp32_precision == "tf32"``, set by ``torch.set_float32_matmul_precision("high")``
+    too; ``allow_tf32`` on torch versions without it)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return bool(matmul.allow_tf32)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype, m: int = 2048, n: int = 512,
@@ -45,25 +185,167 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, m: int = 2048
     return 2 * m * n * n / best
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype, configured: Optional[float]) -> float:
-    """Peak FLOP/s of one device (see module docstring)."""
-    if configured:
-        return float(configured)
+def cpu_model() -> str:
+    """This machine's CPU model ("AMD EPYC 7763 64-Core Processor"; on ARM Linux the implementer and part ids)."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    if fields.get("model name"):
+        return fields["model name"]
+    if fields.get("CPU part"):
+        return f"{platform.machine()} implementer {fields.get('CPU implementer', '?')} part {fields['CPU part']}"
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_peak_key(dtype: torch.dtype) -> str:
+    """Cache key of a CPU measurement: what the figure depends on (CPU model, logical CPUs, threads, dtype, torch)."""
+    return (f"{cpu_model()} | {os.cpu_count()} cpus | {torch.get_num_threads()} threads | {str(dtype)} | "
+            f"torch {torch.__version__} | v{_CPU_MEASURE_VERSION}")
+
+
+def default_cache_dir() -> Path:
+    """``$HYDRATRAIN_CACHE`` or ``~/.cache/hydratrain`` (the corpus cache of :mod:`hydratrain.data` too)."""
+    return Path(os.environ.get("HYDRATRAIN_CACHE", Path.home() / ".cache" / "hydratrain"))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created), so ranks on one machine measure once; no lock where that fails."""
+    fh = None
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a")
+        fcntl.flock(fh, fcntl.LOCK_EX)
+    except (ImportError, OSError) as e:
+        log.debug("no lock on %s (%s): ranks may measure the CPU peak concurrently", path, e)
+    try:
+        yield
+    finally:
+        if fh is not None:
+            fh.close()  # releases the lock
+
+
+def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path] = None) -> tuple[float, str]:
+    """(FLOP/s of this process's CPU matmul in ``dtype``, where it comes from): read from
+    ``<cache_dir>/cpu_peak_flops.json`` under :func:`cpu_peak_key`, else measured with :func:`measure_matmul_flops`
+    (about 0.5 s) and stored there. Concurrent ranks on one machine take a file lock, so one measures and the others
+    read its figure. Delete the file to measure again (e.g. after the machine was busy when it was measured)."""
+    path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / CPU_PEAK_CACHE
+    key = cpu_peak_key(dtype)
+    with _file_lock(path.with_name(path.name + ".lock")):
+        entries: dict = {}
+        with contextlib.suppress(OSError, ValueError):
+            entries = json.loads(path.read_text()).get("entries", {})
+        hit = entries.get(key) if isinstance(entries, dict) else None
+        if isinstance(hit, dict) and isinstance(hit.get("flops"), (int, float)) and hit["flops"] > 0:
+            return float(hit["flops"]), f"cached in {path} ({key}, measured {hit.get('measured_at', '?')})"
+        if not isinstance(entries, dict):
+            entries = {}
+        flops = measure_matmul_flops(torch.device("cpu"), dtype)
+        entries[key] = {"flops": flops, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps({"entries": entries}, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+            where = f"measured now ({key}) and cached in {path}"
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            where = f"measured now ({key}); not cached ({e})"
+    return flops, where
+
+
+def peak_flops(device: torch.device, compute_dtype: Union[torch.dtype, str], override: Optional[float] = None,
+               tf32: Optional[bool] = None, cache_dir: Optional[Path] = None) -> float:
+    """Peak FLOP/s of one device for matmuls in ``compute_dtype`` (torch dtype or "bfloat16"/"float16"/"float32"),
+    or NaN when it is not known (then MFU is NaN; one warning per device and mode). See the module docstring.
+
+    Args:
+        override: ``logger.peak_flops``, FLOP/s of one device; wins when set.
+        tf32: CUDA fp32 matmuls use TF32 tensor cores; None = as torch is configured (:func:`tf32_enabled`).
+        cache_dir: where the CPU figure is cached; None = :func:`default_cache_dir`.
+    """
+    if override:
+        return float(override)
+    dtype = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
+    if device.type == "cpu":
+        flops, where = cpu_peak_flops(dtype, cache_dir)
+        log.info("peak FLOP/s for MFU: %.1f GFLOP/s per rank, %s matmul %s; set logger.peak_flops to override",
+                 flops / 1e9, dtype, where)
+        return flops
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, value in GPU_PEAK_FLOPS.items():
-            if key in name:
-                return value if dtype != torch.float32 else value / 2  # tf32 dense peak is half of bf16's
-    flops = measure_matmul_flops(device, dtype)
-    log.info("peak FLOP/s for MFU: measured %.1f GFLOP/s (%s matmul on %s); set logger.peak_flops to override",
-             flops / 1e9, dtype, device)
+        flops, where = gpu_peak_flops(name, dtype, tf32_enabled() if tf32 is None else tf32)
+    else:
+        name, flops, where = device.type, math.nan, f"no peak FLOP/s known for device type {device.type!r}"
+    if math.isnan(flops):
+        if (name, str(dtype)) not in _WARNED:
+            _WARNED.add((name, str(dtype)))
+            log.warning("%s in %s: MFU is not reported; set logger.peak_flops=<dense FLOP/s of one device> "
+                        "to get it", where, dtype)
+    else:
+        log.info("peak FLOP/s for MFU: %.1f TFLOP/s per device (%s); set logger.peak_flops to override",
+                 flops / 1e12, where)
     return flops
 
 
+_PROC_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def _proc_hwm_bytes() -> Optional[int]:
+    """``VmHWM`` (peak resident set size) of this process from ``/proc/self/status``, in bytes; None without it."""
+    with contextlib.suppress(OSError, ValueError):
+        with open(_PROC_STATUS) as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    return None
+
+
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start a new peak-memory window, so start-up and earlier jobs of a sweep in this process do not count in the
+    next :func:`peak_memory_bytes`. Returns whether the peak could be reset.
+
+    * CUDA: ``torch.cuda.reset_peak_memory_stats`` (the peak restarts from what is allocated now).
+    * CPU: ``getrusage``'s ``ru_maxrss`` is the peak over the process's whole life and cannot be reset. Linux keeps a
+      resettable copy, ``VmHWM`` in ``/proc/self/status``: writing "5" to ``/proc/self/clear_refs`` sets it to the
+      current resident set size (Linux >= 4.0; see proc(5)). Where that fails (no /proc, not Linux) the peak
+      reported stays the lifetime maximum and this returns False.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return True
+    if device.type != "cpu":
+        return False
+    try:
+        with open(_CLEAR_REFS, "w") as fh:
+            fh.write("5")
+        return True
+    except OSError as e:
+        log.debug("cannot reset the peak RSS through %s (%s): mem/peak is the process's lifetime peak",
+                  _CLEAR_REFS, e)
+        return False
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank in bytes: ``torch.cuda.max_memory_allocated`` on CUDA, else the process's max RSS."""
+    """Peak memory of this rank in bytes since the last :func:`reset_peak_memory` (or since the process started).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` (tensors only; the caching allocator reserves more, and CUDA context
+    and NCCL buffers are not counted). CPU: the peak resident set size of the whole process (``VmHWM``; weights,
+    optimizer state, activations, but also the Python interpreter and the torch libraries, a few hundred MB), or
+    ``ru_maxrss`` (not resettable) where ``/proc`` is missing.
+    """
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    hwm = _proc_hwm_bytes()
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# GPU smoke test: the paths no CPU test reaches, each as one train.py launch (about 3-5 minutes on one H200).
+#
+#   bench/gpu.sh                               # every case on 1 GPU; with 2+ GPUs also fsdp + checkpoint/resume
+#                                              #   on all of them (torchrun, NCCL)
+#   bench/gpu.sh --dry-run                     # the same sequence on CPU, tiny (+debug=fast, gloo); also DRY_RUN=1
+#   bench/gpu.sh --out DIR                     # results dir (default bench/out/gpu-<date>-<time>[-dry])
+#   CASES=fsdp_bf16,compile bench/gpu.sh       # only these cases (names below)
+#   bench/gpu.sh -- logger.peak_flops=9.9e14   # extra overrides for every launch (PEAK_FLOPS=9.9e14 too)
+#
+# Cases (data=synthetic; on GPU gpt_small runs batch 8 x 1024 tokens per rank):
+#   fsdp_bf16      strategy=fsdp precision=bf16 model=gpt_small
+#   fp16_scaler    strategy=fsdp precision=fp16 model=gpt_small              (GradScaler; not every step skipped)
+#   cpu_offload    ... strategy.cpu_offload=true                              (FSDP2 CPUOffloadPolicy, pinned)
+#   meta_llama_1b  model=llama_1b, batch 2 x 512                              (built on meta, sharded, materialised)
+#   compile        ... trainer.compile=true                                   (torch.compile of every block)
+#   ckpt_save      ... hydra.run.dir=DIR/runs/ckpt checkpoint.every_n_steps=N trainer.max_steps=N
+#   ckpt_resume    the same run dir relaunched with trainer.max_steps=2N: resumes at N, trains N more
+#   *_x<R>         with R >= 2 GPUs (2 CPU ranks in the dry run): fsdp_bf16, ckpt_save, ckpt_resume on R ranks
+#
+# Each case PASSes when train.py exits 0 and its results.json has the expected steps, finite train and eval loss,
+# tokens/s > 0, peak memory > 0 and an MFU in (0, 1] (on a GPU in hydratrain's peak table an MFU is required).
+# Printed per case and written to DIR/results.jsonl (one JSON object per case) and DIR/results.md (a table), with
+# DIR/env.json (torch, GPUs), DIR/logs/<case>.log and DIR/runs/<case>/ (run dirs). Exit status 0 when all passed.
+#
+# Env: PYTHON (default python), CASES, STEPS (steps per case), CASE_TIMEOUT (s per launch), MAX_NPROC (default 8),
+# PEAK_FLOPS (logger.peak_flops), HYDRATRAIN_CACHE (where the CPU peak and corpora are cached).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python}"
+DRY="${DRY_RUN:-0}"
+OUT=""
+EXTRA=()
+while (($#)); do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --out) OUT="${2:?--out needs a directory}"; shift ;;
+    --out=*) OUT="${1#--out=}" ;;
+    --) shift; EXTRA=("$@"); break ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bench/gpu.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$DRY" in 0|""|false|no) DRY=0 ;; *) DRY=1 ;; esac
+[[ -n "${PEAK_FLOPS:-}" ]] && EXTRA+=("logger.peak_flops=$PEAK_FLOPS")
+
+OUT="${OUT:-$ROOT/bench/out/gpu-$(date +%Y%m%d-%H%M%S)$( ((DRY)) && echo -dry)}"
+mkdir -p "$OUT/logs" "$OUT/runs" || exit 2
+OUT="$(cd "$OUT" && pwd)"
+: > "$OUT/results.jsonl"
+REPORT=("$PY" "$ROOT/bench/gpu_report.py")
+
+if ((DRY)); then
+  NGPU=0
+  "${REPORT[@]}" env --out "$OUT" --dry-run > /dev/null || exit 2
+  STEPS="${STEPS:-8}"
+  TIMEOUT="${CASE_TIMEOUT:-240}"
+  MULTI=2
+  # +debug=fast: synthetic data, d_model 64, 2 layers, batch 4 x 64, log every step, no sample, no weights
+  COMMON=(+debug=fast device=cpu trainer.eval_every_n_steps=0 trainer.eval_batches=2)
+  BF16=precision=auto          # bf16 where this CPU computes it natively, else fp32
+  LLAMA=(model=llama_1b model.n_kv_head=1 model.d_ff=128)
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+else
+  NGPU="$("${REPORT[@]}" env --out "$OUT")" || exit 2
+  if ((NGPU < 1)); then
+    echo "bench/gpu.sh: torch sees no CUDA GPU; run 'bench/gpu.sh --dry-run' to test this script on CPU" >&2
+    exit 2
+  fi
+  STEPS="${STEPS:-20}"
+  TIMEOUT="${CASE_TIMEOUT:-300}"
+  MAX_NPROC="${MAX_NPROC:-8}"
+  MULTI=$((NGPU < MAX_NPROC ? NGPU : MAX_NPROC))
+  COMMON=(data=synthetic device=cuda data.seq_len=1024 data.batch_size=8 trainer.eval_every_n_steps=0
+          trainer.eval_batches=2 trainer.log_every_n_steps=5 trainer.sample_tokens=0 trainer.save_weights=false
+          trainer.progress_bar=false)
+  BF16=precision=bf16
+  LLAMA=(model=llama_1b data.seq_len=512 data.batch_size=2)
+fi
+HALF=$((STEPS / 2))
+
+selected() {  # is case $1 in $CASES (comma-separated; empty = all)?
+  [[ -z "${CASES:-}" ]] && return 0
+  [[ ",${CASES}," == *",$1,"* ]]
+}
+
+# run_case NAME RUN_DIR_NAME NPROC STEPS THIS_LAUNCH CHECK OVERRIDE...
+#   STEPS: the step results.json must end at; THIS_LAUNCH: steps this launch must train; CHECK: none | fp16 (the
+#   scaler skipped fewer than STEPS steps) | resume (keep the run dir's checkpoints: relaunch in it)
+run_case() {
+  local name=$1 run_dir="$OUT/runs/$2" nproc=$3 steps=$4 this_launch=$5 check=$6
+  shift 6
+  selected "$name" || return 0
+  if [[ "$check" == resume ]]; then
+    rm -f "$run_dir/results.json"  # judge this launch, not the one before
+  else
+    rm -rf "$run_dir"  # a fresh run dir: no checkpoint of an earlier bench/gpu.sh --out DIR to resume from
+  fi
+  local log="$OUT/logs/$name.log" cmd=("$PY")
+  if ((nproc > 1)); then
+    cmd+=(-m torch.distributed.run --standalone --nproc_per_node "$nproc")
+  fi
+  cmd+=("$ROOT/train.py" "${COMMON[@]}" "$@" "hydra.run.dir=$run_dir" ${EXTRA[@]+"${EXTRA[@]}"})
+  echo "== $name: ${cmd[*]}"
+  local t0=$SECONDS
+  (cd "$ROOT" && HYDRA_FULL_ERROR=1 PYTHONUNBUFFERED=1 timeout --kill-after=30 "$TIMEOUT" "${cmd[@]}") > "$log" 2>&1
+  local rc=$?
+  "${REPORT[@]}" record --out "$OUT" --case "$name" --nproc "$nproc" --rc "$rc" --seconds $((SECONDS - t0)) \
+    --run-dir "$run_dir" --log "$log" --steps "$steps" --this-launch "$this_launch" --check "$check" \
+    -- "$@" ${EXTRA[@]+"${EXTRA[@]}"}
+}
+
+echo "bench/gpu.sh: $( ((DRY)) && echo "CPU dry run" || echo "$NGPU GPU(s)"), $STEPS steps per case, results in $OUT"
+FSDP=(strategy=fsdp "$BF16" model=gpt_small)
+run_case fsdp_bf16 fsdp_bf16 1 "$STEPS" "$STEPS" none "${FSDP[@]}" trainer.max_steps="$STEPS"
+run_case fp16_scaler fp16_scaler 1 "$STEPS" "$STEPS" fp16 strategy=fsdp precision=fp16 model=gpt_small \
+  trainer.max_steps="$STEPS"
+run_case cpu_offload cpu_offload 1 "$STEPS" "$STEPS" none "${FSDP[@]}" strategy.cpu_offload=true \
+  trainer.max_steps="$STEPS"
+run_case meta_llama_1b meta_llama_1b 1 "$HALF" "$HALF" none strategy=fsdp "$BF16" "${LLAMA[@]}" \
+  trainer.max_steps="$HALF"
+run_case compile compile 1 "$STEPS" "$STEPS" none "${FSDP[@]}" trainer.compile=true trainer.max_steps="$STEPS"
+run_case ckpt_save ckpt 1 "$HALF" "$HALF" none "${FSDP[@]}" checkpoint.every_n_steps="$HALF" \
+  trainer.max_steps="$HALF"
+run_case ckpt_resume ckpt 1 "$STEPS" "$((STEPS - HALF))" resume "${FSDP[@]}" checkpoint.every_n_steps="$HALF" \
+  trainer.max_steps="$STEPS"
+if ((MULTI >= 2)); then
+  run_case "fsdp_bf16_x$MULTI" "fsdp_bf16_x$MULTI" "$MULTI" "$STEPS" "$STEPS" none "${FSDP[@]}" \
+    trainer.max_steps="$STEPS"
+  run_case "ckpt_save_x$MULTI" "ckpt_x$MULTI" "$MULTI" "$HALF" "$HALF" none "${FSDP[@]}" \
+    checkpoint.every_n_steps="$HALF" trainer.max_steps="$HALF"
+  run_case "ckpt_resume_x$MULTI" "ckpt_x$MULTI" "$MULTI" "$STEPS" "$((STEPS - HALF))" resume "${FSDP[@]}" \
+    checkpoint.every_n_steps="$HALF" trainer.max_steps="$STEPS"
+fi
+echo
+"${REPORT[@]}" table --out "$OUT"
