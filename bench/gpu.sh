@@ -59,7 +59,7 @@ if ((DRY)); then
   TIMEOUT="${CASE_TIMEOUT:-240}"
   MULTI=2
   # +debug=fast: synthetic data, d_model 64, 2 layers, batch 4 x 64, log every step, no sample, no weights
-  COMMON=(+debug=fast device=cpu trainer.eval_every_n_steps=0 trainer.eval_batches=2)
+  COMMON=(+debug=fast device=cpu trainer.eval_every_n_steps=0 trainer.eval_samples=8)
   BF16=precision=auto          # bf16 where this CPU computes it natively, else fp32
   LLAMA=(model=llama_1b model.n_kv_head=1 model.d_ff=128)
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -74,7 +74,7 @@ else
   MAX_NPROC="${MAX_NPROC:-8}"
   MULTI=$((NGPU < MAX_NPROC ? NGPU : MAX_NPROC))
   COMMON=(data=synthetic device=cuda data.seq_len=1024 data.batch_size=8 trainer.eval_every_n_steps=0
-          trainer.eval_batches=2 trainer.log_every_n_steps=5 trainer.sample_tokens=0 trainer.save_weights=false
+          trainer.eval_samples=8 trainer.log_every_n_steps=5 trainer.sample_tokens=0 trainer.save_weights=false
           trainer.progress_bar=false)
   BF16=precision=bf16
   LLAMA=(model=llama_1b data.seq_len=512 data.batch_size=2)

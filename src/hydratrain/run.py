@@ -102,7 +102,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     from hydratrain.data import build_data
     from hydratrain.dist.env import under_submitit
     from hydratrain.errors import ConfigError
-    from hydratrain.metrics import peak_flops
+    from hydratrain.metrics import peak_flops, reset_peak_memory
     from hydratrain.optim import build_optimizer, build_scheduler, total_steps
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.strategy import build_model
@@ -120,6 +120,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     random.seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed % 2**32)
 
+    reset_peak_memory(device)  # this job's peak only, not start-up's or an earlier job's of the same process
     train_batches, eval_batches = build_data(cfg, info, launch, cfg.trainer.progress_bar)
     model, raw, n_params, summary = build_model(cfg, strategy, precision, device)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
@@ -136,7 +137,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     progress = TrainProgress()
     tokens_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * cfg.data.seq_len * info.world_size
     step_logger = StepLogger(run_dir, device, tokens_per_step, raw.flops_per_token(cfg.data.seq_len),
-                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops) * info.world_size,
+                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32)
+                             * info.world_size,
                              cfg.trainer.log_every_n_steps, max_steps, info.is_main, cfg.logger.tensorboard,
                              cfg.trainer.progress_bar)
     checkpoints = CheckpointManager(

@@ -85,10 +85,12 @@ class Precision:
                 f"{str(self.reduce_dtype).removeprefix('torch.')}{', grad scaler' if self.use_scaler else ''}{extra})")
 
     def apply_backend_flags(self) -> None:
-        """Set the process-wide matmul flags this precision implies (TF32 for fp32 on CUDA)."""
+        """Set the process-wide CUDA matmul/conv flags this precision implies (TF32 for fp32 when ``tf32``), with
+        torch's ``fp32_precision`` API (mixing it with the older ``allow_tf32`` flags is an error in torch 2.9+)."""
         if torch.cuda.is_available():
-            torch.backends.cuda.matmul.allow_tf32 = self.tf32
-            torch.backends.cudnn.allow_tf32 = self.tf32
+            mode = "tf32" if self.tf32 else "ieee"
+            torch.backends.cuda.matmul.fp32_precision = mode
+            torch.backends.cudnn.conv.fp32_precision = mode
 
     def autocast(self, device: torch.device) -> ContextManager:
         """``torch.autocast`` to the compute dtype (a no-op for fp32). For strategies that do not cast parameters."""
