@@ -52,7 +52,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     except HydratrainError as err:
         if env.rank == 0 or err.exit_status != EXIT_CONFIG:  # a config error is the same on every rank
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
-        log.debug("stopped by %r", err)
+        log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
         if _in_multirun():
             raise  # Hydra records the job as failed and the sweep goes on
         raise SystemExit(err.exit_status) from None

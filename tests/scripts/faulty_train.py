@@ -1,7 +1,7 @@
 """A train.py twin that injects one fault, for the fail-fast, resume and restart tests. Environment:
 
 - ``HT_FAULT``: ``raise`` (a RuntimeError, as a CUDA out-of-memory error would be), ``kill`` (SIGKILL itself) or
-  ``hang`` (sleep forever, as a rank stuck outside any collective would).
+  ``stop`` (SIGSTOP itself: alive, sockets open, silent, as a rank hung in a driver or dead behind NCCL looks).
 - ``HT_FAULT_STEP``: the optimizer step; ``HT_FAULT_AT``: ``step`` (inside it, before its backward; default) or
   ``after_step`` (after the step's eval, checkpoint save and preemption check).
 - ``HT_FAULT_RANK``: the rank that fails, or ``all`` (default 1).
@@ -10,7 +10,6 @@ Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so te
 """
 import os
 import signal
-import time
 from pathlib import Path
 
 import hydra
@@ -36,9 +35,8 @@ def _inject() -> None:
         (run_dir_of() / f"fault_rank{rank}_step{step}").touch()
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if kind == "hang":
-            while True:
-                time.sleep(3600)
+        if kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
     if os.environ.get("HT_FAULT_AT", "step") == "step":

@@ -130,6 +130,7 @@ class FailureWatch:
 
         self.rank, self.world_size, self.poll_s = rank, world_size, poll_s
         self.stale_s = max(3 * poll_s, failure_timeout_s / 2)  # detection + exit fit in failure_timeout_s
+        self.grace_s = 3.0  # after a peer reported its failure, before this rank exits
         self.prefix = prefix + "/watch"
         self._timeout_s = failure_timeout_s
         self._main_store = PrefixStore(self.prefix, base_store())
@@ -149,10 +150,11 @@ class FailureWatch:
             return message
 
     def stop(self, done: bool) -> None:
-        """Stop the thread; ``done``: mark this rank finished so its silence is not taken for a failure."""
+        """Stop the thread; ``done``: mark this rank finished (so its silence is not taken for a failure) once the
+        thread has stopped beating. A failed rank does not wait for the thread: it should exit before its peers."""
         self._stop.set()
-        self._thread.join(timeout=5 * self.poll_s)
         if done:
+            self._thread.join(timeout=5 * self.poll_s)
             with contextlib.suppress(Exception):
                 self._main_store.set(f"hb/{self.rank}", "done")
 
@@ -174,6 +176,8 @@ class FailureWatch:
                 if store.check(["failed"]):
                     failure = store.get("failed").decode()
                     if failure and not self._stop.is_set():
+                        # let the failed rank leave first (its launcher then reports it as the root cause)
+                        self._stop.wait(min(self.grace_s, self.stale_s))
                         self._die(failure)
                         return
                 seen = store.get(f"hb/{neighbour}").decode() if store.check([f"hb/{neighbour}"]) else None

@@ -1,0 +1,62 @@
+"""A rank that raises, dies or falls silent takes the whole job down within distributed.failure_timeout_s, with its
+error on the console and in its log; elastic restarts then resume from the last checkpoint."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import datetime
+
+import pytest
+
+from helpers import FAULTY, finish, log_of, results, run, start
+
+RAISE_AT_3 = {"HT_FAULT": "raise", "HT_FAULT_STEP": "3", "HT_FAULT_RANK": "1"}
+LONG = ["trainer.max_steps=400", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=0"]
+
+
+def _exit_after_fault(run_dir, finished_at: float) -> float:
+    marker = next(run_dir.glob("fault_rank*_step*"))
+    return finished_at - marker.stat().st_mtime
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_rank_that_raises_ends_every_rank_fast_and_shows_its_error(tmp_path, strategy):
+    r = run([f"strategy={strategy}", *LONG, "distributed.failure_timeout_s=30"], tmp_path, nproc=2, script=FAULTY,
+            env=RAISE_AT_3, timeout=240)
+    took = _exit_after_fault(tmp_path, time.time())
+    assert r.returncode != 0 and took < 30, (took, r.output[-3000:])
+    assert "RuntimeError: injected fault on rank 1 at step 3" in r.output  # on the console
+    assert "injected fault on rank 1 at step 3" in log_of(tmp_path, 1)  # and in the failing rank's log
+    log0 = log_of(tmp_path, 0)
+    assert "rank 1: RuntimeError: injected fault on rank 1 at step 3" in log0, log0[-2000:]  # rank 0 says why
+    assert "step 4/" not in log0
+
+
+def test_a_silent_rank_is_found_by_its_heartbeat(tmp_path):
+    """SIGSTOP on rank 1 (alive, sockets open, nothing said: what a dead peer behind NCCL looks like): rank 0, stuck
+    in a collective, stops itself within failure_timeout_s with exit status 5 and says which rank went silent."""
+    proc = start(["strategy=ddp", *LONG, "distributed.failure_timeout_s=10"], tmp_path, nproc=2, script=FAULTY,
+                 env={"HT_FAULT": "stop", "HT_FAULT_STEP": "3", "HT_FAULT_RANK": "1"})
+    try:
+        r = finish(proc, timeout=180)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    # torchrun itself then needs its 30 s SIGTERM grace to get rid of the stopped process: time rank 0 by its log
+    stopping = next(line for line in log_of(tmp_path, 0).splitlines() if "rank 1 stopped responding" in line)
+    stopped_at = datetime.strptime(stopping[1:24], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    took = _exit_after_fault(tmp_path, stopped_at)
+    assert r.returncode != 0 and took < 10, (took, r.output[-3000:])
+    assert "exitcode  : 5" in r.output, r.output[-3000:]
+
+
+def test_launcher_restart_resumes_after_an_exception(tmp_path):
+    """launcher=torchrun with max_restarts=1: rank 1 raises at step 3 on the first attempt; the agent restarts both
+    workers, which resume from the step-2 checkpoint and finish."""
+    sweep = tmp_path / "sweep"
+    r = run(["launcher=torchrun", "launcher.nproc_per_node=2", "strategy=fsdp", "trainer.max_steps=6",
+             "checkpoint.every_n_steps=2", "launcher.max_restarts=1", f"hydra.sweep.dir={sweep}"], script=FAULTY,
+            env=RAISE_AT_3, cwd=tmp_path, timeout=300).ok()
+    job = sweep / "0"
+    assert (job / "fault_rank1_step3").exists() and results(job)["steps"] == 6, r.output[-3000:]
+    assert "resumed from" in log_of(job) and "step_00000002: step 2 " in log_of(job)

@@ -1,0 +1,252 @@
+"""In-process checks of the objects that own a decision: the config is never written, Precision resolves into a new
+object, every key either takes effect or is an error, Strategy builds the same model on meta and eagerly, the fixed
+eval set, the Stateful components' resume rules, the save guard, and the CUDA-path helpers that run on a CPU."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from hydratrain.config import validate
+from hydratrain.errors import CheckpointError, ConfigError, DivergenceError
+
+
+def _job(compose, tmp_path, *overrides):
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.run import build
+
+    cfg = compose(["+debug=fast", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
+                   "logger.peak_flops=1e12", *overrides])
+    return build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), tmp_path, tmp_path)
+
+
+# ------------------------------------------------------------------------------------- the config stays composed
+def test_main_never_writes_the_config_and_resolves_auto_into_a_new_object(compose, tmp_path):
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.run import main
+
+    cfg = compose(["+debug=fast", "strategy=single", "device=cpu", "trainer.max_steps=2", "logger.peak_flops=1e12"])
+    before = OmegaConf.to_yaml(cfg)
+    assert cfg.precision.name == "auto"
+    result = main(cfg, run_dir=tmp_path)
+    assert OmegaConf.to_yaml(cfg) == before and result.steps == 2
+    with pytest.raises(Exception):  # read-only from main() on: any write is a bug, found at once
+        cfg.precision.name = "bf16"
+    p = Precision.resolve(cfg.precision, torch.device("cpu"))
+    assert p.requested == "auto" and p.name in ("fp32", "bf16") and cfg.precision.name == "auto"
+    validate(cfg)  # validating a read-only config works: validate only reads
+
+
+@pytest.mark.parametrize("overrides", [
+    ["strategy=ddp", "strategy.cpu_offload=true"],                    # fsdp's key on ddp
+    ["strategy=single", "strategy.backend=gloo"],                     # single has no process group
+    ["precision=bf16", "precision.init_scale=2"],                     # only fp16 has a scaler
+    ["wrap_policy=auto", "wrap_policy.min_num_params=5"],             # only size_based has a threshold
+    ["scheduler=constant", "scheduler.min_lr_ratio=0.5"],             # constant has no decay
+    ["launcher=local", "launcher.nproc_per_node=2"],                  # local starts nothing
+    ["data=synthetic", "data.paths=[a.txt]"],                         # synthetic reads no files
+    ["strategy.name=fsdq"],                                           # not an option
+])
+def test_a_key_the_option_does_not_use_is_a_compose_error(compose, overrides):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        compose(overrides)
+
+
+@pytest.mark.parametrize("overrides,key", [
+    (["strategy=ddp", "wrap_policy=size_based"], "wrap_policy"),
+    (["strategy=single", "precision.reduce_dtype=bfloat16"], "precision.reduce_dtype"),
+    (["strategy=fsdp", "strategy.name=ddp"], "strategy.name"),
+    (["device=cpu", "model.init_device=cuda"], "model.init_device"),
+    (["checkpoint.preempt_exit_code=4"], "checkpoint.preempt_exit_code"),
+])
+def test_a_value_that_cannot_take_effect_is_a_config_error(compose, overrides, key):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(overrides))
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+# -------------------------------------------------------------------------------- meta build = eager build
+@pytest.mark.parametrize("tied", [True, False])
+def test_meta_and_eager_builds_are_the_same_model(compose, tied):
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.parallel.strategy import build_model, build_strategy
+
+    built = {}
+    for init_device in ("meta", "cpu"):
+        cfg = compose(["strategy=single", "precision=fp32", f"model.init_device={init_device}",
+                       f"model.tie_embeddings={str(tied).lower()}"])
+        model, raw, n_params, _ = build_model(cfg, build_strategy(cfg), Precision.resolve(cfg.precision, torch.device(
+            "cpu")), torch.device("cpu"))
+        assert (raw.lm_head.weight is raw.tok_emb.weight) == tied
+        assert sum(p.numel() for p in model.parameters()) == n_params
+        built[init_device] = raw
+    meta, eager = built["meta"].state_dict(), built["cpu"].state_dict()
+    assert all(torch.equal(meta[k], eager[k]) for k in eager)
+    for name, p in built["meta"].named_parameters():
+        if p.ndim == 2:
+            want = 0.02 / math.sqrt(2 * 4) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            assert abs(p.std().item() / want - 1) < 0.05, name
+
+
+# ----------------------------------------------------------------------------------------------- eval set
+@pytest.mark.parametrize("n_samples", [0, 10, 33])
+def test_eval_set_counts_each_sample_once_at_any_world_size_and_batch(n_samples):
+    import numpy as np
+
+    from hydratrain.data import EvalBatches, TokenDataset
+
+    ds = TokenDataset(np.arange(40 * 8 + 1), 8)  # sample i starts with token 8 * i
+    want = None
+    for world, batch in [(1, 8), (2, 3), (3, 2), (4, 5)]:
+        seen, counts = [], set()
+        for rank in range(world):
+            batches = list(EvalBatches(ds, n_samples, batch, rank, world))
+            counts.add(len(batches))
+            seen += [int(x[i, 0]) // 8 for x, _, valid in batches for i in range(batch) if valid[i]]
+        assert len(counts) == 1  # every rank runs the same number of forwards
+        assert len(seen) == len(set(seen)) == (n_samples or 40)
+        want = want or sorted(seen)
+        assert sorted(seen) == want
+
+
+# ------------------------------------------------------------------------------- resume rules, save guard
+def test_resume_keeps_moments_and_steps_but_takes_the_configured_lr(compose, tmp_path):
+    job = _job(compose, tmp_path / "a", "optim.lr=1e-3", "scheduler=constant", "scheduler.warmup_steps=4")
+    batches = iter(job.trainer.train_batches)
+    for _ in range(2):
+        job.trainer.train_step(batches)
+        job.trainer._count(True)
+    saved = job.checkpoints.save(2)
+    moments = {k: v.clone() for k, v in job.trainer.optimizer.state_dict()["state"][0].items()}
+
+    job2 = _job(compose, tmp_path / "b", "optim.lr=5e-3", "scheduler=constant", "scheduler.warmup_steps=4",
+                "optim.weight_decay=0.05")
+    job2.checkpoints.load(saved)
+    groups = job2.trainer.optimizer.param_groups
+    assert groups[0]["lr"] == pytest.approx(5e-3 * 3 / 4)  # step 3's lr of the new schedule
+    assert groups[0]["weight_decay"] == 0.05 and job2.trainer.progress.step == 2
+    state = job2.trainer.optimizer.state_dict()["state"][0]
+    assert all(torch.equal(state[k], v) for k, v in moments.items())
+
+
+def test_a_state_with_a_nan_is_never_saved_and_evicts_nothing(compose, tmp_path):
+    from hydratrain.checkpoint.manager import list_checkpoints
+
+    job = _job(compose, tmp_path, "checkpoint.keep_last=1")
+    job.checkpoints.save(1)
+    with torch.no_grad():
+        next(job.model.parameters()).view(-1)[0] = float("nan")
+    with pytest.raises(DivergenceError, match="not saving step 2: the state holds non-finite values") as err:
+        job.checkpoints.save(2)
+    assert err.value.last_checkpoint.endswith("step_00000001")
+    assert [p.name for _, p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000001"]
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_checkpoint_errors_are_one_line():
+    from hydratrain.checkpoint.io import root_cause
+
+    class CheckpointException(BaseException):
+        failures = {0: (ValueError("size mismatch for tok_emb"), ["<FrameSummary file x.py, line 3>"])}
+
+    cause = root_cause(CheckpointException())
+    assert isinstance(cause, ValueError) and str(cause) == "size mismatch for tok_emb"
+
+
+def test_loading_another_model_size_names_the_keys(compose, tmp_path):
+    job = _job(compose, tmp_path / "a", "model.d_model=64")
+    saved = job.checkpoints.save(1)
+    other = _job(compose, tmp_path / "b", "model.d_model=32")
+    with pytest.raises(CheckpointError) as err:
+        other.checkpoints.load(saved)
+    message = str(err.value)
+    assert "\n" not in message and "model.tok_emb.weight has shape (256, 64) in the checkpoint" in message
+    assert "model.d_model: 64 -> 32" in message
+
+
+# -------------------------------------------------------------------------------------- what is logged
+def test_paused_time_stays_out_of_tokens_per_second(tmp_path):
+    from hydratrain.train.step_logger import StepLogger
+
+    logger = StepLogger(tmp_path, torch.device("cpu"), tokens_per_step=1000, flops_per_token=1.0,
+                        peak_flops_total=1e9, log_every=1, max_steps=10, is_main=True, tensorboard=False,
+                        progress_bar=False)
+    logger.start(0)
+    time.sleep(0.05)
+    logger.step_done(1, torch.tensor(1.0))
+    with logger.paused():
+        time.sleep(0.5)  # eval or a checkpoint save
+    logger.log(1, torch.tensor(0.5), 1e-3, timed=True)
+    tps, _ = logger.rates[-1]
+    assert 1000 / 0.5 < tps < 1000 / 0.045  # ~20k tokens/s: the 0.5 s pause is not counted
+
+
+# ------------------------------------------------------------------------------ CUDA paths checked on a CPU
+def test_backend_gets_gloo_for_cpu_tensors_when_fsdp_offloads_on_cuda():
+    from hydratrain.dist.process_group import backend_for
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert backend_for(cuda, None, cpu_offload=False) == "nccl"
+    assert backend_for(cuda, None, cpu_offload=True) == "cuda:nccl,cpu:gloo"
+    assert backend_for(cuda, "nccl", cpu_offload=True) == "cuda:nccl,cpu:gloo"
+    assert backend_for(cpu, None, cpu_offload=True) == "gloo"
+    assert backend_for(cuda, "gloo", cpu_offload=False) == "gloo"
+
+
+def test_device_index_also_works_when_each_task_sees_one_gpu():
+    from hydratrain.dist.process_group import device_index
+
+    assert [device_index(r, 8) for r in (0, 3, 7)] == [0, 3, 7]
+    assert [device_index(r, 1) for r in (0, 3, 7)] == [0, 0, 0]  # --gpus-per-task=1
+    assert device_index(5, 4) == 1
+    with pytest.raises(RuntimeError):
+        device_index(0, 0)
+
+
+def test_auto_precision_asks_for_native_bf16_only(monkeypatch):
+    from hydratrain.parallel import precision
+
+    asked = {}
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kw: asked.update(kw) or False)
+    assert precision.native_bf16(torch.device("cuda", 0)) is False
+    assert asked == {"including_emulation": False}  # V100/T4 only emulate bf16
+
+
+def test_tf32_only_for_fp32_on_cuda(compose):
+    from hydratrain.parallel.precision import Precision
+
+    cfg = compose(["precision=fp32"]).precision
+    assert Precision.resolve(cfg, torch.device("cpu")).tf32 is False
+    assert Precision.resolve(compose(["precision=fp32", "precision.tf32=false"]).precision, torch.device("cpu")).tf32 \
+        is False
+
+
+def test_buffers_follow_the_compute_device_and_ties_survive_to_empty():
+    from hydratrain.models.gpt import GPT, GPTConfig
+    from hydratrain.parallel.init import move_buffers, to_empty_keeping_ties
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(d_model=32, n_layer=1, n_head=2, max_seq_len=16))
+    to_empty_keeping_ties(model, torch.device("cpu"))
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})
+    move_buffers(model, torch.device("meta"))  # a stand-in for the CUDA device: parameters stay where they are
+    assert model.rope_cos.is_meta and not model.tok_emb.weight.is_meta
+
+
+def test_grouped_query_attention_gives_the_same_result_with_kv_heads_expanded(monkeypatch):
+    from hydratrain.models import gpt
+
+    torch.manual_seed(0)
+    model = gpt.GPT(gpt.GPTConfig(d_model=64, n_layer=1, n_head=4, n_kv_head=2, max_seq_len=16))
+    x = torch.randint(0, 256, (2, 16))
+    assert not gpt.expand_kv_heads(torch.zeros(1))  # CPU: SDPA takes enable_gqa
+    ref = model(x)
+    monkeypatch.setattr(gpt, "expand_kv_heads", lambda q: True)  # the CUDA fp32 path
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
