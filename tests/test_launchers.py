@@ -2,6 +2,8 @@
 TensorBoard hparams, Optuna, multi-node, submitit, elastic restarts. Every run is a tiny model on 2 gloo ranks."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 import time
@@ -12,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from _launch_utils import (FAIL_TASK, ROOT, TRAIN, finish, free_port, hparams_runs, report_rows, results, run,
+from _launch_utils import (FAIL_TASK, FAST, ROOT, TRAIN, finish, free_port, hparams_runs, report_rows, results, run,
                            start, torchrun, train)
 
 
@@ -154,6 +156,32 @@ def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
         assert results(tmp_path / name / "0")["hparams"]["world_size"] == 2
 
 
+def test_ctrl_c_ends_the_sweep(tmp_path):
+    """SIGINT to the launching process while job 0 trains: its workers are stopped, job 1 never starts, the sweep
+    exits non-zero at once instead of recording job 0 as failed and going on."""
+    sweep = tmp_path / "s"
+    proc = start([sys.executable, TRAIN, "-m", *FAST, "launcher=torchrun", "launcher.nproc_per_node=1",
+                  "strategy=ddp", "trainer.max_steps=100000", "trainer.eval_every_n_steps=0", "optim.lr=1e-3,3e-3",
+                  f"hydra.sweep.dir={sweep}"], tmp_path)
+    deadline = time.time() + 180
+    while not (sweep / "0" / "tensorboard").exists():  # job 0's rank 0 is training
+        assert proc.poll() is None and time.time() < deadline, finish(proc, 10)[1][-3000:]
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    t0 = time.time()
+    rc, out = finish(proc, 90)
+    assert rc != 0 and time.time() - t0 < 60, out[-3000:]
+    assert not (sweep / "1").exists()
+    assert not (sweep / "0" / "status.json").exists()  # interrupted, not a failed job
+    time.sleep(2)
+    try:
+        os.killpg(proc.pid, 0)  # the launcher's process group: its workers, if any outlived it
+    except ProcessLookupError:
+        return
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("a worker outlived the interrupted sweep")
+
+
 def test_port_that_cannot_be_had_is_a_clear_error_not_a_hang(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -163,7 +191,7 @@ def test_port_that_cannot_be_had_is_a_clear_error_not_a_hang(tmp_path):
         rc, out = train(["launcher=torchrun", "strategy=ddp", f"launcher.rdzv_endpoint=127.0.0.1:{port}",
                          f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path, timeout=120)
     assert rc != 0 and time.time() - t0 < 60
-    assert f"launcher.rdzv_endpoint=127.0.0.1:{port}: node 0 cannot host the rendezvous store" in out, out[-3000:]
+    assert f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}: node 0 cannot host the rendezvous store" in out, out[-3000:]
     assert report_rows(tmp_path / "s")[0]["status"] == "FAILED"
 
 
@@ -172,7 +200,7 @@ def test_node_that_cannot_reach_node0_gives_up_with_a_clear_error(tmp_path):
     rc, out = train(["launcher=torchrun", "strategy=ddp", "launcher.nnodes=2", "launcher.node_rank=1",
                      "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint=127.0.0.1:{free_port()}",
                      "launcher.rdzv_timeout=10", f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path, timeout=150)
-    assert rc != 0 and "no rendezvous with all 2 node(s) within launcher.rdzv_timeout=10 s" in out, out[-3000:]
+    assert rc != 0 and "no rendezvous with all 2 node(s) within hydra.launcher.rdzv_timeout=10 s" in out, out[-3000:]
 
 
 def test_sweep_inside_each_torchrun_rank(tmp_path):

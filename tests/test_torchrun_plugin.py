@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +45,16 @@ def _unset_version_base():
 
 def test_discovery():
     assert TorchrunLauncher.__name__ in [c.__name__ for c in Plugins.instance().discover(Launcher)]
+
+
+def test_plugin_imports_no_app():
+    """Every module of the plugin imports with ``hydratrain`` made unimportable."""
+    code = ("import sys; sys.modules['hydratrain'] = None\n"
+            "import hydra_plugins.hydratrain_launcher.config, hydra_plugins.hydratrain_launcher.torchrun_launcher\n"
+            "import hydra_plugins.hydratrain_launcher._core, hydra_plugins.hydratrain_launcher._checks\n"
+            "print('ok', [m for m in sys.modules if m.startswith('hydratrain')])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ok ['hydratrain']" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_config_node_has_defaults_for_any_app():
