@@ -74,7 +74,8 @@ def job_settings(sweep_config: DictConfig) -> TorchrunLauncherConf:
 
 
 def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
-    """Check this job, start its workers, wait for them; returns global rank 0's :class:`JobReturn`.
+    """Check this job, start its workers, wait for them; returns the :class:`JobReturn` of the lowest global rank
+    on this node (rank 0's on the node that hosts it).
 
     Failures (bad settings, the app's check raising, a port that cannot be had, a rendezvous timeout, a worker that
     failed after ``max_restarts``) come back as a FAILED JobReturn whose ``return_value`` raises: the check's own
