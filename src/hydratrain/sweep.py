@@ -54,7 +54,8 @@ def _overrides_yaml(job_dir: Path) -> Optional[List[str]]:
 
 def sweep_rows(sweep_dir: Path) -> List[dict]:
     """One dict per job dir found under ``sweep_dir`` (a dir holding ``status.json``, ``results.json`` or
-    ``.hydra/overrides.yaml``, at any depth, so nested ``hydra.sweep.subdir`` values work), ordered by job number. Values are floats, ints or strings; missing figures are ''."""
+    ``.hydra/overrides.yaml``, at any depth, so nested ``hydra.sweep.subdir`` values work), ordered by job number.
+    Values are floats, ints or strings; missing figures are ''."""
     rows = []
     job_dirs = {p.parent for name in ("status.json", "results.json") for p in sweep_dir.rglob(name)}
     job_dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
