@@ -13,6 +13,7 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "train.py")
+FAIL_TASK = str(ROOT / "tests" / "_fail_task.py")  # train.py twin whose jobs fail as $HYDRATRAIN_TEST_FAIL says
 # seconds-long runs: synthetic data, 2 layers, 10 steps, fp32 (bf16/fp16 are slow on CPU), no matmul benchmark
 FAST = ["+debug=fast", "precision=fp32", "device=cpu", "logger.peak_flops=1e11"]
 
@@ -48,10 +49,13 @@ def run(args: List[str], cwd: Path, timeout: float = 180, env: Optional[dict] = 
     return finish(start(args, cwd, env), timeout)
 
 
-def train(args: List[str], cwd: Path, timeout: float = 180, script: str = TRAIN) -> tuple[int, str]:
-    """``python train.py ARGS`` (with :data:`FAST` prepended) in ``cwd``."""
+def train(args: List[str], cwd: Path, timeout: float = 180, script: str = TRAIN, env: Optional[dict] = None,
+          fast: List[str] = FAST) -> tuple[int, str]:
+    """``python train.py ARGS`` (with ``fast``, default :data:`FAST`, prepended) in ``cwd``; ``env``: extra
+    environment variables."""
     flags = [a for a in args if a == "-m"]  # argparse wants -m before the overrides
-    return run([sys.executable, script, *flags, *FAST, *[a for a in args if a != "-m"]], cwd, timeout)
+    return run([sys.executable, script, *flags, *fast, *[a for a in args if a != "-m"]], cwd, timeout,
+               env=dict(env_for_tests(), **(env or {})))
 
 
 def torchrun(torchrun_args: List[str], args: List[str], cwd: Path) -> subprocess.Popen:

@@ -2,6 +2,8 @@
 TensorBoard hparams, Optuna, multi-node, submitit, elastic restarts. Every run is a tiny model on 2 gloo ranks."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 import time
@@ -10,9 +12,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 
-from _launch_utils import (ROOT, TRAIN, finish, free_port, hparams_runs, report_rows, results, run, start, torchrun,
-                           train)
+from _launch_utils import (FAIL_TASK, FAST, ROOT, TRAIN, finish, free_port, hparams_runs, report_rows, results, run,
+                           start, torchrun, train)
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -54,6 +57,13 @@ def test_presets_select_the_hydra_launcher_and_multirun():
         assert cfg.hydra.launcher._target_.endswith(target)
         assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
         assert cfg.launcher.name == name
+    # the user-facing launcher.* keys are mapped onto the plugin's own node, which knows no hydratrain
+    torchrun = _compose(["launcher=torchrun", "launcher.nproc_per_node=3", "launcher.nnodes=2", "launcher.node_rank=1",
+                         "launcher.rdzv_endpoint=h:29500", "launcher.rdzv_timeout=30", "launcher.max_restarts=2"])
+    h = torchrun.hydra.launcher
+    assert (h.nproc_per_node, h.nnodes, h.node_rank, h.rdzv_endpoint, h.rdzv_timeout, h.max_restarts) == \
+        (3, 2, 1, "h:29500", 30, 2)
+    assert h.job_check == "hydratrain.config.validate"
     slurm = _compose(["launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4", "launcher.partition=gpu",
                       "launcher.account=acct", "launcher.timeout_min=30"])
     h = slurm.hydra.launcher
@@ -91,15 +101,35 @@ def test_torchrun_launcher_sweep_runs_each_job_on_two_fresh_ranks(tmp_path):
     assert all(b"strategy.name" in s for s in sessions.values())
 
 
-def test_failed_job_is_reported_and_the_sweep_goes_on(tmp_path):
+def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_torchrun(tmp_path):
+    """Basic sweeper + torchrun launcher, 4 jobs (nproc 1, 2) x (max_steps -1, 3): the -1 jobs fail the app's job
+    check before any worker starts; job 3's rank 1 dies (a crashed rank); job 1 runs on its own 1 rank."""
     sweep = tmp_path / "goes_on"
-    rc, out = train(["-m", "launcher=torchrun", "strategy=ddp", "launcher.nproc_per_node=1", "trainer.max_steps=-1,3", f"hydra.sweep.dir={sweep}"], tmp_path,
-                    timeout=240)
-    assert rc != 0  # Hydra's sweeper raises the failure once the batch is done
+    rc, out = train(["-m", "launcher=torchrun", "strategy=ddp", "launcher.nproc_per_node=1,2", "trainer.max_steps=-1,3",
+                     f"hydra.sweep.dir={sweep}"], tmp_path, timeout=300, script=FAIL_TASK,
+                    env={"HYDRATRAIN_TEST_FAIL": "3:kill"})
+    assert rc != 0  # Hydra's basic sweeper raises the first failure once the batch is done
     rows = report_rows(sweep)
-    assert [r["status"] for r in rows] == ["FAILED", "COMPLETED"], rows
-    # the bad job is rejected from its composed config before any worker starts
-    assert rows[0]["error"] == "config error: trainer.max_steps=-1: must be finite and > 0", rows[0]
+    assert [r["status"] for r in rows] == ["FAILED", "COMPLETED", "FAILED", "FAILED"], (rows, out[-3000:])
+    for r in rows[0], rows[2]:
+        assert r["error"] == "ConfigError: trainer.max_steps=-1: must be finite and > 0", r
+    assert not (sweep / "0" / ".hydra").exists()  # rejected in the launcher: no worker ran
+    assert "launcher.nproc_per_node=2 trainer.max_steps=3" in rows[3]["overrides"]
+    assert "job #3: rank 1 failed" in rows[3]["error"] and "SIGKILL" in rows[3]["error"], rows[3]
+    assert results(sweep / "1")["steps"] == 3 and results(sweep / "1")["hparams"]["world_size"] == 1
+    assert "ConfigError: trainer.max_steps=-1: must be finite and > 0" in out
+
+
+def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_local(tmp_path):
+    """Basic sweeper + local launcher (jobs in-process): a config error and a diverged run (the task raising)."""
+    sweep = tmp_path / "local"
+    rc, out = train(["-m", "strategy=single", "trainer.max_steps=-1,3,4", f"hydra.sweep.dir={sweep}"], tmp_path,
+                    timeout=300, script=FAIL_TASK, env={"HYDRATRAIN_TEST_FAIL": "2:raise"})
+    assert rc != 0
+    rows = report_rows(sweep)
+    assert [r["status"] for r in rows] == ["FAILED", "COMPLETED", "FAILED"], (rows, out[-3000:])
+    assert rows[0]["error"] == "ConfigError: trainer.max_steps=-1: must be finite and > 0"
+    assert rows[2]["error"] == "FloatingPointError: loss diverged (test)"
     assert results(sweep / "1")["steps"] == 3
 
 
@@ -123,6 +153,32 @@ def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
         assert results(tmp_path / name / "0")["hparams"]["world_size"] == 2
 
 
+def test_ctrl_c_ends_the_sweep(tmp_path):
+    """SIGINT to the launching process while job 0 trains: its workers are stopped, job 1 never starts, the sweep
+    exits non-zero at once instead of recording job 0 as failed and going on."""
+    sweep = tmp_path / "s"
+    proc = start([sys.executable, TRAIN, "-m", *FAST, "launcher=torchrun", "launcher.nproc_per_node=1",
+                  "strategy=ddp", "trainer.max_steps=100000", "trainer.eval_every_n_steps=0", "optim.lr=1e-3,3e-3",
+                  f"hydra.sweep.dir={sweep}"], tmp_path)
+    deadline = time.time() + 180
+    while not (sweep / "0" / "tensorboard").exists():  # job 0's rank 0 is training
+        assert proc.poll() is None and time.time() < deadline, finish(proc, 10)[1][-3000:]
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    t0 = time.time()
+    rc, out = finish(proc, 90)
+    assert rc != 0 and time.time() - t0 < 60, out[-3000:]
+    assert not (sweep / "1").exists()
+    assert not (sweep / "0" / "status.json").exists()  # interrupted, not a failed job
+    time.sleep(2)
+    try:
+        os.killpg(proc.pid, 0)  # the launcher's process group: its workers, if any outlived it
+    except ProcessLookupError:
+        return
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("a worker outlived the interrupted sweep")
+
+
 def test_port_that_cannot_be_had_is_a_clear_error_not_a_hang(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -132,7 +188,7 @@ def test_port_that_cannot_be_had_is_a_clear_error_not_a_hang(tmp_path):
         rc, out = train(["launcher=torchrun", "strategy=ddp", f"launcher.rdzv_endpoint=127.0.0.1:{port}",
                          f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path, timeout=120)
     assert rc != 0 and time.time() - t0 < 60
-    assert f"launcher.rdzv_endpoint=127.0.0.1:{port}: node 0 cannot host the rendezvous store" in out, out[-3000:]
+    assert f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}: node 0 cannot host the rendezvous store" in out, out[-3000:]
     assert report_rows(tmp_path / "s")[0]["status"] == "FAILED"
 
 
@@ -141,7 +197,7 @@ def test_node_that_cannot_reach_node0_gives_up_with_a_clear_error(tmp_path):
     rc, out = train(["launcher=torchrun", "strategy=ddp", "launcher.nnodes=2", "launcher.node_rank=1",
                      "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint=127.0.0.1:{free_port()}",
                      "launcher.rdzv_timeout=10", f"hydra.sweep.dir={tmp_path / 's'}"], tmp_path, timeout=150)
-    assert rc != 0 and "no rendezvous with all 2 node(s) within launcher.rdzv_timeout=10 s" in out, out[-3000:]
+    assert rc != 0 and "no rendezvous with all 2 node(s) within hydra.launcher.rdzv_timeout=10 s" in out, out[-3000:]
 
 
 def test_sweep_inside_each_torchrun_rank(tmp_path):
@@ -238,6 +294,93 @@ def test_optuna_search_three_trials_minimises_eval_loss(tmp_path):
     best = min(float(r["eval_loss"]) for r in rows)
     assert f"Best value: {best:.4f}"[:16] in out
     assert all("optim.lr=" in r["overrides"] for r in rows)
+
+
+def _expected_optuna_rows(rows, fail_plan):
+    """What each trial of a search over ``optim.weight_decay=interval(-0.2,0.2)`` must have come to: a config error
+    for a sampled negative decay (under torchrun the launcher's job check rejects it before the test twin's planned
+    failure can happen), else the planned failure, else completed. Returns [(status, part of the error)]."""
+    out = []
+    for num, r in enumerate(rows):
+        decay = float(r["overrides"].split("optim.weight_decay=")[1].split()[0])
+        torchrun = "launcher=torchrun" in r["overrides"]
+        if decay < 0 and (torchrun or num not in fail_plan):
+            out.append(("FAILED", f"ConfigError: optim.weight_decay={decay!r}: must be finite and >= 0"))
+        elif fail_plan.get(num) == "kill":
+            out.append(("FAILED", f"LaunchError: job #{num}: rank 1 failed"))
+        elif fail_plan.get(num) == "raise":
+            out.append(("FAILED", "FloatingPointError: loss diverged (test)"))
+        else:
+            out.append(("COMPLETED", ""))
+    return out
+
+
+def _check_optuna_search(rc, out, sweep, n_trials, fail_plan, kinds):
+    """The search ran all its trials; each row is what :func:`_expected_optuna_rows` says; the failures include each
+    of ``kinds``; Optuna's best value is the best completed eval loss; the sweep exits 1 naming a failed job."""
+    rows = report_rows(sweep)
+    assert len(rows) == n_trials, (rows, out[-3000:])
+    expected = _expected_optuna_rows(rows, fail_plan)
+    assert all(r["status"] == status and part in r["error"] for r, (status, part) in zip(rows, expected)), \
+        ([(r["status"], r["error"]) for r in rows], expected)
+    errors = " ".join(r["error"] for r in rows)
+    assert all(k in errors for k in kinds) and ("COMPLETED", "") in expected, expected  # the seed samples both signs
+    best = min(float(r["eval_loss"]) for r in rows if r["status"] == "COMPLETED")
+    assert f"Best value: {best:.4f}"[:16] in out
+    failed = sum(status == "FAILED" for status, _ in expected)
+    assert rc == 1 and f"hydratrain: {failed} sweep job(s) failed" in out, out[-2000:]
+
+
+def test_optuna_local_search_goes_on_past_failed_trials(tmp_path):
+    """Optuna + local launcher: trials that sample an invalid weight decay fail with a config error (with the
+    preset's seed, trial 2 does), trial 3 diverges (raises); the study still runs all 5 trials."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    plan = {3: "raise"}
+    rc, out = train(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=5", "strategy=single",
+                     "optim.weight_decay=interval(-0.2,0.2)", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=300,
+                    script=FAIL_TASK, env={"HYDRATRAIN_TEST_FAIL": "3:raise"})
+    _check_optuna_search(rc, out, sweep, 5, plan, ["ConfigError", "FloatingPointError"])
+
+
+def test_optuna_torchrun_search_goes_on_past_failed_trials(tmp_path):
+    """Optuna + torchrun launcher (2 ranks): a config error on a sampled value (trial 2 with the preset's seed,
+    rejected by the job check in the launcher), a crashed rank (job 0), a diverged run (job 3); the study still runs
+    all 4 trials."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    plan = {0: "kill", 3: "raise"}
+    rc, out = train(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=4", "launcher=torchrun",
+                     "launcher.nproc_per_node=2", "strategy=ddp", "trainer.max_steps=4",
+                     "optim.weight_decay=interval(-0.2,0.2)", f"hydra.sweep.dir={sweep}"], tmp_path, timeout=400,
+                    script=FAIL_TASK, env={"HYDRATRAIN_TEST_FAIL": "0:kill,3:raise"})
+    _check_optuna_search(rc, out, sweep, 4, plan, ["ConfigError", "SIGKILL", "FloatingPointError"])
+
+
+# ------------------------------------------------------------------------------------ the default config
+# the default config (data=python_stdlib, model=gpt_tiny, strategy=fsdp, precision=auto), only made short
+SHORT = ["trainer.max_steps=3", "data.batch_size=2", "data.seq_len=64", "trainer.eval_samples=8",
+         "trainer.sample_tokens=0"]
+
+
+@pytest.mark.parametrize("launcher, world_size", [("local", 1), ("torchrun", 2), ("submitit_local", 2)])
+def test_every_launcher_runs_the_default_config(launcher, world_size, tmp_path, cache_dir):
+    """No precision= override: precision=auto is resolved by each rank (never written into the config), so the
+    config every launcher hands its ranks passes the checks as composed."""
+    if launcher == "submitit_local":
+        pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    out_dir = tmp_path / "out"
+    dir_key = "hydra.run.dir" if launcher == "local" else "hydra.sweep.dir"
+    rc, out = train([f"launcher={launcher}", *SHORT, f"{dir_key}={out_dir}"], tmp_path, timeout=400, fast=[],
+                    env={"HYDRATRAIN_CACHE": str(cache_dir)})
+    assert rc == 0, out[-4000:]
+    run_dirs = sorted(p.parent for p in out_dir.rglob("results.json"))
+    assert len(run_dirs) == 1, run_dirs
+    res = results(run_dirs[0])
+    assert res["steps"] == 3 and res["hparams"]["world_size"] == world_size
+    assert res["hparams"]["precision.name"] == "auto" and res["hparams"]["data.name"] == "python_stdlib"
+    saved = OmegaConf.load(run_dirs[0] / ".hydra" / "config.yaml")
+    assert (saved.precision.name, saved.strategy.name) == ("auto", "fsdp")
 
 
 # ------------------------------------------------------------------------------------------------------ slow

@@ -1,8 +1,9 @@
 """The sweep report: one row per Hydra job of a multirun, and the Hydra callback that keeps it current.
 
-Each job's rank 0 writes ``results.json`` (``Trainer.finish``) and ``status.json`` (this module's callback, or the
-launcher when workers die); :func:`write_sweep_report` joins them into ``sweep_report.csv`` and ``sweep_report.md`` in
-the sweep dir. Registered in ``conf/train.yaml`` as ``hydra.callbacks.sweep_report``.
+Each job's rank 0 writes ``results.json`` (``Trainer.finish``); this module's callback writes ``status.json`` at the
+end of each job, in rank 0 or, for a job that the torchrun launcher saw fail (a failed check, a dead rank), in the
+launcher's process; :func:`write_sweep_report` joins them into ``sweep_report.csv`` and ``sweep_report.md`` in the
+sweep dir. Registered in ``conf/train.yaml`` as ``hydra.callbacks.sweep_report``.
 """
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ COLUMNS = ["job", "overrides", "status", "steps", "train_loss", "eval_loss", "to
 
 def write_job_status(job_dir: Path, num: int, overrides: List[str], status: str, error: str = "",
                      seconds: float = math.nan) -> None:
-    """Write ``<job_dir>/status.json``: job number, overrides, ``COMPLETED``/``FAILED`` and a one-line error."""
+    """Write ``<job_dir>/status.json``: job number, overrides, ``COMPLETED``/``FAILED``, a one-line error and the
+    job's seconds (NaN or None: unknown, stored as null)."""
+    if seconds is not None and not math.isfinite(seconds):
+        seconds = None
     payload = {"num": num, "overrides": list(overrides), "status": status, "error": error, "seconds": seconds}
     tmp = job_dir / f".status.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(payload, indent=1))
@@ -50,7 +54,8 @@ def _overrides_yaml(job_dir: Path) -> Optional[List[str]]:
 
 def sweep_rows(sweep_dir: Path) -> List[dict]:
     """One dict per job dir found under ``sweep_dir`` (a dir holding ``status.json``, ``results.json`` or
-    ``.hydra/overrides.yaml``, at any depth, so nested ``hydra.sweep.subdir`` values work), ordered by job number. Values are floats, ints or strings; missing figures are ''."""
+    ``.hydra/overrides.yaml``, at any depth, so nested ``hydra.sweep.subdir`` values work), ordered by job number.
+    Values are floats, ints or strings; missing figures are ''."""
     rows = []
     job_dirs = {p.parent for name in ("status.json", "results.json") for p in sweep_dir.rglob(name)}
     job_dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
@@ -73,12 +78,16 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
                      "overrides": " ".join(overrides), "status": state, "steps": results.get("steps", ""),
                      "train_loss": fig("train_loss"), "eval_loss": fig("eval_loss"),
                      "tokens_per_sec": fig("tokens_per_sec"), "peak_memory_mb": fig("peak_memory_bytes", 1e-6),
-                     "mfu": fig("mfu"), "seconds": fig("seconds") if results else status.get("seconds", ""),
+                     "mfu": fig("mfu"), "seconds": fig("seconds") if results else _finite(status.get("seconds")),
                      "error": status.get("error", "")})
     rows.sort(key=lambda r: (r["_num"], r["job"]))
     for r in rows:
         del r["_num"]
     return rows
+
+
+def _finite(value: Any) -> Any:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else ""
 
 
 def write_sweep_report(sweep_dir: Path) -> Optional[Path]:
@@ -111,8 +120,10 @@ def _is_rank0() -> bool:
 
 class SweepReportCallback(Callback):
     """Hydra callback: on multirun start, check the ``launcher`` keys (a SLURM GPU/task mismatch fails before
-    anything is submitted); after each job (rank 0), record its status and refresh the report; at multirun end,
-    refresh it and log where it is. Does nothing in single runs."""
+    anything is submitted); after each job (rank 0, or the launcher process for a job whose workers failed), record
+    its status and refresh the report; at multirun end, refresh it, log where it is, and exit with status 1 when
+    any job failed (a sweeper that tolerates failed trials, like the Optuna preset, otherwise exits 0). Does nothing
+    in single runs."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydratrain.config import ConfigError, validate_launcher
@@ -127,10 +138,11 @@ class SweepReportCallback(Callback):
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        hc = HydraConfig.get()
+        hc = config.hydra if "hydra" in config else HydraConfig.get()
         if hc.mode != RunMode.MULTIRUN or not _is_rank0():
             return
         job_dir = Path(hc.runtime.output_dir)
+        job_dir.mkdir(parents=True, exist_ok=True)
         error = ""
         if job_return.status.name == "FAILED":
             error = f"{type(job_return._return_value).__name__}: {job_return._return_value}".splitlines()[0]
@@ -142,6 +154,12 @@ class SweepReportCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):
             return
-        path = write_sweep_report(Path(str(config.hydra.sweep.dir)))
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        path = write_sweep_report(sweep_dir)
         if path:
             log.info("sweep report: %s\n%s", path, path.with_suffix(".md").read_text())
+        failed = [r for r in sweep_rows(sweep_dir) if r["status"] == "FAILED"]
+        if failed:
+            first = failed[0]
+            raise SystemExit(f"hydratrain: {len(failed)} sweep job(s) failed (see {sweep_dir / 'sweep_report.md'}); "
+                             f"first: job {first['job']} ({first['overrides']}): {first['error']}")

@@ -1,43 +1,49 @@
 """The work behind :class:`TorchrunLauncher` (a module starting with ``_``: Hydra's plugin scan skips it).
 
-Per job: compose the job's config, pickle (cloudpickle) the Hydra context, the config and the task function, and hand
-them to ``elastic_launch``; each worker unpickles them and calls Hydra's ``run_job``, like Hydra's joblib and submitit
-launchers do in their workers. Rendezvous: torch's ``c10d`` backend. With one node and no ``launcher.rdzv_endpoint``
-the agent's store binds port 0, i.e. the OS hands it a free port at bind time, so concurrent sweeps cannot collide.
+Per job, in the launcher process: compose the job's config, read its ``hydra.launcher`` settings, run the app's
+``job_check`` on it, then pickle (cloudpickle) the Hydra context, the config and the task function and hand them to
+``elastic_launch``; each worker unpickles them and calls Hydra's ``run_job``, as Hydra's joblib and submitit launchers
+do in their workers. Rendezvous: torch's ``c10d`` backend; with one node and no ``rdzv_endpoint`` the agent's store
+binds port 0, i.e. the OS hands it a free port at bind time, so concurrent sweeps cannot collide.
+
+A job that fails without its workers finishing ``run_job`` (a failed check, a port that cannot be had, a dead or
+failing worker) is reported to Hydra's callbacks here: ``on_job_end`` runs in the launcher process (on node 0) with
+the FAILED :class:`JobReturn`, after the workers are gone.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import socket
-import time
 from pathlib import Path
-from typing import List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from torch.distributed.elastic.multiprocessing.errors import record
+
+from ._checks import LauncherConfigError, check_settings
+from .config import TorchrunLauncherConf
 
 log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
-    """A job's workers could not be started or did not finish (bad rendezvous endpoint, a worker failed)."""
+    """A job's workers could not be started or did not finish (rendezvous failure, a worker that failed)."""
 
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
     """Run the jobs one after another; returns one :class:`JobReturn` per job run (fewer when ``stop_on_failure``
     ends the sweep at a failed job, whose exception the sweeper then raises)."""
-    from hydratrain.sweep import write_sweep_report
-
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-    sweep_dir = Path(str(config.hydra.sweep.dir))  # resolves (and exports) the shared stamp in this process
+    sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    log.info("torchrun launcher: %d job(s), sweep dir %s", len(job_overrides), sweep_dir)
+    log.info("TorchrunLauncher: %d job(s) one after another, sweep dir %s", len(job_overrides), sweep_dir)
     runs: List[JobReturn] = []
     for offset, overrides in enumerate(job_overrides):
         num = initial_job_idx + offset
@@ -46,112 +52,176 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
         with open_dict(sweep_config):
             sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{num}"
             sweep_config.hydra.job.num = num
-        ret = run_one(launcher, sweep_config, list(overrides), num)
+        ret = run_one(launcher, sweep_config, num)
         runs.append(ret)
         configure_log(config.hydra.hydra_logging, config.hydra.verbose)
         if ret.status == JobStatus.FAILED:
-            log.error("job #%d failed: %s", num, ret._return_value)
-            if sweep_config.launcher.node_rank == 0:
-                write_sweep_report(sweep_dir)
+            log.error("job #%d failed: %s", num, _one_line(ret._return_value))
             if launcher.stop_on_failure:
                 break
     return runs
 
 
-def _check_endpoint(launcher_cfg: DictConfig) -> str:
-    """The rendezvous endpoint of this job; on the hosting node, fail fast if its port cannot be bound."""
-    endpoint = launcher_cfg.rdzv_endpoint
-    if endpoint is None:
-        return "127.0.0.1:0"
-    host, _, port = str(endpoint).rpartition(":")
-    if launcher_cfg.node_rank == 0 and int(port) != 0:
-        with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
-            try:
-                s.bind((host.strip("[]"), int(port)))
-            except OSError as err:
-                raise LaunchError(f"launcher.rdzv_endpoint={endpoint}: node 0 cannot host the rendezvous store on "
-                                  f"this port ({err.strerror}); pick a free port or leave it null (1 node)") from None
-    return str(endpoint)
+def job_settings(sweep_config: DictConfig) -> TorchrunLauncherConf:
+    """This job's ``hydra.launcher`` node, resolved against the job's config and checked.
+
+    Raises :class:`LauncherConfigError` (a bad value) or OmegaConf's errors (an interpolation that does not resolve).
+    """
+    values = OmegaConf.to_container(sweep_config.hydra.launcher, resolve=True)
+    conf = TorchrunLauncherConf(**values)
+    check_settings(conf)
+    return conf
 
 
-def run_one(launcher, sweep_config: DictConfig, overrides: List[str], num: int) -> JobReturn:
-    """Start this job's workers, wait for them, and return rank 0's result as a :class:`JobReturn`.
+def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
+    """Check this job, start its workers, wait for them; returns the :class:`JobReturn` of the lowest global rank
+    on this node (rank 0's on the node that hosts it).
 
-    Failures (a config error, a port that cannot be had, a worker that failed after ``max_restarts``) come back
-    as a FAILED JobReturn whose ``return_value`` raises :class:`LaunchError` with a one-line reason.
+    Failures (bad settings, the app's check raising, a port that cannot be had, a rendezvous timeout, a worker that
+    failed after ``max_restarts``) come back as a FAILED JobReturn whose ``return_value`` raises: the check's own
+    exception, :class:`LauncherConfigError`, or :class:`LaunchError` with a one-line reason. Ctrl-C / SIGTERM to
+    this process (torch's ``SignalException``) propagates: the agent has stopped the workers and the sweep ends.
     """
     import cloudpickle
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hydratrain.config import ConfigError, validate, validate_launcher
-    from hydratrain.sweep import write_job_status
-
-    lc = sweep_config.launcher
     job_dir = Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir)
-    ret = JobReturn(overrides=overrides, cfg=sweep_config, working_dir=str(job_dir),
-                    task_name=sweep_config.hydra.job.name)
-    started = time.time()
+    with read_write(sweep_config.hydra.runtime), open_dict(sweep_config.hydra.runtime):
+        sweep_config.hydra.runtime.output_dir = os.path.abspath(job_dir)
+    conf: Optional[TorchrunLauncherConf] = None
     try:
-        validate_launcher(lc)
-        validate(sweep_config)  # a bad job config fails here, before any worker or process group exists
-        endpoint = _check_endpoint(lc)
+        conf = job_settings(sweep_config)
+        if conf.job_check:
+            _run_job_check(conf.job_check, sweep_config)
+        endpoint = _check_endpoint(conf)
         payload = cloudpickle.dumps((launcher.hydra_context, sweep_config, launcher.task_function,
                                      Singleton.get_state()))
         launch_cfg = LaunchConfig(
-            min_nodes=lc.nnodes, max_nodes=lc.nnodes, nproc_per_node=lc.nproc_per_node,
-            # Same id on every node (they run the same jobs in the same order), new for every job.
-            run_id=f"hydratrain-{sweep_config.hydra.job.name}-{num}",
+            min_nodes=conf.nnodes, max_nodes=conf.nnodes, nproc_per_node=conf.nproc_per_node,
+            run_id=str(sweep_config.hydra.job.id),  # the same on every node (same sweep), new for every job
             rdzv_backend="c10d", rdzv_endpoint=endpoint,
-            rdzv_configs={"is_host": lc.node_rank == 0, "timeout": lc.rdzv_timeout, "join_timeout": lc.rdzv_timeout,
-                          "read_timeout": lc.rdzv_timeout},  # also bounds a node waiting for node 0's store
-            max_restarts=lc.max_restarts, monitor_interval=launcher.monitor_interval,
-            start_method=launcher.start_method)
+            rdzv_configs={"is_host": conf.node_rank == 0, "timeout": conf.rdzv_timeout,
+                          "join_timeout": conf.rdzv_timeout,
+                          "read_timeout": conf.rdzv_timeout},  # also bounds a node waiting for node 0's store
+            max_restarts=conf.max_restarts, monitor_interval=conf.monitor_interval, start_method=conf.start_method)
         values = elastic_launch(launch_cfg, _worker)(payload)
-        ret.status = JobStatus.COMPLETED
-        ret.return_value = values[min(values)] if values else None  # rank 0's on node 0
+        return min(cloudpickle.loads(v) for v in values.values())[1]  # the lowest global rank's JobReturn
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         why = f"exit code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.exitcode < 0 else "")
         message = failure.message
-        if isinstance(message, dict):  # torch >= 2.x: the error file's {"message": ..., "extraInfo": ...}
+        if isinstance(message, dict):  # the error file's {"message": ..., "extraInfo": ...}
             message = message.get("message", "")
-        if failure.error_file_data and str(message).strip():  # the worker's exception, via @record
+        if failure.error_file_data and str(message).strip():  # the worker's exception, written by @record
             why = str(message).strip().splitlines()[0]
-        ret.status = JobStatus.FAILED
-        ret.return_value = LaunchError(f"job #{num}: rank {rank} failed "
-                                       f"(after {lc.max_restarts} restart(s) allowed): {why}")
-    except (ConfigError, LaunchError) as err:
-        ret.status = JobStatus.FAILED
-        ret.return_value = err if isinstance(err, LaunchError) else LaunchError(f"config error: {err}")
-    except SignalException:  # Ctrl-C / SIGTERM to this process: the agent has stopped the workers; end the sweep
+        error: BaseException = LaunchError(f"job #{num}: rank {rank} failed (after {conf.max_restarts} restart(s) "
+                                           f"allowed): {why}")
+    except SignalException:
         raise
-    except Exception as err:  # rendezvous errors and the like: report, do not hang or take the sweep down
-        ret.status = JobStatus.FAILED
-        why = f"{type(err).__name__}: {err}".splitlines()[0]
-        if "Rendezvous" in type(err).__name__:
-            why = (f"launcher.rdzv_endpoint={lc.rdzv_endpoint}: no rendezvous with all {lc.nnodes} node(s) within "
-                   f"launcher.rdzv_timeout={lc.rdzv_timeout} s (is node 0 running the same sweep?): {why}")
-        ret.return_value = LaunchError(f"job #{num}: {why}")
-    if ret.status == JobStatus.FAILED and lc.node_rank == 0:
-        job_dir.mkdir(parents=True, exist_ok=True)
-        write_job_status(job_dir, num, overrides, "FAILED", str(ret._return_value), time.time() - started)
+    except Exception as err:  # the check's own error, bad settings, a port, a rendezvous error: report, don't hang
+        error = err
+        if "Rendezvous" in type(err).__name__ and conf is not None:
+            error = LaunchError(
+                f"job #{num}: hydra.launcher.rdzv_endpoint={conf.rdzv_endpoint}: no rendezvous with all "
+                f"{conf.nnodes} node(s) within hydra.launcher.rdzv_timeout={conf.rdzv_timeout} s (is node 0 "
+                f"running the same sweep?): {_one_line(err)}")
+    ret = _failed_return(sweep_config, error)
+    if conf is None or conf.node_rank == 0:
+        _job_end_callbacks(launcher, sweep_config, ret)
     return ret
 
 
+def _run_job_check(path: str, sweep_config: DictConfig) -> None:
+    """Call the app's check on a read-only copy of the job's task config (``hydra`` removed, as the task function
+    gets it) while Hydra's config is this job's. The target goes through ``hydra.utils.instantiate`` so Hydra's
+    target policy applies. Raises whatever the check raises."""
+    from hydra.utils import instantiate
+
+    try:
+        check: Callable[[DictConfig], Any] = instantiate({"_target_": path, "_partial_": True})
+    except Exception as err:
+        raise LauncherConfigError("job_check", path, f"cannot be loaded: {_one_line(err)}") from None
+    task_cfg = _task_config(sweep_config)
+    OmegaConf.set_readonly(task_cfg, True)
+    hydra_config = HydraConfig.instance()
+    saved = hydra_config.cfg
+    hydra_config.set_config(sweep_config)
+    try:
+        check(task_cfg)
+    finally:
+        hydra_config.cfg = saved
+
+
+def _check_endpoint(conf: TorchrunLauncherConf) -> str:
+    """This job's rendezvous endpoint; on the hosting node, fail fast if its fixed port cannot be bound."""
+    if conf.rdzv_endpoint is None:
+        return "127.0.0.1:0"
+    endpoint = str(conf.rdzv_endpoint)
+    host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if conf.node_rank == 0 and int(port) != 0:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, int(port)))
+            except OSError as err:
+                raise LaunchError(f"hydra.launcher.rdzv_endpoint={endpoint}: node 0 cannot host the rendezvous "
+                                  f"store on this port ({err.strerror}); pick a free port, or leave it null on one "
+                                  "node") from None
+    return endpoint
+
+
+def _task_config(sweep_config: DictConfig) -> DictConfig:
+    task_cfg = copy.deepcopy(sweep_config)
+    with read_write(task_cfg), open_dict(task_cfg):
+        del task_cfg["hydra"]
+    return task_cfg
+
+
+def _failed_return(sweep_config: DictConfig, error: BaseException) -> JobReturn:
+    """A FAILED :class:`JobReturn` shaped like the one ``run_job`` makes (config without ``hydra``, Hydra config)."""
+    ret = JobReturn(overrides=list(sweep_config.hydra.overrides.task), cfg=_task_config(sweep_config),
+                    hydra_cfg=OmegaConf.masked_copy(sweep_config, "hydra"),
+                    working_dir=str(sweep_config.hydra.runtime.output_dir), task_name=sweep_config.hydra.job.name,
+                    status=JobStatus.FAILED)
+    ret.return_value = error
+    return ret
+
+
+def _job_end_callbacks(launcher, sweep_config: DictConfig, ret: JobReturn) -> None:
+    """Hydra callbacks' ``on_job_end`` for a job whose workers did not finish it, in this process, with Hydra's
+    config set to the job's and its output dir created (as ``run_job`` does before calling them)."""
+    Path(ret.working_dir).mkdir(parents=True, exist_ok=True)
+    hydra_config = HydraConfig.instance()
+    saved = hydra_config.cfg
+    hydra_config.set_config(sweep_config)
+    try:
+        launcher.hydra_context.callbacks.on_job_end(config=sweep_config, job_return=ret)
+    finally:
+        hydra_config.cfg = saved
+
+
+def _one_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
 @record
-def _worker(payload: bytes):
-    """Entry point of every worker: run the Hydra job on this rank; re-raise its exception so the agent sees the
-    failure (and restarts the workers when ``max_restarts`` allows). Returns the task function's value."""
+def _worker(payload: bytes) -> bytes:
+    """Entry point of every worker: run the Hydra job on this rank. A failed task's exception is re-raised, so the
+    agent sees the failure (and restarts the workers when ``max_restarts`` allows) and ``@record`` hands it to the
+    launcher. Returns ``(global rank, JobReturn)``, cloudpickled (the task's return value may be a closure)."""
     import cloudpickle
 
     hydra_context, sweep_config, task_function, singleton_state = cloudpickle.loads(payload)
     setup_globals()
     Singleton.set_state(singleton_state)
-    HydraConfig.instance().set_config(sweep_config)
     ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
     if ret.status == JobStatus.FAILED:
         raise ret._return_value
-    return ret.return_value
+    try:
+        return cloudpickle.dumps((int(os.environ.get("RANK", "0")), ret))
+    except Exception as err:
+        raise TypeError(f"the task function's return value ({type(ret._return_value).__name__}) cannot be sent "
+                        f"back from the worker: {_one_line(err)}") from None

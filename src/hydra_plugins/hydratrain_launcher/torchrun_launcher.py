@@ -1,7 +1,6 @@
-"""``hydra/launcher=torchrun``: every Hydra job is one elastic launch of ``launcher.nproc_per_node`` workers."""
+"""``hydra/launcher=torchrun``: every Hydra job is one elastic launch of ``hydra.launcher.nproc_per_node`` workers."""
 from __future__ import annotations
 
-import logging
 from typing import Optional, Sequence
 
 from hydra.core.utils import JobReturn
@@ -9,20 +8,19 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 
-log = logging.getLogger(__name__)
-
 
 class TorchrunLauncher(Launcher):
-    """Runs each job of a sweep, one after another, as ``nproc_per_node`` workers started by
-    ``torch.distributed.launcher.api.elastic_launch`` (torchrun's engine). Workers run the task function on the job's
-    own config (never ``sys.argv``); the job's result is rank 0's return value. See ``_core.launch``.
+    """Runs the jobs of a sweep one after another, each as ``nproc_per_node`` workers started by
+    ``torch.distributed.launcher.api.elastic_launch`` (torchrun's engine). Workers run the task function through
+    Hydra's ``run_job`` on the job's own config (never by re-running ``sys.argv``); a completed job's result is
+    global rank 0's :class:`JobReturn`. The keyword arguments are the fields of
+    :class:`~hydra_plugins.hydratrain_launcher.config.TorchrunLauncherConf`; per-job fields are read again from each
+    job's composed config. See ``_core.launch``.
     """
 
-    def __init__(self, stop_on_failure: bool = False, monitor_interval: float = 0.5,
-                 start_method: str = "spawn") -> None:
+    def __init__(self, stop_on_failure: bool = False, **job_settings) -> None:
         self.stop_on_failure = stop_on_failure
-        self.monitor_interval = monitor_interval
-        self.start_method = start_method
+        self.job_settings = job_settings  # this sweep's defaults; each job reads its own hydra.launcher
         self.config: Optional[DictConfig] = None
         self.task_function: Optional[TaskFunction] = None
         self.hydra_context: Optional[HydraContext] = None
@@ -31,6 +29,8 @@ class TorchrunLauncher(Launcher):
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        """Run each job; returns one :class:`JobReturn` per job run (fewer when ``stop_on_failure`` ends the sweep
+        at a failed job). A job that failed is returned with status FAILED, its exception as the return value."""
         from . import _core
 
         return _core.launch(self, job_overrides, initial_job_idx)

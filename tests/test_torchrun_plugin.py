@@ -1,0 +1,185 @@
+"""The torchrun launcher plugin on its own: Hydra's launcher test suites, its config node, per-job settings, the
+app's job check and callbacks for failed jobs. Nothing here imports hydratrain: the apps are Hydra's test apps and
+tests/plugin_app (a config that maps its own key onto ``hydra.launcher.nproc_per_node``).
+
+Timing on 2 busy cores: the default selection ~30 s; Hydra's full suites (20 tests, marked slow) ~90 s.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
+from hydra.core.singleton import Singleton
+from hydra.plugins.launcher import Launcher
+from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite, sweep_2_jobs
+from hydra.test_utils.test_utils import integration_test
+from hydra.version import VersionBase
+
+from hydra_plugins.hydratrain_launcher._checks import LauncherConfigError, check_settings
+from hydra_plugins.hydratrain_launcher.config import TorchrunLauncherConf
+from hydra_plugins.hydratrain_launcher.torchrun_launcher import TorchrunLauncher
+
+HERE = Path(__file__).resolve().parent
+FLAGS = ["-m", "hydra/job_logging=hydra_debug", "hydra/job_logging=disabled", "hydra/launcher=torchrun"]
+
+
+@pytest.fixture(autouse=True)
+def _unset_version_base():
+    """Hydra's suites expect the version base of an app that gives none (1.1: jobs chdir to their dir); other test
+    modules of this session set 1.3 process-wide."""
+    saved = VersionBase.instance()
+    Singleton._instances.pop(VersionBase)  # VersionBase() would return the existing instance
+    yield
+    VersionBase.set_instance(saved)
+
+
+def test_discovery():
+    assert TorchrunLauncher.__name__ in [c.__name__ for c in Plugins.instance().discover(Launcher)]
+
+
+def test_plugin_imports_no_app():
+    """Every module of the plugin imports with ``hydratrain`` made unimportable."""
+    code = ("import sys; sys.modules['hydratrain'] = None\n"
+            "import hydra_plugins.hydratrain_launcher.config, hydra_plugins.hydratrain_launcher.torchrun_launcher\n"
+            "import hydra_plugins.hydratrain_launcher._core, hydra_plugins.hydratrain_launcher._checks\n"
+            "print('ok', [m for m in sys.modules if m.startswith('hydratrain')])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "ok ['hydratrain']" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_config_node_has_defaults_for_any_app():
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(version_base="1.3", config_module="hydra.test_utils.configs"):
+            cfg = compose("compose", overrides=["hydra/launcher=torchrun"], return_hydra_config=True)
+    finally:
+        GlobalHydra.instance().clear()
+    node = cfg.hydra.launcher
+    assert node._target_ == "hydra_plugins.hydratrain_launcher.torchrun_launcher.TorchrunLauncher"
+    assert (node.nproc_per_node, node.nnodes, node.node_rank, node.rdzv_endpoint, node.max_restarts,
+            node.job_check, node.stop_on_failure) == (1, 1, 0, None, 0, None, False)
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"nproc_per_node": 0}, "hydra.launcher.nproc_per_node"),
+    ({"nnodes": 0}, "hydra.launcher.nnodes"),
+    ({"rdzv_timeout": 0}, "hydra.launcher.rdzv_timeout"),
+    ({"max_restarts": -1}, "hydra.launcher.max_restarts"),
+    ({"monitor_interval": 0.0}, "hydra.launcher.monitor_interval"),
+    ({"start_method": "thread"}, "hydra.launcher.start_method"),
+    ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "hydra.launcher.node_rank"),
+    ({"rdzv_endpoint": "nohostport"}, "hydra.launcher.rdzv_endpoint"),
+    ({"nnodes": 2}, "hydra.launcher.rdzv_endpoint"),
+    ({"nnodes": 2, "rdzv_endpoint": "h:0"}, "hydra.launcher.rdzv_endpoint"),
+])
+def test_bad_setting_is_one_line_error_naming_the_key(change, key):
+    check_settings(TorchrunLauncherConf())
+    with pytest.raises(LauncherConfigError) as err:
+        check_settings(TorchrunLauncherConf(**change))
+    assert err.value.key == key and str(err.value).startswith(key + "=") and "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------- Hydra's launcher test suites
+@pytest.mark.slow  # 9 tests, ~30 s on 2 busy cores
+@pytest.mark.parametrize("launcher_name, overrides", [("torchrun", [])])
+class TestTorchrunLauncher(LauncherTestSuite):
+    pass
+
+
+@pytest.mark.slow  # 11 tests, each a subprocess, ~60 s on 2 busy cores
+@pytest.mark.parametrize("task_launcher_cfg, extra_flags", [({}, FLAGS)])
+class TestTorchrunLauncherIntegration(IntegrationTestSuite):
+    pass
+
+
+# the two suite tests the default selection keeps (~4 s each): a 2-job sweep in-process, and a job dir given on
+# the command line honoured by a subprocess app
+@pytest.mark.usefixtures("hydra_restore_singletons")
+def test_suite_sweep_2_jobs(hydra_sweep_runner, tmpdir):
+    sweep_2_jobs(hydra_sweep_runner, overrides=["hydra/launcher=torchrun"], task_function=None, temp_dir=tmpdir)
+
+
+@pytest.mark.usefixtures("hydra_restore_singletons")
+def test_suite_sweep_dir_from_the_command_line(tmpdir):
+    integration_test(tmpdir=Path(tmpdir), task_config={}, prints="os.getcwd()",
+                     overrides=FLAGS + ["hydra.sweep.dir=cli_dir", "hydra.sweep.subdir=cli_dir_${hydra.job.num}",
+                                        "hydra.job.chdir=True"],
+                     expected_outputs=str(Path(tmpdir) / "cli_dir" / "cli_dir_0"))
+
+
+# ------------------------------------------------------------------------- tests/plugin_app
+def _task(cfg):
+    """The test app's task: fails as ``cfg.fail`` says, else returns where it ran."""
+    if cfg.fail == "raise":
+        raise ValueError("boom (test)")
+    if cfg.fail == "kill":  # rank 1 dies; rank 0 waits as if in a collective with it, until the agent stops it
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+    (Path(os.environ["TEST_MARKS"]) / f"ran_job{HydraConfig.get().job.num}_rank{os.environ['RANK']}").touch()
+    return {"rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
+
+
+def _sweep(hydra_sweep_runner, tmp_path, overrides):
+    return hydra_sweep_runner(calling_file=__file__, calling_module=None, task_function=_task,
+                              config_path="plugin_app", config_name="config", overrides=overrides,
+                              temp_dir=tmp_path / "sweep")
+
+
+@pytest.mark.usefixtures("hydra_restore_singletons")
+def test_each_job_gets_its_own_settings_from_its_config(hydra_sweep_runner, tmp_path, monkeypatch):
+    """The app maps ``n`` onto ``hydra.launcher.nproc_per_node``; a sweep over n gives each job its own world."""
+    monkeypatch.setenv("TEST_MARKS", str(tmp_path))
+    with _sweep(hydra_sweep_runner, tmp_path, ["n=2,1"]) as sweep:
+        rets = sweep.returns[0]
+        assert [r.return_value for r in rets] == [{"rank": 0, "world_size": 2}, {"rank": 0, "world_size": 1}]
+        assert [r.overrides for r in rets] == [["n=2"], ["n=1"]]
+        assert [r.cfg.n for r in rets] == [2, 1] and "hydra" not in rets[0].cfg
+        assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_job0_rank0", "ran_job0_rank1", "ran_job1_rank0"]
+
+
+@pytest.mark.usefixtures("hydra_restore_singletons")
+def test_failed_jobs_are_returned_and_reported_to_callbacks_and_the_sweep_goes_on(hydra_sweep_runner, tmp_path,
+                                                                                   monkeypatch):
+    """Job 1 fails the app's check, job 2's check tries to change its config, job 3's task raises on both ranks,
+    job 4's rank 1 dies; jobs 0 and 5 complete. Failed jobs reach ``on_job_end`` in the launcher process once each,
+    with the reason; 1 and 2 never start a worker; the basic sweeper raises the first failure at the end."""
+    monkeypatch.setenv("TEST_MARKS", str(tmp_path))
+    with pytest.raises(ValueError, match="fail=check: rejected by the app's job check"):
+        with _sweep(hydra_sweep_runner, tmp_path, ["n=2", "fail=none,check,mutate,raise,kill,none"]):
+            pass
+    ran = {p.name for p in tmp_path.glob("ran_*")}
+    assert ran == {f"ran_job{j}_rank{r}" for j in (0, 5) for r in (0, 1)}, ran
+    records = [json.loads(line) for line in (tmp_path / "sweep" / "callbacks.jsonl").read_text().splitlines()]
+    here = [r for r in records if r["pid"] == os.getpid()]
+    assert [r["num"] for r in here] == [1, 2, 3, 4], here
+    assert all(r["status"] == "FAILED" and r["config_num"] == r["num"] and r["output_dir_exists"] for r in here)
+    assert [r["output_dir"] for r in here] == [str(tmp_path / "sweep" / str(n)) for n in (1, 2, 3, 4)]
+    errors = [r["error"] for r in here]
+    assert errors[0] == "ValueError: fail=check: rejected by the app's job check"
+    assert errors[1].startswith("ReadonlyConfigError: Cannot change read-only config container")
+    assert errors[2].startswith("LaunchError: job #3: rank ") and "ValueError: boom (test)" in errors[2]
+    assert errors[3].startswith("LaunchError: job #4: rank 1 failed") and "SIGKILL" in errors[3]
+    # workers ran the callback themselves for the jobs they ran to the end of run_job (0, 3, 5 on both ranks)
+    in_workers = sorted((r["num"], r["rank"], r["status"]) for r in records if r["pid"] != os.getpid())
+    assert in_workers == [(n, rank, s) for n, s in ((0, "COMPLETED"), (3, "FAILED"), (5, "COMPLETED"))
+                          for rank in ("0", "1")]
+
+
+@pytest.mark.usefixtures("hydra_restore_singletons")
+def test_bad_setting_fails_the_job_naming_the_key(hydra_sweep_runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("TEST_MARKS", str(tmp_path))
+    with pytest.raises(LauncherConfigError, match=r"^hydra.launcher.nproc_per_node=0: must be >= 1$"):
+        with _sweep(hydra_sweep_runner, tmp_path, ["n=0"]):
+            pass
+    assert not list(tmp_path.glob("ran_*"))
