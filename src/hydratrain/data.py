@@ -21,11 +21,12 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import numpy as np
-import torch
-from torch.utils.data import DistributedSampler
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +40,11 @@ def default_cache_dir() -> Path:
 def stdlib_files() -> tuple[Path, list[Path]]:
     """(stdlib root, sorted ``.py`` files under it, site-packages excluded)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
-    return root, files
+    files = []
+    for here, dirs, names in os.walk(root):  # site-packages pruned, not walked (it can hold 10x the stdlib)
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        files += [Path(here) / n for n in names if n.endswith(".py") and os.path.isfile(os.path.join(here, n))]
+    return root, sorted(files)
 
 
 def expand_paths(patterns: Sequence[str], base_dir: Path) -> list[Path]:
@@ -63,28 +67,42 @@ def is_val_file(rel_path: str, val_fraction: float) -> bool:
     return zlib.crc32(rel_path.encode()) % 10_000 < val_fraction * 10_000
 
 
+def relative_name(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` when it is under it, else the full path: the name the train/val split hashes."""
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def split_files(files: Sequence[Path], root: Path, val_fraction: float) -> dict[str, list[Path]]:
+    """``{"train": [...], "val": [...]}``: each file to one split by :func:`is_val_file` of its relative name.
+
+    If the hash leaves one side empty, the last file goes to val (and the first stays in train). One file alone is
+    listed in both: its contents are split instead (the first ``1 - val_fraction`` to train, the rest to val).
+    """
+    if len(files) == 1:
+        return {"train": list(files), "val": list(files)}
+    splits: dict[str, list[Path]] = {"train": [], "val": []}
+    for f in files:
+        splits["val" if is_val_file(relative_name(f, root), val_fraction) else "train"].append(f)
+    if len(files) >= 2 and not splits["val"]:
+        splits["val"].append(splits["train"].pop())
+    if len(files) >= 2 and not splits["train"]:
+        splits["train"].append(splits["val"].pop(0))
+    return splits
+
+
 def build_corpus(files: Sequence[Path], root: Path, val_fraction: float, cache_dir: Path, progress: bool) -> Path:
     """Write ``train.bin``/``val.bin`` (uint8) for ``files`` under a cache dir keyed by their paths, sizes and mtimes.
 
     Returns that dir. Rebuilt only when the key changes; each file is written to a temporary name and renamed.
-    If the hash split leaves one side empty, the last file goes to val (and the first stays in train).
+    Files are split as :func:`split_files` says.
     """
-    listing = [(str(f.relative_to(root)) if f.is_relative_to(root) else str(f), f.stat().st_size,
-                int(f.stat().st_mtime)) for f in files]
+    listing = [(relative_name(f, root), f.stat().st_size, int(f.stat().st_mtime)) for f in files]
     key = hashlib.sha256(json.dumps([str(root), val_fraction, listing]).encode()).hexdigest()[:16]
     out = cache_dir / key
     if (out / "meta.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    splits: dict[str, list[Path]] = {"train": [], "val": []}
-    for f, (rel, _, _) in zip(files, listing):
-        splits["val" if is_val_file(rel, val_fraction) else "train"].append(f)
-    if len(files) >= 2 and not splits["val"]:
-        splits["val"].append(splits["train"].pop())
-    if len(files) >= 2 and not splits["train"]:
-        splits["train"].append(splits["val"].pop(0))
-    if len(files) == 1:  # one file: split its bytes instead
-        splits = {"train": list(files), "val": list(files)}
+    splits = split_files(files, root, val_fraction)
     from tqdm.auto import tqdm
 
     counts = {}
@@ -138,6 +156,8 @@ class TokenDataset:
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
+        import torch
+
         window = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
         t = torch.from_numpy(window)
         return t[:, :-1], t[:, 1:]
@@ -171,6 +191,8 @@ class ShardedBatches:
 
     def __init__(self, dataset: TokenDataset, batch_size: int, rank: int, world_size: int, seed: int,
                  shuffle: bool = True, device: Optional[torch.device] = None):
+        from torch.utils.data import DistributedSampler  # imported here: the corpus helpers need no torch
+
         if len(dataset) < world_size:
             raise ValueError(f"the split has {len(dataset)} samples of data.seq_len tokens, fewer than "
                              f"world_size={world_size}: use more data or a smaller data.seq_len")
