@@ -51,13 +51,19 @@ class ModelConfig:
 class DataConfig:
     """Token stream and batching (see ``hydratrain.data``)."""
 
-    name: str = MISSING  # python_stdlib | text_files | synthetic
-    paths: List[str] = field(default_factory=list)  # text_files: files or globs, relative to the launch dir
+    name: str = MISSING  # python_stdlib | text_files | synthetic | token_bin | tokenized_text | python_stdlib_bpe
+    paths: List[str] = field(default_factory=list)  # text_files, tokenized_text: files/globs, relative to the launch dir
     seq_len: int = 256  # tokens per sample (the model sees seq_len tokens and predicts the next seq_len)
     batch_size: int = 8  # samples per micro-batch per rank
     val_fraction: float = 0.02  # share of files (or of the synthetic stream) held out for eval
     cache_dir: Optional[str] = None  # where built memmaps are kept; null = $HYDRATRAIN_CACHE or ~/.cache/hydratrain
     synthetic_tokens: int = 2_000_000  # synthetic: stream length in tokens
+    # --- subword data (see hydratrain.tokenized)
+    train_path: Optional[str] = None  # token_bin: the train split's token file (relative to the launch dir)
+    val_path: Optional[str] = None  # token_bin: the val split's token file
+    dtype: Optional[str] = None  # token_bin: uint16 | uint32; null = the llm.c header's, else uint16
+    tokenizer: Optional[str] = None  # a tokenizer.json; null = tokenized_text / python_stdlib_bpe train a BPE
+    vocab_size: int = 4096  # tokenized_text / python_stdlib_bpe: tokens of the BPE trained when data.tokenizer is null
 
 
 @dataclass
@@ -201,7 +207,7 @@ def register_configs() -> None:
 
 ALLOWED = {
     "model.init_device": ("auto", "meta", "cpu", "cuda"),
-    "data.name": ("python_stdlib", "text_files", "synthetic"),
+    "data.name": ("python_stdlib", "text_files", "synthetic", "token_bin", "tokenized_text", "python_stdlib_bpe"),
     "strategy.name": ("single", "ddp", "fsdp"),
     "strategy.backend": (None, "gloo", "nccl"),
     "precision.name": ("auto", "fp32", "bf16", "fp16"),

@@ -5,6 +5,8 @@
   ``<cache_dir>/<key>/{train,val}.bin`` with a progress bar, written atomically, then reused.
 - ``text_files``: the user's files or globs (``data.paths``), relative paths resolved against the launch dir.
 - ``synthetic``: a generated, learnable stream (a fixed random order-2 Markov chain), for tests and benchmarks.
+- ``token_bin``, ``tokenized_text``, ``python_stdlib_bpe``: subword tokens (uint16/uint32), see
+  :mod:`hydratrain.tokenized`; :func:`load_splits` is the one entry point for all of them.
 
 Each rank reads only its share: sample indices come from ``torch.utils.data.DistributedSampler`` (shuffled with the
 run seed, ``set_epoch`` every epoch), so the order is reproducible and changes every epoch; the position in it is
@@ -239,23 +241,31 @@ class ShardedBatches:
             self.state = LoaderState(self.state.epoch + 1, 0)
 
 
-def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool) -> dict[str, np.ndarray]:
-    """Token arrays ``{"train", "val"}`` (1-D, uint8 memmaps for the byte corpora) for ``data_cfg`` (a DataConfig).
+def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
+                files: Optional[Sequence[Path]] = None) -> dict[str, np.ndarray]:
+    """Token arrays ``{"train", "val"}`` (1-D; read-only memmaps: uint8 for the byte corpora, uint16/uint32 for
+    token_bin, tokenized_text and python_stdlib_bpe, see :mod:`hydratrain.tokenized`) for ``data_cfg`` (a
+    DataConfig). ``files``: python_stdlib(_bpe)'s files instead of the whole stdlib (tests).
 
     Builds the cache when it is missing: call it on local rank 0 first, then barrier, then on the other ranks.
-    Raises FileNotFoundError when a ``data.paths`` pattern matches no file.
+    Raises FileNotFoundError when a text_files ``data.paths`` pattern matches no file, and ConfigError for the token
+    corpora (an id not below ``vocab_size``, a bad file or setting).
     """
     if data_cfg.name == "synthetic":
         stream = synthetic_stream(data_cfg.synthetic_tokens, vocab_size)
         cut = int(len(stream) * (1 - data_cfg.val_fraction))
         return {"train": stream[:cut], "val": stream[cut:]}
+    from hydratrain.tokenized import TOKEN_CORPORA, cache_root, load_token_splits
+
+    if data_cfg.name in TOKEN_CORPORA:
+        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files)
     if data_cfg.name == "python_stdlib":
-        root, files = stdlib_files()
+        root, all_files = stdlib_files()
+        files = list(files) if files is not None else all_files
     else:
         files = expand_paths(list(data_cfg.paths), launch_dir)
         root = Path(os.path.commonpath([str(f.parent) for f in files]))
-    cache = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
-    out = build_corpus(files, root, data_cfg.val_fraction, cache, progress)
+    out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir), progress)
     splits = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
     meta = json.loads((out / "meta.json").read_text())["splits"]
     log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
