@@ -159,10 +159,10 @@ def _listing(segments: Sequence[Segment], root: Path) -> list:
 
 @contextmanager
 def build_lock(out: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``<out>.lock`` (another process building ``out`` waits, then finds it built);
-    stale temporary files in ``out`` from a killed build are removed."""
+    """Hold an exclusive lock on ``.<out name>.lock`` beside ``out`` (another process building ``out`` waits, then
+    finds it built); stale temporary files in ``out`` from a killed build are removed."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(out.name + ".lock"), "a") as fh:
+    with open(out.with_name(f".{out.name}.lock"), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             for stale in out.glob("*.tmp*") if out.is_dir() else ():
