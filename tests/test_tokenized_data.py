@@ -355,3 +355,19 @@ def test_python_stdlib_bpe_full_corpus(tmp_path):
     head = first_train.read_text(encoding="utf-8")[:200]
     assert decoded_split(tok, splits["train"][:200]).startswith(head[:50])
     assert max_token_id(splits["train"], sample=None) < tok.vocab_size
+
+
+def test_a_large_vocab_tokenizer_gives_uint32_files(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(70_000)}}  # ids above uint16's range
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.save(str(tmp_path / "words.json"))
+    (tmp_path / "a.txt").write_text("w69999 w1 w2\nw3 w68000\n" * 50)
+    cfg = data_cfg(name="tokenized_text", paths=["a.txt"], tokenizer="words.json", val_fraction=0.2, cache_dir="c")
+    tok = tokenizer_for(cfg, tmp_path)
+    assert tok.vocab_size == 70_001 and tok.dtype == np.uint32 and tok.separator == []  # no EOT, "\n\n" -> no ids
+    splits = load_splits(cfg, vocab_size_for(cfg, tok, None), tmp_path, progress=False)
+    assert vocab_size_for(cfg, tok, None) == 70_016 and splits["train"].dtype == np.uint32
+    assert list(splits["train"][:5]) == [70_000, 2, 3, 4, 68_001] and max_token_id(splits["val"], None) == 70_000
