@@ -25,24 +25,32 @@ def test_every_group_has_options():
     assert len(EXPERIMENTS) >= 2
 
 
-def _extra(group: str, option: str) -> list[str]:
-    if (group, option) == ("data", "text_files"):
-        return [f"data.paths=[{ROOT / 'pyproject.toml'},{ROOT / 'train.py'}]"]
+def _extra(group: str, option: str, tmp_path: Path) -> list[str]:
+    if (group, option) in (("data", "text_files"), ("data", "tokenized_text")):
+        extra = ["data.vocab_size=300", "model.vocab_size=320"] if option == "tokenized_text" else []
+        return [f"data.paths=[{ROOT / 'pyproject.toml'},{ROOT / 'train.py'}]", *extra]
+    if (group, option) == ("data", "token_bin"):
+        for split in ("train", "val"):
+            (tmp_path / f"{split}.bin").write_bytes(bytes(b for i in range(200) for b in (i, 0)) * 20)  # uint16 < 200
+        return [f"data.train_path={tmp_path / 'train.bin'}", f"data.val_path={tmp_path / 'val.bin'}"]
+    if (group, option) == ("data", "python_stdlib_bpe"):
+        return ["data.vocab_size=300", "model.vocab_size=320"]
     return []
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_validates_and_instantiates(compose, group, option):
+def test_option_composes_validates_and_instantiates(compose, group, option, tmp_path):
     from hydratrain.models.gpt import GPT, GPTConfig
     from hydratrain.optim import build_optimizer, build_scheduler
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.wrap_policy import shard_units
 
-    cfg = compose([f"{group}={option}", *_extra(group, option)])
+    cfg = compose([f"{group}={option}", *_extra(group, option, tmp_path)])
     assert OmegaConf.select(cfg, f"{group}.name") in (option, None) or group in ("trainer", "logger")
     validate(cfg)
     with torch.device("meta"):
-        model = GPT(GPTConfig(**{k: cfg.model[k] for k in GPTConfig.__dataclass_fields__}))
+        model = GPT(GPTConfig(**{**{k: cfg.model[k] for k in GPTConfig.__dataclass_fields__},
+                                 "vocab_size": cfg.model.vocab_size or 256}))
     assert model.num_params() > 0
     if group == "model":
         expected = {"gpt_tiny": 0.89e6, "gpt_small": 85e6, "llama_1b": 1.1e9, "llama_8b": 7.3e9}[option]
@@ -64,9 +72,10 @@ def test_option_composes_validates_and_instantiates(compose, group, option):
         opt.step()
         sched.step()
     if group == "data":
-        from hydratrain.data import load_splits
+        from hydratrain.data import load_splits, stdlib_files
 
-        splits = load_splits(cfg.data, cfg.model.vocab_size, ROOT, progress=False)
+        files = stdlib_files()[1][:20] if option == "python_stdlib_bpe" else None  # a BPE on 20 files: seconds
+        splits = load_splits(cfg.data, cfg.model.vocab_size or 256, ROOT, progress=False, files=files)
         assert len(splits["train"]) > 0 and len(splits["val"]) > 0
 
 
@@ -142,7 +151,7 @@ def test_single_strategy_under_torchrun_is_a_config_error(tmp_path):
      "hydratrain: config error: "),
     (["data.synthetic_tokens=0"], "hydratrain: config error: data.synthetic_tokens=0: must be finite and > 0"),
     (["data.synthetic_tokens=300"], "hydratrain: config error: data='synthetic': val split (15 tokens)"),
-    (["trainer.max_steps=null", "trainer.max_epochs=1", "trainer.grad_accum_steps=1000"],
+    (["trainer.max_steps=null", "trainer.max_epochs=1", "trainer.grad_accum_steps=1000", "data.synthetic_tokens=100000"],
      "hydratrain: config error: trainer.max_epochs=1: gives 0 optimizer steps"),
 ])
 def test_bad_values_found_at_run_time_are_one_line_config_errors(args, expect, tmp_path):

@@ -5,6 +5,8 @@
   ``<cache_dir>/<key>/{train,val}.bin`` with a progress bar, written atomically, then reused.
 - ``text_files``: the user's files or globs (``data.paths``), relative paths resolved against the launch dir.
 - ``synthetic``: a generated, learnable stream (a fixed random order-2 Markov chain), for tests and benchmarks.
+- ``token_bin``, ``tokenized_text``, ``python_stdlib_bpe``: subword tokens (uint16/uint32), see
+  :mod:`hydratrain.tokenized`; :func:`load_splits` is the one entry point for all of them.
 
 Each rank reads only its share: sample indices come from ``torch.utils.data.DistributedSampler`` (shuffled with the
 run seed, ``set_epoch`` every epoch), so the order is reproducible and changes every epoch; the position in it is
@@ -21,11 +23,12 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import numpy as np
-import torch
-from torch.utils.data import DistributedSampler
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +42,11 @@ def default_cache_dir() -> Path:
 def stdlib_files() -> tuple[Path, list[Path]]:
     """(stdlib root, sorted ``.py`` files under it, site-packages excluded)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
-    return root, files
+    files = []
+    for here, dirs, names in os.walk(root):  # site-packages pruned, not walked (it can hold 10x the stdlib)
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        files += [Path(here) / n for n in names if n.endswith(".py") and os.path.isfile(os.path.join(here, n))]
+    return root, sorted(files)
 
 
 def expand_paths(patterns: Sequence[str], base_dir: Path) -> list[Path]:
@@ -63,28 +69,42 @@ def is_val_file(rel_path: str, val_fraction: float) -> bool:
     return zlib.crc32(rel_path.encode()) % 10_000 < val_fraction * 10_000
 
 
+def relative_name(path: Path, root: Path) -> str:
+    """``path`` relative to ``root`` when it is under it, else the full path: the name the train/val split hashes."""
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def split_files(files: Sequence[Path], root: Path, val_fraction: float) -> dict[str, list[Path]]:
+    """``{"train": [...], "val": [...]}``: each file to one split by :func:`is_val_file` of its relative name.
+
+    If the hash leaves one side empty, the last file goes to val (and the first stays in train). One file alone is
+    listed in both: its contents are split instead (the first ``1 - val_fraction`` to train, the rest to val).
+    """
+    if len(files) == 1:
+        return {"train": list(files), "val": list(files)}
+    splits: dict[str, list[Path]] = {"train": [], "val": []}
+    for f in files:
+        splits["val" if is_val_file(relative_name(f, root), val_fraction) else "train"].append(f)
+    if len(files) >= 2 and not splits["val"]:
+        splits["val"].append(splits["train"].pop())
+    if len(files) >= 2 and not splits["train"]:
+        splits["train"].append(splits["val"].pop(0))
+    return splits
+
+
 def build_corpus(files: Sequence[Path], root: Path, val_fraction: float, cache_dir: Path, progress: bool) -> Path:
     """Write ``train.bin``/``val.bin`` (uint8) for ``files`` under a cache dir keyed by their paths, sizes and mtimes.
 
     Returns that dir. Rebuilt only when the key changes; each file is written to a temporary name and renamed.
-    If the hash split leaves one side empty, the last file goes to val (and the first stays in train).
+    Files are split as :func:`split_files` says.
     """
-    listing = [(str(f.relative_to(root)) if f.is_relative_to(root) else str(f), f.stat().st_size,
-                int(f.stat().st_mtime)) for f in files]
+    listing = [(relative_name(f, root), f.stat().st_size, int(f.stat().st_mtime)) for f in files]
     key = hashlib.sha256(json.dumps([str(root), val_fraction, listing]).encode()).hexdigest()[:16]
     out = cache_dir / key
     if (out / "meta.json").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
-    splits: dict[str, list[Path]] = {"train": [], "val": []}
-    for f, (rel, _, _) in zip(files, listing):
-        splits["val" if is_val_file(rel, val_fraction) else "train"].append(f)
-    if len(files) >= 2 and not splits["val"]:
-        splits["val"].append(splits["train"].pop())
-    if len(files) >= 2 and not splits["train"]:
-        splits["train"].append(splits["val"].pop(0))
-    if len(files) == 1:  # one file: split its bytes instead
-        splits = {"train": list(files), "val": list(files)}
+    splits = split_files(files, root, val_fraction)
     from tqdm.auto import tqdm
 
     counts = {}
@@ -138,6 +158,8 @@ class TokenDataset:
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
+        import torch
+
         window = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
         t = torch.from_numpy(window)
         return t[:, :-1], t[:, 1:]
@@ -171,6 +193,8 @@ class ShardedBatches:
 
     def __init__(self, dataset: TokenDataset, batch_size: int, rank: int, world_size: int, seed: int,
                  shuffle: bool = True, device: Optional[torch.device] = None, strict_position: bool = True):
+        from torch.utils.data import DistributedSampler  # imported here: the corpus helpers need no torch
+
         if len(dataset) < world_size:
             raise ValueError(f"the split has {len(dataset)} samples of data.seq_len tokens, fewer than "
                              f"world_size={world_size}: use more data or a smaller data.seq_len")
@@ -269,6 +293,8 @@ class EvalBatches:
         if len(dataset) == 0:
             raise ValueError("the split has no sample of data.seq_len + 1 tokens: use more data or a smaller "
                              "data.seq_len")
+        from torch.utils.data import DistributedSampler
+
         self.dataset, self.batch_size, self.rank, self.world_size, self.device = (dataset, batch_size, rank,
                                                                                   world_size, device)
         order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -281,6 +307,8 @@ class EvalBatches:
         return self.global_batches
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        import torch
+
         B, W = self.batch_size, self.world_size
         for g in range(self.global_batches):
             positions = [g * W * B + self.rank + W * j for j in range(B)]
@@ -291,25 +319,31 @@ class EvalBatches:
             yield x, y, valid
 
 
-def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool) -> dict[str, np.ndarray]:
-    """Token arrays ``{"train", "val"}`` (1-D, uint8 memmaps for the byte corpora) for ``data_cfg`` (a DataConfig).
+def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
+                files: Optional[Sequence[Path]] = None) -> dict[str, np.ndarray]:
+    """Token arrays ``{"train", "val"}`` (1-D; read-only memmaps: uint8 for the byte corpora, uint16/uint32 for
+    token_bin, tokenized_text and python_stdlib_bpe, see :mod:`hydratrain.tokenized`) for ``data_cfg`` (a
+    DataConfig). ``files``: python_stdlib(_bpe)'s files instead of the whole stdlib (tests).
 
     Builds the cache when it is missing: call it on local rank 0 first, then barrier, then on the other ranks.
-    Raises FileNotFoundError when a ``data.paths`` pattern matches no file.
+    Raises FileNotFoundError when a text_files ``data.paths`` pattern matches no file, and ConfigError for the token
+    corpora (an id not below ``vocab_size``, a bad file or setting).
     """
     if data_cfg.name == "synthetic":
         stream = synthetic_stream(data_cfg.synthetic_tokens, vocab_size)
         cut = int(len(stream) * (1 - data_cfg.val_fraction))
         return {"train": stream[:cut], "val": stream[cut:]}
+    from hydratrain.tokenized import TOKEN_CORPORA, cache_root, load_token_splits
+
+    if data_cfg.name in TOKEN_CORPORA:
+        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files)
     if data_cfg.name == "python_stdlib":
-        root, files = stdlib_files()
+        root, all_files = stdlib_files()
+        files = list(files) if files is not None else all_files
     else:
         files = expand_paths(list(data_cfg.paths), launch_dir)
         root = Path(os.path.commonpath([str(f.parent) for f in files]))
-    cache = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
-    if not cache.is_absolute():
-        cache = launch_dir / cache
-    out = build_corpus(files, root, data_cfg.val_fraction, cache, progress)
+    out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir), progress)
     splits = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
     meta = json.loads((out / "meta.json").read_text())["splits"]
     log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
@@ -317,17 +351,32 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool) -> 
     return splits
 
 
-def build_data(cfg, info, launch_dir: Path, progress: bool) -> tuple[ShardedBatches, EvalBatches]:
-    """This rank's train micro-batches and eval set for the run config ``cfg``.
+def data_vocabulary(cfg, info, launch_dir: Path, progress: bool):
+    """(the data's tokenizer or None, the model's vocab size): ``model.vocab_size`` when set, else the data's (256
+    for bytes, the tokenizer's size padded to a multiple of 64). Local rank 0 trains a missing BPE first while the
+    node's other ranks wait. Raises :class:`~hydratrain.errors.ConfigError` (see
+    :func:`hydratrain.tokenized.vocab_size_for`)."""
+    from hydratrain.dist.collectives import barrier
+    from hydratrain.tokenized import tokenizer_for, vocab_size_for
+
+    tokenizer = tokenizer_for(cfg.data, launch_dir, progress and info.is_main) if info.local_rank == 0 else None
+    barrier()
+    if info.local_rank != 0:
+        tokenizer = tokenizer_for(cfg.data, launch_dir)
+    return tokenizer, vocab_size_for(cfg.data, tokenizer, cfg.model.vocab_size)
+
+
+def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int) -> tuple[ShardedBatches, EvalBatches]:
+    """This rank's train micro-batches and eval set for the run config ``cfg`` and the model's ``vocab_size``.
 
     Local rank 0 builds missing caches first while the node's other ranks wait at a barrier. ``info`` is the
     :class:`~hydratrain.dist.env.DistInfo` (with its device). Raises :class:`~hydratrain.errors.ConfigError` when a
-    split is too small for ``data.seq_len`` x ``data.batch_size`` x world size.
+    split is too small for ``data.seq_len`` x ``data.batch_size`` x world size, or holds an id >= ``vocab_size``.
     """
     from hydratrain.dist.collectives import barrier
     from hydratrain.errors import ConfigError
 
-    kwargs = dict(data_cfg=cfg.data, vocab_size=cfg.model.vocab_size, launch_dir=launch_dir,
+    kwargs = dict(data_cfg=cfg.data, vocab_size=vocab_size, launch_dir=launch_dir,
                   progress=progress and info.is_main)
     splits = load_splits(**kwargs) if info.local_rank == 0 else None
     barrier()

@@ -86,6 +86,7 @@ class Job:
     trainer: Any
     checkpoints: Any
     step_logger: Any
+    tokenizer: Any = None  # hydratrain.tokenizer.TextTokenizer of subword data, else None
 
 
 def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
@@ -99,7 +100,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     from hydratrain.checkpoint.manager import CheckpointManager
     from hydratrain.checkpoint.preemption import Preemption
     from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, SchedulerState
-    from hydratrain.data import build_data
+    from hydratrain.data import build_data, data_vocabulary
     from hydratrain.dist.env import under_submitit
     from hydratrain.errors import ConfigError
     from hydratrain.metrics import peak_flops, reset_peak_memory
@@ -108,6 +109,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     from hydratrain.parallel.strategy import build_model
     from hydratrain.train.evaluate import Evaluator
     from hydratrain.train.step_logger import StepLogger
+    from hydratrain.train.outputs import model_files
     from hydratrain.train.trainer import TrainProgress, Trainer
 
     device = info.device
@@ -121,8 +123,9 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     np.random.seed(cfg.trainer.seed % 2**32)
 
     reset_peak_memory(device)  # this job's peak only, not start-up's or an earlier job's of the same process
-    train_batches, eval_batches = build_data(cfg, info, launch, cfg.trainer.progress_bar)
-    model, raw, n_params, summary = build_model(cfg, strategy, precision, device)
+    tokenizer, vocab_size = data_vocabulary(cfg, info, launch, cfg.trainer.progress_bar)
+    train_batches, eval_batches = build_data(cfg, info, launch, cfg.trainer.progress_bar, vocab_size)
+    model, raw, n_params, summary = build_model(cfg, strategy, precision, device, vocab_size)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
              strategy.local_param_bytes(model) / 1e6, summary)
     optimizer = build_optimizer(model, cfg.optim)
@@ -147,7 +150,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
                     "scaler": scaler, "progress": progress, "data": train_batches},
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), keep_last=cfg.checkpoint.keep_last,
-        device=device)
+        device=device, attachments=model_files(raw, tokenizer))
     preemption = Preemption(cfg.checkpoint.save_on_sigterm, device, cfg.checkpoint.preempt_exit_code,
                             under_submitit())
     trainer = Trainer(tcfg=cfg.trainer, model=model, strategy=strategy, precision=precision, device=device,
@@ -155,7 +158,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
                       evaluator=Evaluator(eval_batches, device), step_logger=step_logger, checkpoints=checkpoints,
                       preemption=preemption, progress=progress, max_steps=max_steps,
                       save_every=cfg.checkpoint.every_n_steps, save_last=cfg.checkpoint.save_last)
-    return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger)
+    return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer)
 
 
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path]):
@@ -188,5 +191,5 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
         job.step_logger.tb.close()
         return result
     write_outputs(cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
-                  run_dir=run_dir, tb=job.step_logger.tb)
+                  run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer)
     return result

@@ -21,7 +21,7 @@ with initialize_config_dir(config_dir=os.path.abspath(conf), version_base="1.3")
 strategy = build_strategy(cfg)
 with process_group("cpu", "gloo", needs_group=True) as info:
     model, raw, n_params, summary = build_model(cfg, strategy, Precision.resolve(cfg.precision, info.device),
-                                                info.device)
+                                                info.device, cfg.model.vocab_size)
     assert not any(p.is_meta for p in model.parameters())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"rank {info.rank}: local_param_bytes={strategy.local_param_bytes(model)} total_param_bytes={n_params * 4} "

@@ -81,8 +81,8 @@ def test_meta_and_eager_builds_are_the_same_model(compose, tied):
     for init_device in ("meta", "cpu"):
         cfg = compose(["strategy=single", "precision=fp32", f"model.init_device={init_device}",
                        f"model.tie_embeddings={str(tied).lower()}"])
-        model, raw, n_params, _ = build_model(cfg, build_strategy(cfg), Precision.resolve(cfg.precision, torch.device(
-            "cpu")), torch.device("cpu"))
+        precision = Precision.resolve(cfg.precision, torch.device("cpu"))
+        model, raw, n_params, _ = build_model(cfg, build_strategy(cfg), precision, torch.device("cpu"), 256)
         assert (raw.lm_head.weight is raw.tok_emb.weight) == tied
         assert sum(p.numel() for p in model.parameters()) == n_params
         built[init_device] = raw

@@ -6,7 +6,8 @@
 
 No process group is needed: DCP loads the checkpoint's model entries into full-size tensors allocated from its
 metadata (any number of saving ranks, any strategy). Keys are the model's parameter names; the file's metadata
-holds the step and the model config the checkpoint was saved with. Exit status 3 when the checkpoint is unusable.
+holds the step and the resolved model config the checkpoint was saved with. A checkpoint of subword data carries its
+tokenizer, written next to the weights as ``<name>.tokenizer.json``. Exit status 3 when the checkpoint is unusable.
 """
 from __future__ import annotations
 
@@ -46,11 +47,24 @@ def export(checkpoint: Path, out: Path) -> Path:
     meta = {"format": "pt", "producer": "hydratrain", "checkpoint": str(ckpt.resolve()),
             "step": str(step_of(ckpt))}
     cfg_file = ckpt / "config.yaml"
-    if cfg_file.is_file():
+    if (ckpt / "model.json").is_file():  # the resolved model config (vocab size included)
+        meta["model_config"] = (ckpt / "model.json").read_text()
+    elif cfg_file.is_file():
         from omegaconf import OmegaConf
 
         meta["model_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(cfg_file).get("model", {})))
+    if (ckpt / "tokenizer.json").is_file():
+        from hydratrain.tokenizer import copy_atomic
+
+        tokenizer = copy_atomic(ckpt / "tokenizer.json", tokenizer_path_for(out))
+        meta["tokenizer"] = tokenizer.name
     return write_safetensors(weights, out, meta)
+
+
+def tokenizer_path_for(weights: Path) -> Path:
+    """Where :func:`export` puts the tokenizer of ``weights`` (``model.safetensors`` -> ``model.tokenizer.json``)."""
+    weights = Path(weights)
+    return weights.with_name(weights.stem + ".tokenizer.json")
 
 
 def main(argv=None) -> int:
@@ -66,7 +80,8 @@ def main(argv=None) -> int:
     except CheckpointError as err:
         print(f"hydratrain: checkpoint error: {err}", file=sys.stderr)
         return EXIT_CHECKPOINT
-    print(f"wrote {out}")
+    tokenizer = tokenizer_path_for(out)
+    print(f"wrote {out}" + (f" and {tokenizer}" if tokenizer.is_file() else ""))
     return 0
 
 

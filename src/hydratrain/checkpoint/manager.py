@@ -162,12 +162,15 @@ class CheckpointManager:
         config: the run config as a plain container; written to each checkpoint's ``config.yaml`` and compared
             with the saved one on load.
         keep_last: complete checkpoints kept (0 = all).
+        attachments: ``{file name: text, or a Path to copy}`` written into every checkpoint dir (the resolved
+            model config, the tokenizer), so a checkpoint is usable without the run that wrote it.
     """
 
     def __init__(self, root: Path, components: dict[str, Any], rank_components: dict[str, Any],
-                 config: Mapping, keep_last: int, device: torch.device):
+                 config: Mapping, keep_last: int, device: torch.device, attachments: Optional[Mapping] = None):
         self.root, self.components, self.rank_components = Path(root), components, rank_components
         self.config, self.keep_last, self.device = config, keep_last, device
+        self.attachments = dict(attachments or {})
         self.rank, self.world_size = rank_and_world()
         self.last_saved_step: Optional[int] = None
         if self.rank == 0 and self.root.is_dir():
@@ -209,6 +212,11 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config)))
+            for name, content in self.attachments.items():
+                if isinstance(content, Path):
+                    shutil.copyfile(content, tmp / name)
+                else:
+                    (tmp / name).write_text(content)
         barrier()
         with quiet_without_process_group():
             dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))

@@ -62,6 +62,14 @@ class DataName(Option):
     python_stdlib = "python_stdlib"
     text_files = "text_files"
     synthetic = "synthetic"
+    token_bin = "token_bin"
+    tokenized_text = "tokenized_text"
+    python_stdlib_bpe = "python_stdlib_bpe"
+
+
+class TokenDType(Option):
+    uint16 = "uint16"
+    uint32 = "uint32"
 
 
 class LauncherName(Option):
@@ -109,7 +117,7 @@ class ModelConfig:
     """Decoder-only transformer size (see ``hydratrain.models.gpt``)."""
 
     name: str = MISSING  # preset name: gpt_tiny, gpt_small, llama_1b, llama_8b (free text: presets are files)
-    vocab_size: int = 256  # tokens; 256 for the byte-level corpora
+    vocab_size: Optional[int] = None  # tokens; null = the data's (256 bytes, or the tokenizer's padded to 64)
     max_seq_len: int = 256  # longest sequence the rotary table covers, tokens
     d_model: int = 128  # residual width
     n_layer: int = 4  # decoder blocks
@@ -131,24 +139,30 @@ class ModelConfig:
 # ------------------------------------------------------------------------------------------------------- data
 @dataclass
 class DataConfig:
-    """Keys every ``data`` option has (see ``hydratrain.data``)."""
+    """Keys every ``data`` option has (see ``hydratrain.data``; the subword options in ``hydratrain.tokenized``)."""
 
     option: ClassVar[Optional[DataName]] = None
     name: DataName = MISSING
     seq_len: int = 256  # tokens per sample (the model sees seq_len tokens and predicts the next seq_len)
     batch_size: int = 8  # samples per micro-batch per rank
+
+
+@dataclass
+class SplitData(DataConfig):
+    """Data split into train/val here: by file for corpora (a stable hash of each path), by position for a stream."""
+
     val_fraction: float = 0.02  # share of files (or of the synthetic stream) held out for eval
 
 
 @dataclass
-class PythonStdlibData(DataConfig):
+class PythonStdlibData(SplitData):
     option: ClassVar[DataName] = DataName.python_stdlib
     name: DataName = DataName.python_stdlib
     cache_dir: Optional[str] = None  # where built memmaps are kept; null = $HYDRATRAIN_CACHE or ~/.cache/hydratrain
 
 
 @dataclass
-class TextFilesData(DataConfig):
+class TextFilesData(SplitData):
     option: ClassVar[DataName] = DataName.text_files
     name: DataName = DataName.text_files
     paths: List[str] = MISSING  # files or globs (** allowed); relative ones resolve against the launch dir
@@ -156,10 +170,45 @@ class TextFilesData(DataConfig):
 
 
 @dataclass
-class SyntheticData(DataConfig):
+class SyntheticData(SplitData):
     option: ClassVar[DataName] = DataName.synthetic
     name: DataName = DataName.synthetic
     synthetic_tokens: int = 2_000_000  # stream length in tokens
+
+
+@dataclass
+class TokenBinData(DataConfig):
+    """Flat token-id files made by another pipeline (nanoGPT / llm.c layout), one per split."""
+
+    option: ClassVar[DataName] = DataName.token_bin
+    name: DataName = DataName.token_bin
+    train_path: str = MISSING  # the train split's token file (relative to the launch dir)
+    val_path: str = MISSING  # the val split's token file
+    dtype: Optional[TokenDType] = None  # null = the llm.c header's, else uint16
+    tokenizer: Optional[str] = None  # the tokenizer.json that made the ids (for decoding samples); optional
+
+
+@dataclass
+class TokenizedTextData(SplitData):
+    """The user's text files, tokenized once with a BPE and cached as token files."""
+
+    option: ClassVar[DataName] = DataName.tokenized_text
+    name: DataName = DataName.tokenized_text
+    paths: List[str] = MISSING  # files or globs, relative to the launch dir
+    tokenizer: Optional[str] = None  # a tokenizer.json; null = train a byte-level BPE of vocab_size tokens
+    vocab_size: int = 4096  # tokens of the BPE trained when tokenizer is null
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class PythonStdlibBPEData(SplitData):
+    """The python_stdlib corpus with subword tokens: a BPE trained once on its training split."""
+
+    option: ClassVar[DataName] = DataName.python_stdlib_bpe
+    name: DataName = DataName.python_stdlib_bpe
+    tokenizer: Optional[str] = None  # a tokenizer.json; null = train a byte-level BPE of vocab_size tokens
+    vocab_size: int = 4096
+    cache_dir: Optional[str] = None
 
 
 # --------------------------------------------------------------------------------------------------- strategy
@@ -425,7 +474,8 @@ class TrainConfig:
 
 # group -> {option: schema}; each conf/<group>/<option>.yaml starts with `- /schema/<group>/<option>@_here_`
 SCHEMAS: dict[str, dict[str, type]] = {
-    "data": {o.value: c for c in (PythonStdlibData, TextFilesData, SyntheticData) for o in [c.option]},
+    "data": {o.value: c for c in (PythonStdlibData, TextFilesData, SyntheticData, TokenBinData, TokenizedTextData,
+                                  PythonStdlibBPEData) for o in [c.option]},
     "strategy": {o.value: c for c in (SingleStrategy, DDPStrategy, FSDPStrategy) for o in [c.option]},
     "precision": {o.value: c for c in (AutoPrecision, FP32Precision, BF16Precision, FP16Precision) for o in [c.option]},
     "wrap_policy": {"auto": NamedWrapPolicy, "none": NamedWrapPolicy, "transformer_block": NamedWrapPolicy,

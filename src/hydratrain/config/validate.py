@@ -48,7 +48,7 @@ def validate(cfg: DictConfig) -> None:
         if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(key, value, "must be finite and " + (">= 0" if allow_zero else "> 0"))
 
-    for key in ("model.vocab_size", "model.max_seq_len", "model.d_model", "model.n_layer", "model.n_head",
+    for key in ("model.max_seq_len", "model.d_model", "model.n_layer", "model.n_head",
                 "model.init_std", "model.ff_multiple_of", "data.seq_len", "data.batch_size", "data.synthetic_tokens",
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",
@@ -59,7 +59,7 @@ def validate(cfg: DictConfig) -> None:
     for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",
                 "trainer.eval_samples", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
         positive(key, allow_zero=True)
-    for key in ("trainer.max_steps", "trainer.max_epochs", "model.n_kv_head", "model.d_ff", "logger.peak_flops"):
+    for key in ("trainer.max_steps", "trainer.max_epochs", "model.vocab_size", "model.n_kv_head", "model.d_ff", "logger.peak_flops"):
         positive(key, allow_none=True)
 
     m = cfg.model
@@ -72,12 +72,16 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("model.n_kv_head", m.n_kv_head, f"must divide model.n_head={m.n_head}")
     if cfg.data.seq_len > m.max_seq_len:
         raise ConfigError("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
-    if cfg.data.name in BYTE_LEVEL_DATA and m.vocab_size < 256:
+    if cfg.data.name in BYTE_LEVEL_DATA and m.vocab_size is not None and m.vocab_size < 256:
         raise ConfigError("model.vocab_size", m.vocab_size, f"byte-level data={cfg.data.name} needs >= 256")
-    if cfg.data.name == "text_files" and not cfg.data.paths:
-        raise ConfigError("data.paths", list(cfg.data.paths), "data=text_files needs at least one file or glob")
-    if not 0.0 < cfg.data.val_fraction < 1.0:
-        raise ConfigError("data.val_fraction", cfg.data.val_fraction, "must be in (0, 1)")
+    if "paths" in cfg.data and not cfg.data.paths:
+        raise ConfigError("data.paths", list(cfg.data.paths), f"data={cfg.data.name} needs at least one file or glob")
+    val_fraction = _get(cfg, "data.val_fraction")
+    if val_fraction is not None and not 0.0 < val_fraction < 1.0:
+        raise ConfigError("data.val_fraction", val_fraction, "must be in (0, 1)")
+    if _get(cfg, "data.vocab_size") is not None and cfg.data.vocab_size < 257:
+        raise ConfigError("data.vocab_size", cfg.data.vocab_size, "a byte-level BPE needs more than the 256 byte "
+                          "tokens; allowed: >= 257")
     if not 0.0 <= cfg.optim.beta1 < 1.0 or not 0.0 <= cfg.optim.beta2 < 1.0:
         raise ConfigError("optim.beta1/beta2", (cfg.optim.beta1, cfg.optim.beta2), "must be in [0, 1)")
     ratio = _get(cfg, "scheduler.min_lr_ratio")

@@ -214,14 +214,15 @@ def build_strategy(cfg) -> Strategy:
     return STRATEGIES[str(cfg.strategy.name)](cfg)
 
 
-def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.device):
-    """The GPT of ``cfg.model``, built where ``strategy`` says, parallelized and initialised.
+def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.device, vocab_size: int):
+    """The GPT of ``cfg.model`` with ``vocab_size`` tokens (resolved from the data when ``model.vocab_size`` is
+    null), built where ``strategy`` says, parallelized and initialised.
 
     Returns (model to train, the plain GPT under any wrapper, parameter count, summary line).
     """
     from hydratrain.models.gpt import GPT, GPTConfig
 
-    gcfg = GPTConfig(**{k: cfg.model[k] for k in GPTConfig.__dataclass_fields__})
+    gcfg = GPTConfig(**{**{k: cfg.model[k] for k in GPTConfig.__dataclass_fields__}, "vocab_size": vocab_size})
     with torch.device(strategy.build_device(device)):
         raw = GPT(gcfg)
     n_params = raw.num_params()

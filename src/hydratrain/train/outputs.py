@@ -47,11 +47,28 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     return {k: ("null" if v is None else v) for k, v in out.items()}
 
 
-def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Optional[Path]:
+def model_config_json(raw: torch.nn.Module) -> str:
+    """The GPT's resolved config (vocab size included) as JSON: what rebuilds the model without the run config."""
+    from dataclasses import asdict
+
+    return json.dumps(asdict(raw.cfg))
+
+
+def model_files(raw: torch.nn.Module, tokenizer) -> dict:
+    """Files every checkpoint carries besides the tensors: ``model.json`` (:func:`model_config_json`) and, for
+    subword data, ``tokenizer.json`` (the path of the file to copy)."""
+    files = {"model.json": model_config_json(raw)}
+    if tokenizer is not None:
+        files["tokenizer.json"] = Path(tokenizer.path)
+    return files
+
+
+def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Optional[dict] = None) -> Optional[Path]:
     """Gather the full (unsharded) weights on rank 0 and write them to ``path`` as safetensors, atomically.
 
     Every rank must call (FSDP all-gathers). Keys are the model's own parameter names (no DDP/AC/compile prefixes);
-    a tied weight is stored under each of its names. Returns ``path`` on rank 0, None elsewhere.
+    a tied weight is stored under each of its names. ``metadata`` (str -> str) goes into the file's header. Returns
+    ``path`` on rank 0, None elsewhere.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -61,7 +78,7 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool) -> Optional[
     if not is_main:
         return None
     state = {k: v.clone() for k, v in state.items()}  # tied weights share storage; safetensors wants one each
-    return write_safetensors(state, path, {"format": "pt", "producer": "hydratrain"})
+    return write_safetensors(state, path, {"format": "pt", "producer": "hydratrain", **(metadata or {})})
 
 
 @torch.no_grad()
@@ -90,12 +107,20 @@ def sample(model: torch.nn.Module, prompt: list[int], n_tokens: int, device: tor
     return idx[0].tolist()
 
 
-def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, autocast) -> str:
-    """The end-of-run sample as text: bytes decoded as UTF-8 for the byte-level corpora (prompt ``def `` on the
-    stdlib corpus), token ids otherwise (``trainer.sample_tokens`` ids after token 0)."""
+def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, autocast, tokenizer=None) -> str:
+    """The end-of-run sample as text: ``trainer.sample_tokens`` tokens after a prompt (``def `` on the Python
+    corpora, a newline elsewhere), decoded with the data's tokenizer, as UTF-8 bytes for the byte corpora, or shown
+    as token ids (synthetic data, token_bin without ``data.tokenizer``)."""
+    python = cfg.data.name in ("python_stdlib", "python_stdlib_bpe")
+    text = "def " if python else "\n"
     byte_level = cfg.data.name in ("python_stdlib", "text_files")
-    prompt = list(b"def " if cfg.data.name == "python_stdlib" else b"\n") if byte_level else [0]
+    if tokenizer is not None:
+        prompt = tokenizer.encode(text) or [0]
+    else:
+        prompt = list(text.encode()) if byte_level else [0]
     ids = sample(model, prompt, cfg.trainer.sample_tokens, device, autocast, cfg.trainer.seed)
+    if tokenizer is not None:
+        return tokenizer.decode(ids)
     if byte_level:
         return bytes(t % 256 for t in ids).decode("utf-8", errors="replace")
     return "token ids: " + " ".join(map(str, ids))
@@ -111,14 +136,19 @@ def write_results(run_dir: Path, result, hparams: dict) -> Path:
     return run_dir / "results.json"
 
 
-def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, tb) -> None:
-    """Weights, sample, hparams row and results.json of a finished run (every rank calls), then close ``tb``."""
+def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, tb,
+                  tokenizer=None) -> None:
+    """Weights (with the tokenizer next to them), sample, hparams row and results.json of a finished run (every rank
+    calls), then close ``tb``."""
     if cfg.trainer.save_weights:
-        path = save_weights(model, run_dir / "model.safetensors", info.is_main)
+        path = save_weights(model, run_dir / "model.safetensors", info.is_main,
+                            {"model_config": model_config_json(raw)})
         if path:
-            log.info("wrote full model weights to %s", path)
+            saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
+            log.info("wrote full model weights to %s%s", path, saved)
     if cfg.trainer.sample_tokens:
-        text = sample_text(cfg, strategy.unwrap(model), info.device, strategy.autocast(precision, info.device))
+        text = sample_text(cfg, strategy.unwrap(model), info.device, strategy.autocast(precision, info.device),
+                           tokenizer)
         log.info("sample:\n%s", text)
         tb.text("sample", text, result.steps)
     hparams = hparams_of(cfg, info.world_size, precision.name)

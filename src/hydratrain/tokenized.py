@@ -1,0 +1,366 @@
+"""Subword token corpora: pre-tokenized binaries, and text tokenized with a BPE and cached as such binaries.
+
+- ``token_bin``: flat files of token ids made by another pipeline (``data.train_path``, ``data.val_path``), uint16
+  or uint32 (``data.dtype``), with or without an llm.c header (detected and skipped), opened with ``np.memmap``.
+- ``tokenized_text``: the user's text files (``data.paths``) tokenized with ``data.tokenizer`` (a tokenizer.json)
+  or, when that is null, a byte-level BPE of ``data.vocab_size`` trained on their training split.
+- ``python_stdlib_bpe``: the same, on the standard-library files ``python_stdlib`` uses, split the same way.
+
+Text is split into train/val by file exactly as the byte corpora are (:func:`hydratrain.data.split_files`),
+tokenized once in parallel (``tokenizers``' own thread pool: on the stdlib corpus on 2 cores it was as fast as a
+process pool over files, without starting processes) and written as ``<cache>/tok-<key>/{train,val}.bin``
+(headerless, uint16 when the vocab fits, else uint32), keyed by the files' names, sizes and mtimes and the
+tokenizer's hash. A trained tokenizer is cached the same way (``<cache>/bpe-<key>/tokenizer.json``). Every cache is
+built under a file lock (concurrent builders wait and reuse it), written to temporary names and renamed;
+``meta.json`` is written last and marks it complete.
+
+Entry points: :func:`tokenizer_for`, :func:`vocab_size_for`, :func:`load_token_splits` (through
+:func:`hydratrain.data.load_splits`) and :func:`preflight_data`. Each returned split is a 1-D ``np.memmap`` that
+each rank reads only the windows of its share from.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from hydratrain.errors import ConfigError
+from hydratrain.data import default_cache_dir, expand_paths, relative_name, split_files, stdlib_files
+from hydratrain.tokenizer import PIECE_BYTES, TextTokenizer, line_cut, load_tokenizer, padded_vocab_size, \
+    read_pieces, train_bpe
+
+log = logging.getLogger(__name__)
+
+TOKEN_CORPORA = ("token_bin", "tokenized_text", "python_stdlib_bpe")
+BYTE_CORPORA = ("python_stdlib", "text_files")
+# llm.c's data files (karpathy/llm.c, dev/data/data_common.py, write_datafile): a header of 256 little-endian int32
+# (header[0] a magic number, header[1] a version, header[2] the token count), then the tokens. Magic 20240520 with
+# version 1 is GPT-2's (uint16 tokens), magic 20240801 with version 7 is LLaMA-3's (uint32 tokens).
+LLMC_HEADER_BYTES = 256 * 4
+LLMC_FORMATS = {20240520: (1, "uint16"), 20240801: (7, "uint32")}  # magic -> (version, token dtype)
+SAMPLE_TOKENS = 1 << 20  # tokens read by the start-up max-id check (64 windows spread over the file)
+BATCH_BYTES = 16 << 20  # text handed to one encode_batch call
+FORMAT = 1  # part of every cache key: bump when the cached layout or the text pieces change
+
+Segment = tuple[Path, int, Optional[int]]  # a file and the byte range [start, stop) of it that a split holds
+
+
+def llmc_header(path: Path) -> Optional[tuple[str, int]]:
+    """``(token dtype, token count)`` from ``path``'s llm.c header, or None when it does not start with one.
+
+    Raises ValueError on a known magic number with another version."""
+    with open(path, "rb") as fh:
+        head = fh.read(LLMC_HEADER_BYTES)
+    if len(head) < LLMC_HEADER_BYTES:
+        return None
+    magic, version, count = (int(v) for v in np.frombuffer(head, dtype="<i4", count=3))
+    if magic not in LLMC_FORMATS:
+        return None
+    want_version, dtype = LLMC_FORMATS[magic]
+    if version != want_version:
+        raise ValueError(f"llm.c header magic {magic} with version {version}; known: 20240520 v1 (uint16), "
+                         f"20240801 v7 (uint32)")
+    return dtype, count
+
+
+def open_token_bin(path: Path, dtype: Optional[str] = None, key: str = "data.train_path") -> np.memmap:
+    """``path``'s tokens as a read-only 1-D ``np.memmap`` (uint16 or uint32, little-endian); nothing is read but
+    the header. An llm.c header (see :data:`LLMC_FORMATS`) is skipped and gives the dtype; without one the dtype is
+    ``dtype`` (default uint16). Raises :class:`ConfigError` naming ``key`` (missing, empty or truncated file, size
+    not a multiple of the dtype, unknown header version) or ``data.dtype`` (not uint16/uint32/null, or not the
+    header's)."""
+    path = Path(path)
+    if dtype not in (None, "uint16", "uint32"):
+        raise ConfigError("data.dtype", dtype, "allowed: uint16, uint32, null (the llm.c header's, else uint16)")
+    if not path.is_file():
+        raise ConfigError(key, str(path), "no such file")
+    size = path.stat().st_size
+    try:
+        header = llmc_header(path)
+    except ValueError as err:
+        raise ConfigError(key, str(path), str(err)) from None
+    offset = 0
+    if header is not None:
+        offset, (hdtype, count) = LLMC_HEADER_BYTES, header
+        if dtype is not None and dtype != hdtype:
+            raise ConfigError("data.dtype", dtype, f"{key}={path} has an llm.c header of {hdtype} tokens; "
+                              f"allowed: {hdtype}, null")
+        dtype = hdtype
+        if size != offset + count * np.dtype(dtype).itemsize:
+            raise ConfigError(key, str(path), f"its llm.c header says {count} {dtype} tokens "
+                              f"({offset + count * np.dtype(dtype).itemsize} bytes) but the file has {size} bytes")
+    dtype = np.dtype(dtype or "uint16").newbyteorder("<")
+    if (size - offset) % dtype.itemsize:
+        raise ConfigError(key, str(path), f"{size - offset} bytes of tokens is not a multiple of "
+                          f"data.dtype={dtype.name}'s {dtype.itemsize}")
+    if size == offset:
+        raise ConfigError(key, str(path), "holds no tokens")
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=((size - offset) // dtype.itemsize,))
+
+
+def max_token_id(tokens: np.ndarray, sample: Optional[int] = SAMPLE_TOKENS) -> int:
+    """Largest id in ``tokens`` (1-D). ``sample``: read only about that many tokens, in 64 windows spread evenly
+    from the first token to the last; None (or a shorter array) reads all of it, in chunks of 16M tokens."""
+    n = len(tokens)
+    if sample is None or n <= sample:
+        return max(int(tokens[i:i + (1 << 24)].max()) for i in range(0, n, 1 << 24))
+    width = max(1, sample // 64)
+    starts = np.linspace(0, n - width, 64).astype(np.int64)
+    return max(int(tokens[s:s + width].max()) for s in starts)
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, key: str, path: Path,
+                    sample: Optional[int] = SAMPLE_TOKENS) -> None:
+    """Raise :class:`ConfigError` naming ``model.vocab_size`` and ``key`` when an id in ``tokens`` (a sample of
+    them, see :func:`max_token_id`) is not below ``vocab_size``."""
+    top = max_token_id(tokens, sample)
+    if top >= vocab_size:
+        where = "all" if sample is None or len(tokens) <= sample else f"a sample of {sample}"
+        raise ConfigError("model.vocab_size", vocab_size, f"{key}={path} holds token id {top} (in {where} of its "
+                          f"{len(tokens)} tokens); allowed: model.vocab_size > {top}")
+
+
+def split_segments(files: Sequence[Path], root: Path, val_fraction: float) -> dict[str, list[Segment]]:
+    """``{"train": [...], "val": [...]}`` segments: whole files split as :func:`hydratrain.data.split_files` does;
+    one file alone is cut at a line start near ``1 - val_fraction`` of its bytes (:func:`line_cut`)."""
+    if len(files) == 1:
+        cut = line_cut(files[0], 1 - val_fraction)
+        return {"train": [(files[0], 0, cut)], "val": [(files[0], cut, None)]}
+    return {split: [(f, 0, None) for f in fs] for split, fs in split_files(files, root, val_fraction).items()}
+
+
+def segment_texts(segments: Sequence[Segment]) -> Iterator[str]:
+    """The text pieces of ``segments`` in order (:func:`hydratrain.tokenizer.read_pieces`)."""
+    for path, start, stop in segments:
+        yield from read_pieces(path, start, stop)
+
+
+def cache_root(data_cfg, launch_dir: Path) -> Path:
+    """``data.cache_dir`` (relative: to ``launch_dir``), else $HYDRATRAIN_CACHE or ~/.cache/hydratrain."""
+    return launch_dir / Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
+
+
+def _cache_key(*parts) -> str:
+    return hashlib.sha256(json.dumps([FORMAT, PIECE_BYTES, *parts]).encode()).hexdigest()[:16]
+
+
+def _listing(segments: Sequence[Segment], root: Path) -> list:
+    return [(relative_name(f, root), start, stop, f.stat().st_size, f.stat().st_mtime_ns)
+            for f, start, stop in segments]
+
+
+@contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``.<out name>.lock`` beside ``out`` (another process building ``out`` waits, then
+    finds it built); stale temporary files in ``out`` from a killed build are removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f".{out.name}.lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            for stale in out.glob("*.tmp*") if out.is_dir() else ():
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def trained_tokenizer(files: Sequence[Path], root: Path, val_fraction: float, vocab_size: int, cache_dir: Path,
+                      progress: bool) -> TextTokenizer:
+    """A byte-level BPE of ``vocab_size`` trained on the training split of ``files`` (relative names to ``root``),
+    cached as ``<cache_dir>/bpe-<key>/tokenizer.json`` keyed by those files' names, sizes, mtimes and vocab_size."""
+    train = split_segments(files, root, val_fraction)["train"]
+    out = cache_dir / f"bpe-{_cache_key('bpe', str(root), vocab_size, _listing(train, root))}"
+    with build_lock(out):
+        if not (out / "tokenizer.json").exists():
+            t0 = time.perf_counter()
+            tok = train_bpe(segment_texts(train), vocab_size, out / "tokenizer.json", progress)
+            log.info("trained a byte-level BPE of %d tokens on %d files in %.1f s: %s", tok.vocab_size, len(train),
+                     time.perf_counter() - t0, out / "tokenizer.json")
+    return load_tokenizer(out / "tokenizer.json")
+
+
+def _batches(segments: Sequence[Segment]) -> Iterator[list[tuple[str, bool]]]:
+    """``(text piece, ends its segment)`` pairs in batches of about :data:`BATCH_BYTES`; an empty segment yields
+    one empty piece (so its separator is still written)."""
+    batch, size = [], 0
+    for path, start, stop in segments:
+        prev = None
+        for piece in read_pieces(path, start, stop):
+            if prev is not None:
+                batch.append((prev, False))
+                size += len(prev)
+            prev = piece
+        batch.append((prev or "", True))
+        size += len(prev or "")
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, tokenizer: TextTokenizer,
+                      cache_dir: Path, progress: bool) -> Path:
+    """Tokenize ``files`` (split by file, see :func:`split_segments`) with ``tokenizer`` into
+    ``<cache_dir>/tok-<key>/{train,val}.bin`` (headerless, ``tokenizer.dtype``; the tokenizer's separator after
+    each file) plus ``meta.json`` and a copy of tokenizer.json. Returns that dir; built once per key (files'
+    names, sizes, mtimes, val_fraction, the tokenizer's hash), with a tqdm bar in bytes when ``progress``."""
+    from tqdm.auto import tqdm
+
+    splits = split_segments(files, root, val_fraction)
+    key = _cache_key("tok", str(root), val_fraction, _listing(files_of(splits), root), tokenizer.sha)
+    out = cache_dir / f"tok-{key}"
+    with build_lock(out):
+        if (out / "meta.json").exists():
+            return out
+        out.mkdir(parents=True, exist_ok=True)
+        dtype, sep_ids = tokenizer.dtype, tokenizer.separator
+        sep = np.asarray(sep_ids, dtype=dtype).tobytes()
+        total = sum((stop if stop is not None else f.stat().st_size) - start for seg in splits.values()
+                    for f, start, stop in seg)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing into {out}",
+                   disable=None if progress else True)  # None: only on a terminal
+        t0, counts = time.perf_counter(), {}
+        for split, segments in splits.items():
+            tmp, n = out / f"{split}.bin.tmp{os.getpid()}", 0
+            with open(tmp, "wb") as fh:
+                for batch in _batches(segments):
+                    for ids, (text, ends) in zip(tokenizer.encode_batch([t for t, _ in batch]), batch):
+                        fh.write(np.asarray(ids, dtype=dtype).tobytes() + (sep if ends else b""))
+                        n += len(ids) + (len(sep_ids) if ends else 0)
+                        bar.update(len(text.encode("utf-8", errors="replace")))
+            os.replace(tmp, out / f"{split}.bin")
+            counts[split] = {"files": len(segments), "tokens": n}
+        bar.close()
+        seconds = time.perf_counter() - t0
+        tokenizer.save(out)
+        meta = {"root": str(root), "tokenizer": tokenizer.sha, "vocab_size": tokenizer.vocab_size,
+                "dtype": dtype.name, "bytes": total, "seconds": round(seconds, 3), "splits": counts}
+        tmp = out / f"meta.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, out / "meta.json")
+        log.info("tokenized %.1f MB into %d tokens in %.1f s (%.2f MB/s): %s", total / 1e6,
+                 sum(c["tokens"] for c in counts.values()), seconds, total / 1e6 / max(seconds, 1e-9), out)
+    return out
+
+
+def files_of(splits: dict[str, list[Segment]]) -> list[Segment]:
+    """All segments of ``splits``, train first (what the cache key lists)."""
+    return [seg for segs in splits.values() for seg in segs]
+
+
+def corpus_files(data_cfg, launch_dir: Path) -> tuple[Path, list[Path]]:
+    """``(root, sorted files)`` of a text corpus: the stdlib's ``.py`` files for python_stdlib(_bpe), else the
+    files of ``data.paths`` (relative to ``launch_dir``; root = their common dir). Raises ConfigError naming
+    ``data.paths`` when a pattern matches nothing."""
+    if data_cfg.name in ("python_stdlib", "python_stdlib_bpe"):
+        return stdlib_files()
+    try:
+        files = expand_paths(list(data_cfg.paths), launch_dir)
+    except FileNotFoundError as err:
+        raise ConfigError("data.paths", list(data_cfg.paths), str(err).split(": ", 1)[1]) from None
+    return Path(os.path.commonpath([str(f.parent) for f in files])), files
+
+
+def tokenizer_for(data_cfg, launch_dir: Path, progress: bool = False,
+                  files: Optional[Sequence[Path]] = None) -> Optional[TextTokenizer]:
+    """The tokenizer of ``data_cfg``: ``data.tokenizer`` (relative to ``launch_dir``) when set; else, for
+    tokenized_text / python_stdlib_bpe, a BPE of ``data.vocab_size`` trained on the training split (cached; the
+    first call trains it: call on local rank 0 first, then barrier). None for the byte corpora, synthetic, and
+    token_bin without ``data.tokenizer``. ``files``: python_stdlib_bpe's files instead of the whole stdlib (tests).
+    Raises :class:`ConfigError` (``data.tokenizer``, ``data.paths``, ``data.vocab_size``)."""
+    if getattr(data_cfg, "tokenizer", None):
+        return load_tokenizer(launch_dir / Path(data_cfg.tokenizer).expanduser())
+    if data_cfg.name not in ("tokenized_text", "python_stdlib_bpe"):
+        return None
+    if data_cfg.vocab_size < 257:
+        raise ConfigError("data.vocab_size", data_cfg.vocab_size, "a byte-level BPE needs >= 257 (256 bytes + "
+                          "<|endoftext|>)")
+    root, all_files = corpus_files(data_cfg, launch_dir)
+    return trained_tokenizer(list(files) if files is not None else all_files, root, data_cfg.val_fraction,
+                             data_cfg.vocab_size, cache_root(data_cfg, launch_dir), progress)
+
+
+def vocab_size_for(data_cfg, tokenizer: Optional[TextTokenizer], explicit: Optional[int]) -> int:
+    """The model's vocab size for ``data_cfg``: ``explicit`` (``model.vocab_size`` when the user set it) if given,
+    else the tokenizer's size padded up to a multiple of 64 (256 for the byte corpora and synthetic). Raises
+    :class:`ConfigError` naming ``model.vocab_size`` when an explicit value is below the tokenizer's size (or 256
+    for bytes), or when token_bin has neither (nothing to take it from)."""
+    if tokenizer is None and data_cfg.name == "token_bin":
+        if explicit is None:
+            raise ConfigError("model.vocab_size", None, "data=token_bin has no tokenizer to take it from: set "
+                              "model.vocab_size above the largest token id (e.g. 50304 for GPT-2's) or data.tokenizer")
+        return explicit
+    if tokenizer is None and data_cfg.name not in BYTE_CORPORA:  # synthetic: any size
+        return explicit if explicit is not None else 256
+    need, source = ((tokenizer.vocab_size, f"the tokenizer's {tokenizer.vocab_size} tokens ({tokenizer.path})")
+                    if tokenizer is not None else (256, "the 256 byte values"))
+    if explicit is None:
+        return padded_vocab_size(need)
+    if explicit < need:
+        raise ConfigError("model.vocab_size", explicit, f"smaller than {source} of data={data_cfg.name}; allowed: "
+                          f">= {need}, or null for {padded_vocab_size(need)}")
+    return explicit
+
+
+def load_token_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
+                      files: Optional[Sequence[Path]] = None) -> dict[str, np.memmap]:
+    """``{"train", "val"}``: 1-D read-only token memmaps (uint16 or uint32) for token_bin, tokenized_text or
+    python_stdlib_bpe. Builds missing caches (call on local rank 0 first, then barrier). ``files``: see
+    :func:`tokenizer_for`. Raises :class:`ConfigError`: an id not below ``vocab_size`` (``model.vocab_size`` and
+    the data key named), a bad file or setting."""
+    if data_cfg.name == "token_bin":
+        splits = {}
+        for split in ("train", "val"):
+            key = f"data.{split}_path"
+            value = getattr(data_cfg, f"{split}_path")
+            if not value:
+                raise ConfigError(key, value, "data=token_bin needs a token file for each split")
+            path = launch_dir / Path(value).expanduser()
+            splits[split] = open_token_bin(path, data_cfg.dtype, key)
+            check_token_ids(splits[split], vocab_size, key, path)
+        log.info("data=token_bin: train %d tokens (%s), val %d tokens (%s), %s", len(splits["train"]),
+                 data_cfg.train_path, len(splits["val"]), data_cfg.val_path, splits["train"].dtype.name)
+        return splits
+    tokenizer = tokenizer_for(data_cfg, launch_dir, progress, files)
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError("model.vocab_size", vocab_size, f"smaller than the tokenizer's {tokenizer.vocab_size} "
+                          f"tokens ({tokenizer.path}); allowed: >= {tokenizer.vocab_size}")
+    root, all_files = corpus_files(data_cfg, launch_dir)
+    out = build_token_cache(list(files) if files is not None else all_files, root, data_cfg.val_fraction, tokenizer,
+                            cache_root(data_cfg, launch_dir), progress)
+    meta = json.loads((out / "meta.json").read_text())
+    splits = {s: open_token_bin(out / f"{s}.bin", meta["dtype"], f"{s} cache") for s in ("train", "val")}
+    log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens, vocab %d)", data_cfg.name, out,
+             meta["splits"]["train"]["files"], meta["splits"]["train"]["tokens"], meta["splits"]["val"]["files"],
+             meta["splits"]["val"]["tokens"], tokenizer.vocab_size)
+    return splits
+
+
+def preflight_data(data_cfg, launch_dir: Path) -> None:
+    """Cheap checks of the token corpora's settings before any process group (nothing is trained or tokenized):
+    token_bin's files open (headers, sizes, dtype), ``data.tokenizer`` loads, ``data.paths`` match files,
+    ``data.vocab_size`` is big enough. Raises :class:`ConfigError`; does nothing for other data names."""
+    if data_cfg.name not in TOKEN_CORPORA:
+        return
+    if data_cfg.name == "token_bin":
+        for split in ("train", "val"):
+            value = getattr(data_cfg, f"{split}_path")
+            if not value:
+                raise ConfigError(f"data.{split}_path", value, "data=token_bin needs a token file for each split")
+            open_token_bin(launch_dir / Path(value).expanduser(), data_cfg.dtype, f"data.{split}_path")
+    elif data_cfg.name == "tokenized_text":
+        corpus_files(data_cfg, launch_dir)
+    if data_cfg.tokenizer:
+        load_tokenizer(launch_dir / Path(data_cfg.tokenizer).expanduser())
+    elif data_cfg.name != "token_bin" and data_cfg.vocab_size < 257:
+        raise ConfigError("data.vocab_size", data_cfg.vocab_size, "a byte-level BPE needs >= 257 (256 bytes + "
+                          "<|endoftext|>)")
