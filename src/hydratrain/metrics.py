@@ -411,6 +411,10 @@ class TensorBoardLogger:
             self.writer.file_writer.add_summary(summary)
         self.scalars(metric_tags, step)
 
+    def flush(self) -> None:
+        if self.writer:
+            self.writer.flush()
+
     def close(self) -> None:
         if self.writer:
             self.writer.close()

@@ -126,11 +126,7 @@ class DDP(Strategy):
                                         find_unused_parameters=self.cfg.strategy.find_unused_parameters)
         note = "ddp"
         if precision.reduce_dtype != torch.float32:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-            hook = {torch.bfloat16: default_hooks.bf16_compress_hook,
-                    torch.float16: default_hooks.fp16_compress_hook}[precision.reduce_dtype]
-            model.register_comm_hook(None, hook)
+            model.register_comm_hook(None, _all_reduce_in(precision.reduce_dtype))
             note += f", gradients all-reduced in {str(precision.reduce_dtype).removeprefix('torch.')}"
         return model, note
 
@@ -139,6 +135,28 @@ class DDP(Strategy):
 
     def unwrap(self, model):
         return model.module
+
+
+def _all_reduce_in(dtype: torch.dtype):
+    """A DDP communication hook (``register_comm_hook``'s ``(process_group, bucket) -> Future`` contract) that
+    averages each gradient bucket in ``dtype``: cast, divide by the world size, all-reduce, cast back into the
+    bucket. The shape of torch's ``fp16_compress_hook``, for any dtype and backend (torch's bf16 hook refuses gloo,
+    whose all-reduce handles bfloat16 fine)."""
+    import torch.distributed as dist
+
+    def hook(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    return hook
 
 
 class FSDP(Strategy):

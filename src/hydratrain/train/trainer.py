@@ -147,6 +147,9 @@ class Trainer:
         p.step += 1
         p.skipped_steps += int(not applied)
         p.consecutive_skipped = 0 if applied else p.consecutive_skipped + 1
+
+    def _check_skips(self) -> None:
+        p = self.progress
         if p.consecutive_skipped >= self.tcfg.max_consecutive_nonfinite:
             raise DivergenceError(f"{p.consecutive_skipped} steps in a row up to step {p.step} had non-finite "
                                   f"gradients and were skipped (trainer.max_consecutive_nonfinite="
@@ -179,6 +182,7 @@ class Trainer:
                     train_loss = self.logger.log(step, grad_norm, lr, timed=step > first, extra=extra)
                     if step == 1:
                         self.progress.first_loss = train_loss
+                self._check_skips()
                 if self._end_of_step(step):
                     result.preempted = True
                     break
@@ -186,6 +190,7 @@ class Trainer:
         finally:
             self.preemption.close(wait=ok)
             self.logger.close_bar()
+            self.logger.tb.flush()  # what was logged before an error stays readable
         result.steps, result.steps_this_launch = self.progress.step, self.progress.step - first + 1
         result.first_loss, result.skipped_steps = self.progress.first_loss, self.progress.skipped_steps
         result.train_loss = self.logger.last_loss
