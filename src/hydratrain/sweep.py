@@ -115,7 +115,9 @@ def write_sweep_report(sweep_dir: Path) -> Optional[Path]:
 
 
 def _is_rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+    from hydratrain.dist.env import env_rank
+
+    return env_rank() == 0
 
 
 class SweepReportCallback(Callback):
