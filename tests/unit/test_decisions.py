@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
 
 from hydratrain.config import validate
 from hydratrain.errors import CheckpointError, ConfigError, DivergenceError
@@ -34,7 +35,7 @@ def test_main_never_writes_the_config_and_resolves_auto_into_a_new_object(compos
     assert cfg.precision.name == "auto"
     result = main(cfg, run_dir=tmp_path)
     assert OmegaConf.to_yaml(cfg) == before and result.steps == 2
-    with pytest.raises(Exception):  # read-only from main() on: any write is a bug, found at once
+    with pytest.raises(ReadonlyConfigError):  # read-only from main() on: any write is a bug, found at once
         cfg.precision.name = "bf16"
     p = Precision.resolve(cfg.precision, torch.device("cpu"))
     assert p.requested == "auto" and p.name in ("fp32", "bf16") and cfg.precision.name == "auto"
@@ -92,6 +93,25 @@ def test_meta_and_eager_builds_are_the_same_model(compose, tied):
         if p.ndim == 2:
             want = 0.02 / math.sqrt(2 * 4) if name.endswith(("wo.weight", "w2.weight")) else 0.02
             assert abs(p.std().item() / want - 1) < 0.05, name
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: AC wraps the blocks before init, so each parameter's generator is "
+                   "seeded with its wrapped name ('_checkpoint_wrapped_module.' inside it) and the weights differ")
+def test_activation_checkpointing_does_not_change_the_initial_weights(compose):
+    """activation_checkpointing=true must train the same model (AC only trades memory for compute)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.parallel.strategy import build_model, build_strategy
+
+    built = {}
+    for ac in ("false", "true"):
+        cfg = compose(["strategy=single", "precision=fp32", f"activation_checkpointing={ac}"])
+        model, _, _, _ = build_model(cfg, build_strategy(cfg), Precision.resolve(cfg.precision, torch.device("cpu")),
+                                     torch.device("cpu"), 256)
+        built[ac] = get_model_state_dict(model)  # names without wrapper prefixes
+    assert sorted(built["true"]) == sorted(built["false"])
+    assert [k for k in built["false"] if not torch.equal(built["false"][k], built["true"][k])] == []
 
 
 # ----------------------------------------------------------------------------------------------- eval set
