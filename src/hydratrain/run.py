@@ -108,9 +108,9 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.strategy import build_model
     from hydratrain.train.evaluate import Evaluator
-    from hydratrain.train.step_logger import StepLogger
     from hydratrain.train.outputs import model_files
-    from hydratrain.train.trainer import TrainProgress, Trainer
+    from hydratrain.train.step_logger import StepLogger
+    from hydratrain.train.trainer import Trainer, TrainProgress
 
     device = info.device
     precision = Precision.resolve(cfg.precision, device)

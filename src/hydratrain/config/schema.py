@@ -441,7 +441,8 @@ class CheckpointConfig:
 @dataclass
 class LoggerConfig:
     tensorboard: bool = True  # rank 0 writes events under <run dir>/tensorboard
-    peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; null = known GPU table or a measured CPU matmul
+    # per-device peak FLOP/s for MFU; null = known GPU table or a measured CPU matmul
+    peak_flops: Optional[float] = None
 
 
 @dataclass

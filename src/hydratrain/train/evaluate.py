@@ -24,7 +24,8 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, autocast: ContextManager) -> tuple[float, float]:
-        """(mean loss in nats/token, perplexity) of ``model`` (every rank calls; the model is put back in train mode)."""
+        """(mean loss in nats/token, perplexity) of ``model`` (every rank calls; the model is put back in train
+        mode)."""
         from torchmetrics import MeanMetric
 
         mean_loss = MeanMetric(nan_strategy="disable").to(self.device)
