@@ -5,25 +5,16 @@ or a twin, with a command line), ``make_job`` (a built single-process job to dri
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
 
-from helpers import (  # tests/ is on sys.path: pytest puts a rootdir conftest's dir there
-    CONF,
-    DEBUG,
-    FAST,
-    SHARED_RUNS,
-    TRAIN,
-    Run,
-    run,
-)
+# tests/ is on sys.path: pytest puts a rootdir conftest's dir there
+from helpers import CONF, FAST, SHARED_RUNS, TRAIN, Run, Sweep, sweep_runs
 
 _FLAGS_WITH_VALUE = ("--cfg", "-c", "--info", "-i", "--package", "-p")
 
@@ -153,53 +144,14 @@ def make_job(compose):
 
 
 # ------------------------------------------------------------------------------ the shared 2-rank torchrun sweep
-# The 2-rank training runs that several tests assert on, as the jobs of ONE sweep inside 2 torchrun ranks
-# (``torchrun train.py -m +testrun=a,b,...``): each job builds its own process group, model and data in the same two
-# processes, so the interpreter, torch and Hydra start once instead of once per run. Each entry of
-# helpers.SHARED_RUNS is an overlay of overrides, written as config group ``testrun`` (a Hydra search path added for
-# the sweep).
-def _overlay(overrides: Sequence[str]) -> str:
-    """``overrides`` as a ``# @package _global_`` config: group choices go to its defaults list, values below."""
-    from omegaconf import OmegaConf
-
-    groups = {p.name for p in CONF.iterdir() if p.is_dir()}
-    pairs = [o.split("=", 1) for o in overrides]
-    defaults = [f"  - override /{k}: {v}" for k, v in pairs if k in groups]
-    values = OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs if k not in groups])
-    return "# @package _global_\ndefaults:\n" + "\n".join(defaults) + "\n" + OmegaConf.to_yaml(values)
-
-
-@dataclass
-class SharedSweep:
-    dir: Path  # multirun/<date>/<time> under the launch dir: no hydra.sweep.dir was given
-    result: Run  # the torchrun launch (its console)
-    jobs: dict  # name -> job dir
-
-    def job(self, name: str) -> Path:
-        """The job dir of ``SHARED_RUNS[name]``, after checking that the job completed."""
-        job = self.jobs[name]
-        status = json.loads((job / "status.json").read_text()) if (job / "status.json").exists() else {}
-        assert (job / "results.json").exists(), (name, status, self.result.output[-4000:])
-        return job
-
-
 @pytest.fixture(scope="session")
-def shared_sweep(tmp_path_factory, cache_dir) -> SharedSweep:
-    """Every ``SHARED_RUNS`` entry as one job of one 2-rank torchrun sweep, started in an empty dir."""
-    base = tmp_path_factory.mktemp("shared")
-    (base / "conf" / "testrun").mkdir(parents=True)
-    for name, overrides in SHARED_RUNS.items():
-        (base / "conf" / "testrun" / f"{name}.yaml").write_text(_overlay(overrides))
-    launch = base / "launch"
-    launch.mkdir()
-    result = run(["-m", *DEBUG, f"hydra.searchpath=[file://{base / 'conf'}]", f"+testrun={','.join(SHARED_RUNS)}"],
-                 nproc=2, cwd=launch, fast=False, timeout=900, env={"HYDRATRAIN_CACHE": str(cache_dir)})
-    sweeps = sorted(p for p in launch.glob("multirun/*/*") if p.is_dir())
-    assert len(sweeps) == 1, (sweeps, result.output[-4000:])
-    return SharedSweep(sweeps[0], result, {name: sweeps[0] / str(i) for i, name in enumerate(SHARED_RUNS)})
+def shared_sweep(tmp_path_factory, cache_dir) -> Sweep:
+    """The 2-rank training runs several tests assert on (helpers.SHARED_RUNS), as the jobs of ONE sweep inside 2
+    torchrun ranks, started in an empty dir without hydra.sweep.dir (so the ranks must agree on its time stamp)."""
+    return sweep_runs(SHARED_RUNS, tmp_path_factory.mktemp("shared"), env={"HYDRATRAIN_CACHE": str(cache_dir)})
 
 
 @pytest.fixture(scope="session")
 def two_rank_run(shared_sweep):
-    """two_rank_run(name) -> the job dir of ``SHARED_RUNS[name]`` in the shared sweep."""
+    """two_rank_run(name) -> the job dir of ``SHARED_RUNS[name]`` in the shared sweep (checked complete)."""
     return shared_sweep.job

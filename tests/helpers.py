@@ -38,6 +38,7 @@ SHARED_RUNS = {
     "fsdp_fp32": [*_COMMON, "strategy=fsdp", "precision=fp32", "wrap_policy=none", "strategy.cpu_offload=true",
                   "strategy.reshard_after_forward=false"],
     "ddp_fp32": [*_COMMON, "strategy=ddp", "precision=fp32", "wrap_policy=none"],
+    "ddp_fp32_reduce_bf16": [*_COMMON, "strategy=ddp", "precision=fp32", "precision.reduce_dtype=bfloat16"],
     "fsdp_fp32_accum": [*_COMMON, "strategy=fsdp", "precision=fp32", "wrap_policy=none", *_ACCUM],
     "ddp_fp32_accum": [*_COMMON, "strategy=ddp", "precision=fp32", "wrap_policy=none", *_ACCUM],
     "ddp_bf16": [*_COMMON, "strategy=ddp", "precision=bf16", "wrap_policy=none"],
@@ -130,6 +131,51 @@ def run(args: Sequence[str], run_dir: Optional[Path] = None, nproc: int = 1, scr
 def sh(cmd: Sequence[str], cwd: Path = ROOT, env: Optional[dict] = None, timeout: float = 300) -> Run:
     """Run any command (``python -m hydratrain.export ...``, ``bash bench/gpu.sh``) to completion."""
     return finish(spawn(cmd, cwd, env), timeout)
+
+
+def _overlay(overrides: Sequence[str]) -> str:
+    """``overrides`` as a ``# @package _global_`` config: group choices go to its defaults list, values below."""
+    from omegaconf import OmegaConf
+
+    groups = {p.name for p in CONF.iterdir() if p.is_dir()}
+    pairs = [o.split("=", 1) for o in overrides]
+    defaults = [f"  - override /{k}: {v}" for k, v in pairs if k in groups]
+    values = OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs if k not in groups])
+    return "# @package _global_\ndefaults:\n" + "\n".join(defaults) + "\n" + OmegaConf.to_yaml(values)
+
+
+@dataclass
+class Sweep:
+    dir: Path  # the sweep dir
+    result: Run  # the launch (its console)
+    jobs: dict  # name -> job dir
+
+    def job(self, name: str) -> Path:
+        """The job dir of run ``name``, after checking that the job completed."""
+        job = self.jobs[name]
+        status = json.loads((job / "status.json").read_text()) if (job / "status.json").exists() else {}
+        assert (job / "results.json").exists(), (name, status, self.result.output[-4000:])
+        return job
+
+
+def sweep_runs(runs: dict, base: Path, nproc: int = 2, sweep_dir: Optional[Path] = None, env: Optional[dict] = None,
+               timeout: float = 900) -> Sweep:
+    """Several train.py runs as the jobs of ONE sweep inside ``nproc`` torchrun ranks (``torchrun train.py -m
+    +testrun=a,b,...``): each job builds its own process group, model and data in the same processes, so the
+    interpreter, torch and Hydra start once instead of once per run. ``runs``: name -> overrides (after
+    :data:`DEBUG`), written under ``base`` as config group ``testrun`` (a Hydra search path added for the sweep).
+    Launched in ``base/launch``; without ``sweep_dir`` the sweep lands in its ``multirun/<date>/<time>``."""
+    (base / "conf" / "testrun").mkdir(parents=True)
+    for name, overrides in runs.items():
+        (base / "conf" / "testrun" / f"{name}.yaml").write_text(_overlay(overrides))
+    launch = base / "launch"
+    launch.mkdir()
+    result = run(["-m", *DEBUG, f"hydra.searchpath=[file://{base / 'conf'}]", f"+testrun={','.join(runs)}",
+                  *([f"hydra.sweep.dir={sweep_dir}"] if sweep_dir else [])], nproc=nproc, cwd=launch, fast=False,
+                 timeout=timeout, env=env)
+    sweeps = [sweep_dir] if sweep_dir else sorted(p for p in launch.glob("multirun/*/*") if p.is_dir())
+    assert len(sweeps) == 1, (sweeps, result.output[-4000:])
+    return Sweep(sweeps[0], result, {name: sweeps[0] / str(i) for i, name in enumerate(runs)})
 
 
 def free_port() -> int:

@@ -3,9 +3,10 @@
 export/init_from, SIGTERM on one rank, compile-independent keys, the fp16 scaler state, logging windows across a kill.
 
 Multi-rank tests launch ``train.py`` under ``torch.distributed.run`` on gloo (CPU, fp32, a tiny GPT). One 20-step
-FSDP run on 2 ranks (``run_a``, a job of the session's shared sweep, conftest.SHARED_RUNS["ckpt_a"]) is shared by the
-tests that need a checkpoint to start from. Checkpoint files themselves (atomic saves, corrupt shards, safe loading,
-the data position): tests/unit/test_checkpoint_io.py.
+FSDP run on 2 ranks (``run_a``, a job of the session's shared sweep, helpers.SHARED_RUNS["ckpt_a"]) is shared by the
+tests that need a checkpoint to start from; the 2-rank runs that start from it are the jobs of one more sweep
+(``from_run_a``). Checkpoint files themselves (atomic saves, corrupt shards, safe loading, the data position):
+tests/unit/test_checkpoint_io.py.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from helpers import (
     FAULTY,
     FIXTURE_V1,
     SHARED_RUNS,
+    Sweep,
     assert_same_tensors,
     ckpt_of,
     diff_checkpoints,
@@ -31,6 +33,7 @@ from helpers import (
     run,
     sh,
     start,
+    sweep_runs,
     tb_scalars,
 )
 from hydratrain.checkpoint.io import read_all
@@ -50,6 +53,24 @@ def run_a(two_rank_run) -> Path:
     """RUN_A (FSDP, 2 ranks, 20 steps, checkpoints at steps 10 and 20, final weights in model.safetensors), run as a
     job of the session's shared sweep."""
     return two_rank_run("ckpt_a")
+
+
+@pytest.fixture(scope="module")
+def from_run_a(run_a, tmp_path_factory, cache_dir) -> Sweep:
+    """Two 2-rank runs that start from run A, as the jobs of one sweep inside 2 torchrun ranks: ``resume_ddp2``
+    (resume_from its step 10 under DDP, re-saving step 10) and ``init_from`` (FSDP from its final weights, exported
+    in this process by ``python -m hydratrain.export``'s main to ``<base>/w.safetensors``)."""
+    from hydratrain.export import main as export_main
+
+    base = tmp_path_factory.mktemp("from_run_a")
+    weights = base / "w.safetensors"
+    assert export_main([str(ckpt_of(run_a, 20)), str(weights)]) == 0
+    fp32 = ["precision=fp32", "trainer.eval_samples=8"]
+    runs = {"resume_ddp2": ["strategy=ddp", *fp32, f"checkpoint.resume_from={ckpt_of(run_a, 10)}",
+                            "trainer.max_steps=10", "checkpoint.save_last=true"],
+            "init_from": ["strategy=fsdp", *fp32, f"model.init_from={weights}", "trainer.max_steps=1",
+                          "trainer.eval_every_n_steps=0", "checkpoint.save_last=false"]}
+    return sweep_runs(runs, base, sweep_dir=base / "sweep", env={"HYDRATRAIN_CACHE": str(cache_dir)})
 
 
 # ------------------------------------------------------------------------------------------ exact resume
@@ -73,7 +94,7 @@ def test_exact_resume_after_sigkill(run_a, tmp_path):
 
 def test_the_old_format_checkpoint_still_loads_and_continues_exactly(two_rank_run):
     """tests/fixtures/ckpt_v1_fsdp2_step3 (2 ranks, FSDP, fp32, step 3, written by the first checkpoint format):
-    resumed on 2 ranks (conftest.SHARED_RUNS["ckpt_v1"]) it trains steps 4 and 5 to the losses measured when it was
+    resumed on 2 ranks (helpers.SHARED_RUNS["ckpt_v1"]) it trains steps 4 and 5 to the losses measured when it was
     written (step 4 bit for bit)."""
     run_dir = two_rank_run("ckpt_v1")
     assert f"resumed from {FIXTURE_V1}" in log_of(run_dir)
@@ -98,13 +119,11 @@ def test_resume_fsdp2_into_fsdp1_with_activation_checkpointing(run_a, tmp_path, 
     assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10), skip=["rank1."]) == WORLD_SIZE_KEYS
 
 
-def test_resume_fsdp2_into_ddp2(run_a, tmp_path):
+def test_resume_fsdp2_into_ddp2(run_a, from_run_a):
     """fsdp -> ddp on 2 ranks: model, optimizer, scheduler, counters, RNG and data position load exactly."""
-    src = ckpt_of(run_a, 10)
-    run([*CKPT, f"checkpoint.resume_from={src}", "trainer.max_steps=10", "checkpoint.save_last=true",
-         "strategy=ddp"], tmp_path / "r", nproc=2).ok()
-    assert f"resumed from {src}" in log_of(tmp_path / "r")
-    assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10)) == []
+    src, run_dir = ckpt_of(run_a, 10), from_run_a.job("resume_ddp2")
+    assert f"resumed from {src}" in log_of(run_dir)
+    assert diff_checkpoints(src, ckpt_of(run_dir, 10)) == []
 
 
 @pytest.mark.slow
@@ -128,19 +147,14 @@ def test_compile_does_not_change_keys(run_a, tmp_path):
 
 
 # -------------------------------------------------------------------------------------- export / init_from
-def test_export_and_init_from_on_fsdp(run_a, tmp_path):
-    """``python -m hydratrain.export``'s main (called in this process: the export is one process by design) writes
-    the final weights; a 2-rank FSDP run starts from them."""
-    from hydratrain.export import main as export_main
-
-    out = tmp_path / "w.safetensors"
-    assert export_main([str(ckpt_of(run_a, 20)), str(out)]) == 0
+def test_export_and_init_from_on_fsdp(run_a, from_run_a):
+    """``python -m hydratrain.export``'s main (called in this process: the export is one process by design) wrote
+    the final weights (from_run_a); a 2-rank FSDP run started from them."""
+    out, run_dir = from_run_a.dir.parent / "w.safetensors", from_run_a.job("init_from")
     assert_same_tensors(load_weights(out), load_weights(run_a / "model.safetensors"), "export vs final weights")
-    run([*CKPT, f"model.init_from={out}", "trainer.max_steps=1", "trainer.eval_every_n_steps=0",
-         "checkpoint.save_last=false"], tmp_path / "ft", nproc=2).ok()
     for rank in (0, 1):
-        assert "every rank's shard checked against the file" in log_of(tmp_path / "ft", rank)
-    first = tb_scalars(tmp_path / "ft")[1]
+        assert "every rank's shard checked against the file" in log_of(run_dir, rank)
+    first = tb_scalars(run_dir)[1]
     assert first < tb_scalars(run_a)[1] - 0.5  # starts from trained weights, not from scratch
 
 

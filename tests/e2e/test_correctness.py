@@ -5,10 +5,11 @@ tests/unit/test_single_process.py.)"""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from helpers import ROOT, log_of, results, run, tb_scalars, write_user_inputs
+from helpers import ROOT, SHARED_RUNS, log_of, results, run, tb_scalars, write_user_inputs
 
 PROBE = str(ROOT / "tests" / "scripts" / "probe_model.py")
 
@@ -57,16 +58,18 @@ def test_same_weights_and_eval_loss_whatever_the_build_and_layout(reference_prob
 
 
 # -------------------------------------------------------------------------------- console, option effects
-def test_only_rank_0_prints_and_ddp_reduces_in_the_configured_dtype(tmp_path, two_rank_run):
-    """The fp32 reference is the shared 2-rank ddp run (conftest.SHARED_RUNS): step 1's gradient norm is taken before
-    any update, so it depends on the model, the seed and the first batch only, not on the lr schedule or the length."""
-    common = ["strategy=ddp", "trainer.max_steps=4", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=0"]
-    r = run([*common, "precision.reduce_dtype=bfloat16"], tmp_path / "bf16", nproc=2).ok()
-    assert r.output.count("process group: backend=gloo") == 1 and r.output.count("precision=fp32") == 1
-    assert "world_size=2 rank=1" in log_of(tmp_path / "bf16", 1)  # each rank's log file keeps its lines
-    assert "gradients all-reduced in bfloat16" in log_of(tmp_path / "bf16")
-    fp32_run = two_rank_run("ddp_fp32")
-    bf16, fp32 = tb_scalars(tmp_path / "bf16", "train/grad_norm"), tb_scalars(fp32_run, "train/grad_norm")
+def test_only_rank_0_prints_and_ddp_reduces_in_the_configured_dtype(shared_sweep):
+    """Read from the session's shared 2-rank sweep: its console has each job's lines once (rank 0's), each rank's
+    log file keeps its own; the job that all-reduces DDP gradients in bfloat16 differs from the fp32 one (step 1's
+    gradient norm is taken before any update: same model, seed and first batch) by bf16 rounding only."""
+    out, jobs = shared_sweep.result.output, len(SHARED_RUNS)
+    assert out.count("process group: backend=gloo") == jobs, out[-3000:]
+    assert len(re.findall(r"precision=\w+ \(compute \w+, reduce \w+", out)) == jobs, out[-3000:]
+    run_dir = shared_sweep.job("ddp_fp32_reduce_bf16")
+    assert "world_size=2 rank=1" in log_of(run_dir, 1)  # each rank's log file keeps its lines
+    assert "gradients all-reduced in bfloat16" in log_of(run_dir)
+    bf16 = tb_scalars(run_dir, "train/grad_norm")
+    fp32 = tb_scalars(shared_sweep.job("ddp_fp32"), "train/grad_norm")
     assert bf16[1] != fp32[1] and bf16[1] == pytest.approx(fp32[1], rel=1e-2)  # it took effect, and it is bf16
 
 

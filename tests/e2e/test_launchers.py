@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from helpers import (
     FAULTY,
     ROOT,
+    SHARED_RUNS,
     check_optuna_search,
     finish,
     free_port,
@@ -159,10 +160,8 @@ def test_node_that_cannot_reach_node0_gives_up_with_a_clear_error(tmp_path):
 
 
 def test_sweep_inside_each_torchrun_rank(shared_sweep):
-    """``torchrun ... train.py -m +testrun=...``: the session's shared sweep (conftest.SHARED_RUNS) is one; every job
+    """``torchrun ... train.py -m +testrun=...``: the session's shared sweep (helpers.SHARED_RUNS) is one; every job
     ran on both ranks with its own overrides and completed."""
-    from conftest import SHARED_RUNS
-
     rows = report_rows(shared_sweep.dir)
     assert [r["status"] for r in rows] == ["COMPLETED"] * len(SHARED_RUNS), rows
     for (name, overrides), row in zip(SHARED_RUNS.items(), rows):

@@ -19,7 +19,7 @@ from helpers import ROOT, SCRIPTS, log_of, results, sh, tb_all
 
 TAGS = ["train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "mem/peak", "eval/loss",
         "eval/perplexity"]
-# (strategy, precision, wrap_policy, the shared run: conftest.SHARED_RUNS)
+# (strategy, precision, wrap_policy, the shared run: helpers.SHARED_RUNS)
 COMBOS = [("ddp", "fp32", "none", "ddp_fp32"), ("ddp", "bf16", "none", "ddp_bf16"), ("ddp", "fp16", "none", "ddp_fp16"),
           ("fsdp", "fp32", "none", "fsdp_fp32"), ("fsdp", "bf16", "transformer_block", "fsdp_bf16"),
           ("fsdp", "fp16", "size_based", "fsdp_fp16")]
