@@ -98,7 +98,7 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
         monkeypatch.setattr(sys, "argv", [script, *argv])
         capsys.readouterr()
         threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # as OMP_NUM_THREADS=1 in a subprocess: tiny ops, shared cores
+        torch.set_num_threads(1)  # as a subprocess starts (OMP_NUM_THREADS=1); the process group sets its own
         t0 = time.monotonic()
         try:
             entries[script]()

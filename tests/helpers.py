@@ -1,6 +1,7 @@
 """The one set of test helpers: the fast-override list, one way to run train.py (or a twin, or any command) as a
 subprocess, and readers of what a run leaves behind (TensorBoard scalars, results.json, logs, checkpoints, sweep
-reports). In-process fixtures (``compose``, ``cli``, ``make_job``) live in ``conftest.py``."""
+reports), and the shared 2-rank runs (SHARED_RUNS, sweep_runs). Fixtures (``compose``, ``cli``, ``make_job``,
+``shared_sweep``) live in ``conftest.py``."""
 from __future__ import annotations
 
 import csv
