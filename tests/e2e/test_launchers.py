@@ -203,6 +203,7 @@ def _one_run_dir_with_both_ranks(base: Path) -> Path:
     return dirs[0]
 
 
+@pytest.mark.slow  # 2 agents + 2 workers; one node's ranks agreeing on the run dir: the shared sweep (test_train.py)
 def test_two_nodes_with_torchrun_cli_share_one_group_and_run_dir(tmp_path):
     """Two torchrun agents (two "nodes" of 1 rank each) and no hydra.run.dir: both ranks agree on the time-stamped
     run dir through the rendezvous store."""

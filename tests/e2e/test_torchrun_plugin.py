@@ -61,8 +61,10 @@ class TestTorchrunLauncherIntegration(IntegrationTestSuite):
     pass
 
 
-# the two suite tests the default selection keeps (~4 s each): a 2-job sweep in-process, and a job dir given on
-# the command line honoured by a subprocess app
+# two suite tests on their own (~4 s each): a 2-job sweep in-process (slow: the same test as
+# TestTorchrunLauncher::test_sweep_2_jobs), and a job dir given on the command line honoured by a subprocess app (not in
+# the suites; in the default selection)
+@pytest.mark.slow
 @pytest.mark.usefixtures("hydra_restore_singletons")
 def test_suite_sweep_2_jobs(hydra_sweep_runner, tmpdir):
     sweep_2_jobs(hydra_sweep_runner, overrides=["hydra/launcher=torchrun"], task_function=None, temp_dir=tmpdir)
