@@ -262,20 +262,39 @@ class ShardedBatches:
                         state["world_size"], state["batch_size"], self.world_size, self.batch_size, state["epoch"],
                         state["samples_in_epoch"], self.batches_left_in_epoch())
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, LoaderState]]:
+        """Micro-batches from the current position on, each with the position after it, already on the device."""
         B, W = self.batch_size, self.world_size
+        cursor = LoaderState(**vars(self.state))
+        pin = self.device is not None and self.device.type == "cuda"
         while True:
-            self.order.set_epoch(self.state.epoch)
+            self.order.set_epoch(cursor.epoch)
             order = list(self.order)
-            while self.batches_left_in_epoch() > 0:
-                first = self.state.start_sample + self.state.batch_in_epoch * B * W + self.rank
+            while True:
+                left = max(0, self.epoch_samples - cursor.start_sample) // (B * W) - cursor.batch_in_epoch
+                if left <= 0:
+                    break
+                first = cursor.start_sample + cursor.batch_in_epoch * B * W + self.rank
                 x, y = self.dataset.batch(order[first:first + B * W:W])
-                self.state.batch_in_epoch += 1
-                if self.device is not None:
-                    x = x.to(self.device, non_blocking=True)
-                    y = y.to(self.device, non_blocking=True)
+                cursor = LoaderState(cursor.epoch, cursor.batch_in_epoch + 1, cursor.start_sample)
+                if self.device is not None:  # pinned + non_blocking: the copy overlaps the step before it
+                    x = (x.pin_memory() if pin else x).to(self.device, non_blocking=True)
+                    y = (y.pin_memory() if pin else y).to(self.device, non_blocking=True)
+                yield x, y, cursor
+            cursor = LoaderState(cursor.epoch + 1, 0)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches ``(x, y)``, each ``(batch_size, seq_len)`` int64, from the current position on.
+
+        The next micro-batch is gathered and its copy to the device started before the current one is handed out
+        (one batch ahead), so a step never waits for its data; :meth:`position` counts only batches handed out.
+        """
+        ahead = None
+        for produced in self._produce():
+            if ahead is not None:
+                x, y, self.state = ahead
                 yield x, y
-            self.state = LoaderState(self.state.epoch + 1, 0)
+            ahead = produced
 
 
 class EvalBatches:
