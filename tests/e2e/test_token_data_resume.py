@@ -3,6 +3,8 @@ that continues at the same sample on another world size."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -42,8 +44,13 @@ def test_tokenized_text_position_continues_on_another_world_size(tmp_path):
         (tmp_path / "docs" / f"d{i}.txt").write_text(" ".join(rng.choice(words, 6000)) + "\n")
     data = ["data=tokenized_text", "data.paths=[docs/*.txt]", "data.vocab_size=300", "data.val_fraction=0.3",
             "data.seq_len=32", "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", "trainer.eval_every_n_steps=0"]
-    run([*data, "strategy=ddp", "trainer.max_steps=3", "checkpoint.save_last=true"], tmp_path / "a", nproc=2,
-        cwd=tmp_path).ok()
+    run([*data, "strategy=ddp", "trainer.max_steps=3", "checkpoint.save_last=true", "trainer.save_weights=true",
+         "trainer.sample_tokens=12"], tmp_path / "a", nproc=2, cwd=tmp_path).ok()
+    # the sample is text decoded by the tokenizer (3 steps make no words yet: the decoded prompt, then bytes), and
+    # the tokenizer sits next to the weights
+    sample = log_of(tmp_path / "a").split("sample:\n", 1)[1].split("\n[20", 1)[0]
+    assert sample.startswith("\n") and len(sample) > 1 and "token ids" not in sample, sample
+    assert (tmp_path / "a" / "tokenizer.json").is_file() and (tmp_path / "a" / "model.safetensors").is_file()
     run([*data, "strategy=single", "trainer.max_steps=5", f"checkpoint.resume_from={tmp_path / 'a'}"],
         tmp_path / "b", cwd=tmp_path).ok()
     log = log_of(tmp_path / "b")
@@ -51,3 +58,12 @@ def test_tokenized_text_position_continues_on_another_world_size(tmp_path):
     saved = ckpt_of(tmp_path / "a", 3)  # a checkpoint carries the tokenizer and the resolved model config
     assert (saved / "tokenizer.json").is_file()
     assert json.loads((saved / "model.json").read_text())["vocab_size"] == 320  # 300 tokens padded to 64
+    # an export carries both: usable without the training config
+    r = subprocess.run([sys.executable, "-m", "hydratrain.export", str(saved), str(tmp_path / "w.safetensors")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "w.tokenizer.json").is_file(), r.stderr
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["model_config"])["vocab_size"] == 320 and meta["tokenizer"] == "w.tokenizer.json"
