@@ -1,7 +1,8 @@
 """``python -m hydratrain.env``: what this machine can run.
 
 Prints the torch version, CUDA availability and device count, the distributed backends compiled in, whether bf16 is
-native, and which ``strategy=`` and ``precision=`` options this machine supports.
+native, which ``strategy=`` and ``precision=`` options this machine supports, and the per-rank memory budget the
+memory planner (``hydratrain.plan``) would use.
 """
 from __future__ import annotations
 
@@ -35,7 +36,23 @@ def report() -> list[str]:
                   f"fp16{'' if cuda else ' (slow on CPU: no native fp16 matmul)'}",
                   f"auto (-> {'bf16' if bf16_fast else 'fp32'})"]
     lines.append(f"precisions: {', '.join(precisions)}")
+    lines.append(memory_budget_line(cuda))
     return lines
+
+
+def memory_budget_line(cuda: bool) -> str:
+    """The per-rank memory budget a run would warn against (``hydratrain.plan``, ``plan.memory_gb=null``), for
+    ``LOCAL_WORLD_SIZE`` ranks on this node (1 when unset)."""
+    import torch
+
+    from hydratrain.plan import GiB, budget_bytes
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()) if cuda \
+        else torch.device("cpu")
+    budget, source = budget_bytes(None, device, ranks, in_run=False)
+    return (f"memory budget per rank (hydratrain.plan, plan.memory_gb=null): {budget / GiB:.1f} GiB ({source}; "
+            "set plan.memory_gb to use another)")
 
 
 if __name__ == "__main__":

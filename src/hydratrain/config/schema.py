@@ -453,6 +453,18 @@ class DistributedConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The memory planner (``hydratrain.plan``): the per-rank peak predicted at the start of every run and by
+    ``python -m hydratrain.plan``, against a budget."""
+
+    enabled: bool = True  # log the prediction at the start of every run (and warn when it exceeds the budget)
+    memory_gb: Optional[float] = None  # per-rank budget, GiB; null = the device's (CUDA: total memory; CPU: the
+    #                                    available RAM shared by the node's ranks)
+    world_size: Optional[int] = None  # python -m hydratrain.plan: ranks to plan for; null = WORLD_SIZE or 1
+    ranks_per_node: Optional[int] = None  # python -m hydratrain.plan on CPU: ranks sharing this node's RAM; null = all
+
+
+@dataclass
 class TrainConfig:
     """The whole run config: one field per config group, plus a few top-level switches."""
 
@@ -468,6 +480,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     device: Device = Device.auto  # auto (cuda if available) | cpu | cuda
 
