@@ -116,8 +116,8 @@ class Plan:
                 + (f" (wrap_policy={s.wrap_policy}, reshard_after_forward={str(s.reshard_after_forward).lower()}, "
                    f"cpu_offload={str(s.cpu_offload).lower()})" if s.strategy == "fsdp" else "")
                 + f", precision={s.precision}, micro-batch {s.batch_size} x {s.seq_len} tokens, "
-                f"grad_accum_steps={s.grad_accum_steps}, activation_checkpointing={str(s.activation_checkpointing).lower()}, "
-                f"device {s.device}")
+                f"grad_accum_steps={s.grad_accum_steps}, "
+                f"activation_checkpointing={str(s.activation_checkpointing).lower()}, device {s.device}")
         lines = [head]
         for name, value in self.parts.items():
             lines.append(f"  {name:<18} {value / GiB:9.3f} GiB  {self.notes.get(name, '')}".rstrip())
@@ -276,7 +276,8 @@ def predict(s: Setup) -> Plan:
         # in the compute dtype until the root's reduce-scatter at the end
         block_shard = sum(full[n][1] for n in block0)
         done_per_block = block_shard * 4 * on_device if blocks_wrapped else blk.param_grads
-        root_grads = head.param_grads + (0 if m.tie_embeddings else emb) + (0 if blocks_wrapped else L * blk.param_grads)
+        root_grads = (head.param_grads + (0 if m.tie_embeddings else emb)
+                      + (0 if blocks_wrapped else L * blk.param_grads))
         root_reduce = root_grads + root_full * r + (root_full // W) * (r + (4 if r != 4 else 0))
         fsdp_note = (f"{c * 8}-bit parameters of the root and {'the block(s) in flight' if raf else 'every unit'} "
                      f"all-gathered, {c * 8}-bit unsharded gradients, {r * 8}-bit reduce-scatter input")
@@ -346,8 +347,8 @@ def predict(s: Setup) -> Plan:
         "activations": (f"{L} blocks x {blk.kept / 2**20:.0f} MiB kept for backward "
                         f"({'with' if s.activation_checkpointing else 'without'} activation checkpointing) and the "
                         "working set of the block in flight"),
-        "logits/loss": f"B x T x vocab = {s.batch_size} x {s.seq_len} x {m.vocab_size}: logits, fp32 copy, log-softmax, "
-                       "their gradients",
+        "logits/loss": (f"B x T x vocab = {s.batch_size} x {s.seq_len} x {m.vocab_size}: logits, fp32 copy, "
+                        "log-softmax, their gradients"),
         "optimizer step": "AdamW's temporaries (foreach: one fp32 copy of the parameters)" if s.device == "cuda"
         else "AdamW's temporaries (per tensor: two of the largest parameter)",
         "fsdp buffers": fsdp_note if s.strategy == "fsdp" else "",
@@ -365,7 +366,7 @@ def predict(s: Setup) -> Plan:
              f"{s.batch_size * s.seq_len * m.vocab_size * 4 / 2**20:.1f} MiB)"]
     if s.device == "cpu":
         facts.append("CPU: this counts tensors; glibc's malloc keeps freed memory in its heap, and the resident set "
-                      "measured 20-130% above it (README, Memory planner); MALLOC_MMAP_THRESHOLD_=131072 in the "
+                      "measured 40-120% above it (README, Memory planner); MALLOC_MMAP_THRESHOLD_=131072 in the "
                       "environment makes it track the tensors, at the cost of page faults")
     return Plan(s, sum(parts.values()), name, parts, notes, facts, n_params)
 

@@ -59,8 +59,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",
                 "trainer.eval_samples", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
         positive(key, allow_zero=True)
-    for key in ("trainer.max_steps", "trainer.max_epochs", "model.vocab_size", "model.n_kv_head", "model.d_ff", "logger.peak_flops",
-                "plan.memory_gb", "plan.world_size", "plan.ranks_per_node"):
+    for key in ("trainer.max_steps", "trainer.max_epochs", "model.vocab_size", "model.n_kv_head", "model.d_ff",
+                "logger.peak_flops", "plan.memory_gb", "plan.world_size", "plan.ranks_per_node"):
         positive(key, allow_none=True)
 
     m = cfg.model
