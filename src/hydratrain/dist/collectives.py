@@ -1,0 +1,54 @@
+"""The small collectives the run needs: mean, max, any-rank, barrier. Every rank must call each one together;
+without a process group (or with one rank) they return their input.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _group_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_mean(values: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over ranks (reduced in place; returned)."""
+    if _group_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= _group_size()
+    return values
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise max of ``values`` over ranks (reduced in place; returned)."""
+    if _group_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` any rank has."""
+    return all_reduce_max(torch.tensor([float(value)], dtype=torch.float64, device=device)).item()
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True if ``flag`` is set on any rank."""
+    return bool(all_reduce_max(torch.tensor([int(flag)], dtype=torch.int32, device=device)).item())
+
+
+def same_on_all_ranks(value: int, device: torch.device) -> bool:
+    """True when every rank passed the same integer ``value``."""
+    t = all_reduce_max(torch.tensor([value, -value], dtype=torch.int64, device=device))
+    return t[0].item() == -t[1].item()
+
+
+def barrier() -> None:
+    if _group_size() > 1 or (dist.is_available() and dist.is_initialized()):
+        dist.barrier()

@@ -1,0 +1,99 @@
+"""The one source of this process's rank, local rank and world size, read from the launch environment.
+
+torchrun (and hydratrain's torchrun launcher) set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT``; inside a submitit task (SLURM, or submitit's local executor) they are derived
+from ``SLURM_*`` / ``SUBMITIT_LOCAL_*`` first (:func:`export_cluster_env`). Without any of them the process is rank
+0 of 1. Also: :class:`RankZeroConsoleFilter`, which keeps the console to rank 0 (each rank's log file keeps all).
+
+Importing this module does not import torch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: ``rank`` in ``[0, world_size)``, ``local_rank`` in ``[0, local_world_size)`` on
+    its node, and (once the process group is made) its ``device``."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: Optional[Any] = None  # torch.device, chosen by hydratrain.dist.process_group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def export_cluster_env() -> None:
+    """Inside a submitit task without torchrun's variables, set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` from the scheduler's environment (via
+    ``submitit.helpers.TorchDistributedEnvironment``). A no-op elsewhere, or when ``RANK`` is already set.
+
+    Raises ImportError if submitit is missing (extra ``[slurm]``).
+    """
+    if "RANK" in os.environ or not os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # Keep CUDA_VISIBLE_DEVICES as submitit's task set-up left it (see hydratrain.dist.process_group.device_index).
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def dist_info() -> DistInfo:
+    """This process's :class:`DistInfo` (without a device) from the launch environment; rank 0 of 1 without one."""
+    export_cluster_env()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return DistInfo(rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                    world_size=world_size, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+
+
+def env_rank() -> int:
+    """This process's global rank from the environment alone (``RANK``, else SLURM's or submitit's task id), 0 when
+    none is set; usable before :func:`export_cluster_env` has run (logging filters, Hydra resolvers)."""
+    for key in ("RANK", "SLURM_PROCID", "SUBMITIT_LOCAL_GLOBALID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
+def under_submitit() -> bool:
+    """True inside a task started by submitit (SLURM or its local executor)."""
+    return bool(os.environ.get("SUBMITIT_EXECUTOR"))
+
+
+class RankZeroConsoleFilter(logging.Filter):
+    """A logging filter for console handlers: rank 0 shows everything, other ranks only ERROR and above (a failing
+    rank's error must reach the console), prefixed with ``[rank R]``; records logged with ``extra={"file_only":
+    True}`` stay out of the console on every rank. Installed on Hydra's console handler by
+    ``conf/train.yaml`` (``hydra.job_logging``), so it holds from the first line a job logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "file_only", False):  # already printed in its own form (``hydratrain: ...`` lines)
+            return False
+        rank = env_rank()
+        if rank == 0:
+            return True
+        if record.levelno < logging.ERROR:
+            return False
+        if not getattr(record, "_rank_prefixed", False):
+            record.msg = f"[rank {rank}] {record.msg}"
+            record._rank_prefixed = True
+        return True
+
+
+def quiet_console() -> None:
+    """Install :class:`RankZeroConsoleFilter` on every console handler of the root logger (for runs that did not
+    configure logging through ``conf/train.yaml``, e.g. tests calling ``run.main`` directly), and send Python
+    warnings through logging so they obey it too. Idempotent."""
+    logging.captureWarnings(True)
+    for handler in logging.getLogger().handlers:
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if console and not any(isinstance(f, RankZeroConsoleFilter) for f in handler.filters):
+            handler.addFilter(RankZeroConsoleFilter())
