@@ -28,7 +28,7 @@ def report() -> list[str]:
     lines.append(f"distributed available: {dist.is_available()}; backends: {', '.join(backends) or 'none'}")
     lines.append(f"cpu cores: {os.cpu_count()}; cpu capability: {torch.backends.cpu.get_cpu_capability()}; "
                  f"native bf16 on cpu: {cpu_has_native_bf16()}")
-    strategies = ["single"] + (["ddp", "fsdp"] if dist.is_available() and backends else [])
+    strategies = ["single"] + (["ddp", "fsdp", "hsdp"] if dist.is_available() and backends else [])
     lines.append(f"strategies: {', '.join(strategies)}")
     bf16_fast = torch.cuda.is_bf16_supported() if cuda else cpu_has_native_bf16()
     precisions = ["fp32", f"bf16{'' if bf16_fast else ' (slow here: no native bf16)'}",

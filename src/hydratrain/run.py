@@ -42,7 +42,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         validate(cfg)
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
-        check_environment(cfg, env.world_size, launch)
+        check_environment(cfg, env.world_size, launch, env.local_world_size)
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed

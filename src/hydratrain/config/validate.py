@@ -17,7 +17,7 @@ from hydratrain.config.schema import DType, StrategyName, WrapPolicyName
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
-GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler")
+GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths")
 
 
 def _get(cfg: DictConfig, key: str) -> Any:
@@ -91,9 +91,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.max_steps", None, "set trainer.max_steps and/or trainer.max_epochs")
 
     strategy = cfg.strategy.name
-    if cfg.wrap_policy.name not in (WrapPolicyName.auto, WrapPolicyName.none) and strategy != StrategyName.fsdp:
-        raise ConfigError("wrap_policy", cfg.wrap_policy.name, f"only strategy=fsdp shards modules by a wrap policy "
-                          f"(this run: strategy={strategy}); allowed here: auto, none")
+    sharded = (StrategyName.fsdp, StrategyName.hsdp)
+    if cfg.wrap_policy.name not in (WrapPolicyName.auto, WrapPolicyName.none) and strategy not in sharded:
+        raise ConfigError("wrap_policy", cfg.wrap_policy.name, f"only strategy=fsdp or hsdp shards modules by a wrap "
+                          f"policy (this run: strategy={strategy}); allowed here: auto, none")
+    shard_size = _get(cfg, "strategy.shard_size")
+    if shard_size is not None and shard_size < 1:
+        raise ConfigError("strategy.shard_size", shard_size, "must be >= 1 (ranks per shard group), or null for "
+                          "the ranks per node")
     if strategy == StrategyName.single and cfg.precision.reduce_dtype != DType.float32:
         raise ConfigError("precision.reduce_dtype", cfg.precision.reduce_dtype, "strategy=single reduces no "
                           "gradients across ranks; allowed: float32")
@@ -110,9 +115,13 @@ def validate(cfg: DictConfig) -> None:
                           "CHECKPOINT_DIR OUT.safetensors makes one)")
     validate_launcher(cfg.launcher)
     launched = launched_processes(cfg.launcher)
+    if shard_size is not None and launched > 1 and launched % shard_size:
+        raise ConfigError("strategy.shard_size", shard_size, f"must divide the {launched} ranks launcher="
+                          f"{cfg.launcher.name} starts; allowed: "
+                          f"{', '.join(str(d) for d in range(1, launched + 1) if launched % d == 0)}")
     if strategy == StrategyName.single and launched > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
-                          f"{launched}; allowed: ddp, fsdp")
+                          f"{launched}; allowed: ddp, fsdp, hsdp")
 
 
 def launched_processes(launcher: DictConfig) -> int:
@@ -121,6 +130,8 @@ def launched_processes(launcher: DictConfig) -> int:
         return launcher.nproc_per_node * launcher.nnodes
     if "tasks_per_node" in launcher:
         return launcher.tasks_per_node * launcher.nodes
+    if "num_workers" in launcher:
+        return launcher.num_workers
     return 1
 
 
@@ -150,11 +161,13 @@ def validate_launcher(launcher: DictConfig) -> None:
                           f"must equal launcher.gpus_per_node={launcher.gpus_per_node} (one task per GPU)")
 
 
-def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path) -> None:
+def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
+                      local_world_size: Optional[int] = None) -> None:
     """Checks that depend on this machine and launch: the device, the backend, the world size, input paths.
 
-    ``world_size`` comes from the launch environment (``hydratrain.dist.env``); relative paths resolve against
-    ``launch_dir`` (see :func:`hydratrain.dist.run_dir.resolve_path`). Raises :class:`ConfigError`.
+    ``world_size`` and ``local_world_size`` (ranks on this node; default: all of them) come from the launch
+    environment (``hydratrain.dist.env``); relative paths resolve against ``launch_dir`` (see
+    :func:`hydratrain.dist.run_dir.resolve_path`). Raises :class:`ConfigError`.
     """
     import torch
     import torch.distributed as dist
@@ -175,7 +188,11 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path) -> Non
                               "CPU; allowed: gloo (or null)")
     if cfg.strategy.name == StrategyName.single and world_size > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but WORLD_SIZE={world_size}; "
-                          "allowed under torchrun: ddp, fsdp")
+                          "allowed under torchrun: ddp, fsdp, hsdp")
+    if cfg.strategy.name == StrategyName.hsdp:
+        from hydratrain.parallel.strategy import HSDP
+
+        HSDP.mesh_shape(cfg.strategy.shard_size, world_size, local_world_size or world_size)
     if cfg.data.name == "text_files":
         from hydratrain.data import expand_paths
 
