@@ -35,7 +35,23 @@ def report() -> list[str]:
                   f"fp16{'' if cuda else ' (slow on CPU: no native fp16 matmul)'}",
                   f"auto (-> {'bf16' if bf16_fast else 'fp32'})"]
     lines.append(f"precisions: {', '.join(precisions)}")
+    lines.append(f"optimizers: adamw, {_lowbit()}")
     return lines
+
+
+def _lowbit() -> str:
+    """How ``optim=adamw8bit`` stands here: torchao's version, or what it lacks."""
+    import shutil
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    try:
+        ao = version("torchao")
+    except PackageNotFoundError:
+        return "adamw8bit (not installed: pip install -e '.[lowbit]')"
+    compiler = torch.cuda.is_available() or any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    return f"adamw8bit (torchao {ao}" + ("" if compiler else "; no C++ compiler for torch.compile on CPU") + ")"
 
 
 if __name__ == "__main__":
