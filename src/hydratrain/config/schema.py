@@ -535,6 +535,7 @@ class TrainConfig:
     launcher: Any = MISSING
     optim: Any = MISSING
     scheduler: Any = MISSING
+    paths: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

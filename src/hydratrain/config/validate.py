@@ -52,7 +52,7 @@ def validate(cfg: DictConfig) -> None:
                 "model.init_std", "model.ff_multiple_of", "data.seq_len", "data.batch_size", "data.synthetic_tokens",
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",
-                "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb",
+                "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb", "optim.block_size",
                 "wrap_policy.min_num_params"):
         if OmegaConf.select(cfg, key, default="<absent>") != "<absent>":
             positive(key)
@@ -161,6 +161,20 @@ def validate_launcher(launcher: DictConfig) -> None:
                           f"must equal launcher.gpus_per_node={launcher.gpus_per_node} (one task per GPU)")
 
 
+def _check_lowbit(on_cpu: bool) -> None:
+    """optim=adamw8bit needs torchao, and on CPU a C++ compiler for the update torchao compiles."""
+    import shutil
+
+    from hydratrain.optim import LOWBIT_INSTALL, lowbit_available
+
+    if not lowbit_available():
+        raise ConfigError("optim.name", "adamw8bit", f"needs torchao, which is not installed ({LOWBIT_INSTALL}); "
+                          "allowed here: adamw")
+    if on_cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise ConfigError("optim.name", "adamw8bit", "torchao compiles its update with torch.compile, which on CPU "
+                          "needs a C++ compiler (g++) on PATH; allowed here: adamw (or run on a GPU)")
+
+
 def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
                       local_world_size: Optional[int] = None) -> None:
     """Checks that depend on this machine and launch: the device, the backend, the world size, input paths.
@@ -189,18 +203,24 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     if cfg.strategy.name == StrategyName.single and world_size > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but WORLD_SIZE={world_size}; "
                           "allowed under torchrun: ddp, fsdp, hsdp")
+    if cfg.optim.name == "adamw8bit":
+        _check_lowbit(cfg.device == "cpu" or (cfg.device == "auto" and not cuda))
     if cfg.strategy.name == StrategyName.hsdp:
         from hydratrain.parallel.strategy import HSDP
 
         HSDP.mesh_shape(cfg.strategy.shard_size, world_size, local_world_size or world_size)
+    from hydratrain.paths import Paths
+
+    paths = Paths.resolve(cfg, launch_dir)
     if cfg.data.name == "text_files":
         from hydratrain.data import expand_paths
 
         try:
-            expand_paths(list(cfg.data.paths), launch_dir)
+            expand_paths(list(cfg.data.paths), paths.data)
         except FileNotFoundError as err:
             raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
-    for key in ("model.init_from", "checkpoint.resume_from"):
+    for key, base, what in (("model.init_from", paths.model, "paths.model_dir"),
+                            ("checkpoint.resume_from", launch_dir, "the launch dir")):
         value = _get(cfg, key)
-        if value and not resolve_path(value, launch_dir).exists():
-            raise ConfigError(key, value, f"no such path (relative paths resolve against the launch dir {launch_dir})")
+        if value and not resolve_path(value, base).exists():
+            raise ConfigError(key, value, f"no such path (relative paths resolve against {what} {base})")
