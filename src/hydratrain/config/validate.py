@@ -140,12 +140,17 @@ def validate_launcher(launcher: DictConfig) -> None:
 
     Raises :class:`ConfigError` naming the key, e.g. a GPUs-per-node / tasks-per-node mismatch for SLURM.
     """
-    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout"):
+    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout", "num_workers"):
         if key in launcher and (launcher[key] is None or launcher[key] <= 0):
             raise ConfigError(f"launcher.{key}", launcher[key], "must be > 0")
     for key in ("max_restarts", "gpus_per_node"):
         if key in launcher and (launcher[key] is None or launcher[key] < 0):
             raise ConfigError(f"launcher.{key}", launcher[key], "must be >= 0")
+    if "max_failures" in launcher and (launcher.max_failures is None or launcher.max_failures < -1):
+        raise ConfigError("launcher.max_failures", launcher.max_failures, "must be >= 0, or -1 for unlimited")
+    for name, amount in (launcher.get("resources_per_worker") or {}).items():
+        if amount is None or amount < 0:
+            raise ConfigError(f"launcher.resources_per_worker.{name}", amount, "must be >= 0")
     if "node_rank" in launcher and not 0 <= launcher.node_rank < launcher.nnodes:
         raise ConfigError("launcher.node_rank", launcher.node_rank, f"must be in [0, launcher.nnodes={launcher.nnodes})")
     endpoint = launcher.get("rdzv_endpoint")
