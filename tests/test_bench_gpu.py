@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.sh"
 HELPER = ROOT / "bench" / "gpu_report.py"
 ALL_CASES = ["fsdp_bf16", "fp16_scaler", "cpu_offload", "meta_llama_1b", "compile", "ckpt_save", "ckpt_resume",
-             "fsdp_bf16_x2", "ckpt_save_x2", "ckpt_resume_x2"]
+             "adamw8bit", "fsdp_bf16_x2", "ckpt_save_x2", "ckpt_resume_x2", "hsdp_x2"]
 
 
 def _helper():

@@ -1,7 +1,8 @@
 """``python -m hydratrain.env``: what this machine can run.
 
 Prints the torch version, CUDA availability and device count, the distributed backends compiled in, whether bf16 is
-native, and which ``strategy=`` and ``precision=`` options this machine supports.
+native, which ``strategy=`` and ``precision=`` options this machine supports, whether ``optim=adamw8bit`` can run
+(torchao, and a C++ compiler for its ``torch.compile`` on CPU) and which launcher extras are installed.
 """
 from __future__ import annotations
 
@@ -36,7 +37,18 @@ def report() -> list[str]:
                   f"auto (-> {'bf16' if bf16_fast else 'fp32'})"]
     lines.append(f"precisions: {', '.join(precisions)}")
     lines.append(f"optimizers: adamw, {_lowbit()}")
+    lines.append("launchers: local, torchrun, " + ", ".join(f"{name} ({_installed(pkg, extra)})" for name, pkg, extra in
+                                                            (("slurm", "submitit", "slurm"), ("ray", "ray", "ray"))))
     return lines
+
+
+def _installed(package: str, extra: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{package} {version(package)}"
+    except PackageNotFoundError:
+        return f"not installed: pip install -e '.[{extra}]'"
 
 
 def _lowbit() -> str:
