@@ -70,3 +70,22 @@ def test_forwarded_env_and_worker_error_lines():
                "RuntimeError: boom: at step 3")
     assert worker_error_line(RuntimeError(wrapped)) == "RuntimeError: boom: at step 3"
     assert worker_error_line(ValueError("plain words")) == "ValueError: plain words"
+
+
+def test_a_local_cluster_gets_cpus_for_one_job_and_the_forwarded_env(monkeypatch):
+    import ray
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.hydratrain_launcher import _ray_core
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("HYDRATRAIN_DATA_DIR", "/d")
+    settings = {"address": None, "num_workers": 3, "resources_per_worker": OmegaConf.create({"CPU": 2.0}),
+                "forward_env": OmegaConf.create(["HYDRATRAIN_*"]),
+                "init_kwargs": OmegaConf.create({"runtime_env": {"env_vars": {"A": "1"}}})}
+    assert _ray_core.connect(settings) is True
+    assert calls[-1]["num_cpus"] >= 6 and calls[-1]["runtime_env"]["env_vars"] == {"HYDRATRAIN_DATA_DIR": "/d",
+                                                                                     "A": "1"}
+    assert _ray_core.connect({**settings, "address": "head:6379"}) is False and calls[-1]["address"] == "head:6379"

@@ -86,6 +86,8 @@ def connect(settings: dict) -> bool:
 
     if ray.is_initialized():
         return False
+    settings = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                for k, v in settings.items()}  # Hydra hands dict and list fields over as DictConfig / ListConfig
     kwargs = dict(settings.get("init_kwargs") or {})
     env = forwarded_env(settings.get("forward_env") or [], dict(os.environ))
     if env:
