@@ -138,7 +138,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # meta: build without storage, shard, then materialise and initialise (no rank ever holds the whole model);
-    # cpu/cuda: build with storage on that device kind; auto: meta under strategy=fsdp, else the run's device.
+    # cpu/cuda: build with storage on that device kind; auto: meta under strategy=fsdp or hsdp, else the run's device.
     # Every choice gives the same weights (each parameter is drawn from its own generator seeded by trainer.seed).
     init_device: InitDevice = InitDevice.auto
     init_from: Optional[str] = None  # a .safetensors file of full weights to start from (fine-tuning)
@@ -310,7 +310,7 @@ class FP16Precision(PrecisionConfig):
 @dataclass
 class WrapPolicyConfig:
     """Which submodules FSDP shards as their own unit before the root (see ``hydratrain.parallel.wrap_policy``).
-    Only ``strategy=fsdp`` shards; other strategies allow ``auto`` (the default) and ``none`` only."""
+    Only ``strategy=fsdp`` and ``hsdp`` shard; other strategies allow ``auto`` (the default) and ``none`` only."""
 
     option: ClassVar[Optional[WrapPolicyName]] = None
     name: WrapPolicyName = MISSING

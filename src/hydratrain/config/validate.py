@@ -52,7 +52,8 @@ def validate(cfg: DictConfig) -> None:
                 "model.init_std", "model.ff_multiple_of", "data.seq_len", "data.batch_size", "data.synthetic_tokens",
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",
-                "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb", "optim.block_size",
+                "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb",
+                "optim.block_size",
                 "wrap_policy.min_num_params"):
         if OmegaConf.select(cfg, key, default="<absent>") != "<absent>":
             positive(key)
@@ -140,7 +141,8 @@ def validate_launcher(launcher: DictConfig) -> None:
 
     Raises :class:`ConfigError` naming the key, e.g. a GPUs-per-node / tasks-per-node mismatch for SLURM.
     """
-    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout", "num_workers"):
+    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout",
+                "num_workers"):
         if key in launcher and (launcher[key] is None or launcher[key] <= 0):
             raise ConfigError(f"launcher.{key}", launcher[key], "must be > 0")
     for key in ("max_restarts", "gpus_per_node"):
