@@ -397,6 +397,7 @@ class RayLauncher(LauncherConfig):
     num_workers: int = 2  # workers (ranks) per job, anywhere in the cluster
     resources_per_worker: Dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})  # Ray resources per rank
     use_gpu: bool = False  # one GPU per worker (unless resources_per_worker says otherwise); nccl instead of gloo
+    backend: Optional[str] = None  # backend of the process group Ray Train makes; null = nccl with use_gpu, else gloo
     address: Optional[str] = None  # an existing cluster (HOST:6379, ray://HOST:10001, auto); null = a local one
     max_failures: int = 0  # restarts of a job's workers after a failure, each resuming from the latest checkpoint
 
