@@ -46,6 +46,11 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
+        raise LaunchError("hydra/launcher=ray needs Ray Train, which is not installed: pip install 'ray[train]' "
+                          "(hydratrain: pip install -e '.[ray]')")
     sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
