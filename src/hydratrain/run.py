@@ -42,7 +42,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         validate(cfg)
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
-        check_environment(cfg, env.world_size, launch)
+        check_environment(cfg, env.world_size, launch, env.local_world_size)
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed
@@ -107,6 +107,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     from hydratrain.optim import build_optimizer, build_scheduler, total_steps
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.strategy import build_model
+    from hydratrain.paths import Paths
     from hydratrain.train.evaluate import Evaluator
     from hydratrain.train.step_logger import StepLogger
     from hydratrain.train.outputs import model_files
@@ -123,8 +124,10 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     np.random.seed(cfg.trainer.seed % 2**32)
 
     reset_peak_memory(device)  # this job's peak only, not start-up's or an earlier job's of the same process
-    tokenizer, vocab_size = data_vocabulary(cfg, info, launch, cfg.trainer.progress_bar)
-    train_batches, eval_batches = build_data(cfg, info, launch, cfg.trainer.progress_bar, vocab_size)
+    paths = Paths.resolve(cfg, launch)
+    tokenizer, vocab_size = data_vocabulary(cfg, info, paths.data, cfg.trainer.progress_bar, cache_dir=paths.cache)
+    train_batches, eval_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
+                                             cache_dir=paths.cache)
     model, raw, n_params, summary = build_model(cfg, strategy, precision, device, vocab_size)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
              strategy.local_param_bytes(model) / 1e6, summary)
@@ -140,7 +143,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     progress = TrainProgress()
     tokens_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * cfg.data.seq_len * info.world_size
     step_logger = StepLogger(run_dir, device, tokens_per_step, raw.flops_per_token(cfg.data.seq_len),
-                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32)
+                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32,
+                                        cache_dir=paths.cache)
                              * info.world_size,
                              cfg.trainer.log_every_n_steps, max_steps, info.is_main, cfg.logger.tensorboard,
                              cfg.trainer.progress_bar)
@@ -168,6 +172,8 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.dist.run_dir import resolve_path
     from hydratrain.errors import CheckpointError
     from hydratrain.metrics import peak_memory_bytes
+    from hydratrain.optim import state_bytes
+    from hydratrain.paths import Paths
     from hydratrain.train.outputs import write_outputs
 
     job = build(cfg, strategy, info, run_dir, launch)
@@ -184,8 +190,10 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                         "(trainer.max_steps / max_epochs): nothing to train, evaluating only", progress.step,
                         job.trainer.max_steps)
     elif cfg.model.init_from:
-        init_from_file(job.model, resolve_path(cfg.model.init_from, launch))
+        init_from_file(job.model, resolve_path(cfg.model.init_from, Paths.resolve(cfg, launch).model))
     result = job.trainer.fit()
+    log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,
+             cfg.optim.name)
     result.peak_memory_bytes = int(max_over_ranks(peak_memory_bytes(info.device), info.device))
     if result.preempted:
         job.step_logger.tb.close()
