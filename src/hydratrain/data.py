@@ -339,10 +339,13 @@ class EvalBatches:
 
 
 def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
-                files: Optional[Sequence[Path]] = None) -> dict[str, np.ndarray]:
+                files: Optional[Sequence[Path]] = None, cache_dir: Optional[Path] = None) -> dict[str, np.ndarray]:
     """Token arrays ``{"train", "val"}`` (1-D; read-only memmaps: uint8 for the byte corpora, uint16/uint32 for
     token_bin, tokenized_text and python_stdlib_bpe, see :mod:`hydratrain.tokenized`) for ``data_cfg`` (a
-    DataConfig). ``files``: python_stdlib(_bpe)'s files instead of the whole stdlib (tests).
+    DataConfig). ``files``: python_stdlib(_bpe)'s files instead of the whole stdlib (tests). Relative data paths
+    resolve against ``launch_dir`` (the run passes ``paths.data_dir``); caches go to ``cache_dir`` (the run passes
+    ``data.cache_dir`` or ``paths.cache_dir``, see :class:`hydratrain.paths.Paths`), by default
+    :func:`hydratrain.tokenized.cache_root`'s.
 
     Builds the cache when it is missing: call it on local rank 0 first, then barrier, then on the other ranks.
     Raises FileNotFoundError when a text_files ``data.paths`` pattern matches no file, and ConfigError for the token
@@ -355,14 +358,14 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
     from hydratrain.tokenized import TOKEN_CORPORA, cache_root, load_token_splits
 
     if data_cfg.name in TOKEN_CORPORA:
-        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files)
+        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files, cache_dir)
     if data_cfg.name == "python_stdlib":
         root, all_files = stdlib_files()
         files = list(files) if files is not None else all_files
     else:
         files = expand_paths(list(data_cfg.paths), launch_dir)
         root = Path(os.path.commonpath([str(f.parent) for f in files]))
-    out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir), progress)
+    out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir, cache_dir), progress)
     splits = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
     meta = json.loads((out / "meta.json").read_text())["splits"]
     log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
@@ -370,7 +373,7 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
     return splits
 
 
-def data_vocabulary(cfg, info, launch_dir: Path, progress: bool):
+def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Optional[Path] = None):
     """(the data's tokenizer or None, the model's vocab size): ``model.vocab_size`` when set, else the data's (256
     for bytes, the tokenizer's size padded to a multiple of 64). Local rank 0 trains a missing BPE first while the
     node's other ranks wait. Raises :class:`~hydratrain.errors.ConfigError` (see
@@ -378,14 +381,16 @@ def data_vocabulary(cfg, info, launch_dir: Path, progress: bool):
     from hydratrain.dist.collectives import barrier
     from hydratrain.tokenized import tokenizer_for, vocab_size_for
 
-    tokenizer = tokenizer_for(cfg.data, launch_dir, progress and info.is_main) if info.local_rank == 0 else None
+    tokenizer = tokenizer_for(cfg.data, launch_dir, progress and info.is_main, cache_dir=cache_dir) \
+        if info.local_rank == 0 else None
     barrier()
     if info.local_rank != 0:
-        tokenizer = tokenizer_for(cfg.data, launch_dir)
+        tokenizer = tokenizer_for(cfg.data, launch_dir, cache_dir=cache_dir)
     return tokenizer, vocab_size_for(cfg.data, tokenizer, cfg.model.vocab_size)
 
 
-def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int) -> tuple[ShardedBatches, EvalBatches]:
+def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
+               cache_dir: Optional[Path] = None) -> tuple[ShardedBatches, EvalBatches]:
     """This rank's train micro-batches and eval set for the run config ``cfg`` and the model's ``vocab_size``.
 
     Local rank 0 builds missing caches first while the node's other ranks wait at a barrier. ``info`` is the
@@ -396,7 +401,7 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int) -> 
     from hydratrain.errors import ConfigError
 
     kwargs = dict(data_cfg=cfg.data, vocab_size=vocab_size, launch_dir=launch_dir,
-                  progress=progress and info.is_main)
+                  progress=progress and info.is_main, cache_dir=cache_dir)
     splits = load_splits(**kwargs) if info.local_rank == 0 else None
     barrier()
     if splits is None:

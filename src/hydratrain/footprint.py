@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -64,6 +65,19 @@ class Setup:
     grad_accum_steps: int = 1
     device: str = "cpu"
     baseline: int = 0
+    shard_degree: Optional[int] = None  # hsdp: ranks of a shard group (fsdp shards over all world_size ranks)
+    optim: str = "adamw"  # adamw | adamw8bit
+    optim_block_size: int = 256  # adamw8bit: values per quantisation block
+
+    @property
+    def shards(self) -> bool:
+        """Whether parameters are sharded (fsdp, hsdp)."""
+        return self.strategy in ("fsdp", "hsdp")
+
+    @property
+    def shard_world(self) -> int:
+        """Ranks one parameter is split across: the world size (fsdp), a shard group (hsdp), 1 otherwise."""
+        return (self.shard_degree or self.world_size) if self.shards else 1
 
     @property
     def cfg(self):
@@ -113,8 +127,9 @@ class Plan:
         m = s.cfg
         head = (f"memory plan per rank: model {m.n_layer} x {m.d_model} ({self.n_params / 1e6:.1f}M parameters, "
                 f"vocab {m.vocab_size}), strategy={s.strategy} on {s.world_size} rank(s)"
-                + (f" (wrap_policy={s.wrap_policy}, reshard_after_forward={str(s.reshard_after_forward).lower()}, "
-                   f"cpu_offload={str(s.cpu_offload).lower()})" if s.strategy == "fsdp" else "")
+                + (f" (shard groups of {s.shard_world}, wrap_policy={s.wrap_policy}, reshard_after_forward="
+                   f"{str(s.reshard_after_forward).lower()}, cpu_offload={str(s.cpu_offload).lower()})"
+                   if s.shards else "") + f", optim={s.optim}"
                 + f", precision={s.precision}, micro-batch {s.batch_size} x {s.seq_len} tokens, "
                 f"grad_accum_steps={s.grad_accum_steps}, "
                 f"activation_checkpointing={str(s.activation_checkpointing).lower()}, device {s.device}")
@@ -214,7 +229,7 @@ def _mode(s: Setup):
 
     compute = getattr(torch, PRECISION_DTYPE[s.precision])
     device = "cuda" if s.device == "cuda" and torch.cuda.is_available() else "cpu"
-    if s.strategy == "fsdp":
+    if s.shards:
         return Mode(compute, None, device)
     return Mode(torch.float32, None if compute == torch.float32 else compute, device)
 
@@ -229,7 +244,7 @@ def predict(s: Setup) -> Plan:
     c = DTYPE_BYTES[PRECISION_DTYPE[s.precision]]
     r = DTYPE_BYTES[s.reduce_dtype]
     mode = _mode(s)
-    p_bytes = 4 if mode.autocast is not None or s.strategy != "fsdp" else c  # bytes of a parameter the kernels read
+    p_bytes = 4 if mode.autocast is not None or not s.shards else c  # bytes of a parameter the kernels read
     blk = block_profile(s.model, s.batch_size, s.seq_len, mode, s.activation_checkpointing)
     head = head_profile(s.model, s.batch_size, s.seq_len, mode)
     L = m.n_layer
@@ -240,8 +255,8 @@ def predict(s: Setup) -> Plan:
     on_device = not (s.cpu_offload and s.device == "cuda")  # FSDP offload moves shards to host memory
     notes, parts_static = {}, {}
 
-    if s.strategy == "fsdp":
-        W = s.world_size
+    if s.shards:
+        W = s.shard_world
         units, root = fsdp_units(s)
         full = {n: _padded(shapes[n], W) for n in shapes}
         shard = sum(v[1] for v in full.values())
@@ -252,13 +267,13 @@ def predict(s: Setup) -> Plan:
         block0 = [n for n in shapes if n.startswith("blocks.0.")]
         blocks_wrapped = not any(n in root for n in block0)
         params = shard * 4 * on_device + buffers
-        optim = 8 * shard * on_device
+        optim = sum(_moment_bytes(v[1], s) for v in full.values()) * on_device
         grads_all = 4 * shard * on_device
         where = "" if on_device else " (in host RAM: cpu_offload)"
         notes["parameters"] = f"fp32 master weights, this rank's 1/{W} shard{where} (+ rotary tables)"
         notes["gradients"] = (f"{r * 8}-bit, every unit's unsharded gradient (kept unsharded between micro-batches)"
                               if accum else f"fp32, 1/{W} shard after each reduce-scatter{where}")
-        notes["optimizer"] = f"AdamW exp_avg + exp_avg_sq, fp32, 1/{W} shard{where}"
+        notes["optimizer"] = f"{_optim_note(s)}, 1/{W} shard{where}"
         grads_persist = sum(v[0] for v in full.values()) * r if accum else 0
         raf = s.reshard_after_forward
         root_params = root_full * c  # kept gathered for the whole step (units exist) or the whole model (none)
@@ -270,7 +285,8 @@ def predict(s: Setup) -> Plan:
             if not units:
                 return 0
             gathered = (1 + (i > 0)) * biggest if raf else sum(unit_full)
-            return gathered * c + (i < L - 1) * biggest * r
+            replicas = s.strategy == "hsdp" and s.world_size > W  # the all-reduce between shard groups keeps one
+            return gathered * c + (i < L - 1) * biggest * r + replicas * biggest_shard * r
         gather_extra = biggest * c + (biggest_shard * c if c != 4 or not on_device else 0)
         # a block's gradients once its backward is done: reduce-scattered fp32 shards (its own unit), or unsharded
         # in the compute dtype until the root's reduce-scatter at the end
@@ -286,7 +302,7 @@ def predict(s: Setup) -> Plan:
         parts_static.update(parameters=params, optimizer=optim)
     else:
         params = 4 * n_params + buffers
-        optim = 8 * n_params
+        optim = sum(_moment_bytes(_numel(v), s) for v in shapes.values())
         grads_all = 4 * n_params
         grads_persist = grads_all if accum else 0
         root_params = fwd_units = gather_extra = root_reduce = 0
@@ -296,7 +312,7 @@ def predict(s: Setup) -> Plan:
         done_per_block = blk.param_grads
         notes["parameters"] = "fp32 master weights, a full replica" + (" (+ rotary tables)" if buffers else "")
         notes["gradients"] = "fp32"
-        notes["optimizer"] = "AdamW exp_avg + exp_avg_sq, fp32"
+        notes["optimizer"] = _optim_note(s)
         step_tmp = 4 * n_params if s.device == "cuda" else 2 * 4 * max(_numel(v) for v in shapes.values())
         parts_static.update(parameters=params, optimizer=optim)
         if s.strategy == "ddp":
@@ -306,7 +322,7 @@ def predict(s: Setup) -> Plan:
     def moment(name: str, *, grads=0, fsdp=0, act=0, head_bytes=0, step=0) -> tuple[str, dict]:
         parts = dict(parts_static)
         parts["gradients"] = grads
-        if s.strategy == "fsdp":
+        if s.shards:
             parts["fsdp buffers"] = fsdp
         parts["activations"] = act
         parts["logits/loss"] = head_bytes
@@ -322,7 +338,7 @@ def predict(s: Setup) -> Plan:
                act=(L - 1) * kept_fwd + blk.fwd_peak),
         moment(f"all-gather of block {L}/{L}'s unit", grads=grads_persist,
                fsdp=root_params + fwd_units + gather_extra, act=(L - 1) * kept_fwd + blk.kept)
-        if s.strategy == "fsdp" else None,
+        if s.shards else None,
         moment("forward of the head and loss", grads=grads_persist, fsdp=root_params + (0 if raf_ok(s) else fwd_units),
                act=L * kept_fwd, head_bytes=head.fwd_peak),
         moment("backward of the head and loss", grads=grads_persist, fsdp=root_params + (0 if raf_ok(s) else fwd_units),
@@ -337,7 +353,7 @@ def predict(s: Setup) -> Plan:
     moments.append(moment("backward of the embedding", grads=grads_end + (0 if m.tie_embeddings or grads_persist
                                                                          else emb),
                           fsdp=root_params, act=s.batch_size * s.seq_len * m.d_model * p_bytes + emb_extra))
-    if s.strategy == "fsdp":
+    if s.shards:
         moments.append(moment("reduce-scatter of the root", grads=L * done_per_block if blocks_wrapped else 0,
                               fsdp=root_reduce))
     moments.append(moment("optimizer step", grads=grads_all, step=step_tmp))
@@ -351,7 +367,7 @@ def predict(s: Setup) -> Plan:
                         "log-softmax, their gradients"),
         "optimizer step": "AdamW's temporaries (foreach: one fp32 copy of the parameters)" if s.device == "cuda"
         else "AdamW's temporaries (per tensor: two of the largest parameter)",
-        "fsdp buffers": fsdp_note if s.strategy == "fsdp" else "",
+        "fsdp buffers": fsdp_note if s.shards else "",
         "batches": "token ids of this and the next micro-batch, int64",
         "baseline": "this process before the model: resident set (interpreter, torch, data)" if s.device == "cpu"
         else "tensors allocated before the model",
@@ -371,6 +387,22 @@ def predict(s: Setup) -> Plan:
     return Plan(s, sum(parts.values()), name, parts, notes, facts, n_params)
 
 
+def _moment_bytes(numel: int, s: Setup) -> int:
+    """Bytes of AdamW's two moments for a (local) tensor of ``numel`` values: fp32 each (``optim=adamw``); under
+    ``optim=adamw8bit`` (torchao's ``AdamW8bit``) one byte per value plus one fp32 scale per block, for tensors of at
+    least 4096 values that are a multiple of the block size, fp32 for the rest (``hydratrain.optim``)."""
+    block = s.optim_block_size
+    if s.optim == "adamw8bit" and numel >= 4096 and numel % block == 0:
+        return 2 * (numel + 4 * (numel // block))
+    return 8 * numel
+
+
+def _optim_note(s: Setup) -> str:
+    if s.optim == "adamw8bit":
+        return f"AdamW8bit exp_avg + exp_avg_sq, 8-bit codes + an fp32 scale per {s.optim_block_size} values"
+    return "AdamW exp_avg + exp_avg_sq, fp32"
+
+
 def raf_ok(s: Setup) -> bool:
     """Whether FSDP frees each block unit's gathered parameters after its forward (so none are held at the head)."""
-    return s.strategy != "fsdp" or s.reshard_after_forward
+    return not s.shards or s.reshard_after_forward

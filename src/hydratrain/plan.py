@@ -47,10 +47,10 @@ def _micro_batches(s: Setup) -> list[Setup]:
 
 def _more_ranks(s: Setup, max_world: int = 4096) -> list[Setup]:
     """FSDP on this many ranks, then 2x, 4x, ... (FSDP on this world size first when there are several ranks)."""
-    out = [s.replace(strategy="fsdp")] if s.strategy != "fsdp" and s.world_size > 1 else []
+    out = [s.replace(strategy="fsdp", shard_degree=None)] if s.strategy != "fsdp" and s.world_size > 1 else []
     w = s.world_size * 2
     while w <= max_world:
-        out.append(s.replace(strategy="fsdp", world_size=w))
+        out.append(s.replace(strategy="fsdp", world_size=w, shard_degree=None))
         w *= 2
     return out
 
@@ -80,7 +80,7 @@ def suggestions(s: Setup, budget: int, limit: int = 4) -> list[Suggestion]:
         if not base.activation_checkpointing:
             out.append([base.replace(activation_checkpointing=True)])
         out.append(_more_ranks(base))
-        if base.strategy == "fsdp" and base.device == "cuda" and not base.cpu_offload:
+        if base.shards and base.device == "cuda" and not base.cpu_offload:
             out.append([base.replace(cpu_offload=True)])
         return out
 
@@ -184,13 +184,13 @@ def _cgroup_room() -> Optional[int]:
 
 # ------------------------------------------------------------------------------------------------- the run
 def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: int, device: str,
-              baseline: int) -> Setup:
+              baseline: int, local_world_size: int = 1) -> Setup:
     """The :class:`Setup` of the run config ``cfg`` with its :class:`~hydratrain.parallel.strategy.Strategy`, on
-    ``world_size`` ranks, with the resolved ``precision`` preset and vocabulary. Raises :class:`PlanUnavailable`
-    for a strategy the planner does not model."""
+    ``world_size`` ranks (``local_world_size`` per node: hsdp's default shard group), with the resolved
+    ``precision`` preset and vocabulary. Raises :class:`PlanUnavailable` for a strategy the planner does not model."""
     from hydratrain.models.gpt import GPTConfig
 
-    if strategy.name not in ("single", "ddp", "fsdp"):
+    if strategy.name not in ("single", "ddp", "fsdp", "hsdp"):
         raise PlanUnavailable(f"strategy={strategy.name} is not modelled by the planner")
     model = {k: cfg.model[k] for k in GPTConfig.__dataclass_fields__}
     model["vocab_size"] = vocab_size
@@ -201,7 +201,9 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: int
                  reshard_after_forward=bool(cfg.strategy.get("reshard_after_forward", True)),
                  cpu_offload=strategy.cpu_offload, activation_checkpointing=bool(cfg.activation_checkpointing),
                  batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len),
-                 grad_accum_steps=int(cfg.trainer.grad_accum_steps), device=device, baseline=baseline)
+                 grad_accum_steps=int(cfg.trainer.grad_accum_steps), device=device, baseline=baseline,
+                 shard_degree=strategy.shard_degree(world_size, local_world_size) if strategy.name == "hsdp" else None,
+                 optim=str(cfg.optim.name), optim_block_size=int(cfg.optim.get("block_size", 256)))
 
 
 class PlanUnavailable(RuntimeError):
@@ -244,7 +246,8 @@ def plan_run(cfg, strategy, info, precision, vocab_size: int) -> Optional[RunPla
         return None
     try:
         setup = setup_for(cfg, strategy, world_size=info.world_size, precision=precision.name,
-                          vocab_size=vocab_size, device=info.device.type, baseline=baseline_bytes(info.device))
+                          vocab_size=vocab_size, device=info.device.type, baseline=baseline_bytes(info.device),
+                          local_world_size=info.local_world_size)
         plan = predict(setup)
         budget, source = budget_bytes(OmegaConf.select(cfg, "plan.memory_gb", default=None), info.device,
                                       info.local_world_size)
@@ -374,6 +377,7 @@ def _report(cfg) -> int:
     import torch
 
     from hydratrain.parallel.precision import Precision
+    from hydratrain.paths import Paths
     from hydratrain.parallel.strategy import build_strategy
 
     strategy = build_strategy(cfg)
@@ -384,8 +388,9 @@ def _report(cfg) -> int:
     precision = Precision.resolve(cfg.precision, device).name
     _run_imports()
     setup = setup_for(cfg, strategy, world_size=world, precision=precision,
-                      vocab_size=planned_vocab_size(cfg, Path.cwd()), device=device.type,
-                      baseline=resident_bytes() if device.type == "cpu" else 0)
+                      vocab_size=planned_vocab_size(cfg, Paths.resolve(cfg, Path.cwd()).data), device=device.type,
+                      baseline=resident_bytes() if device.type == "cpu" else 0,
+                      local_world_size=int(cfg.plan.ranks_per_node or world))
     plan = predict(setup)
     print("\n".join(plan.table()))
     if device.type == "cuda" and not torch.cuda.is_available() and not cfg.plan.memory_gb:

@@ -43,7 +43,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         validate(cfg)
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
-        check_environment(cfg, env.world_size, launch)
+        check_environment(cfg, env.world_size, launch, env.local_world_size)
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed
@@ -109,6 +109,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     from hydratrain.optim import build_optimizer, build_scheduler, total_steps
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.strategy import build_model
+    from hydratrain.paths import Paths
     from hydratrain.plan import plan_run
     from hydratrain.train.evaluate import Evaluator
     from hydratrain.train.step_logger import StepLogger
@@ -126,8 +127,10 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     np.random.seed(cfg.trainer.seed % 2**32)
 
     reset_peak_memory(device)  # this job's peak only, not start-up's or an earlier job's of the same process
-    tokenizer, vocab_size = data_vocabulary(cfg, info, launch, cfg.trainer.progress_bar)
-    train_batches, eval_batches = build_data(cfg, info, launch, cfg.trainer.progress_bar, vocab_size)
+    paths = Paths.resolve(cfg, launch)
+    tokenizer, vocab_size = data_vocabulary(cfg, info, paths.data, cfg.trainer.progress_bar, cache_dir=paths.cache)
+    train_batches, eval_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
+                                             cache_dir=paths.cache)
     memory_plan = plan_run(cfg, strategy, info, precision, vocab_size)  # before the model: nothing allocated yet
     if oom_guard is not None:
         oom_guard.run_plan = memory_plan
@@ -146,7 +149,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     progress = TrainProgress()
     tokens_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * cfg.data.seq_len * info.world_size
     step_logger = StepLogger(run_dir, device, tokens_per_step, raw.flops_per_token(cfg.data.seq_len),
-                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32)
+                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32,
+                                        cache_dir=paths.cache)
                              * info.world_size,
                              cfg.trainer.log_every_n_steps, max_steps, info.is_main, cfg.logger.tensorboard,
                              cfg.trainer.progress_bar)
@@ -174,6 +178,8 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.dist.run_dir import resolve_path
     from hydratrain.errors import CheckpointError
     from hydratrain.metrics import peak_memory_bytes
+    from hydratrain.optim import state_bytes
+    from hydratrain.paths import Paths
     from hydratrain.train.outputs import write_outputs
 
     job = build(cfg, strategy, info, run_dir, launch, oom_guard)
@@ -190,8 +196,10 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                         "(trainer.max_steps / max_epochs): nothing to train, evaluating only", progress.step,
                         job.trainer.max_steps)
     elif cfg.model.init_from:
-        init_from_file(job.model, resolve_path(cfg.model.init_from, launch))
+        init_from_file(job.model, resolve_path(cfg.model.init_from, Paths.resolve(cfg, launch).model))
     result = job.trainer.fit()
+    log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,
+             cfg.optim.name)
     result.peak_memory_bytes = int(max_over_ranks(peak_memory_bytes(info.device), info.device))
     planned = oom_guard.run_plan if oom_guard is not None else None
     result.planned_peak_memory_bytes = int(max_over_ranks(planned.plan.peak if planned else 0, info.device))

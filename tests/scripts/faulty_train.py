@@ -6,6 +6,7 @@
   ``after_step`` (after the step's eval, checkpoint save and preemption check).
 - ``HT_FAULT_RANK``: the rank that fails, or ``all`` (default 1).
 - ``HT_FAULT_ATTEMPT``: only on this elastic restart attempt (``TORCHELASTIC_RESTART_COUNT``; default 0).
+- ``HT_FAULT_ONCE=1``: only while the marker below does not exist yet (launchers without an attempt count: Ray).
 Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so tests can see where the fault happened.
 
 ``HT_FAKE_SUBMITIT=DIR`` stands in for submitit's job environment: a SIGUSR2 handler that, like submitit's
@@ -35,7 +36,10 @@ def _inject() -> None:
         return
 
     def fault() -> None:
-        (run_dir_of() / f"fault_rank{rank}_step{step}").touch()
+        marker = run_dir_of() / f"fault_rank{rank}_step{step}"
+        if os.environ.get("HT_FAULT_ONCE") == "1" and marker.exists():
+            return
+        marker.touch()
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "stop":

@@ -183,7 +183,7 @@ def test_paused_time_stays_out_of_tokens_per_second(tmp_path):
     with logger.paused():
         time.sleep(0.5)  # eval or a checkpoint save
     logger.log(1, torch.tensor(0.5), 1e-3, timed=True)
-    tps, _ = logger.rates[-1]
+    tps, _, _ = logger.rates[-1]
     assert 1000 / 0.5 < tps < 1000 / 0.045  # ~20k tokens/s: the 0.5 s pause is not counted
 
 

@@ -255,3 +255,15 @@ def test_checkpointing_model_matches_the_real_wrapper(autocast):
     sim = memsim.block_profile(items(), 4, 64, memsim.Mode(torch.float32, autocast), True)
     assert (sim.fwd_peak, sim.kept_in_autocast, sim.kept) == (fwd_peak, kept_in_autocast, kept)
     assert bwd_peak <= sim.bwd_peak <= 1.1 * bwd_peak, (bwd_peak, sim.bwd_peak)
+
+
+def test_hsdp_shards_over_its_shard_group_and_adamw8bit_quarters_the_moments():
+    fsdp8 = predict(setup(strategy="fsdp", world_size=8))
+    hsdp = predict(setup(strategy="hsdp", world_size=8, shard_degree=2))
+    fsdp2 = predict(setup(strategy="fsdp", world_size=2))
+    assert hsdp.parts["optimizer"] == fsdp2.parts["optimizer"] > fsdp8.parts["optimizer"]
+    assert hsdp.parts["parameters"] == fsdp2.parts["parameters"]
+    eight = predict(setup(optim="adamw8bit"))
+    full = predict(setup())
+    # matrices of >= 4096 values get 1 byte + an fp32 scale per 256 values per moment; norms stay fp32
+    assert full.parts["optimizer"] / 4.2 < eight.parts["optimizer"] < full.parts["optimizer"] / 3.8

@@ -122,7 +122,7 @@ class Trainer:
             total += loss.detach()
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm_(self.model, self.tcfg.grad_clip, self.device)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])  # a value: a tensor lr (torchao) is filled in place later
         step = self.progress.step + 1
         if not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
