@@ -293,17 +293,24 @@ class OutOfMemoryGuard:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc is None or not is_out_of_memory(exc):
             return False
+        import traceback
+
         from hydratrain.errors import OutOfMemoryError
 
         what = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.error("out of memory:\n%s", "".join(traceback.format_exception(exc)), extra={"file_only": True})
+        # The failed step's frames hold its tensors as long as this traceback lives; drop them now, so the memory
+        # comes back before the teardown (which needs some: under an address-space limit even a thread's stack).
+        exc.__traceback__ = None
+        del tb
         if self.run_plan is None:
-            raise OutOfMemoryError(f"{what} (no memory plan was made for this run)") from exc
+            raise OutOfMemoryError(f"{what} (no memory plan was made for this run)") from None
         rp = self.run_plan
         if not rp.fixes and rp.fits:
             rp.fixes = suggestions(rp.plan.setup, int(rp.plan.peak * 0.8))  # it fitted on paper: aim lower
         log.error("memory plan of this run:\n%s", "\n".join(rp.plan.table()), extra={"file_only": True})
         raise OutOfMemoryError(f"{what}; planned {rp.plan.summary()}, budget {rp.budget / GiB:.2f} GiB per rank "
-                               f"({rp.budget_from}); {rp.advice()}") from exc
+                               f"({rp.budget_from}); {rp.advice()}") from None
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
