@@ -16,7 +16,9 @@
 #   compile        ... trainer.compile=true                                   (torch.compile of every block)
 #   ckpt_save      ... hydra.run.dir=DIR/runs/ckpt checkpoint.every_n_steps=N trainer.max_steps=N
 #   ckpt_resume    the same run dir relaunched with trainer.max_steps=2N: resumes at N, trains N more
+#   adamw8bit      ... optim=adamw8bit (torchao's 8-bit AdamW on FSDP2 shards; needs pip install -e ".[lowbit]")
 #   *_x<R>         with R >= 2 GPUs (2 CPU ranks in the dry run): fsdp_bf16, ckpt_save, ckpt_resume on R ranks
+#   hsdp_x<R>      strategy=hsdp strategy.shard_size=R/2 on R ranks (2 replicas of R/2-way shards)
 #
 # Each case PASSes when train.py exits 0 and its results.json has the expected steps, finite train and eval loss,
 # tokens/s > 0, peak memory > 0 and an MFU in (0, 1] (on a GPU in hydratrain's peak table an MFU is required).
@@ -126,6 +128,7 @@ run_case ckpt_save ckpt 1 "$HALF" "$HALF" none "${FSDP[@]}" checkpoint.every_n_s
   trainer.max_steps="$HALF"
 run_case ckpt_resume ckpt 1 "$STEPS" "$((STEPS - HALF))" resume "${FSDP[@]}" checkpoint.every_n_steps="$HALF" \
   trainer.max_steps="$STEPS"
+run_case adamw8bit adamw8bit 1 "$STEPS" "$STEPS" none "${FSDP[@]}" optim=adamw8bit trainer.max_steps="$STEPS"
 if ((MULTI >= 2)); then
   run_case "fsdp_bf16_x$MULTI" "fsdp_bf16_x$MULTI" "$MULTI" "$STEPS" "$STEPS" none "${FSDP[@]}" \
     trainer.max_steps="$STEPS"
@@ -133,6 +136,10 @@ if ((MULTI >= 2)); then
     checkpoint.every_n_steps="$HALF" trainer.max_steps="$HALF"
   run_case "ckpt_resume_x$MULTI" "ckpt_x$MULTI" "$MULTI" "$STEPS" "$((STEPS - HALF))" resume "${FSDP[@]}" \
     checkpoint.every_n_steps="$HALF" trainer.max_steps="$STEPS"
+  if ((MULTI % 2 == 0)); then
+    run_case "hsdp_x$MULTI" "hsdp_x$MULTI" "$MULTI" "$STEPS" "$STEPS" none strategy=hsdp \
+      strategy.shard_size="$((MULTI / 2))" "$BF16" model=gpt_small trainer.max_steps="$STEPS"
+  fi
 fi
 echo
 "${REPORT[@]}" table --out "$OUT"

@@ -262,20 +262,39 @@ class ShardedBatches:
                         state["world_size"], state["batch_size"], self.world_size, self.batch_size, state["epoch"],
                         state["samples_in_epoch"], self.batches_left_in_epoch())
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, LoaderState]]:
+        """Micro-batches from the current position on, each with the position after it, already on the device."""
         B, W = self.batch_size, self.world_size
+        cursor = LoaderState(**vars(self.state))
+        pin = self.device is not None and self.device.type == "cuda"
         while True:
-            self.order.set_epoch(self.state.epoch)
+            self.order.set_epoch(cursor.epoch)
             order = list(self.order)
-            while self.batches_left_in_epoch() > 0:
-                first = self.state.start_sample + self.state.batch_in_epoch * B * W + self.rank
+            while True:
+                left = max(0, self.epoch_samples - cursor.start_sample) // (B * W) - cursor.batch_in_epoch
+                if left <= 0:
+                    break
+                first = cursor.start_sample + cursor.batch_in_epoch * B * W + self.rank
                 x, y = self.dataset.batch(order[first:first + B * W:W])
-                self.state.batch_in_epoch += 1
-                if self.device is not None:
-                    x = x.to(self.device, non_blocking=True)
-                    y = y.to(self.device, non_blocking=True)
+                cursor = LoaderState(cursor.epoch, cursor.batch_in_epoch + 1, cursor.start_sample)
+                if self.device is not None:  # pinned + non_blocking: the copy overlaps the step before it
+                    x = (x.pin_memory() if pin else x).to(self.device, non_blocking=True)
+                    y = (y.pin_memory() if pin else y).to(self.device, non_blocking=True)
+                yield x, y, cursor
+            cursor = LoaderState(cursor.epoch + 1, 0)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches ``(x, y)``, each ``(batch_size, seq_len)`` int64, from the current position on.
+
+        The next micro-batch is gathered and its copy to the device started before the current one is handed out
+        (one batch ahead), so a step never waits for its data; :meth:`position` counts only batches handed out.
+        """
+        ahead = None
+        for produced in self._produce():
+            if ahead is not None:
+                x, y, self.state = ahead
                 yield x, y
-            self.state = LoaderState(self.state.epoch + 1, 0)
+            ahead = produced
 
 
 class EvalBatches:
@@ -320,10 +339,13 @@ class EvalBatches:
 
 
 def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
-                files: Optional[Sequence[Path]] = None) -> dict[str, np.ndarray]:
+                files: Optional[Sequence[Path]] = None, cache_dir: Optional[Path] = None) -> dict[str, np.ndarray]:
     """Token arrays ``{"train", "val"}`` (1-D; read-only memmaps: uint8 for the byte corpora, uint16/uint32 for
     token_bin, tokenized_text and python_stdlib_bpe, see :mod:`hydratrain.tokenized`) for ``data_cfg`` (a
-    DataConfig). ``files``: python_stdlib(_bpe)'s files instead of the whole stdlib (tests).
+    DataConfig). ``files``: python_stdlib(_bpe)'s files instead of the whole stdlib (tests). Relative data paths
+    resolve against ``launch_dir`` (the run passes ``paths.data_dir``); caches go to ``cache_dir`` (the run passes
+    ``data.cache_dir`` or ``paths.cache_dir``, see :class:`hydratrain.paths.Paths`), by default
+    :func:`hydratrain.tokenized.cache_root`'s.
 
     Builds the cache when it is missing: call it on local rank 0 first, then barrier, then on the other ranks.
     Raises FileNotFoundError when a text_files ``data.paths`` pattern matches no file, and ConfigError for the token
@@ -336,14 +358,14 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
     from hydratrain.tokenized import TOKEN_CORPORA, cache_root, load_token_splits
 
     if data_cfg.name in TOKEN_CORPORA:
-        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files)
+        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files, cache_dir)
     if data_cfg.name == "python_stdlib":
         root, all_files = stdlib_files()
         files = list(files) if files is not None else all_files
     else:
         files = expand_paths(list(data_cfg.paths), launch_dir)
         root = Path(os.path.commonpath([str(f.parent) for f in files]))
-    out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir), progress)
+    out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir, cache_dir), progress)
     splits = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
     meta = json.loads((out / "meta.json").read_text())["splits"]
     log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
@@ -351,7 +373,7 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
     return splits
 
 
-def data_vocabulary(cfg, info, launch_dir: Path, progress: bool):
+def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Optional[Path] = None):
     """(the data's tokenizer or None, the model's vocab size): ``model.vocab_size`` when set, else the data's (256
     for bytes, the tokenizer's size padded to a multiple of 64). Local rank 0 trains a missing BPE first while the
     node's other ranks wait. Raises :class:`~hydratrain.errors.ConfigError` (see
@@ -359,14 +381,16 @@ def data_vocabulary(cfg, info, launch_dir: Path, progress: bool):
     from hydratrain.dist.collectives import barrier
     from hydratrain.tokenized import tokenizer_for, vocab_size_for
 
-    tokenizer = tokenizer_for(cfg.data, launch_dir, progress and info.is_main) if info.local_rank == 0 else None
+    tokenizer = tokenizer_for(cfg.data, launch_dir, progress and info.is_main, cache_dir=cache_dir) \
+        if info.local_rank == 0 else None
     barrier()
     if info.local_rank != 0:
-        tokenizer = tokenizer_for(cfg.data, launch_dir)
+        tokenizer = tokenizer_for(cfg.data, launch_dir, cache_dir=cache_dir)
     return tokenizer, vocab_size_for(cfg.data, tokenizer, cfg.model.vocab_size)
 
 
-def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int) -> tuple[ShardedBatches, EvalBatches]:
+def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
+               cache_dir: Optional[Path] = None) -> tuple[ShardedBatches, EvalBatches]:
     """This rank's train micro-batches and eval set for the run config ``cfg`` and the model's ``vocab_size``.
 
     Local rank 0 builds missing caches first while the node's other ranks wait at a barrier. ``info`` is the
@@ -377,7 +401,7 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int) -> 
     from hydratrain.errors import ConfigError
 
     kwargs = dict(data_cfg=cfg.data, vocab_size=vocab_size, launch_dir=launch_dir,
-                  progress=progress and info.is_main)
+                  progress=progress and info.is_main, cache_dir=cache_dir)
     splits = load_splits(**kwargs) if info.local_rank == 0 else None
     barrier()
     if splits is None:

@@ -34,6 +34,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain.dist.process_group import process_group
     from hydratrain.dist.run_dir import launch_dir, run_dir_of
     from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.plan import OutOfMemoryGuard
 
     env = dist_info()
     quiet_console()
@@ -42,13 +43,13 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         validate(cfg)
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
-        check_environment(cfg, env.world_size, launch)
+        check_environment(cfg, env.world_size, launch, env.local_world_size)
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed
         with process_group(str(cfg.device), strategy.backend, strategy.needs_process_group, strategy.cpu_offload,
-                           dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info:
-            result = _fit(cfg, strategy, info, run_dir, launch, resume)
+                           dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info, OutOfMemoryGuard() as oom:
+            result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except HydratrainError as err:
         if env.rank == 0 or err.exit_status != EXIT_CONFIG:  # a config error is the same on every rank
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
@@ -89,9 +90,10 @@ class Job:
     tokenizer: Any = None  # hydratrain.tokenizer.TextTokenizer of subword data, else None
 
 
-def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
+def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guard=None) -> Job:
     """Resolve the precision, seed, and build data, model, optimizer, schedule, scaler, logger, checkpoint manager,
-    preemption and trainer for this rank (every rank calls; collectives inside)."""
+    preemption and trainer for this rank (every rank calls; collectives inside). The memory plan is made before the
+    model exists and handed to ``oom_guard`` (a :class:`hydratrain.plan.OutOfMemoryGuard`), if given."""
     import random
 
     import numpy as np
@@ -107,6 +109,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     from hydratrain.optim import build_optimizer, build_scheduler, total_steps
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.strategy import build_model
+    from hydratrain.paths import Paths
+    from hydratrain.plan import plan_run
     from hydratrain.train.evaluate import Evaluator
     from hydratrain.train.outputs import model_files
     from hydratrain.train.step_logger import StepLogger
@@ -123,8 +127,13 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     np.random.seed(cfg.trainer.seed % 2**32)
 
     reset_peak_memory(device)  # this job's peak only, not start-up's or an earlier job's of the same process
-    tokenizer, vocab_size = data_vocabulary(cfg, info, launch, cfg.trainer.progress_bar)
-    train_batches, eval_batches = build_data(cfg, info, launch, cfg.trainer.progress_bar, vocab_size)
+    paths = Paths.resolve(cfg, launch)
+    tokenizer, vocab_size = data_vocabulary(cfg, info, paths.data, cfg.trainer.progress_bar, cache_dir=paths.cache)
+    train_batches, eval_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
+                                             cache_dir=paths.cache)
+    memory_plan = plan_run(cfg, strategy, info, precision, vocab_size)  # before the model: nothing allocated yet
+    if oom_guard is not None:
+        oom_guard.run_plan = memory_plan
     model, raw, n_params, summary = build_model(cfg, strategy, precision, device, vocab_size)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
              strategy.local_param_bytes(model) / 1e6, summary)
@@ -140,7 +149,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     progress = TrainProgress()
     tokens_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * cfg.data.seq_len * info.world_size
     step_logger = StepLogger(run_dir, device, tokens_per_step, raw.flops_per_token(cfg.data.seq_len),
-                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32)
+                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32,
+                                        cache_dir=paths.cache)
                              * info.world_size,
                              cfg.trainer.log_every_n_steps, max_steps, info.is_main, cfg.logger.tensorboard,
                              cfg.trainer.progress_bar)
@@ -161,16 +171,18 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer)
 
 
-def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path]):
+def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
     from hydratrain.checkpoint.io import init_from_file
     from hydratrain.checkpoint.manager import step_of
     from hydratrain.dist.collectives import max_over_ranks, same_on_all_ranks
     from hydratrain.dist.run_dir import resolve_path
     from hydratrain.errors import CheckpointError
     from hydratrain.metrics import peak_memory_bytes
+    from hydratrain.optim import state_bytes
+    from hydratrain.paths import Paths
     from hydratrain.train.outputs import write_outputs
 
-    job = build(cfg, strategy, info, run_dir, launch)
+    job = build(cfg, strategy, info, run_dir, launch, oom_guard)
     if not same_on_all_ranks(-1 if resume is None else (step_of(resume) or 0), info.device):
         raise CheckpointError(f"ranks found different checkpoints to resume from (this rank: {resume}); is the run "
                               "dir on a filesystem every node shares?")
@@ -184,9 +196,13 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                         "(trainer.max_steps / max_epochs): nothing to train, evaluating only", progress.step,
                         job.trainer.max_steps)
     elif cfg.model.init_from:
-        init_from_file(job.model, resolve_path(cfg.model.init_from, launch))
+        init_from_file(job.model, resolve_path(cfg.model.init_from, Paths.resolve(cfg, launch).model))
     result = job.trainer.fit()
+    log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,
+             cfg.optim.name)
     result.peak_memory_bytes = int(max_over_ranks(peak_memory_bytes(info.device), info.device))
+    planned = oom_guard.run_plan if oom_guard is not None else None
+    result.planned_peak_memory_bytes = int(max_over_ranks(planned.plan.peak if planned else 0, info.device))
     if result.preempted:
         job.step_logger.tb.close()
         return result

@@ -150,8 +150,11 @@ def segment_texts(segments: Sequence[Segment]) -> Iterator[str]:
         yield from read_pieces(path, start, stop)
 
 
-def cache_root(data_cfg, launch_dir: Path) -> Path:
-    """``data.cache_dir`` (relative: to ``launch_dir``), else $HYDRATRAIN_CACHE or ~/.cache/hydratrain."""
+def cache_root(data_cfg, launch_dir: Path, cache_dir: Optional[Path] = None) -> Path:
+    """``cache_dir`` when given (the run's, :class:`hydratrain.paths.Paths`), else ``data.cache_dir`` (relative: to
+    ``launch_dir``), else $HYDRATRAIN_CACHE or ~/.cache/hydratrain."""
+    if cache_dir is not None:
+        return Path(cache_dir)
     return launch_dir / Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else default_cache_dir()
 
 
@@ -277,8 +280,8 @@ def corpus_files(data_cfg, launch_dir: Path) -> tuple[Path, list[Path]]:
     return Path(os.path.commonpath([str(f.parent) for f in files])), files
 
 
-def tokenizer_for(data_cfg, launch_dir: Path, progress: bool = False,
-                  files: Optional[Sequence[Path]] = None) -> Optional[TextTokenizer]:
+def tokenizer_for(data_cfg, launch_dir: Path, progress: bool = False, files: Optional[Sequence[Path]] = None,
+                  cache_dir: Optional[Path] = None) -> Optional[TextTokenizer]:
     """The tokenizer of ``data_cfg``: ``data.tokenizer`` (relative to ``launch_dir``) when set; else, for
     tokenized_text / python_stdlib_bpe, a BPE of ``data.vocab_size`` trained on the training split (cached; the
     first call trains it: call on local rank 0 first, then barrier). None for the byte corpora, synthetic, and
@@ -293,7 +296,7 @@ def tokenizer_for(data_cfg, launch_dir: Path, progress: bool = False,
                           "<|endoftext|>)")
     root, all_files = corpus_files(data_cfg, launch_dir)
     return trained_tokenizer(list(files) if files is not None else all_files, root, data_cfg.val_fraction,
-                             data_cfg.vocab_size, cache_root(data_cfg, launch_dir), progress)
+                             data_cfg.vocab_size, cache_root(data_cfg, launch_dir, cache_dir), progress)
 
 
 def vocab_size_for(data_cfg, tokenizer: Optional[TextTokenizer], explicit: Optional[int]) -> int:
@@ -319,7 +322,7 @@ def vocab_size_for(data_cfg, tokenizer: Optional[TextTokenizer], explicit: Optio
 
 
 def load_token_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
-                      files: Optional[Sequence[Path]] = None) -> dict[str, np.memmap]:
+                      files: Optional[Sequence[Path]] = None, cache_dir: Optional[Path] = None) -> dict[str, np.memmap]:
     """``{"train", "val"}``: 1-D read-only token memmaps (uint16 or uint32) for token_bin, tokenized_text or
     python_stdlib_bpe. Builds missing caches (call on local rank 0 first, then barrier). ``files``: see
     :func:`tokenizer_for`. Raises :class:`ConfigError`: an id not below ``vocab_size`` (``model.vocab_size`` and
@@ -337,13 +340,13 @@ def load_token_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: boo
         log.info("data=token_bin: train %d tokens (%s), val %d tokens (%s), %s", len(splits["train"]),
                  data_cfg.train_path, len(splits["val"]), data_cfg.val_path, splits["train"].dtype.name)
         return splits
-    tokenizer = tokenizer_for(data_cfg, launch_dir, progress, files)
+    tokenizer = tokenizer_for(data_cfg, launch_dir, progress, files, cache_dir)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError("model.vocab_size", vocab_size, f"smaller than the tokenizer's {tokenizer.vocab_size} "
                           f"tokens ({tokenizer.path}); allowed: >= {tokenizer.vocab_size}")
     root, all_files = corpus_files(data_cfg, launch_dir)
     out = build_token_cache(list(files) if files is not None else all_files, root, data_cfg.val_fraction, tokenizer,
-                            cache_root(data_cfg, launch_dir), progress)
+                            cache_root(data_cfg, launch_dir, cache_dir), progress)
     meta = json.loads((out / "meta.json").read_text())
     splits = {s: open_token_bin(out / f"{s}.bin", meta["dtype"], f"{s} cache") for s in ("train", "val")}
     log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens, vocab %d)", data_cfg.name, out,

@@ -6,11 +6,15 @@
   ``after_step`` (after the step's eval, checkpoint save and preemption check).
 - ``HT_FAULT_RANK``: the rank that fails, or ``all`` (default 1).
 - ``HT_FAULT_ATTEMPT``: only on this elastic restart attempt (``TORCHELASTIC_RESTART_COUNT``; default 0).
+- ``HT_FAULT_ONCE=1``: only while the marker below does not exist yet (launchers without an attempt count: Ray).
 Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so tests can see where the fault happened.
 
 - ``HT_FAULT_JOBS``: ``NUM:MODE[,NUM:MODE...]``, for sweeps: Hydra job NUM fails before training. MODE ``raise``:
   every rank raises FloatingPointError (as a diverged run does); ``kill``: rank 1 SIGKILLs itself (a crashed rank).
   Other jobs run train.py's task unchanged.
+
+``HT_FAKE_SUBMITIT=DIR`` stands in for submitit's job environment: a SIGUSR2 handler that, like submitit's
+``checkpoint_and_try_requeue``, records the requeue (``DIR/requeued_rank<R>``) and calls ``sys.exit(-1)``.
 """
 import os
 import signal
@@ -51,7 +55,10 @@ def _inject() -> None:
     _INJECTED = True
 
     def fault() -> None:
-        (run_dir_of() / f"fault_rank{rank}_step{step}").touch()
+        marker = run_dir_of() / f"fault_rank{rank}_step{step}"
+        if os.environ.get("HT_FAULT_ONCE") == "1" and marker.exists():
+            return
+        marker.touch()
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "stop":
@@ -79,12 +86,25 @@ def _inject() -> None:
         trainer.Trainer._end_of_step = end_of_step
 
 
+def _fake_submitit() -> None:
+    marker_dir = os.environ.get("HT_FAKE_SUBMITIT")
+    if not marker_dir:
+        return
+
+    def requeue(signum, frame):
+        Path(marker_dir, f"requeued_rank{os.environ.get('RANK', '0')}").touch()
+        raise SystemExit(-1)
+
+    signal.signal(signal.SIGUSR2, requeue)
+
+
 @hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="train")
 def task(cfg) -> float:
     from hydratrain.run import main
 
     _fail_job()
     _inject()
+    _fake_submitit()
     return main(cfg).eval_loss
 
 

@@ -43,3 +43,15 @@ def check_settings(conf: TorchrunLauncherConf) -> None:
     if conf.nnodes > 1 and (endpoint is None or str(endpoint).endswith(":0")):
         raise LauncherConfigError("rdzv_endpoint", endpoint,
                                   f"nnodes={conf.nnodes} needs node 0's HOST:PORT, the same on every node")
+
+
+def check_ray_settings(conf) -> None:
+    """Check one job's resolved ``hydra.launcher`` settings of the ray launcher (a ``RayLauncherConf``). Raises
+    :class:`LauncherConfigError` naming the first bad key."""
+    if conf.num_workers < 1:
+        raise LauncherConfigError("num_workers", conf.num_workers, "must be >= 1")
+    if conf.max_failures < -1:
+        raise LauncherConfigError("max_failures", conf.max_failures, "must be >= 0, or -1 for unlimited")
+    for name, amount in (conf.resources_per_worker or {}).items():
+        if amount is None or amount < 0:
+            raise LauncherConfigError(f"resources_per_worker.{name}", amount, "must be >= 0")

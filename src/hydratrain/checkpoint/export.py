@@ -3,6 +3,10 @@
     python -m hydratrain.export outputs/RUN/checkpoints/step_00000300 model.safetensors
     python -m hydratrain.export outputs/RUN model.safetensors          # the run's latest complete checkpoint
     python train.py model.init_from=model.safetensors ...              # fine-tune from it, on any strategy
+    python -m hydratrain.export --model-dir /workspace/models outputs/RUN gpt.safetensors   # -> /workspace/models/
+
+A relative output file is written under ``--model-dir`` (default ``$HYDRATRAIN_MODEL_DIR``, which ``paths.model_dir``
+also reads, else the current dir), where a relative ``model.init_from`` is looked up.
 
 No process group is needed: DCP loads the checkpoint's model entries into full-size tensors allocated from its
 metadata (any number of saving ranks, any strategy). Keys are the model's parameter names; the file's metadata
@@ -73,10 +77,17 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m hydratrain.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step_XXXXXXXX dir, or a run or checkpoints dir (its latest)")
-    parser.add_argument("out", type=Path, help="the .safetensors file to write")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write (relative: under --model-dir)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="where a relative OUT goes (default: $HYDRATRAIN_MODEL_DIR, else the current dir)")
     args = parser.parse_args(argv)
+    from hydratrain.paths import default_model_dir
+
+    out = args.out.expanduser()
+    if not out.is_absolute():
+        out = (args.model_dir.expanduser() if args.model_dir is not None else default_model_dir()) / out
     try:
-        out = export(args.checkpoint, args.out)
+        out = export(args.checkpoint, out)
     except CheckpointError as err:
         print(f"hydratrain: checkpoint error: {err}", file=sys.stderr)
         return EXIT_CHECKPOINT

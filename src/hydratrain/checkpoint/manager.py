@@ -145,6 +145,28 @@ def _non_finite(state: dict) -> list[str]:
     return bad
 
 
+def _as_format_1(targets: dict, rank_key: str) -> dict:
+    """Format 1's layout of ``targets``: ``trainer`` held the progress and the data position, ``rank<r>`` the loss
+    window directly, and there was no ``checkpoint`` entry."""
+    out = {k: v for k, v in targets.items() if k not in ("progress", "data", "checkpoint")}
+    out["trainer"] = {**targets.get("progress", {}), **targets.get("data", {})}
+    mine = targets[rank_key]
+    out[rank_key] = {"rng": mine.get("rng", {}), **mine.get("step_logger", {})}
+    return out
+
+
+def _from_format_1(loaded: dict, rank_key: str, components: Mapping) -> dict:
+    """Loaded format-1 entries back in this format's layout (the inverse of :func:`_as_format_1`)."""
+    trainer = loaded.pop("trainer", {})
+    for name in ("progress", "data"):
+        if name in components:
+            keys = components[name].state_dict().keys()
+            loaded[name] = {k: v for k, v in trainer.items() if k in keys}
+    mine = loaded.get(rank_key, {})
+    loaded[rank_key] = {"rng": mine.get("rng", {}), "step_logger": {k: v for k, v in mine.items() if k != "rng"}}
+    return loaded
+
+
 def config_diff(saved: Mapping, now: Mapping) -> list[str]:
     """``key: old -> new`` for every leaf that differs between two config containers (keys in either)."""
     a, b = _flat(saved), _flat(now)
@@ -260,32 +282,30 @@ class CheckpointManager:
             check_model_shapes(md, shapes, ckpt, saved_config, dict(self.config))
         rank_key = f"rank{self.rank}"
         targets = {name: obj.state_dict() for name, obj in self.components.items()}
-        mine = {name: obj.state_dict() for name, obj in self.rank_components.items()}
+        targets[rank_key] = {name: obj.state_dict() for name, obj in self.rank_components.items()}
+        targets["checkpoint"] = {"format_version": 0, "world_size": 0}
         format_1 = not _has(stored, "checkpoint.format_version")
-        if format_1:  # trainer.* held progress and data position; rank<r> held the loss window directly
-            targets["trainer"] = {**targets.pop("progress", {}), **targets.pop("data", {})}
-            mine = {"rng": mine.get("rng", {}), **mine.get("step_logger", {})}
-        targets[rank_key] = mine
+        if format_1:
+            targets = _as_format_1(targets, rank_key)
         loadable = _keep_stored(targets, stored)
-        for name in self.components:
-            if name not in loadable and targets.get(name) and not (format_1 and name in ("progress", "data")):
-                log.warning("%s holds no '%s' state: it starts fresh", ckpt, name)
         load_dcp(loadable, ckpt)
         if format_1:
-            trainer = loadable.pop("trainer", {})
-            for name in ("progress", "data"):
-                if name in self.components:
-                    keys = self.components[name].state_dict().keys()
-                    loadable[name] = {k: v for k, v in trainer.items() if k in keys}
-            window = {k: v for k, v in loadable.get(rank_key, {}).items() if k != "rng"}
-            loadable[rank_key] = {"rng": loadable.get(rank_key, {}).get("rng", {}), "step_logger": window}
-        try:
-            for name, obj in self.components.items():
-                if name in loadable:
-                    obj.load_state_dict(loadable[name])
-        except CheckpointError as err:
-            raise CheckpointError(f"{ckpt}: {err}") from None
-        self._load_rank_state(loadable.get(rank_key, {}), ckpt)
+            loadable = _from_format_1(loadable, rank_key, self.components)
+        for name, obj in self.components.items():
+            if name not in loadable:
+                if obj.state_dict():
+                    log.warning("%s holds no '%s' state: it starts fresh", ckpt, name)
+                continue
+            try:
+                obj.load_state_dict(loadable[name])
+            except CheckpointError as err:
+                raise CheckpointError(f"{ckpt}: {err}") from None
+        mine = loadable.get(rank_key, {})
+        if not mine.get("rng"):
+            log.warning("%s has no RNG state for rank %d: keeping this rank's seeded RNG", ckpt, self.rank)
+        for name, obj in self.rank_components.items():
+            if mine.get(name):
+                obj.load_state_dict(mine[name])
         if self.root.resolve() == ckpt.parent.resolve():
             self.last_saved_step = step_of(ckpt)
         if saved_config is not None:
@@ -294,22 +314,10 @@ class CheckpointManager:
                 log.warning("resuming from %s with a config that differs from the one that saved it (the new values "
                             "apply; optimizer moments, step counts and data position come from the checkpoint):\n  %s",
                             ckpt, "\n  ".join(diff))
-        log.info("resumed from %s: step %s (saved by %s ranks, now %d)", ckpt, step_of(ckpt),
-                 self._saved_world_size(loadable, md), self.world_size)
-
-    def _load_rank_state(self, state: dict, ckpt: Path) -> None:
-        saved_ws = None
-        if not state.get("rng"):
-            log.warning("%s has no RNG state for rank %d: keeping this rank's seeded RNG", ckpt, self.rank)
-        for name, obj in self.rank_components.items():
-            if state.get(name):
-                obj.load_state_dict(state[name])
-        return saved_ws
-
-    @staticmethod
-    def _saved_world_size(loadable: dict, md) -> Any:
-        data = loadable.get("data") or {}
-        return data.get("world_size", "?")
+        saved_world = loadable.get("checkpoint", {}).get("world_size") or loadable.get("data", {}).get("world_size")
+        step = step_of(ckpt) if step_of(ckpt) is not None else loadable.get("progress", {}).get("step", "?")
+        log.info("resumed from %s: step %s (saved by %s ranks, now %d)", ckpt, step, saved_world or "?",
+                 self.world_size)
 
     @staticmethod
     def _saved_config(ckpt: Path) -> Optional[dict]:

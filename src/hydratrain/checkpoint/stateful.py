@@ -5,6 +5,10 @@
   DDP/FSDP/AC/compile prefixes; DTensor shards under FSDP), so a checkpoint loads into any strategy and world size.
   On load the optimizer keeps the saved moments and step counts but takes its hyper-parameters (lr, betas, eps,
   weight decay) from this run's config: resuming with a new ``optim.lr`` means the new lr (fine-tuning intent).
+  Quantised moments (``optim=adamw8bit``: torchao's ``OptimState8bit``, which DCP cannot write) are saved
+  dequantised to float32 and quantised again on load, so a checkpoint of either optimizer loads into the other, on
+  any strategy and world size, and an 8-bit run resumes exactly (re-quantising dequantised codes gives the same
+  codes).
 - :class:`SchedulerState`: keeps the saved step count; the schedule and peak lr come from this run's config.
 - :class:`RNGState`: this process's torch (CPU and CUDA), numpy and python RNG states.
 """
@@ -18,6 +22,15 @@ import torch
 from torch import nn
 
 HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+
+
+def set_group_value(group: dict, key: str, value) -> None:
+    """``group[key] = value``, keeping the entry's kind: a tensor entry (torchao's optimizers keep ``lr`` as a 0-d
+    tensor and refuse a float) is filled in place, a number stays a number."""
+    if isinstance(group.get(key), torch.Tensor):
+        group[key].fill_(float(value))
+    else:
+        group[key] = float(value) if isinstance(value, torch.Tensor) else value
 
 
 class ModelState:
@@ -41,19 +54,76 @@ class OptimizerState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
-        self.configured = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+        self.configured = [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k]
+                            for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        if "state" in state:  # new dicts: the per-parameter ones are the optimizer's own
+            state["state"] = {name: {k: _dequantised(v) if _quantised(v) else v for k, v in values.items()}
+                              for name, values in state["state"].items()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        # the optimizer's quantised buffers, filled again from the loaded float32 values below
+        buffers = {id(p): {k: v for k, v in values.items() if _quantised(v)}
+                   for p, values in self.optimizer.state.items()}
         set_optimizer_state_dict(self.model, self.optimizer, state)
+        for p, values in self.optimizer.state.items():
+            for key, buffer in buffers.get(id(p), {}).items():
+                buffer.copy_(values[key])  # quantises
+                values[key] = buffer
         for group, configured in zip(self.optimizer.param_groups, self.configured):
-            group.update(configured)
+            # this optimizer's own values, and kinds (a checkpoint of torch's AdamW holds a float lr, torchao's a
+            # tensor, and each optimizer refuses the other kind)
+            group.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in configured.items()})
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _quantised(value: Any) -> bool:
+    """A tensor (or a DTensor of one) whose values are stored quantised: a tensor subclass with ``dequantize()``
+    (torchao's ``OptimState8bit``/``OptimState4bit``/``OptimStateFp8``)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    local = _local(value)
+    return type(local) is not torch.Tensor and callable(getattr(local, "dequantize", None))
+
+
+def _dequantised(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as float32 values of the same (global) shape and placement.
+
+    Block-wise quantisation (torchao's ``OptimState8bit``: per block, ``scale`` = the block's largest magnitude,
+    codes = the nearest entries of a 256-value map of [-1, 1]) is undone as ``map[code] * scale``. The signed map
+    ends at -0.993 and 1.0, so in a block whose largest magnitude was negative no value comes back as large as the
+    scale, and quantising again would find a smaller scale and move codes (measured: 3 of 16384). There the most
+    negative value is written as ``-scale``, its value before quantisation; quantising the result again then gives
+    the same scale and codes, so a resume is exact.
+    """
+    local = _local(value)
+    plain = local.dequantize(torch.float32)
+    scale, codes = getattr(local, "scale", None), getattr(local, "codes", None)
+    if isinstance(scale, torch.Tensor) and isinstance(codes, torch.Tensor) and scale.numel() \
+            and codes.numel() % scale.numel() == 0:
+        blocks = plain.reshape(scale.numel(), -1)
+        scale = scale.reshape(-1, 1).float()
+        largest = blocks.abs().amax(dim=1, keepdim=True)
+        short = (largest < scale) & (largest > 0)  # the largest value was negative and came back smaller
+        low = blocks.argmin(dim=1, keepdim=True)
+        blocks.scatter_(1, low, torch.where(short, -scale, blocks.gather(1, low)))
+        plain = blocks.reshape(plain.shape)
+    if hasattr(value, "to_local"):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(plain, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    return plain
 
 
 class SchedulerState:
@@ -72,8 +142,8 @@ class SchedulerState:
         s._step_count = int(state.get("_step_count", s.last_epoch + 1))
         lrs = [base * factor(s.last_epoch) for base, factor in zip(s.base_lrs, s.lr_lambdas)]
         for group, lr in zip(s.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        s._last_lr = lrs
+            set_group_value(group, "lr", lr)
+        s._last_lr = [float(lr) for lr in lrs]
 
 
 class RNGState:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -36,6 +36,7 @@ class StrategyName(Option):
     single = "single"
     ddp = "ddp"
     fsdp = "fsdp"
+    hsdp = "hsdp"
 
 
 class PrecisionName(Option):
@@ -77,10 +78,17 @@ class LauncherName(Option):
     torchrun = "torchrun"
     slurm = "slurm"
     submitit_local = "submitit_local"
+    ray = "ray"
 
 
 class OptimName(Option):
     adamw = "adamw"
+    adamw8bit = "adamw8bit"
+
+
+class PathsName(Option):
+    default = "default"
+    workspace = "workspace"
 
 
 class SchedulerName(Option):
@@ -130,7 +138,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     # meta: build without storage, shard, then materialise and initialise (no rank ever holds the whole model);
-    # cpu/cuda: build with storage on that device kind; auto: meta under strategy=fsdp, else the run's device.
+    # cpu/cuda: build with storage on that device kind; auto: meta under strategy=fsdp or hsdp, else the run's device.
     # Every choice gives the same weights (each parameter is drawn from its own generator seeded by trainer.seed).
     init_device: InitDevice = InitDevice.auto
     init_from: Optional[str] = None  # a .safetensors file of full weights to start from (fine-tuning)
@@ -248,6 +256,16 @@ class FSDPStrategy(StrategyConfig):
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in CPU memory
 
 
+@dataclass
+class HSDPStrategy(FSDPStrategy):
+    """FSDP2 ``fully_shard`` over a 2-D device mesh (replicate x shard): parameters sharded within groups of
+    ``shard_size`` ranks (reduce-scatter inside a group) and replicated across the groups (all-reduce between them)."""
+
+    option: ClassVar[StrategyName] = StrategyName.hsdp
+    name: StrategyName = StrategyName.hsdp
+    shard_size: Optional[int] = None  # ranks per shard group; must divide the world size; null = ranks per node
+
+
 # -------------------------------------------------------------------------------------------------- precision
 @dataclass
 class PrecisionConfig:
@@ -292,7 +310,7 @@ class FP16Precision(PrecisionConfig):
 @dataclass
 class WrapPolicyConfig:
     """Which submodules FSDP shards as their own unit before the root (see ``hydratrain.parallel.wrap_policy``).
-    Only ``strategy=fsdp`` shards; other strategies allow ``auto`` (the default) and ``none`` only."""
+    Only ``strategy=fsdp`` and ``hsdp`` shard; other strategies allow ``auto`` (the default) and ``none`` only."""
 
     option: ClassVar[Optional[WrapPolicyName]] = None
     name: WrapPolicyName = MISSING
@@ -370,6 +388,20 @@ class SubmititLocalLauncher(SubmititLauncher):
     tasks_per_node: int = 2
 
 
+@dataclass
+class RayLauncher(LauncherConfig):
+    """hydratrain's Ray launcher plugin (extra ``[ray]``): every job is one Ray Train ``TorchTrainer`` run."""
+
+    option: ClassVar[LauncherName] = LauncherName.ray
+    name: LauncherName = LauncherName.ray
+    num_workers: int = 2  # workers (ranks) per job, anywhere in the cluster
+    resources_per_worker: Dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})  # Ray resources per rank
+    use_gpu: bool = False  # one GPU per worker (unless resources_per_worker says otherwise); nccl instead of gloo
+    backend: Optional[str] = None  # backend of the process group Ray Train makes; null = nccl with use_gpu, else gloo
+    address: Optional[str] = None  # an existing cluster (HOST:6379, ray://HOST:10001, auto); null = a local one
+    max_failures: int = 0  # restarts of a job's workers after a failure, each resuming from the latest checkpoint
+
+
 # ------------------------------------------------------------------------------------------- optim, schedule
 @dataclass
 class AdamWConfig:
@@ -382,6 +414,16 @@ class AdamWConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+
+
+@dataclass
+class AdamW8bitConfig(AdamWConfig):
+    """torchao's ``AdamW8bit``: both moments kept as 8-bit codes with one fp32 scale per ``block_size`` values
+    (about 1/4 of fp32 AdamW's state); tensors under 4096 values, or not a multiple of block_size, stay fp32."""
+
+    option: ClassVar[OptimName] = OptimName.adamw8bit
+    name: OptimName = OptimName.adamw8bit
+    block_size: int = 256  # values per quantisation block (one fp32 scale each)
 
 
 @dataclass
@@ -402,6 +444,36 @@ class WarmupCosineSchedule(SchedulerConfig):
     option: ClassVar[SchedulerName] = SchedulerName.warmup_cosine
     name: SchedulerName = SchedulerName.warmup_cosine
     min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * optim.lr
+
+
+# ------------------------------------------------------------------------------------------------------ paths
+@dataclass
+class PathsConfig:
+    """Where data, run dirs, caches and model files live (see ``hydratrain.paths``). Relative values resolve
+    against the launch dir; each preset reads an environment variable first (``${oc.env:VAR,default}``)."""
+
+    option: ClassVar[Optional[PathsName]] = None
+    name: PathsName = MISSING
+    data_dir: str = "."  # relative data paths (data.paths, data.train_path, data.tokenizer, ...) resolve here
+    output_dir: str = "."  # run dirs: <output_dir>/outputs/<stamp> (single runs), <output_dir>/multirun/<stamp>
+    cache_dir: str = "~/.cache/hydratrain"  # corpus and token caches, the CPU peak FLOP/s (data.cache_dir wins)
+    model_dir: str = "."  # relative model.init_from files are read, and exported weights written, here
+
+
+@dataclass
+class DefaultPaths(PathsConfig):
+    option: ClassVar[PathsName] = PathsName.default
+    name: PathsName = PathsName.default
+
+
+@dataclass
+class WorkspacePaths(PathsConfig):
+    """One mounted directory holds everything: <root>/data, <root>/outputs and <root>/multirun, <root>/cache,
+    <root>/models (a container or a Ray/Kubernetes pod with a shared volume)."""
+
+    option: ClassVar[PathsName] = PathsName.workspace
+    name: PathsName = PathsName.workspace
+    root: str = "/workspace"
 
 
 # ------------------------------------------------------------------------------------------ trainer and rest
@@ -454,6 +526,18 @@ class DistributedConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The memory planner (``hydratrain.plan``): the per-rank peak predicted at the start of every run and by
+    ``python -m hydratrain.plan``, against a budget."""
+
+    enabled: bool = True  # log the prediction at the start of every run (and warn when it exceeds the budget)
+    memory_gb: Optional[float] = None  # per-rank budget, GiB; null = the device's (CUDA: total memory; CPU: the
+    #                                    available RAM shared by the node's ranks)
+    world_size: Optional[int] = None  # python -m hydratrain.plan: ranks to plan for; null = WORLD_SIZE or 1
+    ranks_per_node: Optional[int] = None  # python -m hydratrain.plan on CPU: ranks sharing this node's RAM; null = all
+
+
+@dataclass
 class TrainConfig:
     """The whole run config: one field per config group, plus a few top-level switches."""
 
@@ -465,10 +549,12 @@ class TrainConfig:
     launcher: Any = MISSING
     optim: Any = MISSING
     scheduler: Any = MISSING
+    paths: Any = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     device: Device = Device.auto  # auto (cuda if available) | cpu | cuda
 
@@ -477,13 +563,14 @@ class TrainConfig:
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {o.value: c for c in (PythonStdlibData, TextFilesData, SyntheticData, TokenBinData, TokenizedTextData,
                                   PythonStdlibBPEData) for o in [c.option]},
-    "strategy": {o.value: c for c in (SingleStrategy, DDPStrategy, FSDPStrategy) for o in [c.option]},
+    "strategy": {o.value: c for c in (SingleStrategy, DDPStrategy, FSDPStrategy, HSDPStrategy) for o in [c.option]},
     "precision": {o.value: c for c in (AutoPrecision, FP32Precision, BF16Precision, FP16Precision) for o in [c.option]},
     "wrap_policy": {"auto": NamedWrapPolicy, "none": NamedWrapPolicy, "transformer_block": NamedWrapPolicy,
                     "size_based": SizeBasedWrapPolicy},
-    "launcher": {o.value: c for c in (LocalLauncher, TorchrunLauncher, SlurmLauncher, SubmititLocalLauncher)
-                 for o in [c.option]},
-    "optim": {"adamw": AdamWConfig},
+    "launcher": {o.value: c for c in (LocalLauncher, TorchrunLauncher, SlurmLauncher, SubmititLocalLauncher,
+                                      RayLauncher) for o in [c.option]},
+    "optim": {o.value: c for c in (AdamWConfig, AdamW8bitConfig) for o in [c.option]},
+    "paths": {o.value: c for c in (DefaultPaths, WorkspacePaths) for o in [c.option]},
     "scheduler": {o.value: c for c in (ConstantSchedule, WarmupCosineSchedule) for o in [c.option]},
 }
 

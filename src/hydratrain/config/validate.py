@@ -17,7 +17,7 @@ from hydratrain.config.schema import DType, StrategyName, WrapPolicyName
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
-GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler")
+GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths")
 
 
 def _get(cfg: DictConfig, key: str) -> Any:
@@ -53,6 +53,7 @@ def validate(cfg: DictConfig) -> None:
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",
                 "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb",
+                "optim.block_size",
                 "wrap_policy.min_num_params"):
         if OmegaConf.select(cfg, key, default="<absent>") != "<absent>":
             positive(key)
@@ -60,7 +61,7 @@ def validate(cfg: DictConfig) -> None:
                 "trainer.eval_samples", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
         positive(key, allow_zero=True)
     for key in ("trainer.max_steps", "trainer.max_epochs", "model.vocab_size", "model.n_kv_head", "model.d_ff",
-                "logger.peak_flops"):
+                "logger.peak_flops", "plan.memory_gb", "plan.world_size", "plan.ranks_per_node"):
         positive(key, allow_none=True)
 
     m = cfg.model
@@ -92,9 +93,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.max_steps", None, "set trainer.max_steps and/or trainer.max_epochs")
 
     strategy = cfg.strategy.name
-    if cfg.wrap_policy.name not in (WrapPolicyName.auto, WrapPolicyName.none) and strategy != StrategyName.fsdp:
-        raise ConfigError("wrap_policy", cfg.wrap_policy.name, f"only strategy=fsdp shards modules by a wrap policy "
-                          f"(this run: strategy={strategy}); allowed here: auto, none")
+    sharded = (StrategyName.fsdp, StrategyName.hsdp)
+    if cfg.wrap_policy.name not in (WrapPolicyName.auto, WrapPolicyName.none) and strategy not in sharded:
+        raise ConfigError("wrap_policy", cfg.wrap_policy.name, f"only strategy=fsdp or hsdp shards modules by a wrap "
+                          f"policy (this run: strategy={strategy}); allowed here: auto, none")
+    shard_size = _get(cfg, "strategy.shard_size")
+    if shard_size is not None and shard_size < 1:
+        raise ConfigError("strategy.shard_size", shard_size, "must be >= 1 (ranks per shard group), or null for "
+                          "the ranks per node")
     if strategy == StrategyName.single and cfg.precision.reduce_dtype != DType.float32:
         raise ConfigError("precision.reduce_dtype", cfg.precision.reduce_dtype, "strategy=single reduces no "
                           "gradients across ranks; allowed: float32")
@@ -111,9 +117,13 @@ def validate(cfg: DictConfig) -> None:
                           "CHECKPOINT_DIR OUT.safetensors makes one)")
     validate_launcher(cfg.launcher)
     launched = launched_processes(cfg.launcher)
+    if shard_size is not None and launched > 1 and launched % shard_size:
+        raise ConfigError("strategy.shard_size", shard_size, f"must divide the {launched} ranks launcher="
+                          f"{cfg.launcher.name} starts; allowed: "
+                          f"{', '.join(str(d) for d in range(1, launched + 1) if launched % d == 0)}")
     if strategy == StrategyName.single and launched > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
-                          f"{launched}; allowed: ddp, fsdp")
+                          f"{launched}; allowed: ddp, fsdp, hsdp")
 
 
 def launched_processes(launcher: DictConfig) -> int:
@@ -122,6 +132,8 @@ def launched_processes(launcher: DictConfig) -> int:
         return launcher.nproc_per_node * launcher.nnodes
     if "tasks_per_node" in launcher:
         return launcher.tasks_per_node * launcher.nodes
+    if "num_workers" in launcher:
+        return launcher.num_workers
     return 1
 
 
@@ -130,12 +142,18 @@ def validate_launcher(launcher: DictConfig) -> None:
 
     Raises :class:`ConfigError` naming the key, e.g. a GPUs-per-node / tasks-per-node mismatch for SLURM.
     """
-    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout"):
+    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout",
+                "num_workers"):
         if key in launcher and (launcher[key] is None or launcher[key] <= 0):
             raise ConfigError(f"launcher.{key}", launcher[key], "must be > 0")
     for key in ("max_restarts", "gpus_per_node"):
         if key in launcher and (launcher[key] is None or launcher[key] < 0):
             raise ConfigError(f"launcher.{key}", launcher[key], "must be >= 0")
+    if "max_failures" in launcher and (launcher.max_failures is None or launcher.max_failures < -1):
+        raise ConfigError("launcher.max_failures", launcher.max_failures, "must be >= 0, or -1 for unlimited")
+    for name, amount in (launcher.get("resources_per_worker") or {}).items():
+        if amount is None or amount < 0:
+            raise ConfigError(f"launcher.resources_per_worker.{name}", amount, "must be >= 0")
     if "node_rank" in launcher and not 0 <= launcher.node_rank < launcher.nnodes:
         raise ConfigError("launcher.node_rank", launcher.node_rank,
                           f"must be in [0, launcher.nnodes={launcher.nnodes})")
@@ -152,11 +170,27 @@ def validate_launcher(launcher: DictConfig) -> None:
                           f"must equal launcher.gpus_per_node={launcher.gpus_per_node} (one task per GPU)")
 
 
-def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path) -> None:
+def _check_lowbit(on_cpu: bool) -> None:
+    """optim=adamw8bit needs torchao, and on CPU a C++ compiler for the update torchao compiles."""
+    import shutil
+
+    from hydratrain.optim import LOWBIT_INSTALL, lowbit_available
+
+    if not lowbit_available():
+        raise ConfigError("optim.name", "adamw8bit", f"needs torchao, which is not installed ({LOWBIT_INSTALL}); "
+                          "allowed here: adamw")
+    if on_cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise ConfigError("optim.name", "adamw8bit", "torchao compiles its update with torch.compile, which on CPU "
+                          "needs a C++ compiler (g++) on PATH; allowed here: adamw (or run on a GPU)")
+
+
+def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
+                      local_world_size: Optional[int] = None) -> None:
     """Checks that depend on this machine and launch: the device, the backend, the world size, input paths.
 
-    ``world_size`` comes from the launch environment (``hydratrain.dist.env``); relative paths resolve against
-    ``launch_dir`` (see :func:`hydratrain.dist.run_dir.resolve_path`). Raises :class:`ConfigError`.
+    ``world_size`` and ``local_world_size`` (ranks on this node; default: all of them) come from the launch
+    environment (``hydratrain.dist.env``); relative paths resolve against ``launch_dir`` (see
+    :func:`hydratrain.dist.run_dir.resolve_path`). Raises :class:`ConfigError`.
     """
     import torch
     import torch.distributed as dist
@@ -177,15 +211,25 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path) -> Non
                               "CPU; allowed: gloo (or null)")
     if cfg.strategy.name == StrategyName.single and world_size > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but WORLD_SIZE={world_size}; "
-                          "allowed under torchrun: ddp, fsdp")
+                          "allowed under torchrun: ddp, fsdp, hsdp")
+    if cfg.optim.name == "adamw8bit":
+        _check_lowbit(cfg.device == "cpu" or (cfg.device == "auto" and not cuda))
+    if cfg.strategy.name == StrategyName.hsdp:
+        from hydratrain.parallel.strategy import HSDP
+
+        HSDP.mesh_shape(cfg.strategy.shard_size, world_size, local_world_size or world_size)
+    from hydratrain.paths import Paths
+
+    paths = Paths.resolve(cfg, launch_dir)
     if cfg.data.name == "text_files":
         from hydratrain.data import expand_paths
 
         try:
-            expand_paths(list(cfg.data.paths), launch_dir)
+            expand_paths(list(cfg.data.paths), paths.data)
         except FileNotFoundError as err:
             raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
-    for key in ("model.init_from", "checkpoint.resume_from"):
+    for key, base, what in (("model.init_from", paths.model, "paths.model_dir"),
+                            ("checkpoint.resume_from", launch_dir, "the launch dir")):
         value = _get(cfg, key)
-        if value and not resolve_path(value, launch_dir).exists():
-            raise ConfigError(key, value, f"no such path (relative paths resolve against the launch dir {launch_dir})")
+        if value and not resolve_path(value, base).exists():
+            raise ConfigError(key, value, f"no such path (relative paths resolve against {what} {base})")

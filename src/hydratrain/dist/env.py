@@ -2,7 +2,8 @@
 
 torchrun (and hydratrain's torchrun launcher) set ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT``; inside a submitit task (SLURM, or submitit's local executor) they are derived
-from ``SLURM_*`` / ``SUBMITIT_LOCAL_*`` first (:func:`export_cluster_env`). Without any of them the process is rank
+from ``SLURM_*`` / ``SUBMITIT_LOCAL_*`` first (:func:`export_cluster_env`). Ray Train sets the torchrun names itself
+in its workers (and ``NODE_RANK``), so ``launcher=ray`` needs nothing here. Without any of them the process is rank
 0 of 1. Also: :class:`RankZeroConsoleFilter`, which keeps the console to rank 0 (each rank's log file keeps all).
 
 Importing this module does not import torch.

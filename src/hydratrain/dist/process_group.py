@@ -7,6 +7,11 @@ Commands this module serves::
     torchrun --nnodes 2 --node_rank R --rdzv_backend c10d --rdzv_endpoint HOST:PORT --nproc_per_node 8 train.py
     python train.py -m launcher=torchrun launcher.nproc_per_node=2   # the hydratrain launcher plugin starts ranks
     python train.py launcher=submitit_local                          # submitit tasks: ranks from submitit's env
+    python train.py launcher=ray launcher.num_workers=2              # Ray Train workers: Ray made the group
+
+A default group that already exists when a job starts (Ray Train creates one in every worker before the job runs)
+is used, not replaced: hydratrain checks that its backend serves this run and that it spans the launch's world size,
+watches it, and leaves its destruction to whoever made it.
 
 Fail fast: when a rank raises, it records its error in the job's store and leaves without the teardown barrier; a
 watch thread on every rank (:class:`FailureWatch`) sees that record, or a peer whose heartbeat stopped (killed,
@@ -56,8 +61,13 @@ def base_store():
     if _BASE_STORE is None:
         from torch.distributed import TCPStore
 
+        import torch.distributed as dist
+
         info = dist_info()
-        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        # a torch elastic agent (torchrun's c10d rendezvous) or an existing default group (Ray Train's env://
+        # rendezvous, hosted by rank 0's group) already serves a store at MASTER_ADDR:MASTER_PORT
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or (
+            dist.is_available() and dist.is_initialized())
         if info.rank == 0 and not agent_hosts:
             _BASE_STORE = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
                                    is_master=True, timeout=timedelta(minutes=5), wait_for_workers=False,
@@ -207,6 +217,25 @@ class FailureWatch:
         os._exit(EXIT_PEER_FAILED)
 
 
+def adopt_group(info: DistInfo, wanted: str) -> str:
+    """Check that the existing default process group can serve this run: it spans ``info.world_size`` ranks and
+    its backend covers ``wanted`` (:func:`backend_for`'s choice). Returns its backend name. Raises
+    :class:`~hydratrain.errors.ConfigError` naming ``launcher.backend`` (the launcher chose the backend), or
+    RuntimeError when the sizes disagree."""
+    import torch.distributed as dist
+
+    from hydratrain.errors import ConfigError
+
+    if dist.get_world_size() != info.world_size or dist.get_rank() != info.rank:
+        raise RuntimeError(f"the launcher's process group has rank {dist.get_rank()} of {dist.get_world_size()}, "
+                           f"but the environment says rank {info.rank} of {info.world_size}")
+    name = str(dist.get_backend())
+    if not all(part.split(":")[-1] in name for part in wanted.split(",")):
+        raise ConfigError("launcher.backend", name, f"the launcher's process group cannot serve this run, which "
+                          f"needs {wanted} (strategy.backend / strategy.cpu_offload); allowed: {wanted}")
+    return name
+
+
 def _exit_after(seconds: float, status: int) -> threading.Timer:
     """A daemon timer that ends the process with ``status`` after ``seconds`` (bounds a teardown that could hang)."""
     timer = threading.Timer(seconds, lambda: os._exit(status))
@@ -237,7 +266,14 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
         # Ranks on one node share its cores; oversubscribing them makes every rank slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
     watch = None
-    if info.world_size > 1 or needs_group:
+    adopted = dist.is_available() and dist.is_initialized()  # made by the launcher (Ray Train)
+    if adopted:
+        name = adopt_group(info, backend_for(device, backend, cpu_offload))
+        if info.world_size > 1:
+            watch = FailureWatch(_next_job_prefix(), info.rank, info.world_size, failure_timeout_s).start()
+        log.info("process group: the launcher's (backend=%s world_size=%d rank=%d local_rank=%d device=%s)", name,
+                 info.world_size, info.rank, info.local_rank, device)
+    elif info.world_size > 1 or needs_group:
         from torch.distributed import PrefixStore
 
         name = backend_for(device, backend, cpu_offload)
@@ -272,8 +308,9 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
         if dist.is_available() and dist.is_initialized():
             if failed_with is None:
                 dist.barrier()  # no rank tears down while a peer is still in a collective
-                dist.destroy_process_group()
-            else:  # no barrier: the peers may sit in another collective; bound a teardown that could hang
+                if not adopted:
+                    dist.destroy_process_group()
+            elif not adopted:  # no barrier: the peers may sit in another collective; bound a teardown that could hang
                 timer = _exit_after(failure_timeout_s, failed_with)
                 dist.destroy_process_group()
                 timer.cancel()

@@ -61,11 +61,14 @@ def output_subdir() -> Optional[str]:
 
 
 def register_resolvers() -> None:
-    """Register ``${hydratrain.stamp:}``, ``${hydratrain.output_subdir:}`` and ``${hydratrain.rank:}`` (idempotent)."""
+    """Register ``${hydratrain.stamp:}``, ``${hydratrain.output_subdir:}``, ``${hydratrain.rank:}`` and
+    ``${hydratrain.path:BASE,REST}`` (:func:`hydratrain.paths.join`) (idempotent)."""
     from omegaconf import OmegaConf
 
+    from hydratrain.paths import join
+
     for name, fn in (("hydratrain.stamp", run_stamp), ("hydratrain.output_subdir", output_subdir),
-                     ("hydratrain.rank", env_rank)):
+                     ("hydratrain.rank", env_rank), ("hydratrain.path", join)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=False)
 

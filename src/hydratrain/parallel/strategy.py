@@ -1,9 +1,10 @@
 """The distribution strategy, built once from the config; every strategy decision lives here.
 
-``build_strategy(cfg)`` gives a :class:`Single`, :class:`DDP` or :class:`FSDP`. Nothing else reads
+``build_strategy(cfg)`` gives a :class:`Single`, :class:`DDP`, :class:`FSDP` or :class:`HSDP`. Nothing else reads
 ``strategy.name`` or looks at wrapper or tensor types: the loop asks the strategy (needs a process group? build on
 meta? gradient sync on or off for this micro-batch? global grad norm and clipping? the autocast to use? the plain
-module under the wrapper? how many bytes of parameters does this rank hold?).
+module under the wrapper? how many bytes of parameters does this rank hold, or would it hold for a model of N bytes
+on W ranks?).
 
 Model set-up order (as torchtitan's parallelize functions): build (on meta or on the device) -> activation
 checkpointing -> compile -> wrap (DDP, or FSDP2 ``fully_shard`` per wrap policy then the root) -> materialise (meta
@@ -106,6 +107,16 @@ class Strategy:
         """Bytes of parameter storage this rank holds (its shards under FSDP)."""
         return sum(p.numel() * p.element_size() for p in model.parameters())
 
+    def shard_degree(self, world_size: int, local_world_size: int) -> int:
+        """Ranks that one parameter is split across (1: every rank holds it whole). For planning without a model."""
+        return 1
+
+    def param_bytes_per_rank(self, total_bytes: int, world_size: int, local_world_size: int) -> int:
+        """Bytes of parameters (or of anything sharded like them: gradients, optimizer state) one rank holds when
+        the whole model has ``total_bytes``, on ``world_size`` ranks with ``local_world_size`` per node. An upper
+        bound: FSDP pads each parameter's dim 0 to a multiple of the shard degree."""
+        return -(-total_bytes // self.shard_degree(world_size, local_world_size))
+
 
 class Single(Strategy):
     """One process, no process group."""
@@ -170,13 +181,18 @@ class FSDP(Strategy):
     needs_process_group = True
     shards_parameters = True
 
-    def _wrap(self, raw, precision, device, seed):
+    def _mesh(self, device: torch.device):
+        """The 1-D mesh of all ranks (every parameter sharded across all of them)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device.type, (dist.get_world_size(),))
+
+    def _wrap(self, raw, precision, device, seed):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         scfg = self.cfg.strategy
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mesh = self._mesh(device)
         kwargs = dict(mesh=mesh, reshard_after_forward=scfg.reshard_after_forward,
                       mp_policy=precision.mixed_precision_policy())
         if scfg.cpu_offload:
@@ -192,8 +208,12 @@ class FSDP(Strategy):
         param_init.retie(ties)
         param_init.move_buffers(raw, device)
         self._init_shards(raw, seed)
-        return raw, (f"fsdp: sharded {len(units) + 1} modules ({len(units)} by wrap_policy={self.cfg.wrap_policy.name} "
-                     f"+ root), reshard_after_forward={scfg.reshard_after_forward}, cpu_offload={scfg.cpu_offload}")
+        return raw, (f"{self.name}: sharded {len(units) + 1} modules ({len(units)} by wrap_policy="
+                     f"{self.cfg.wrap_policy.name} + root){self._mesh_note(mesh)}, reshard_after_forward="
+                     f"{scfg.reshard_after_forward}, cpu_offload={scfg.cpu_offload}")
+
+    def _mesh_note(self, mesh) -> str:
+        return ""
 
     @staticmethod
     @torch.no_grad()
@@ -224,8 +244,54 @@ class FSDP(Strategy):
     def local_param_bytes(self, model):
         return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
 
+    def shard_degree(self, world_size, local_world_size):
+        return world_size
 
-STRATEGIES = {"single": Single, "ddp": DDP, "fsdp": FSDP}
+
+class HSDP(FSDP):
+    """Hybrid sharding: FSDP2 ``fully_shard`` over a 2-D ``(replicate, shard)`` device mesh of
+    ``(world_size / shard_size, shard_size)`` ranks. Each parameter is sharded within a shard group of
+    ``strategy.shard_size`` consecutive ranks (default: the ranks of one node, ``LOCAL_WORLD_SIZE``) and replicated
+    across the groups: gradients are reduce-scattered inside a group, then all-reduced between the replicas
+    (FSDP2's HSDP, placements ``(Replicate(), Shard(0))``). Everything else (wrap policy, meta build, per-parameter
+    seeded init, ties, buffers, mixed precision, CPU offload) is :class:`FSDP`'s, so it starts from the same weights.
+    """
+
+    name = "hsdp"
+
+    @staticmethod
+    def mesh_shape(shard_size: Optional[int], world_size: int, local_world_size: int) -> tuple[int, int]:
+        """``(replicas, shard_size)`` for ``strategy.shard_size`` (null: ``local_world_size``) on ``world_size``
+        ranks. Raises :class:`~hydratrain.errors.ConfigError` naming ``strategy.shard_size`` when it does not divide
+        the world size."""
+        from hydratrain.errors import ConfigError
+
+        size = local_world_size if shard_size is None else int(shard_size)
+        if size < 1 or world_size % size:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            where = "" if shard_size is not None else f" (null: LOCAL_WORLD_SIZE={local_world_size})"
+            raise ConfigError("strategy.shard_size", shard_size, f"must divide the world size {world_size}{where}; "
+                              f"allowed: {', '.join(map(str, divisors))}")
+        return world_size // size, size
+
+    def _mesh(self, device):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from hydratrain.dist.env import dist_info
+
+        shape = self.mesh_shape(self.cfg.strategy.shard_size, dist.get_world_size(), dist_info().local_world_size)
+        return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+    def _mesh_note(self, mesh) -> str:
+        replicas, shard = mesh.shape
+        return f" on a {replicas} x {shard} mesh ({replicas} replica(s) of {shard}-way shards)"
+
+    def shard_degree(self, world_size, local_world_size):
+        return self.mesh_shape(self.cfg.strategy.shard_size, world_size, local_world_size)[1]
+
+
+STRATEGIES = {"single": Single, "ddp": DDP, "fsdp": FSDP, "hsdp": HSDP}
 
 
 def build_strategy(cfg) -> Strategy:

@@ -8,6 +8,8 @@ Each logged scalar means exactly this (README, "Logged metrics"):
 - ``train/grad_norm``: that step's global L2 gradient norm before clipping (all ranks and shards).
 - ``perf/tokens_per_sec``: tokens of all ranks over the wall time of the window's steps, eval and checkpoint time
   excluded (:meth:`StepLogger.paused`); ``perf/mfu``: the same as a fraction of the peak (``hydratrain.metrics``).
+- ``perf/data_wait``: the share of that time rank 0 spent waiting for its next micro-batch (the loader works one
+  batch ahead, so this stays near 0).
 - ``mem/peak``: this rank's peak memory so far in bytes (``hydratrain.metrics.peak_memory_bytes``).
 - ``train/loss_scale``, ``train/skipped_steps`` (fp16; skipped steps also count non-finite steps skipped with
   ``trainer.on_nonfinite=skip``).
@@ -53,7 +55,8 @@ class StepLogger:
         self.window_loss = torch.zeros((), device=device)
         self.window_steps = 0
         self._timed_s, self._tokens, self._t0, self._paused = 0.0, 0, time.perf_counter(), False
-        self.rates: list[tuple[float, float]] = []  # (tokens/s, mfu) of each window this launch
+        self._data_s = 0.0  # time spent waiting for micro-batches in the current window
+        self.rates: list[tuple[float, float, float]] = []  # (tokens/s, mfu, data wait share) of each timed window
         self.last_loss = math.nan
         self._bar, self._redirect = None, contextlib.ExitStack()
         if is_main and progress_bar:
@@ -102,7 +105,11 @@ class StepLogger:
 
     def drop_timing(self) -> None:
         """Forget the time and tokens counted so far (the first step of a launch: allocation, compile)."""
-        self._timed_s, self._tokens, self._t0 = 0.0, 0, time.perf_counter()
+        self._timed_s, self._tokens, self._t0, self._data_s = 0.0, 0, time.perf_counter(), 0.0
+
+    def data_waited(self, seconds: float) -> None:
+        """Add time spent waiting for a micro-batch (host wall time, no device sync)."""
+        self._data_s += seconds
 
     # ---------------------------------------------------------------------------------------------- steps
     def step_done(self, step: int, loss: torch.Tensor) -> None:
@@ -130,8 +137,9 @@ class StepLogger:
             seconds = self._timed_s + time.perf_counter() - self._t0
             tps = self._tokens / max(seconds, 1e-9)
             mfu = tps * self.flops_per_token / self.peak if self.peak > 0 else math.nan
-            self.rates.append((tps, mfu))
-            scalars.update({"perf/tokens_per_sec": tps, "perf/mfu": mfu})
+            wait = self._data_s / max(seconds, 1e-9)
+            self.rates.append((tps, mfu, wait))
+            scalars.update({"perf/tokens_per_sec": tps, "perf/mfu": mfu, "perf/data_wait": wait})
             msg += f" tokens/s {tps:,.0f}" + (f" mfu {mfu:.2%}" if math.isfinite(mfu) else "")
         for key, value in (extra or {}).items():
             scalars[key] = value
@@ -145,11 +153,11 @@ class StepLogger:
         self.drop_timing()
         return loss
 
-    def mean_rates(self) -> tuple[float, float]:
-        """(tokens/s, mfu) averaged over the timed windows of this launch (NaN if none)."""
+    def mean_rates(self) -> tuple[float, float, float]:
+        """(tokens/s, mfu, data wait share) averaged over the timed windows of this launch (NaN if none)."""
         if not self.rates:
-            return math.nan, math.nan
-        return (sum(r[0] for r in self.rates) / len(self.rates), sum(r[1] for r in self.rates) / len(self.rates))
+            return math.nan, math.nan, math.nan
+        return tuple(sum(r[i] for r in self.rates) / len(self.rates) for i in range(3))
 
     def close_bar(self) -> None:
         if self._bar is not None:

@@ -61,7 +61,9 @@ class FitResult:
     eval_perplexity: float = math.nan
     tokens_per_sec: float = math.nan  # mean over the timed windows, excluding the first step, eval and saves
     mfu: float = math.nan
+    data_wait_fraction: float = math.nan  # share of the timed step time rank 0 spent waiting for its next batch
     peak_memory_bytes: int = 0  # max over ranks
+    planned_peak_memory_bytes: int = 0  # the memory planner's prediction made at the start, max over ranks
     skipped_steps: int = 0
     seconds: float = 0.0
     preempted: bool = False  # stopped early by a preemption signal after saving a checkpoint (no final eval)
@@ -111,14 +113,16 @@ class Trainer:
         accum = self.tcfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
+            waited = time.perf_counter()
             x, y = next(batches)
+            self.logger.data_waited(time.perf_counter() - waited)
             with self.strategy.grad_sync(self.model, micro == accum - 1):
                 loss = self.loss_of(x, y)
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach()
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm_(self.model, self.tcfg.grad_clip, self.device)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])  # a value: a tensor lr (torchao) is filled in place later
         step = self.progress.step + 1
         if not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
@@ -200,7 +204,7 @@ class Trainer:
             self.checkpoints.save(self.progress.step)
         result.eval_loss, result.eval_perplexity = self._eval_and_log(self.progress.step)
         result.seconds = time.perf_counter() - t_start
-        result.tokens_per_sec, result.mfu = self.logger.mean_rates()
+        result.tokens_per_sec, result.mfu, result.data_wait_fraction = self.logger.mean_rates()
         return result
 
     def _end_of_step(self, step: int) -> bool:

@@ -1,0 +1,78 @@
+"""optim=adamw8bit without processes: the state is about 1/4 of AdamW's, a checkpoint's float32 copy of the
+8-bit moments quantises back to the same codes, and a missing torchao is a one-line config error."""
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from helpers import ROOT
+from hydratrain.errors import ConfigError
+
+pytest.importorskip("torchao")
+
+
+def _stepped(name: str) -> torch.optim.Optimizer:
+    """gpt_tiny's parameters (0.9M) and one step of ``optim=name`` on random gradients."""
+    from hydratrain.models.gpt import GPT, GPTConfig
+    from hydratrain.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    cfg = OmegaConf.create({"name": name, "lr": 1e-3, "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8,
+                            "block_size": 256})
+    optimizer = build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    return optimizer
+
+
+def test_8bit_state_is_about_a_quarter_of_adamw():
+    from hydratrain.optim import state_bytes
+
+    full, low = state_bytes(_stepped("adamw")), state_bytes(_stepped("adamw8bit"))
+    n = sum(p.numel() for p in _stepped("adamw").param_groups[0]["params"]) + \
+        sum(p.numel() for p in _stepped("adamw").param_groups[1]["params"])
+    assert full >= 8 * n  # two fp32 moments per parameter (+ step counts)
+    assert 0.24 < low / full < 0.30, (low, full)  # 1 byte per value + one fp32 scale per 256 + small fp32 tensors
+
+
+def test_checkpointed_moments_quantise_back_to_the_same_codes():
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from hydratrain.checkpoint.stateful import _dequantised, _quantised
+
+    torch.manual_seed(1)
+    for signed in (True, False):
+        for magnitude in (1e-8, 1e-3, 1.0):
+            x = torch.randn(32, 256) * magnitude
+            x[5] = 0  # an all-zero block
+            x = x if signed else x.square()
+            q = OptimState8bit.zeros(x.shape, signed, 256, device="cpu")
+            q.copy_(x)
+            assert _quantised(q)
+            again = OptimState8bit.zeros(x.shape, signed, 256, device="cpu")
+            again.copy_(_dequantised(q))
+            assert torch.equal(q.codes, again.codes) and torch.equal(q.scale, again.scale), (signed, magnitude)
+
+
+def test_lowbit_without_torchao_is_a_config_error(compose, monkeypatch):
+    import hydratrain.optim
+    from hydratrain.config.validate import check_environment
+
+    cfg = compose(["optim=adamw8bit", "device=cpu"])
+    assert cfg.optim.block_size == 256
+    check_environment(cfg, 1, ROOT)
+    monkeypatch.setattr(hydratrain.optim, "lowbit_available", lambda: False)
+    with pytest.raises(ConfigError) as err:
+        check_environment(cfg, 1, ROOT)
+    assert str(err.value) == ("optim.name='adamw8bit': needs torchao, which is not installed (pip install -e "
+                              "'.[lowbit]'); allowed here: adamw")
+
+
+def test_env_report_lists_the_optimizers():
+    from hydratrain.env import report
+
+    line = next(x for x in report() if x.startswith("optimizers:"))
+    assert "adamw8bit (torchao" in line
