@@ -1,7 +1,7 @@
 """Accuracy of the memory planner: predicted vs measured per-rank peak memory, on CPU.
 
-    python bench/plan_accuracy.py                  # the configurations below, a few steps each (~10 min on 2 busy cores)
-    python bench/plan_accuracy.py --tiny           # the same shapes of run, tiny (the smoke test runs this)
+    python bench/plan_accuracy.py            # the configurations below, a few steps each (~10 min on 2 busy cores)
+    python bench/plan_accuracy.py --tiny     # the same shapes of run, tiny (the smoke test runs this)
     python bench/plan_accuracy.py --only single_fp32_ac --out /tmp/acc
 
 Allocator: glibc's malloc keeps freed memory in its heap, and on CPU the resident peak of a training step ends up
@@ -11,11 +11,11 @@ README "Memory planner"). The planner predicts the tensors. With ``--malloc mmap
 the resident set measures what the tensors need; ``--malloc default`` measures glibc as it comes.
 
 Each configuration trains for ``--steps`` optimizer steps (>= 2: from step 2 on AdamW's moments exist during forward
-and backward) on synthetic data; samples, weights, checkpoints and TensorBoard off, one eval at the end on 8 samples. ``predicted`` is the
-plan the run logs at its start (``results.json``: ``planned_peak_memory_bytes``, max over ranks), ``measured`` the
-peak resident set of each rank (``VmHWM`` since the run's start, ``peak_memory_bytes``, max over ranks). The error is
-(predicted - measured) / measured. Writes ``<out>/plan_accuracy.jsonl`` (one JSON line per configuration) and
-``<out>/plan_accuracy.md`` (the table), and prints the table.
+and backward) on synthetic data; samples, weights, checkpoints and TensorBoard off, one eval at the end on 8 samples.
+``predicted`` is the plan the run logs at its start (``results.json``: ``planned_peak_memory_bytes``, max over ranks),
+``measured`` the peak resident set of each rank (``VmHWM`` since the run's start, ``peak_memory_bytes``, max over
+ranks). The error is (predicted - measured) / measured. Writes ``<out>/plan_accuracy.jsonl`` (one JSON line per
+configuration) and ``<out>/plan_accuracy.md`` (the table), and prints the table.
 """
 from __future__ import annotations
 

@@ -384,8 +384,8 @@ def _report(cfg) -> int:
     import torch
 
     from hydratrain.parallel.precision import Precision
-    from hydratrain.paths import Paths
     from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.paths import Paths
 
     strategy = build_strategy(cfg)
     cuda = str(cfg.device) == "cuda" or (str(cfg.device) == "auto" and torch.cuda.is_available())

@@ -69,7 +69,7 @@ def test_out_of_memory_exits_6_with_the_plan_and_changes_that_fit(tmp_path):
     assert code == 0 and vm_peak > 0, out[-3000:]
     code, out, _ = _run_limited([*OOM_MODEL, "data.batch_size=64"], tmp_path / "oom", limit_bytes=vm_peak + 2**28)
     assert code == 6, out[-4000:]
-    line = next(l for l in out.splitlines() if l.startswith("hydratrain: out of memory:"))
+    line = next(ln for ln in out.splitlines() if ln.startswith("hydratrain: out of memory:"))
     assert "can't allocate memory" in line and "planned peak" in line, line
     assert "activations" in line and "budget" in line and "fits with:" in line, line
     assert "data.batch_size=" in line or "activation_checkpointing=true" in line, line
@@ -80,7 +80,7 @@ def test_every_run_starts_with_its_plan_and_records_it(tmp_path):
     r = subprocess.run(command(["strategy=single", "device=cpu", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"]),
                        cwd=str(ROOT), env=clean_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    line = next(l for l in (r.stdout + r.stderr).splitlines() if "memory plan: peak" in l)
+    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if "memory plan: peak" in ln)
     assert "GiB per rank" in line and line.rstrip().endswith("fits"), line
     res = results(tmp_path)
     assert 0 < res["planned_peak_memory_bytes"] and res["peak_memory_bytes"] > 0
@@ -91,7 +91,7 @@ def test_a_run_over_its_budget_warns_with_changes_but_trains(tmp_path):
                                 f"hydra.run.dir={tmp_path}"]),
                        cwd=str(ROOT), env=clean_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    line = next(l for l in (r.stdout + r.stderr).splitlines() if "memory plan: peak" in l)
+    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if "memory plan: peak" in ln)
     assert "EXCEEDS the budget" in line and "budget 0.05 GiB" in line, line
 
 

@@ -10,11 +10,10 @@ import weakref
 import pytest
 import torch
 
+from helpers import clean_env
 from hydratrain import memsim
 from hydratrain.models.gpt import GPT, GPTConfig
 from hydratrain.plan import GiB, Setup, param_shapes, predict, suggestions
-
-from helpers import clean_env
 
 SMALL = dict(d_model=128, n_layer=4, n_head=4, max_seq_len=128, vocab_size=512)
 

@@ -17,7 +17,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
 
 
