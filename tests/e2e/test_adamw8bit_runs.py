@@ -25,6 +25,7 @@ def test_adamw8bit_trains_like_adamw(tmp_path):
     assert 0.2 < state["adamw8bit"] / state["adamw"] < 0.35, state
 
 
+@pytest.mark.slow
 def test_adamw8bit_state_resumes_bit_identically_and_from_adamw(tmp_path):
     ckpt = ["trainer.max_steps=6", "checkpoint.every_n_steps=3", "checkpoint.keep_last=0"]
     full, resumed, cross = tmp_path / "full", tmp_path / "resumed", tmp_path / "cross"

@@ -20,6 +20,7 @@ def _losses(run_dir) -> list[float]:
     return [v for _, v in sorted(tb_scalars(run_dir).items())]
 
 
+@pytest.mark.slow
 def test_hsdp_trains_the_same_fp32_trajectory_as_ddp_and_fsdp(tmp_path):
     runs = {"hsdp": HSDP, "ddp": ["strategy=ddp"], "fsdp": ["strategy=fsdp"]}
     losses = {}

@@ -3,11 +3,14 @@
 <root>/outputs (single run) or <root>/multirun (a torchrun-launcher sweep); nothing is written to the launch dir."""
 from __future__ import annotations
 
+import pytest
+
 from helpers import log_of, results, run
 
 PATH_VARS = ("HYDRATRAIN_DATA_DIR", "HYDRATRAIN_OUTPUT_DIR", "HYDRATRAIN_CACHE", "HYDRATRAIN_MODEL_DIR")
 
 
+@pytest.mark.slow
 def test_workspace_layout_for_a_run_and_a_launcher_sweep(tmp_path, monkeypatch):
     for var in PATH_VARS:
         monkeypatch.delenv(var, raising=False)

@@ -61,6 +61,7 @@ def _run_limited(args, run_dir, limit_bytes=None, nproc=1, timeout=300):
     return proc.returncode, out, vm_peak
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc are Linux's")
 def test_out_of_memory_exits_6_with_the_plan_and_changes_that_fit(tmp_path):
     """The same run at batch 1 fits; at batch 64, with the address space limited to batch 1's peak virtual size
@@ -113,6 +114,7 @@ def test_the_cli_plans_a_launch_and_lists_what_fits(tmp_path):
     assert typo.returncode == 2 and "memory_gib" in typo.stderr, typo.stderr
 
 
+@pytest.mark.slow
 def test_accuracy_benchmark_smoke(tmp_path):
     """bench/plan_accuracy.py with tiny sizes: it runs, and writes a JSON line and a table row per configuration."""
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_accuracy.py"), "--tiny", "--steps", "2",

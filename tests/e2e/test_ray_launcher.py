@@ -62,6 +62,7 @@ def _report(sweep: Path) -> str:
     return (sweep / "sweep_report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_two_job_sweep_behaves_as_under_torchrun(tmp_path, cluster):
     sweep = tmp_path / "sweep"
     r = run(["-m", *RAY, f"launcher.address={cluster}", "strategy=ddp,fsdp", f"hydra.sweep.dir={sweep}"],

@@ -36,6 +36,7 @@ def test_token_bin_resumes_bit_identically_after_sigkill(tmp_path, token_files):
     assert [b[s] for s in range(6, 9)] == [a[s] for s in range(6, 9)]
 
 
+@pytest.mark.slow
 def test_tokenized_text_position_continues_on_another_world_size(tmp_path):
     (tmp_path / "docs").mkdir()
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]

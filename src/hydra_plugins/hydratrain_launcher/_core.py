@@ -44,6 +44,15 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     sweep_dir = Path(str(config.hydra.sweep.dir))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     log.info("TorchrunLauncher: %d job(s) one after another, sweep dir %s", len(job_overrides), sweep_dir)
+    return run_sequentially(launcher, job_overrides, initial_job_idx, lambda cfg, num: run_one(launcher, cfg, num))
+
+
+def run_sequentially(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
+                     run_one: Callable[[DictConfig, int], JobReturn]) -> List[JobReturn]:
+    """Compose each job's config (numbered from ``initial_job_idx``) and hand it to ``run_one(config, num)``, one
+    job after another, as Hydra's basic launcher numbers them; a FAILED job is logged in one line and, with
+    ``launcher.stop_on_failure``, ends the loop. Returns the jobs' :class:`JobReturn` in order."""
+    config = launcher.config
     runs: List[JobReturn] = []
     for offset, overrides in enumerate(job_overrides):
         num = initial_job_idx + offset
@@ -52,7 +61,7 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
         with open_dict(sweep_config):
             sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{num}"
             sweep_config.hydra.job.num = num
-        ret = run_one(launcher, sweep_config, num)
+        ret = run_one(sweep_config, num)
         runs.append(ret)
         configure_log(config.hydra.hydra_logging, config.hydra.verbose)
         if ret.status == JobStatus.FAILED:

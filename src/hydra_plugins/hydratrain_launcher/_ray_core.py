@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ._checks import check_ray_settings
-from ._core import LaunchError, _failed_return, _job_end_callbacks, _one_line, _run_job_check
+from ._core import LaunchError, _failed_return, _job_end_callbacks, _one_line, _run_job_check, run_sequentially
 from .ray_config import RayLauncherConf
 
 log = logging.getLogger(__name__)
@@ -58,28 +58,14 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     log.info("RayLauncher: %s in %.1f s; %d job(s) one after another, sweep dir %s",
              "started a local Ray cluster" if started else f"connected to {launcher.settings.get('address')}",
              time.monotonic() - t0, len(job_overrides), sweep_dir)
-    runs: List[JobReturn] = []
     try:
-        for offset, overrides in enumerate(job_overrides):
-            num = initial_job_idx + offset
-            log.info("\t#%d : %s", num, " ".join(filter_overrides(overrides)))
-            sweep_config = launcher.hydra_context.config_loader.load_sweep_config(config, list(overrides))
-            with open_dict(sweep_config):
-                sweep_config.hydra.job.id = f"{sweep_config.hydra.job.name}_{num}"
-                sweep_config.hydra.job.num = num
-            ret = run_one(launcher, sweep_config, num, sweep_dir)
-            runs.append(ret)
-            configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-            if ret.status == JobStatus.FAILED:
-                log.error("job #%d failed: %s", num, _one_line(ret._return_value))
-                if launcher.stop_on_failure:
-                    break
+        return run_sequentially(launcher, job_overrides, initial_job_idx,
+                                lambda cfg, num: run_one(launcher, cfg, num, sweep_dir))
     finally:
         if started:
             import ray
 
             ray.shutdown()
-    return runs
 
 
 def connect(settings: dict) -> bool:
