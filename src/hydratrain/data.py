@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sysconfig
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,9 @@ def build_corpus(files: Sequence[Path], root: Path, val_fraction: float, cache_d
     key = hashlib.sha256(json.dumps([str(root), val_fraction, listing]).encode()).hexdigest()[:16]
     out = cache_dir / key
     if (out / "meta.json").exists():
+        log.info("corpus: %d files, cached in %s", len(files), out)
         return out
+    t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     splits = split_files(files, root, val_fraction)
     from tqdm.auto import tqdm
@@ -128,6 +131,8 @@ def build_corpus(files: Sequence[Path], root: Path, val_fraction: float, cache_d
     tmp = out / f"meta.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps({"root": str(root), "splits": counts}, indent=1))
     os.replace(tmp, out / "meta.json")
+    log.info("corpus: built %s from %d files (%.1f MB) in %.1f s", out, len(files), sum(s for _, s, _ in listing) / 1e6,
+             time.perf_counter() - t0)
     return out
 
 

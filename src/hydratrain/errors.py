@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from hydra.errors import CompactHydraException
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 2
@@ -28,9 +30,11 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL of sysexits.h, "try again later"; the default
 RESERVED_EXIT_CODES = (EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_CHECKPOINT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_OOM)
 
 
-class HydratrainError(Exception):
+class HydratrainError(CompactHydraException):
     """An error that ends a run with one line on the console (``hydratrain: <label>: <message>``) and the exit
-    status :attr:`exit_status`."""
+    status :attr:`exit_status`. A Hydra ``CompactHydraException``: where one reaches Hydra itself (a launcher's
+    ``job_check`` rejecting a job's config, raised again by the sweeper) Hydra prints its one line, not a traceback,
+    and exits 1."""
 
     label = "error"
     exit_status = EXIT_ERROR

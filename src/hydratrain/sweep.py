@@ -107,11 +107,18 @@ def write_sweep_report(sweep_dir: Path) -> Optional[Path]:
         writer.writerows(rows)
     os.replace(tmp, csv_path)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(_cell(r[c]) for c in COLUMNS) + " |" for r in rows]
     md = sweep_dir / f".sweep_report.md.tmp{os.getpid()}"
     md.write_text("\n".join(lines) + "\n")
     os.replace(md, sweep_dir / "sweep_report.md")
     return csv_path
+
+
+def _cell(value: Any) -> str:
+    """A markdown table cell: floats to 5 significant digits (the CSV keeps every digit), ``|`` escaped."""
+    if isinstance(value, float):
+        return f"{value:.5g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value).replace("|", "\\|")
 
 
 def _is_rank0() -> bool:

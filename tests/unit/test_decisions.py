@@ -60,6 +60,24 @@ def test_a_key_the_option_does_not_use_is_a_compose_error(compose, overrides):
 
 
 @pytest.mark.parametrize("overrides,key", [
+    (["strategy=ddp", "+strategy.cpu_offload=true"], "strategy.cpu_offload"),  # what Hydra's own error suggests
+    (["+trainer.max_step=10"], "trainer.max_step"),
+    (["launcher=torchrun", "+launcher.max_restart=1"], "launcher.max_restart"),
+    (["+learning_rate=1e-3"], "learning_rate"),
+])
+def test_a_key_appended_with_plus_is_a_config_error_not_ignored(cli, overrides, key):
+    """Exit 2 with ``hydratrain: config error: KEY=...`` from a run; from a launcher's job check, Hydra's own report
+    of the same one line (exit 1, as for any failed sweep), with no traceback."""
+    r = cli(overrides)
+    launched = "launcher=torchrun" in overrides
+    assert r.returncode == (1 if launched else 2), r.output[-2000:]
+    line = next((ln for ln in r.err.splitlines() if f"{key}=" in ln and "not a key of" in ln), None)
+    assert line is not None and "allowed:" in line, r.err[-2000:]
+    assert line.startswith(key if launched else f"hydratrain: config error: {key}="), line
+    assert "Traceback" not in r.err, r.err[-2000:]
+
+
+@pytest.mark.parametrize("overrides,key", [
     (["strategy=ddp", "wrap_policy=size_based"], "wrap_policy"),
     (["strategy=single", "precision.reduce_dtype=bfloat16"], "precision.reduce_dtype"),
     (["strategy=fsdp", "strategy.name=ddp"], "strategy.name"),

@@ -252,10 +252,11 @@ class CheckpointManager:
             else:
                 os.replace(tmp, final)
             _fsync_dir(self.root)
-            self._prune()
         barrier()  # no rank goes on (or exits) before the rename is done
         self.last_saved_step = step
         log.info("saved checkpoint %s (%.2f s)", final, time.perf_counter() - t0)
+        if self.rank == 0:
+            self._prune()  # after the new one is complete and logged: the log reads in the order things happened
         return final
 
     def _prune(self) -> None:

@@ -7,6 +7,7 @@ are in :func:`check_environment`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -37,8 +38,32 @@ def _check_option_nodes(cfg: DictConfig) -> None:
                               f"option with {group}={node.name}, not by renaming it")
 
 
+def _check_known_keys(node: DictConfig, path: str = "") -> None:
+    """Every key of a schema-typed node is a field of its dataclass. Hydra's ``+key=value`` (which its own error for
+    an unknown key suggests) appends a key to a structured node: nothing reads it, so it is an error here rather than
+    a run that silently ignores it. Nodes typed as plain dicts (e.g. ``launcher.resources_per_worker``) take any key.
+    """
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    fields = [f.name for f in dataclasses.fields(schema)]
+    for key in node.keys():
+        where = f"{path}.{key}" if path else str(key)
+        if where == "hydra":  # Hydra's own node, present when a launcher checks a job's config
+            continue
+        if key not in fields:
+            option = getattr(schema, "option", None)
+            owner = f"{path}={option}" if option is not None else (path or "the run config")
+            raise ConfigError(where, node._get_node(key)._value(), f"not a key of {owner} (nothing would read it); "
+                              f"allowed: {', '.join(fields)}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            _check_known_keys(child, where)
+
+
 def validate(cfg: DictConfig) -> None:
     """Check values that the schema's types cannot. Raises :class:`ConfigError` on the first bad key."""
+    _check_known_keys(cfg)
     _check_option_nodes(cfg)
 
     def positive(key: str, allow_zero: bool = False, allow_none: bool = False) -> None:
