@@ -374,14 +374,22 @@ class TensorBoardLogger:
 
     Hparams are written once, into the same event file as the scalars (``SummaryWriter.add_hparams`` would make a
     time-stamped sub-directory per call), so a sweep reads as one table with one row per run.
+
+    The ``SummaryWriter`` (and the tensorboard import, ~0.1 s) is made at the first write, after the first optimizer
+    step, so it is not on the path to it.
     """
 
     def __init__(self, log_dir: Path, enabled: bool):
-        self.writer = None
-        if enabled:
+        self.log_dir, self.enabled, self._writer = log_dir, enabled, None
+
+    @property
+    def writer(self):
+        """The ``SummaryWriter`` (made on first use), or None when disabled."""
+        if self._writer is None and self.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(log_dir))
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if self.writer:
@@ -412,9 +420,9 @@ class TensorBoardLogger:
         self.scalars(metric_tags, step)
 
     def flush(self) -> None:
-        if self.writer:
-            self.writer.flush()
+        if self._writer:
+            self._writer.flush()
 
     def close(self) -> None:
-        if self.writer:
-            self.writer.close()
+        if self._writer:
+            self._writer.close()

@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hydratrain import timing
 from hydratrain.errors import DivergenceError
 
 log = logging.getLogger("hydratrain.trainer")
@@ -66,6 +67,7 @@ class FitResult:
     skipped_steps: int = 0
     seconds: float = 0.0
     preempted: bool = False  # stopped early by a preemption signal after saving a checkpoint (no final eval)
+    startup_s: dict = field(default_factory=dict)  # start-up phases up to the first step, seconds (timing.record)
 
 
 class Trainer:
@@ -176,6 +178,9 @@ class Trainer:
                 self.logger.step_done(step, loss)
                 if step == first:
                     self.logger.drop_timing()  # start-up (allocations, compile) stays out of tokens/s
+                    timing.mark("first step")
+                    result.startup_s = timing.record()
+                    log.info("start-up: %s", timing.summary())
                 if self.logger.due(step):
                     extra = {}
                     if self.scaler.is_enabled():
