@@ -156,6 +156,9 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     progress = TrainProgress()
     tokens_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * cfg.data.seq_len * info.world_size
     timing.mark("optimizer")
+    slow = precision.slow_path(device, cache_dir=paths.cache)
+    if slow:
+        log.warning(slow)
     peak = peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32,
                       cache_dir=paths.cache)
     timing.mark("peak FLOP/s")

@@ -1,5 +1,5 @@
-"""Performance-related decisions: the FLOP count behind MFU against independent counts, the start-up timeline, and
-data generation that must stay bit-identical while getting faster."""
+"""Performance-related decisions: the FLOP count behind MFU against independent counts, the slow-precision warning,
+the start-up timeline, and data generation that must stay bit-identical while getting faster."""
 from __future__ import annotations
 
 import math
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from hydratrain import timing
 from hydratrain.models.gpt import GPT, GPTConfig
+from hydratrain.parallel.precision import PRESET_DTYPE, Precision
 
 
 def shape_count(c: GPTConfig, seq_len: int) -> float:
@@ -71,6 +72,54 @@ def test_logged_mfu_is_tokens_per_second_times_flops_over_the_peak(tmp_path):
     assert 2000 / 0.2 < tps < 2000 / 0.09  # two steps of ~50 ms
 
 
+def _cfg(name: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"name": name, "reduce_dtype": "float32", "tf32": True})
+
+
+@pytest.mark.parametrize("name, rates, warns", [
+    ("fp16", {"fp16": 2e9, "bf16": 500e9, "fp32": 100e9}, True),   # 250x: the brief's example
+    ("fp32", {"fp32": 110e9, "bf16": 500e9}, False),              # 4.5x: below SLOW_FACTOR
+    ("fp32", {"fp32": 20e9, "bf16": 500e9}, True),                # 25x
+    ("bf16", {"bf16": 500e9}, False),                             # what auto picks: nothing measured
+])
+def test_a_slow_precision_warns_once_with_the_measured_factor(monkeypatch, name, rates, warns):
+    from hydratrain import metrics
+    from hydratrain.parallel import precision as precision_module
+
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: True)
+    asked = []
+
+    def fake(dtype, cache_dir=None):
+        key = {v: k for k, v in PRESET_DTYPE.items()}[dtype]
+        asked.append(key)
+        return rates[key], "test"
+
+    monkeypatch.setattr(metrics, "cpu_peak_flops", fake)
+    p = Precision.resolve(_cfg(name), torch.device("cpu"))
+    line = p.slow_path(torch.device("cpu"))
+    if not warns:
+        assert line is None
+        if name == "bf16":
+            assert asked == []
+        return
+    factor = rates["bf16"] / rates[name]
+    assert line is not None and "\n" not in line
+    assert f"{factor:.0f}x slower" in line and "precision=bf16" in line and f"precision={name}" in line
+
+
+def test_fp16_without_native_bf16_compares_with_fp32(monkeypatch):
+    from hydratrain import metrics
+    from hydratrain.parallel import precision as precision_module
+
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(metrics, "cpu_peak_flops",
+                        lambda dtype, cache_dir=None: ({torch.float16: 1e9, torch.float32: 100e9}[dtype], "test"))
+    line = Precision.resolve(_cfg("fp16"), torch.device("cpu")).slow_path(torch.device("cpu"))
+    assert "100x slower than float32" in line and "precision=fp32" in line
+
+
 def test_startup_timeline_charges_each_phase_the_time_since_the_previous_mark(monkeypatch):
     monkeypatch.setattr(timing, "_ORIGIN", None)
     monkeypatch.setattr(timing, "_MARKS", [])
@@ -105,3 +154,17 @@ def test_synthetic_stream_is_bit_identical_to_the_original(n, vocab, seed):
 
     got, want = synthetic_stream(n, vocab, seed), _synthetic_stream_reference(n, vocab, seed)
     assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_measure_matmul_flops_times_a_very_slow_dtype_once(monkeypatch):
+    from hydratrain import metrics
+
+    calls = []
+
+    def slow_linear(a, w):
+        calls.append(1)
+        time.sleep(0.03)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", slow_linear)
+    flops = metrics.measure_matmul_flops(torch.device("cpu"), torch.float32, m=8, n=8, budget_s=0.01)
+    assert len(calls) == 2 and math.isfinite(flops) and flops > 0  # warm-up + one timed call
