@@ -11,8 +11,8 @@ Per rank count, three commands run in each round (order rotated per round), afte
   step (what any torch.optim loop pays on top: torch.optim imports torch._dynamo);
 - ``hydratrain``: ``train.py +debug=fast trainer.max_steps=1`` (``strategy=single`` for 1 rank, the default fsdp
   for 2), timed to the end of its first optimizer step (``results.json``'s ``startup_s``), with its own breakdown:
-  launcher (torchrun's start before the worker process), python + hydra + compose, imports, checks, process group,
-  data, model, optimizer, peak FLOP/s, logger/checkpoints/trainer, first step.
+  launcher (torchrun's start before the worker process), python + hydra + compose, imports, checks, device +
+  distributed setup, data, model, optimizer, peak FLOP/s, logger/checkpoints/trainer, first step.
 
 Times are wall seconds from just before the command is started; the table gives medians over rounds and the ratio
 hydratrain / pg (the issue's bar: at most 1.5). Results: ``<out>/results.jsonl`` and ``<out>/results.md``.

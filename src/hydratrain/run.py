@@ -55,7 +55,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         timing.mark("checks")
         with process_group(str(cfg.device), strategy.backend, strategy.needs_process_group, strategy.cpu_offload,
                            dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info:
-            timing.mark("process group")
+            timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume)
     except HydratrainError as err:
         if env.rank == 0 or err.exit_status != EXIT_CONFIG:  # a config error is the same on every rank

@@ -1,7 +1,7 @@
 """Start-up timeline: wall seconds from this process's start to the first optimizer step, phase by phase.
 
 ``run.main`` calls :func:`begin` on entry and :func:`mark` at the end of each start-up phase (imports, checks,
-process group, data, model, optimizer, peak FLOP/s, ...); the trainer marks ``first step`` and logs
+device + distributed setup, data, model, optimizer, peak FLOP/s, ...); the trainer marks ``first step`` and logs
 :func:`summary` once. Each phase is charged the wall time since the previous mark; the first phase, ``python +
 hydra + compose``, runs from the process's start (Linux: ``/proc/self/stat``) to :func:`begin`, so it holds the
 interpreter, Hydra's import and the config composition. ``results.json`` keeps the figures (``startup_s``) and
