@@ -136,9 +136,13 @@ class DDP(Strategy):
         from torch.nn.parallel import DistributedDataParallel
 
         self._materialise_plain(raw, device, seed)
+        # broadcast_buffers=False: DDP would otherwise send rank 0's buffers to every rank before each forward (1.6
+        # ms per step for gpt_tiny on gloo, 31 broadcasts in a 30-step profile); the model's only buffers are the
+        # rotary tables, computed identically on every rank and never changed by training.
         model = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None,
                                         bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
-                                        find_unused_parameters=self.cfg.strategy.find_unused_parameters)
+                                        find_unused_parameters=self.cfg.strategy.find_unused_parameters,
+                                        broadcast_buffers=False)
         note = "ddp"
         if precision.reduce_dtype != torch.float32:
             model.register_comm_hook(None, _all_reduce_in(precision.reduce_dtype))
