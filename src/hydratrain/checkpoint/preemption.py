@@ -3,8 +3,11 @@
 Signals: SIGTERM (how SLURM preempts and how torchrun stops workers), and SIGUSR2 inside a submitit task (submitit
 asks SLURM for it before the time limit, ``--signal=USR2@90``, and its own handler requeues the job). One rank
 receiving the signal is enough: every step all ranks agree through a non-blocking all-reduce of one flag, whose result
-is read at the next step (so the agreement costs no wait on the hot path and the run stops one step later). After
-the save, submitit's own SIGUSR2 handler runs on rank 0, so the job is requeued as submitit would have done.
+is read at the next step (so the agreement costs no wait on the hot path and the run stops one step later). On CUDA
+the reduced flag is copied to pinned host memory behind the reduction (``non_blocking``) and read at the next step
+without a device synchronisation of its own: the loop's one host sync per step, the non-finite check, has completed
+that copy by then (it comes after it in stream order). After the save, submitit's own SIGUSR2 handler runs on rank 0,
+so the job is requeued as submitit would have done.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ class Preemption:
         self.received: Optional[int] = None  # the signal this rank got, if any
         self.stopped = False
         self._previous: dict[int, object] = {}
-        self._work, self._flag = None, None
+        self._work, self._flag, self._host, self._copied = None, None, None, None
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if not enabled:
             return
@@ -60,9 +63,22 @@ class Preemption:
         agreed = False
         if self._work is not None:
             self._work.wait()
-            agreed = bool(self._flag.item())
+            if self._copied is not None:
+                self._copied.synchronize()  # already complete (see the module docstring): returns at once
+            agreed = bool(self._host.item())
         self._flag = torch.tensor([int(self.received is not None)], dtype=torch.int32, device=self.device)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+        if self.device.type == "cuda":
+            # .item() on the device flag next step would be a second host sync per step: copy it to the host
+            # behind the reduction instead (work.wait() only makes the current stream wait for NCCL's)
+            if self._host is None:
+                self._host = torch.empty_like(self._flag, device="cpu", pin_memory=True)
+            self._work.wait()
+            self._host.copy_(self._flag, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host = self._flag  # gloo: the reduction ran on the host; wait() above returns when it is done
         return agreed
 
     def stopping(self, step: int, checkpoint: Optional[str]) -> None:
