@@ -25,8 +25,21 @@ import argparse
 import subprocess
 import sys
 
-from benchlib import (BENCH, Recorder, clean_env, command, cores, fmt, load, median_min_max, out_dir, rotated,
-                      run_json, table, write_report)
+from benchlib import (
+    BENCH,
+    Recorder,
+    clean_env,
+    command,
+    cores,
+    fmt,
+    load,
+    median_min_max,
+    out_dir,
+    rotated,
+    run_json,
+    table,
+    write_report,
+)
 
 
 def auto_precision(device: str) -> str:

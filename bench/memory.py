@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     single = got.get(("single", 1))
     rows = []
     for (strategy, w), row in got.items():
-        def ratio(key: str) -> str:
+        def ratio(key: str, row=row, w=w) -> str:
             return fmt(row[key] / (single[key] / w), ".2f") if single and single.get(key) else "n/a"
 
         rows.append([strategy, w, fmt(row["param_bytes"] / MB, ".1f"), fmt(row["grad_bytes"] / MB, ".1f"),
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
                   "state / (single / W)", "peak MB", "peak above start MB", "peak above start / (single / W)"], rows)
     n = got.get(("single", 1), {}).get("n_params")
     body += (f"\n\n{args.model}" + (f" ({n / 1e6:.1f}M parameters)" if n else "") + f", {args.precision}, "
-             f"{args.batch} x {args.seq} tokens per rank, {args.steps} steps; per rank, max over ranks; MB = 1e6 bytes.")
+             f"{args.batch} x {args.seq} tokens per rank, {args.steps} steps; per rank, max over ranks; "
+             "MB = 1e6 bytes.")
     text = write_report(out, "bench/memory.py: FSDP memory per rank", rec.rows[0], body,
                         " ".join(["python", "bench/memory.py", *(argv if argv is not None else sys.argv[1:])]))
     print("\n" + text)

@@ -18,10 +18,21 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from pathlib import Path
 
-from benchlib import (BENCH, Recorder, clean_env, command, fmt, load, median_min_max, out_dir, rotated, run_json, table,
-                      write_report)
+from benchlib import (
+    BENCH,
+    Recorder,
+    clean_env,
+    command,
+    fmt,
+    load,
+    median_min_max,
+    out_dir,
+    rotated,
+    run_json,
+    table,
+    write_report,
+)
 
 
 def auto_precision(device: str) -> str:

@@ -34,9 +34,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import (BENCH, ROOT, Recorder, clean_env, command, fmt, load, median_min_max, out_dir, rotated, table,
-                      write_report)
-
+from benchlib import (
+    BENCH,
+    ROOT,
+    Recorder,
+    clean_env,
+    command,
+    fmt,
+    load,
+    median_min_max,
+    out_dir,
+    rotated,
+    table,
+    write_report,
+)
 
 STEP_1 = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[hydratrain\.trainer\]\[INFO\] - step 1/",
                     re.MULTILINE)

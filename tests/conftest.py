@@ -1,17 +1,22 @@
-"""Shared fixtures: compose configs like train.py does, run train.py under torchrun, read TensorBoard events."""
+"""Fixtures that run things in this process: ``compose`` (the config train.py would get), ``cli`` (train.py itself,
+or a twin, with a command line), ``make_job`` (a built single-process job to drive by hand); and ``shared_sweep`` /
+``two_rank_run``: the 2-rank torchrun runs several tests assert on, made once per session. Subprocess helpers are in
+``helpers.py``."""
 from __future__ import annotations
 
-import os
-import subprocess
+import importlib.util
+import logging
 import sys
+import time
 from pathlib import Path
+from typing import Optional, Sequence
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
-# A tiny, fast run: synthetic data, 2 layers, fp32, no progress bar, sample or weights unless a test asks.
-FAST = ["+debug=fast", "precision=fp32", "logger.peak_flops=1e11"]
+# tests/ is on sys.path: pytest puts a rootdir conftest's dir there
+from helpers import CONF, FAST, SHARED_RUNS, TRAIN, Run, Sweep, sweep_runs
+
+_FLAGS_WITH_VALUE = ("--cfg", "-c", "--info", "-i", "--package", "-p")
 
 
 @pytest.fixture(scope="session")
@@ -43,33 +48,110 @@ def compose(cache_dir, monkeypatch):
     GlobalHydra.instance().clear()
 
 
-def run_train(args, run_dir: Path | None, nproc: int = 0, cwd: Path = ROOT, cache: Path | None = None,
-              timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """Run train.py with ``args``: ``nproc`` 0 = plain python, else torchrun --standalone with nproc ranks."""
-    cmd = [sys.executable]
-    if nproc:
-        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd += [str(ROOT / "train.py"), *args]
-    if run_dir is not None:
-        cmd.append(f"hydra.run.dir={run_dir}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    if cache is not None:
-        env["HYDRATRAIN_CACHE"] = str(cache)
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                             f"--- stderr\n{proc.stderr[-6000:]}")
-    return proc
+def _entry_point(script: str):
+    """The ``@hydra.main`` function of train.py (or a twin), loaded as Hydra sees a script run as ``__main__`` (its
+    config_path is then relative to the script's file)."""
+    spec = importlib.util.spec_from_file_location(f"_entry_{Path(script).stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    task = next(v for v in vars(module).values() if callable(v) and hasattr(v, "__wrapped__"))
+    task.__wrapped__.__module__ = "__main__"
+    return task
 
 
-def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """{tag: [(step, value), ...]} from every TensorBoard event file under ``run_dir``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+@pytest.fixture
+def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
+    """cli(args, run_dir=None, script=TRAIN, fast=True) -> :class:`helpers.Run`: ``python SCRIPT [FAST] ARGS
+    [hydra.run.dir=RUN_DIR]`` in this process (Hydra's command line, logging, run dir and sweeps, then
+    ``hydratrain.run.main``), with its exit status and its stdout + stderr (``.output``; ``.out``, ``.err`` alone).
 
-    out: dict[str, list[tuple[int, float]]] = {}
-    for d in sorted({p.parent for p in Path(run_dir).rglob("events.out.tfevents.*")}):
-        acc = EventAccumulator(str(d), size_guidance={"scalars": 0, "tensors": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return out
+    For anything where processes are not the point: config errors, single-process runs, local sweeps. Seconds
+    cheaper than a subprocess (no interpreter, torch or Hydra start-up). Logging and Hydra's singletons are restored
+    afterwards; ``HYDRATRAIN_CACHE`` is the session's cache.
+    """
+    import torch
+
+    from hydratrain.dist import run_dir as run_dir_module
+
+    monkeypatch.setenv("HYDRATRAIN_CACHE", str(cache_dir))
+    monkeypatch.delenv("HYDRATRAIN_STAMP", raising=False)
+    monkeypatch.setattr(run_dir_module, "_STAMP", None)
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    saved_levels = {name: lg.level for name, lg in logging.root.manager.loggerDict.items()
+                    if isinstance(lg, logging.Logger)}
+    entries = {}
+
+    def _cli(args: Sequence[str] = (), run_dir: Optional[Path] = None, script: str = TRAIN,
+             fast: bool = True) -> Run:
+        if script not in entries:
+            entries[script] = _entry_point(script)
+        flags, rest, it = [], [], iter(args)
+        for a in it:  # Hydra's flags (-m, --cfg job, --info plugins) first, as its argparse wants
+            if a in ("-m", "--multirun"):
+                flags.append(a)
+            elif a in _FLAGS_WITH_VALUE:
+                flags += [a, next(it)]
+            else:
+                rest.append(a)
+        argv = [*flags, *(FAST if fast else []), *rest, *([f"hydra.run.dir={run_dir}"] if run_dir else [])]
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        capsys.readouterr()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as a subprocess starts (OMP_NUM_THREADS=1); the process group sets its own
+        t0 = time.monotonic()
+        try:
+            entries[script]()
+            status = 0
+        except SystemExit as exit_:  # as the interpreter ends: an int is the status, anything else is printed
+            status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            if not isinstance(exit_.code, (int, type(None))):
+                print(exit_.code, file=sys.stderr)
+        finally:
+            torch.set_num_threads(threads)
+            monkeypatch.setattr(run_dir_module, "_STAMP", None)
+        out = capsys.readouterr()
+        result = Run(status, out.out + out.err, time.monotonic() - t0, ["python", script, *argv])
+        result.out, result.err = out.out, out.err
+        return result
+
+    yield _cli
+    for handler in root.handlers:
+        if handler not in saved_handlers:
+            handler.close()
+    root.handlers[:] = saved_handlers
+    root.setLevel(saved_level)
+    for name, level in saved_levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+@pytest.fixture
+def make_job(compose):
+    """make_job(run_dir, *overrides) -> a ``hydratrain.run.Job`` built in this process (tiny GPT, strategy=single,
+    fp32 on CPU, no TensorBoard), to drive its trainer and checkpoints by hand."""
+    import torch
+
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.run import build
+
+    def _make(run_dir: Path, *overrides: str):
+        cfg = compose(["+debug=fast", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
+                       "logger.peak_flops=1e12", *overrides])
+        return build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), run_dir, run_dir)
+
+    return _make
+
+
+# ------------------------------------------------------------------------------ the shared 2-rank torchrun sweep
+@pytest.fixture(scope="session")
+def shared_sweep(tmp_path_factory, cache_dir) -> Sweep:
+    """The 2-rank training runs several tests assert on (helpers.SHARED_RUNS), as the jobs of ONE sweep inside 2
+    torchrun ranks, started in an empty dir without hydra.sweep.dir (so the ranks must agree on its time stamp)."""
+    return sweep_runs(SHARED_RUNS, tmp_path_factory.mktemp("shared"), env={"HYDRATRAIN_CACHE": str(cache_dir)})
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(shared_sweep):
+    """two_rank_run(name) -> the job dir of ``SHARED_RUNS[name]`` in the shared sweep (checked complete)."""
+    return shared_sweep.job

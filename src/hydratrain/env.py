@@ -2,7 +2,8 @@
 
 Prints the torch version, CUDA availability and device count, the distributed backends compiled in, whether bf16 is
 native, which ``strategy=`` and ``precision=`` options this machine supports, whether ``optim=adamw8bit`` can run
-(torchao, and a C++ compiler for its ``torch.compile`` on CPU) and which launcher extras are installed.
+(torchao, and a C++ compiler for its ``torch.compile`` on CPU), which launcher extras are installed, and the per-rank
+memory budget the memory planner (``hydratrain.plan``) would use.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def report() -> list[str]:
     lines.append(f"optimizers: adamw, {_lowbit()}")
     lines.append("launchers: local, torchrun, " + ", ".join(f"{name} ({_installed(pkg, extra)})" for name, pkg, extra in
                                                             (("slurm", "submitit", "slurm"), ("ray", "ray", "ray"))))
+    lines.append(memory_budget_line(cuda))
     return lines
 
 
@@ -64,6 +66,21 @@ def _lowbit() -> str:
         return "adamw8bit (not installed: pip install -e '.[lowbit]')"
     compiler = torch.cuda.is_available() or any(shutil.which(c) for c in ("g++", "c++", "clang++"))
     return f"adamw8bit (torchao {ao}" + ("" if compiler else "; no C++ compiler for torch.compile on CPU") + ")"
+
+
+def memory_budget_line(cuda: bool) -> str:
+    """The per-rank memory budget a run would warn against (``hydratrain.plan``, ``plan.memory_gb=null``), for
+    ``LOCAL_WORLD_SIZE`` ranks on this node (1 when unset)."""
+    import torch
+
+    from hydratrain.plan import GiB, budget_bytes
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()) if cuda \
+        else torch.device("cpu")
+    budget, source = budget_bytes(None, device, ranks, in_run=False)
+    return (f"memory budget per rank (hydratrain.plan, plan.memory_gb=null): {budget / GiB:.1f} GiB ({source}; "
+            "set plan.memory_gb to use another)")
 
 
 if __name__ == "__main__":

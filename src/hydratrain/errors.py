@@ -8,6 +8,7 @@
 | 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used; nothing was trained |
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
 | 5 | another rank of the job failed or died; this rank stopped (``distributed.failure_timeout_s``) |
+| 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
 | 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint: relaunch to resume |
 
 Importing this module imports nothing heavy (no torch).
@@ -22,8 +23,9 @@ EXIT_CONFIG = 2
 EXIT_CHECKPOINT = 3
 EXIT_DIVERGED = 4
 EXIT_PEER_FAILED = 5
+EXIT_OOM = 6
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL of sysexits.h, "try again later"; the default of checkpoint.preempt_exit_code
-RESERVED_EXIT_CODES = (EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_CHECKPOINT, EXIT_DIVERGED, EXIT_PEER_FAILED)
+RESERVED_EXIT_CODES = (EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_CHECKPOINT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_OOM)
 
 
 class HydratrainError(Exception):
@@ -66,6 +68,15 @@ class DivergenceError(HydratrainError, RuntimeError):
         self.step, self.last_checkpoint = step, last_checkpoint
         where = f"last good checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint was written before"
         super().__init__(f"{message}; {where}")
+
+
+class OutOfMemoryError(HydratrainError, RuntimeError):
+    """An allocation failed on this rank (CUDA's ``torch.OutOfMemoryError``, the CPU allocator's "can't allocate
+    memory"). ``str(err)`` is one line: what failed, the planned peak and its parts, the budget, and the changes
+    that fit (``hydratrain.plan``)."""
+
+    label = "out of memory"
+    exit_status = EXIT_OOM
 
 
 def _show(value: Any) -> str:

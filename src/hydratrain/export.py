@@ -1,4 +1,5 @@
-"""``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors``: the command of :mod:`hydratrain.checkpoint.export`."""
+"""``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors``: the command of
+:mod:`hydratrain.checkpoint.export`."""
 from hydratrain.checkpoint.export import export, main
 
 __all__ = ["export", "main"]

@@ -39,6 +39,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain.dist.process_group import process_group
     from hydratrain.dist.run_dir import launch_dir, run_dir_of
     from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.plan import OutOfMemoryGuard
 
     timing.mark("imports")
     env = dist_info()
@@ -54,9 +55,9 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         dcfg = cfg.distributed
         timing.mark("checks")
         with process_group(str(cfg.device), strategy.backend, strategy.needs_process_group, strategy.cpu_offload,
-                           dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info:
+                           dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info, OutOfMemoryGuard() as oom:
             timing.mark("device + distributed setup")
-            result = _fit(cfg, strategy, info, run_dir, launch, resume)
+            result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except HydratrainError as err:
         if env.rank == 0 or err.exit_status != EXIT_CONFIG:  # a config error is the same on every rank
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
@@ -97,9 +98,10 @@ class Job:
     tokenizer: Any = None  # hydratrain.tokenizer.TextTokenizer of subword data, else None
 
 
-def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
+def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guard=None) -> Job:
     """Resolve the precision, seed, and build data, model, optimizer, schedule, scaler, logger, checkpoint manager,
-    preemption and trainer for this rank (every rank calls; collectives inside)."""
+    preemption and trainer for this rank (every rank calls; collectives inside). The memory plan is made before the
+    model exists and handed to ``oom_guard`` (a :class:`hydratrain.plan.OutOfMemoryGuard`), if given."""
     import random
 
     import numpy as np
@@ -117,10 +119,11 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.strategy import build_model
     from hydratrain.paths import Paths
+    from hydratrain.plan import plan_run
     from hydratrain.train.evaluate import Evaluator
-    from hydratrain.train.step_logger import StepLogger
     from hydratrain.train.outputs import model_files
-    from hydratrain.train.trainer import TrainProgress, Trainer
+    from hydratrain.train.step_logger import StepLogger
+    from hydratrain.train.trainer import Trainer, TrainProgress
 
     timing.mark("imports")
     device = info.device
@@ -139,6 +142,10 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     train_batches, eval_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
                                              cache_dir=paths.cache)
     timing.mark("data")
+    memory_plan = plan_run(cfg, strategy, info, precision, vocab_size)  # before the model: nothing allocated yet
+    if oom_guard is not None:
+        oom_guard.run_plan = memory_plan
+    timing.mark("memory plan")
     model, raw, n_params, summary = build_model(cfg, strategy, precision, device, vocab_size)
     timing.mark("model")
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
@@ -183,7 +190,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path) -> Job:
     return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer)
 
 
-def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path]):
+def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
     from hydratrain import timing
     from hydratrain.checkpoint.manager import step_of
     from hydratrain.dist.collectives import max_over_ranks, same_on_all_ranks
@@ -194,7 +201,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.paths import Paths
     from hydratrain.train.outputs import write_outputs
 
-    job = build(cfg, strategy, info, run_dir, launch)
+    job = build(cfg, strategy, info, run_dir, launch, oom_guard)
     if not same_on_all_ranks(-1 if resume is None else (step_of(resume) or 0), info.device):
         raise CheckpointError(f"ranks found different checkpoints to resume from (this rank: {resume}); is the run "
                               "dir on a filesystem every node shares?")
@@ -216,6 +223,8 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,
              cfg.optim.name)
     result.peak_memory_bytes = int(max_over_ranks(peak_memory_bytes(info.device), info.device))
+    planned = oom_guard.run_plan if oom_guard is not None else None
+    result.planned_peak_memory_bytes = int(max_over_ranks(planned.plan.peak if planned else 0, info.device))
     if result.preempted:
         job.step_logger.tb.close()
         return result

@@ -69,7 +69,7 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
         if state == "COMPLETED" and not results:
             state = "COMPLETED (no results.json)"
 
-        def fig(key: str, scale: float = 1.0) -> Any:
+        def fig(key: str, scale: float = 1.0, results: dict = results) -> Any:
             v = results.get(key)
             return "" if v is None or (isinstance(v, float) and math.isnan(v)) else round(v * scale, 6)
 

@@ -32,10 +32,17 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from hydratrain.errors import ConfigError
 from hydratrain.data import default_cache_dir, expand_paths, relative_name, split_files, stdlib_files
-from hydratrain.tokenizer import PIECE_BYTES, TextTokenizer, line_cut, load_tokenizer, padded_vocab_size, \
-    read_pieces, train_bpe
+from hydratrain.errors import ConfigError
+from hydratrain.tokenizer import (
+    PIECE_BYTES,
+    TextTokenizer,
+    line_cut,
+    load_tokenizer,
+    padded_vocab_size,
+    read_pieces,
+    train_bpe,
+)
 
 log = logging.getLogger(__name__)
 

@@ -207,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         files = expand_paths(args.files, Path.cwd())
     except FileNotFoundError as err:
         parser.error(str(err).replace("data.paths: ", ""))
-    from hydratrain.tokenized import split_segments, segment_texts
+    from hydratrain.tokenized import segment_texts, split_segments
 
     root = Path(os.path.commonpath([str(f.parent) for f in files]))
     train_part = split_segments(files, root, args.val_fraction)["train"] if args.val_fraction > 0 else [

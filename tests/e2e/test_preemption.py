@@ -29,8 +29,9 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
 def test_sigusr2_under_submitit_saves_on_every_rank_then_requeues(tmp_path):
     run_dir, markers = tmp_path / "run", tmp_path / "markers"
     markers.mkdir()
-    proc = start(["strategy=ddp", "trainer.max_steps=400", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=0"],
-                 run_dir, nproc=2, script=FAULTY, env={"SUBMITIT_EXECUTOR": "slurm", "HT_FAKE_SUBMITIT": str(markers)})
+    proc = start(["strategy=ddp", "trainer.max_steps=400", "trainer.eval_every_n_steps=0",
+                  "checkpoint.every_n_steps=0"], run_dir, nproc=2, script=FAULTY,
+                 env={"SUBMITIT_EXECUTOR": "slurm", "HT_FAKE_SUBMITIT": str(markers)})
     try:
         deadline = time.time() + 180
         while not ((run_dir / "train_rank0.log").exists() and "step 3/400" in log_of(run_dir)):

@@ -43,7 +43,8 @@ def test_tokenized_text_position_continues_on_another_world_size(tmp_path):
     for i in range(6):
         (tmp_path / "docs" / f"d{i}.txt").write_text(" ".join(rng.choice(words, 6000)) + "\n")
     data = ["data=tokenized_text", "data.paths=[docs/*.txt]", "data.vocab_size=300", "data.val_fraction=0.3",
-            "data.seq_len=32", "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}", "trainer.eval_every_n_steps=0"]
+            "data.seq_len=32", "data.batch_size=4", f"data.cache_dir={tmp_path / 'cache'}",
+            "trainer.eval_every_n_steps=0"]
     run([*data, "strategy=ddp", "trainer.max_steps=3", "checkpoint.save_last=true", "trainer.save_weights=true",
          "trainer.sample_tokens=12"], tmp_path / "a", nproc=2, cwd=tmp_path).ok()
     # the sample is text decoded by the tokenizer (3 steps make no words yet: the decoded prompt, then bytes), and

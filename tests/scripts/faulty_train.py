@@ -9,6 +9,10 @@
 - ``HT_FAULT_ONCE=1``: only while the marker below does not exist yet (launchers without an attempt count: Ray).
 Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so tests can see where the fault happened.
 
+- ``HT_FAULT_JOBS``: ``NUM:MODE[,NUM:MODE...]``, for sweeps: Hydra job NUM fails before training. MODE ``raise``:
+  every rank raises FloatingPointError (as a diverged run does); ``kill``: rank 1 SIGKILLs itself (a crashed rank).
+  Other jobs run train.py's task unchanged.
+
 ``HT_FAKE_SUBMITIT=DIR`` stands in for submitit's job environment: a SIGUSR2 handler that, like submitit's
 ``checkpoint_and_try_requeue``, records the requeue (``DIR/requeued_rank<R>``) and calls ``sys.exit(-1)``.
 """
@@ -17,23 +21,38 @@ import signal
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 
 from hydratrain.config import register_configs
 from hydratrain.dist.run_dir import register_resolvers
 
 register_configs()
 register_resolvers()
+_INJECTED = False  # the trainer is patched once per process
+
+
+def _fail_job() -> None:
+    """``HT_FAULT_JOBS``: fail this Hydra job before training if the plan names it."""
+    plan = dict(item.split(":") for item in os.environ.get("HT_FAULT_JOBS", "").split(",") if item)
+    mode = plan.get(str(HydraConfig.get().job.num)) if plan else None  # a single run has no job number
+    if mode == "raise":
+        raise FloatingPointError("loss diverged (test)")
+    if mode == "kill" and os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _inject() -> None:
+    """``HT_FAULT*``: patch the trainer (once per process: the jobs of a local sweep share it)."""
+    global _INJECTED
     from hydratrain.dist.run_dir import run_dir_of
     from hydratrain.train import trainer
 
     kind, step = os.environ.get("HT_FAULT"), int(os.environ.get("HT_FAULT_STEP", "0"))
     rank, who = os.environ.get("RANK", "0"), os.environ.get("HT_FAULT_RANK", "1")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if not kind or (who != "all" and who != rank) or attempt != os.environ.get("HT_FAULT_ATTEMPT", "0"):
+    if _INJECTED or not kind or (who != "all" and who != rank) or attempt != os.environ.get("HT_FAULT_ATTEMPT", "0"):
         return
+    _INJECTED = True
 
     def fault() -> None:
         marker = run_dir_of() / f"fault_rank{rank}_step{step}"
@@ -83,6 +102,7 @@ def _fake_submitit() -> None:
 def task(cfg) -> float:
     from hydratrain.run import main
 
+    _fail_job()
     _inject()
     _fake_submitit()
     return main(cfg).eval_loss

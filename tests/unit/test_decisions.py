@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import ReadonlyConfigError
 
 from hydratrain.config import validate
 from hydratrain.errors import CheckpointError, ConfigError, DivergenceError
@@ -34,7 +35,7 @@ def test_main_never_writes_the_config_and_resolves_auto_into_a_new_object(compos
     assert cfg.precision.name == "auto"
     result = main(cfg, run_dir=tmp_path)
     assert OmegaConf.to_yaml(cfg) == before and result.steps == 2
-    with pytest.raises(Exception):  # read-only from main() on: any write is a bug, found at once
+    with pytest.raises(ReadonlyConfigError):  # read-only from main() on: any write is a bug, found at once
         cfg.precision.name = "bf16"
     p = Precision.resolve(cfg.precision, torch.device("cpu"))
     assert p.requested == "auto" and p.name in ("fp32", "bf16") and cfg.precision.name == "auto"
@@ -94,6 +95,23 @@ def test_meta_and_eager_builds_are_the_same_model(compose, tied):
             assert abs(p.std().item() / want - 1) < 0.05, name
 
 
+def test_activation_checkpointing_does_not_change_the_initial_weights(compose):
+    """activation_checkpointing=true must train the same model (AC only trades memory for compute)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.parallel.strategy import build_model, build_strategy
+
+    built = {}
+    for ac in ("false", "true"):
+        cfg = compose(["strategy=single", "precision=fp32", f"activation_checkpointing={ac}"])
+        model, _, _, _ = build_model(cfg, build_strategy(cfg), Precision.resolve(cfg.precision, torch.device("cpu")),
+                                     torch.device("cpu"), 256)
+        built[ac] = get_model_state_dict(model)  # names without wrapper prefixes
+    assert sorted(built["true"]) == sorted(built["false"])
+    assert [k for k in built["false"] if not torch.equal(built["false"][k], built["true"][k])] == []
+
+
 # ----------------------------------------------------------------------------------------------- eval set
 @pytest.mark.parametrize("n_samples", [0, 10, 33])
 def test_eval_set_counts_each_sample_once_at_any_world_size_and_batch(n_samples):
@@ -113,6 +131,26 @@ def test_eval_set_counts_each_sample_once_at_any_world_size_and_batch(n_samples)
         assert len(seen) == len(set(seen)) == (n_samples or 40)
         want = want or sorted(seen)
         assert sorted(seen) == want
+
+
+def test_eval_loss_is_the_same_when_the_last_batch_is_padded():
+    """24 eval samples in batches of 8 (no padding) and of 5 (the last batch holds 4 samples and 1 pad): the same
+    eval loss. (A mean of per-sample losses that counted pads as zero-loss samples gave 24/25 of it here.)"""
+    import contextlib
+
+    import numpy as np
+
+    from hydratrain.data import EvalBatches, TokenDataset
+    from hydratrain.models.gpt import GPT, GPTConfig
+    from hydratrain.train.evaluate import Evaluator
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(d_model=32, n_layer=1, n_head=2, max_seq_len=16))
+    ds = TokenDataset(np.random.default_rng(0).integers(0, 256, 40 * 16 + 1), 16)
+    losses = [Evaluator(EvalBatches(ds, 24, batch, 0, 1), torch.device("cpu")).evaluate(model,
+                                                                                         contextlib.nullcontext())[0]
+              for batch in (8, 5)]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
 
 
 # ------------------------------------------------------------------------------- resume rules, save guard

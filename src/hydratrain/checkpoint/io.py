@@ -1,9 +1,10 @@
 """Reading DCP checkpoints safely: allow-list unpickling of ``.metadata``, ``weights_only`` values, shard-file checks
 with one-line errors; full model weights in one process; ``model.init_from`` from a safetensors file.
 
-Used by :mod:`hydratrain.checkpoint.manager` (save/resume) and :mod:`hydratrain.checkpoint.export`. Nothing here runs pickled code:
-DCP's ``.metadata`` is a plain pickle, read here by :class:`_MetadataUnpickler`, and every other pickled value goes
-through ``torch.load(weights_only=True)`` (:class:`SafeLoadPlanner`; DCP's own planner uses ``weights_only=False``).
+Used by :mod:`hydratrain.checkpoint.manager` (save/resume) and :mod:`hydratrain.checkpoint.export`. Nothing here
+runs pickled code: DCP's ``.metadata`` is a plain pickle, read here by :class:`_MetadataUnpickler`, and every other
+pickled value goes through ``torch.load(weights_only=True)`` (:class:`SafeLoadPlanner`; DCP's own planner uses
+``weights_only=False``).
 """
 from __future__ import annotations
 

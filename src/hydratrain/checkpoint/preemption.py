@@ -97,11 +97,11 @@ class Preemption:
                 log.warning("submitit did not requeue the job: %s", err)
 
     def close(self, wait: bool = True) -> None:
-        """Wait for the last agreement (unless ``wait`` is False: after an error a peer may never join it) and restore the previous handlers -- unless stopping after a signal: then
-        SIGTERM is ignored from here on, so the launcher's own SIGTERM (torchrun signals every other worker once one
-        has exited) cannot kill a rank still tearing down before it exits with ``checkpoint.preempt_exit_code``
-        (``SIG_IGN``, unlike a Python handler, survives interpreter shutdown; a hung teardown still ends with
-        torchrun's SIGKILL 30 s later)."""
+        """Wait for the last agreement (unless ``wait`` is False: after an error a peer may never join it) and restore
+        the previous handlers -- unless stopping after a signal: then SIGTERM is ignored from here on, so the
+        launcher's own SIGTERM (torchrun signals every other worker once one has exited) cannot kill a rank still
+        tearing down before it exits with ``checkpoint.preempt_exit_code`` (``SIG_IGN``, unlike a Python handler,
+        survives interpreter shutdown; a hung teardown still ends with torchrun's SIGKILL 30 s later)."""
         if self._work is not None and wait:
             self._work.wait()
         self._work = None

@@ -528,7 +528,8 @@ class CheckpointConfig:
 @dataclass
 class LoggerConfig:
     tensorboard: bool = True  # rank 0 writes events under <run dir>/tensorboard
-    peak_flops: Optional[float] = None  # per-device peak FLOP/s for MFU; null = known GPU table or a measured CPU matmul
+    # per-device peak FLOP/s for MFU; null = known GPU table or a measured CPU matmul
+    peak_flops: Optional[float] = None
 
 
 @dataclass
@@ -537,6 +538,18 @@ class DistributedConfig:
 
     failure_timeout_s: float = 60.0  # when a rank raises or dies, every other rank exits within this many seconds
     collective_timeout_s: float = 600.0  # a collective that waits longer than this fails (process-group timeout)
+
+
+@dataclass
+class PlanConfig:
+    """The memory planner (``hydratrain.plan``): the per-rank peak predicted at the start of every run and by
+    ``python -m hydratrain.plan``, against a budget."""
+
+    enabled: bool = True  # log the prediction at the start of every run (and warn when it exceeds the budget)
+    memory_gb: Optional[float] = None  # per-rank budget, GiB; null = the device's (CUDA: total memory; CPU: the
+    #                                    available RAM shared by the node's ranks)
+    world_size: Optional[int] = None  # python -m hydratrain.plan: ranks to plan for; null = WORLD_SIZE or 1
+    ranks_per_node: Optional[int] = None  # python -m hydratrain.plan on CPU: ranks sharing this node's RAM; null = all
 
 
 @dataclass
@@ -556,6 +569,7 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     device: Device = Device.auto  # auto (cuda if available) | cpu | cuda
 

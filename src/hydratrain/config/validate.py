@@ -60,7 +60,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",
                 "trainer.eval_samples", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
         positive(key, allow_zero=True)
-    for key in ("trainer.max_steps", "trainer.max_epochs", "model.vocab_size", "model.n_kv_head", "model.d_ff", "logger.peak_flops"):
+    for key in ("trainer.max_steps", "trainer.max_epochs", "model.vocab_size", "model.n_kv_head", "model.d_ff",
+                "logger.peak_flops", "plan.memory_gb", "plan.world_size", "plan.ranks_per_node"):
         positive(key, allow_none=True)
 
     m = cfg.model
@@ -154,7 +155,8 @@ def validate_launcher(launcher: DictConfig) -> None:
         if amount is None or amount < 0:
             raise ConfigError(f"launcher.resources_per_worker.{name}", amount, "must be >= 0")
     if "node_rank" in launcher and not 0 <= launcher.node_rank < launcher.nnodes:
-        raise ConfigError("launcher.node_rank", launcher.node_rank, f"must be in [0, launcher.nnodes={launcher.nnodes})")
+        raise ConfigError("launcher.node_rank", launcher.node_rank,
+                          f"must be in [0, launcher.nnodes={launcher.nnodes})")
     endpoint = launcher.get("rdzv_endpoint")
     if endpoint is not None:
         host, _, port = str(endpoint).rpartition(":")

@@ -15,9 +15,11 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     Uses ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (its prefix is stripped from state-dict keys
     by ``torch.distributed.checkpoint.state_dict``, so checkpoints do not depend on it).
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                             apply_activation_checkpointing,
-                                                                             checkpoint_wrapper)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
 
     wrapper = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, Block))

@@ -17,10 +17,21 @@ from typing import Callable
 import torch
 from torch import nn
 
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the prefixes wrappers add (activation checkpointing, ``torch.compile``), so its
+    initial values do not depend on which wrappers the run uses."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
 
 def param_seed(seed: int, name: str) -> int:
-    """The seed of parameter ``name``'s generator: a stable mix of the run seed and the name (crc32), < 2**63."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+    """The seed of parameter ``name``'s generator: a stable mix of the run seed and the canonical name (crc32),
+    < 2**63."""
+    return (seed * 1_000_003 + zlib.crc32(canonical_name(name).encode())) % (2**63 - 1)
 
 
 def generators(seed: int, device: torch.device) -> Callable[[str], torch.Generator]:

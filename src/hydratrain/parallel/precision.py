@@ -84,7 +84,8 @@ class Precision:
         name = requested if requested != "auto" else auto_preset(device)
         return cls(name=name, requested=requested, compute_dtype=PRESET_DTYPE[name],
                    reduce_dtype=DTYPES[str(cfg.reduce_dtype)], use_scaler=name == "fp16",
-                   init_scale=float(cfg.get("init_scale", 65536.0)), growth_interval=int(cfg.get("growth_interval", 2000)),
+                   init_scale=float(cfg.get("init_scale", 65536.0)),
+                   growth_interval=int(cfg.get("growth_interval", 2000)),
                    tf32=bool(cfg.tf32) and device.type == "cuda" and name == "fp32")
 
     def describe(self) -> str:

@@ -54,7 +54,8 @@ class Strategy:
             return device
         return torch.device(init_device)
 
-    def parallelize(self, raw: nn.Module, precision: Precision, device: torch.device, seed: int) -> tuple[nn.Module, str]:
+    def parallelize(self, raw: nn.Module, precision: Precision, device: torch.device,
+                    seed: int) -> tuple[nn.Module, str]:
         """AC, compile and this strategy's wrapping applied to ``raw`` (a ``GPT`` built on :meth:`build_device`),
         then materialised (when on meta) and initialised from per-parameter generators seeded by ``seed``.
         Returns (the model to train, a one-line summary)."""

@@ -48,7 +48,8 @@ class StepLogger:
     def __init__(self, run_dir: Path, device: torch.device, tokens_per_step: int, flops_per_token: float,
                  peak_flops_total: float, log_every: int, max_steps: int, is_main: bool, tensorboard: bool,
                  progress_bar: bool):
-        self.device, self.tokens_per_step, self.log_every, self.max_steps = device, tokens_per_step, log_every, max_steps
+        self.device, self.tokens_per_step = device, tokens_per_step
+        self.log_every, self.max_steps = log_every, max_steps
         self.flops_per_token, self.peak = flops_per_token, peak_flops_total
         self.tb = TensorBoardLogger(run_dir / "tensorboard", tensorboard and is_main)
         self.window_loss = torch.zeros((), device=device)

@@ -64,6 +64,7 @@ class FitResult:
     mfu: float = math.nan
     data_wait_fraction: float = math.nan  # share of the timed step time rank 0 spent waiting for its next batch
     peak_memory_bytes: int = 0  # max over ranks
+    planned_peak_memory_bytes: int = 0  # the memory planner's prediction made at the start, max over ranks
     skipped_steps: int = 0
     seconds: float = 0.0
     preempted: bool = False  # stopped early by a preemption signal after saving a checkpoint (no final eval)

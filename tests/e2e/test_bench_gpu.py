@@ -6,13 +6,13 @@ import importlib.util
 import json
 import os
 import py_compile
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT, Run, sh
+
 SCRIPT = ROOT / "bench" / "gpu.sh"
 HELPER = ROOT / "bench" / "gpu_report.py"
 ALL_CASES = ["fsdp_bf16", "fp16_scaler", "cpu_offload", "meta_llama_1b", "compile", "ac", "compile_ac", "ckpt_save",
@@ -26,14 +26,9 @@ def _helper():
     return module
 
 
-def _dry_run(out: Path, cache: Path, cases: str = "", extra=(), timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DRY_RUN": "1", "CASES": cases, "PYTHON": sys.executable, "HYDRATRAIN_CACHE": str(cache),
-           "OMP_NUM_THREADS": "1"}
-    for key in [k for k in env if k.startswith(("TORCHELASTIC_", "SLURM_", "SUBMITIT_"))] + \
-            ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HYDRATRAIN_STAMP"]:
-        env.pop(key, None)
-    return subprocess.run(["bash", str(SCRIPT), "--out", str(out), *(["--", *extra] if extra else [])], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+def _dry_run(out: Path, cache: Path, cases: str = "", extra=(), timeout: int = 900) -> Run:
+    env = {"DRY_RUN": "1", "CASES": cases, "PYTHON": sys.executable, "HYDRATRAIN_CACHE": str(cache)}
+    return sh(["bash", str(SCRIPT), "--out", str(out), *(["--", *extra] if extra else [])], env=env, timeout=timeout)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -49,10 +44,10 @@ def _table_rows(out: Path) -> dict[str, list[str]]:
 
 
 def test_script_parses_and_helper_compiles(tmp_path):
-    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+    sh(["bash", "-n", str(SCRIPT)]).ok()
     py_compile.compile(str(HELPER), cfile=str(tmp_path / "gpu_report.pyc"), doraise=True)
     assert os.access(SCRIPT, os.X_OK)
-    out = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, check=True).stdout
+    out = sh(["bash", str(SCRIPT), "--help"]).ok().output
     assert "--dry-run" in out and "ckpt_resume" in out
 
 
@@ -77,15 +72,15 @@ def test_judge_catches_what_a_smoke_test_must():
 def test_dry_run_one_case_and_a_failing_one(tmp_path):
     """One case end to end (~10 s), then a launch that fails (a config error) must give FAIL and exit status 1."""
     proc = _dry_run(tmp_path / "ok", tmp_path / "cache", cases="fsdp_bf16")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "PASS fsdp_bf16" in proc.stdout and "1 passed, 0 failed" in proc.stdout
+    assert proc.returncode == 0, proc.output
+    assert "PASS fsdp_bf16" in proc.output and "1 passed, 0 failed" in proc.output
     (row,) = _rows(tmp_path / "ok")
     assert row["case"] == "fsdp_bf16" and row["status"] == "PASS" and row["steps"] == 8
     assert row["tokens_per_sec"] > 0 and 0 < row["mfu"] <= 1 and row["peak_memory_bytes"] > 0
     assert (tmp_path / "cache" / "cpu_peak_flops.json").exists()  # the CPU peak was cached for the next launches
 
     proc = _dry_run(tmp_path / "bad", tmp_path / "cache", cases="fsdp_bf16", extra=["optim.lr=-1"])
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 1, proc.output
     cells = _table_rows(tmp_path / "bad")["fsdp_bf16"]
     assert cells[2] == "FAIL" and "exit status 2" in cells[-1], cells
     assert "optim.lr" in _rows(tmp_path / "bad")[0]["log_tail"]
@@ -96,10 +91,10 @@ def test_dry_run_full_sequence(tmp_path):
     """Every case of the GPU sequence, tiny, on CPU (about 3 minutes on 2 cores, compile being half of it)."""
     out = tmp_path / "out"
     proc = _dry_run(out, tmp_path / "cache")
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.output[-9000:]
     rows = {r["case"]: r for r in _rows(out)}
     assert list(rows) == ALL_CASES
-    for case, r in rows.items():
+    for r in rows.values():
         assert r["status"] == "PASS" and r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0, r
     assert rows["ckpt_resume"]["steps"] == 8 and rows["ckpt_resume"]["steps_this_launch"] == 4
     assert rows["ckpt_resume_x2"]["steps_this_launch"] == 4 and rows["fsdp_bf16_x2"]["nproc"] == 2

@@ -1,15 +1,16 @@
-"""Every config option composes, validates and instantiates; bad values fail early with one line naming the key."""
+"""Every config option composes, validates and instantiates; bad values fail early with one line naming the key.
+
+All in this process: ``compose`` for the config, ``cli`` for train.py's own command line (exit status and the one
+stderr line)."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import CONF, ROOT
+from helpers import CONF, ROOT
 from hydratrain.config import ConfigError, validate
 
 GROUPS = ["model", "data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "trainer",
@@ -87,10 +88,10 @@ def test_experiment_overlays_compose(compose, name):
     assert OmegaConf.to_container(cfg) != OmegaConf.to_container(base)
 
 
-def test_cfg_job_prints_composed_config():
-    out = subprocess.run([sys.executable, "train.py", "--cfg", "job", "strategy=ddp", "optim.lr=3e-4"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
-    cfg = OmegaConf.create(out)
+def test_cfg_job_prints_composed_config(cli):
+    r = cli(["--cfg", "job", "strategy=ddp", "optim.lr=3e-4"], fast=False)
+    assert r.returncode == 0, r.output
+    cfg = OmegaConf.create(r.out)
     assert cfg.strategy.name == "ddp" and cfg.optim.lr == 3e-4 and cfg.model.name == "gpt_tiny"
 
 
@@ -118,29 +119,30 @@ def test_validate_names_the_key(compose, overrides, key):
     (["optim.lrr=1"], "optim.lrr"),
     (["data=text_files", "data.paths=[no/such/*.txt]"], "data.paths"),
 ])
-def test_bad_config_exits_with_one_line_before_process_group(args, expect, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                          capture_output=True, text=True)
-    assert proc.returncode != 0
-    first = proc.stderr.strip().splitlines()[0]
-    assert expect in first, proc.stderr
-    assert "process group" not in proc.stdout + proc.stderr
+def test_bad_config_exits_with_one_line_before_process_group(cli, args, expect, tmp_path):
+    r = cli(args, tmp_path, fast=False)
+    assert r.returncode != 0
+    first = r.err.strip().splitlines()[0]
+    assert expect in first, r.err
+    assert "process group" not in r.output
 
 
-def test_bad_config_under_torchrun_fails_before_process_group(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "train.py"), "optim.lr=-1", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "hydratrain: config error: optim.lr=-1.0: must be finite and > 0" in proc.stderr
-    assert "process group:" not in proc.stdout + proc.stderr
-
-
-def test_single_strategy_under_torchrun_is_a_config_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(ROOT / "train.py"), "strategy=single", f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "config error: strategy.name='single'" in proc.stderr
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("args,expect", [
+    (["optim.lr=-1"], "hydratrain: config error: optim.lr=-1.0: must be finite and > 0"),
+    (["strategy=single"], "hydratrain: config error: strategy.name='single'"),
+])
+def test_a_config_error_under_torchrun_is_one_line_from_rank_0_before_any_process_group(cli, monkeypatch, tmp_path,
+                                                                                         rank, args, expect):
+    """As each of 2 torchrun ranks sees it (no MASTER_ADDR: a process group attempt would fail with status 1): exit
+    status 2 on every rank, the one line from rank 0 only."""
+    for key, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2).items():
+        monkeypatch.setenv(key, str(value))
+    r = cli(args, tmp_path, fast=False)
+    assert r.returncode == 2, r.output[-3000:]
+    assert r.err.strip().splitlines() == ([] if rank else [r.err.strip()]) and "process group" not in r.output
+    if rank == 0:
+        assert r.err.startswith(expect), r.err
 
 
 @pytest.mark.parametrize("args,expect", [
@@ -151,25 +153,14 @@ def test_single_strategy_under_torchrun_is_a_config_error(tmp_path):
      "hydratrain: config error: "),
     (["data.synthetic_tokens=0"], "hydratrain: config error: data.synthetic_tokens=0: must be finite and > 0"),
     (["data.synthetic_tokens=300"], "hydratrain: config error: data='synthetic': val split (15 tokens)"),
-    (["trainer.max_steps=null", "trainer.max_epochs=1", "trainer.grad_accum_steps=1000", "data.synthetic_tokens=100000"],
-     "hydratrain: config error: trainer.max_epochs=1: gives 0 optimizer steps"),
+    (["trainer.max_steps=null", "trainer.max_epochs=1", "trainer.grad_accum_steps=1000",
+      "data.synthetic_tokens=100000"], "hydratrain: config error: trainer.max_epochs=1: gives 0 optimizer steps"),
 ])
-def test_bad_values_found_at_run_time_are_one_line_config_errors(args, expect, tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "+debug=fast", "precision=fp32", "strategy=single",
-                           *args, f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(expect), proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-
-
-def test_a_config_error_in_a_local_sweep_fails_that_job_only(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", "+debug=fast", "precision=fp32",
-                           "strategy=single", "optim.lr=-1,2e-3", "trainer.max_steps=2",
-                           f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert (tmp_path / "1" / "results.json").exists(), proc.stderr[-3000:]
-    report = (tmp_path / "sweep_report.csv").read_text()
-    assert "FAILED" in report and "COMPLETED" in report
+def test_bad_values_found_at_run_time_are_one_line_config_errors(cli, args, expect, tmp_path):
+    r = cli(["+debug=fast", "precision=fp32", "strategy=single", *args], tmp_path, fast=False)
+    assert r.returncode == 2, r.output[-2000:]
+    assert r.err.strip().splitlines()[-1].startswith(expect), r.output[-2000:]
+    assert "Traceback" not in r.output
 
 
 def test_size_based_policy_never_picks_a_container_without_forward():

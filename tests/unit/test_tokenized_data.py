@@ -13,13 +13,21 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from hydratrain.errors import ConfigError
 from hydratrain.data import load_splits, split_files, stdlib_files
-from hydratrain.tokenized import (SAMPLE_TOKENS, build_token_cache, check_token_ids, max_token_id, open_token_bin,
-                                  preflight_data, tokenizer_for, vocab_size_for)
+from hydratrain.errors import ConfigError
+from hydratrain.tokenized import (
+    SAMPLE_TOKENS,
+    build_token_cache,
+    check_token_ids,
+    max_token_id,
+    open_token_bin,
+    preflight_data,
+    tokenizer_for,
+    vocab_size_for,
+)
 from hydratrain.tokenizer import EOT, load_tokenizer, padded_vocab_size, read_pieces, train_bpe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT = ("def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
         "        self.y = y  # coordinates in metres, caf\u00e9 \u2713 \u00fcber \u65e5\u672c\n\n")
 

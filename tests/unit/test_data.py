@@ -1,14 +1,19 @@
 """Corpora, caching, sharding across ranks, reproducible per-epoch order, resumable position."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from hydratrain.data import (LoaderState, ShardedBatches, TokenDataset, build_corpus, expand_paths, stdlib_files,
-                             synthetic_stream)
+from hydratrain.data import (
+    LoaderState,
+    ShardedBatches,
+    TokenDataset,
+    build_corpus,
+    expand_paths,
+    stdlib_files,
+    synthetic_stream,
+)
 
 
 def test_token_dataset_windows_shift_by_one():

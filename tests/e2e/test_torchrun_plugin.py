@@ -1,6 +1,7 @@
-"""The torchrun launcher plugin on its own: Hydra's launcher test suites, its config node, per-job settings, the
-app's job check and callbacks for failed jobs. Nothing here imports hydratrain: the apps are Hydra's test apps and
-tests/plugin_app (a config that maps its own key onto ``hydra.launcher.nproc_per_node``).
+"""The torchrun launcher plugin on its own: Hydra's launcher test suites, per-job settings, the app's job check and
+callbacks for failed jobs, the plugin importable without the app. Nothing here imports hydratrain: the apps are
+Hydra's test apps and tests/plugin_app (a config that maps its own key onto ``hydra.launcher.nproc_per_node``). Its
+config node and setting checks, in-process: tests/unit/test_torchrun_plugin_config.py.
 
 Timing on 2 busy cores: the default selection ~30 s; Hydra's full suites (20 tests, marked slow) ~90 s.
 """
@@ -15,21 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.plugins import Plugins
 from hydra.core.singleton import Singleton
-from hydra.plugins.launcher import Launcher
 from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite, sweep_2_jobs
 from hydra.test_utils.test_utils import integration_test
 from hydra.version import VersionBase
 
-from hydra_plugins.hydratrain_launcher._checks import LauncherConfigError, check_settings
-from hydra_plugins.hydratrain_launcher.config import TorchrunLauncherConf
-from hydra_plugins.hydratrain_launcher.torchrun_launcher import TorchrunLauncher
+from hydra_plugins.hydratrain_launcher._checks import LauncherConfigError
 
-HERE = Path(__file__).resolve().parent
+PLUGIN_APP = str(Path(__file__).resolve().parents[1] / "plugin_app")  # its module: tests/_plugin_app.py
 FLAGS = ["-m", "hydra/job_logging=hydra_debug", "hydra/job_logging=disabled", "hydra/launcher=torchrun"]
 
 
@@ -43,10 +38,6 @@ def _unset_version_base():
     VersionBase.set_instance(saved)
 
 
-def test_discovery():
-    assert TorchrunLauncher.__name__ in [c.__name__ for c in Plugins.instance().discover(Launcher)]
-
-
 def test_plugin_imports_no_app():
     """Every module of the plugin imports with ``hydratrain`` made unimportable."""
     code = ("import sys; sys.modules['hydratrain'] = None\n"
@@ -55,38 +46,6 @@ def test_plugin_imports_no_app():
             "print('ok', [m for m in sys.modules if m.startswith('hydratrain')])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "ok ['hydratrain']" in proc.stdout, proc.stderr[-3000:]
-
-
-def test_config_node_has_defaults_for_any_app():
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_module(version_base="1.3", config_module="hydra.test_utils.configs"):
-            cfg = compose("compose", overrides=["hydra/launcher=torchrun"], return_hydra_config=True)
-    finally:
-        GlobalHydra.instance().clear()
-    node = cfg.hydra.launcher
-    assert node._target_ == "hydra_plugins.hydratrain_launcher.torchrun_launcher.TorchrunLauncher"
-    assert (node.nproc_per_node, node.nnodes, node.node_rank, node.rdzv_endpoint, node.max_restarts,
-            node.job_check, node.stop_on_failure) == (1, 1, 0, None, 0, None, False)
-
-
-@pytest.mark.parametrize("change, key", [
-    ({"nproc_per_node": 0}, "hydra.launcher.nproc_per_node"),
-    ({"nnodes": 0}, "hydra.launcher.nnodes"),
-    ({"rdzv_timeout": 0}, "hydra.launcher.rdzv_timeout"),
-    ({"max_restarts": -1}, "hydra.launcher.max_restarts"),
-    ({"monitor_interval": 0.0}, "hydra.launcher.monitor_interval"),
-    ({"start_method": "thread"}, "hydra.launcher.start_method"),
-    ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, "hydra.launcher.node_rank"),
-    ({"rdzv_endpoint": "nohostport"}, "hydra.launcher.rdzv_endpoint"),
-    ({"nnodes": 2}, "hydra.launcher.rdzv_endpoint"),
-    ({"nnodes": 2, "rdzv_endpoint": "h:0"}, "hydra.launcher.rdzv_endpoint"),
-])
-def test_bad_setting_is_one_line_error_naming_the_key(change, key):
-    check_settings(TorchrunLauncherConf())
-    with pytest.raises(LauncherConfigError) as err:
-        check_settings(TorchrunLauncherConf(**change))
-    assert err.value.key == key and str(err.value).startswith(key + "=") and "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------------- Hydra's launcher test suites
@@ -102,8 +61,10 @@ class TestTorchrunLauncherIntegration(IntegrationTestSuite):
     pass
 
 
-# the two suite tests the default selection keeps (~4 s each): a 2-job sweep in-process, and a job dir given on
-# the command line honoured by a subprocess app
+# two suite tests on their own (~4 s each): a 2-job sweep in-process (slow: the same test as
+# TestTorchrunLauncher::test_sweep_2_jobs), and a job dir given on the command line honoured by a subprocess app (not in
+# the suites; in the default selection)
+@pytest.mark.slow
 @pytest.mark.usefixtures("hydra_restore_singletons")
 def test_suite_sweep_2_jobs(hydra_sweep_runner, tmpdir):
     sweep_2_jobs(hydra_sweep_runner, overrides=["hydra/launcher=torchrun"], task_function=None, temp_dir=tmpdir)
@@ -132,7 +93,7 @@ def _task(cfg):
 
 def _sweep(hydra_sweep_runner, tmp_path, overrides):
     return hydra_sweep_runner(calling_file=__file__, calling_module=None, task_function=_task,
-                              config_path="plugin_app", config_name="config", overrides=overrides,
+                              config_path=PLUGIN_APP, config_name="config", overrides=overrides,
                               temp_dir=tmp_path / "sweep")
 
 

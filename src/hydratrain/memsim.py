@@ -1,0 +1,414 @@
+"""What one decoder block and the head keep for backward, measured on tensors that have no storage.
+
+The memory planner (:mod:`hydratrain.plan`) needs the bytes autograd saves per block, the transient peaks of one
+block's forward and backward, and the same for the head (final norm, ``lm_head``, the fp32 logits and the
+cross-entropy), for the real batch, sequence length, dtypes and activation-checkpointing setting. Modelling every op
+by hand goes stale as torch changes its kernels, so this module runs the real modules (``hydratrain.models.Block``,
+the real ``torch.autocast``, the real non-reentrant ``checkpoint_wrapper``) on :class:`Shadow` tensors: a tensor
+subclass that reports a CPU or CUDA device (so autocast and the attention kernel choice behave as on that device)
+and computes every op on the ``meta`` device, which gives shapes, dtypes, views and in-place aliasing but allocates
+nothing. A :class:`Tracker` counts the bytes of the distinct meta storages alive at each moment (a weakref callback
+per storage sees it die), which is what a caching allocator would have handed out: views and in-place results
+share their base's storage and are counted once.
+
+Why not ``torch._subclasses.FakeTensorMode``: its first use imports ``torch._dynamo`` (sympy included), about 2-3 s,
+while this runs at the start of every training run. The approach -- run on meta, count storages -- is the one
+``torch.distributed._tools.mem_tracker.MemTracker`` takes under fake tensors; autograd's saved tensors are the
+storages alive between forward and backward (``torch.autograd.graph.saved_tensors_hooks`` docs).
+
+Costs: one block forward + backward is ~100 shadow ops, 10-50 ms; nothing depends on model depth.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_map
+
+_META = torch.device("meta")
+_TRACKERS: list["Tracker"] = []  # the active tracker (a stack of at most one in practice)
+
+
+class Tracker:
+    """Live bytes of the meta storages that :class:`Shadow` ops create, and their peak.
+
+    Storages registered with :meth:`ignore` (parameters, rotary tables: counted elsewhere by the planner) are never
+    counted, even when a view of them is returned by an op."""
+
+    def __init__(self):
+        self.now = 0
+        self.peak = 0
+        self._live: dict[int, weakref.ref] = {}
+        self._ignored: dict[int, torch.UntypedStorage] = {}  # strong refs, so their ids are not reused
+
+    def track(self, t: torch.Tensor) -> None:
+        st = _inner(t).untyped_storage()
+        key = st._cdata
+        if key in self._live or key in self._ignored:
+            return
+        n = st.nbytes()
+
+        def freed(_ref, key=key, n=n):
+            if self._live.pop(key, None) is not None:
+                self.now -= n
+
+        self._live[key] = weakref.ref(st, freed)
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def ignore(self, t: torch.Tensor) -> None:
+        st = _inner(t).untyped_storage()
+        self._ignored[st._cdata] = st
+
+    def reset_peak(self) -> None:
+        self.peak = self.now
+
+    def __enter__(self) -> "Tracker":
+        _TRACKERS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _TRACKERS.remove(self)
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    return t.elem if isinstance(t, Shadow) else t
+
+
+class Shadow(torch.Tensor):
+    """A tensor that claims ``device`` (cpu or cuda) but holds a storage-less ``meta`` tensor, ``elem``."""
+
+    elem: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, device: torch.device, requires_grad: bool = False):
+        r = torch.Tensor._make_wrapper_subclass(cls, elem.shape, strides=elem.stride(),
+                                                storage_offset=elem.storage_offset(), dtype=elem.dtype,
+                                                device=device, requires_grad=requires_grad)
+        r.elem = elem
+        return r
+
+    def __repr__(self) -> str:
+        return f"Shadow({tuple(self.shape)}, {self.dtype}, {self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._fused_sdp_choice.default:
+            return _sdp_choice(*args, **kwargs)
+        device, inputs = None, {}
+
+        def unwrap(t):
+            nonlocal device
+            if isinstance(t, Shadow):
+                device = t.device
+                inputs[id(t.elem)] = t
+                return t.elem
+            if isinstance(t, torch.device):
+                return _META
+            return t
+
+        out = _meta_call(func, tree_map(unwrap, args), tree_map(unwrap, kwargs))
+        device = device or kwargs.get("device") or torch.device("cpu")
+        tracker = _TRACKERS[-1] if _TRACKERS else None
+
+        def wrap(t):
+            if not isinstance(t, torch.Tensor) or t.device != _META:
+                return t
+            if id(t) in inputs:  # in-place or out= result: the input itself
+                return inputs[id(t)]
+            if tracker is not None:
+                tracker.track(t)
+            return Shadow(t, device)
+
+        return tree_map(wrap, out)
+
+
+def _empty(shape, dtype, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A meta tensor of ``shape`` and ``dtype``: contiguous, or with the dimension order of ``like`` (a tensor of
+    the same shape), as TensorIterator lays out the result of a pointwise op on a permuted input."""
+    shape = tuple(shape)
+    order = list(range(len(shape)))[::-1]  # innermost first
+    if like is not None and tuple(like.shape) == shape and not like.is_contiguous():
+        order = sorted(range(len(shape)), key=lambda d: (like.stride(d), -d))
+    strides, step = [0] * len(shape), 1
+    for d in order:
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=_META)
+
+
+def _pointwise(func, args, kwargs):
+    """A functional pointwise op on floating tensors: the broadcast shape, the promoted dtype, the layout of the first
+    input of full shape. None (use torch's meta kernel) for anything else."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not tensors or not all(t.is_floating_point() for t in tensors):
+        return None
+    shape = torch.Size([])
+    for t in tensors:
+        shape = torch.broadcast_shapes(shape, t.shape)
+    # all operands are floating, so python scalars never change the dtype and 0-dim tensors only count alone
+    ranked = [t for t in tensors if t.dim() > 0] or tensors
+    dtype = ranked[0].dtype
+    for t in ranked[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    like = next((t for t in tensors if tuple(t.shape) == tuple(shape)), None)
+    return _empty(shape, dtype, like)
+
+
+def _reduce(x, dim, keepdim=False, *, dtype=None):
+    """``mean.dim`` / ``sum.dim_IntList``."""
+    dims = {d % x.dim() for d in ([dim] if isinstance(dim, int) else (dim or range(x.dim())))}
+    shape = [1 if d in dims else n for d, n in enumerate(x.shape) if keepdim or d not in dims]
+    return _empty(shape, dtype or x.dtype)
+
+
+def _cat(tensors, dim=0):
+    tensors = [t for t in tensors if not (t.dim() == 1 and t.numel() == 0)]
+    dim = dim % tensors[0].dim()
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return _empty(shape, dtype)
+
+
+def _log_softmax(x, dim, half_to_float):
+    return _empty(x.shape, torch.float32 if half_to_float else x.dtype)
+
+
+def _log_softmax_backward(grad_out, out, dim, input_dtype):
+    return _empty(grad_out.shape, input_dtype)
+
+
+def _nll_loss_backward(grad_out, x, target, weight, reduction, ignore_index, total_weight):
+    return _empty(x.shape, x.dtype)
+
+
+def _nll_loss_forward(x, target, weight, reduction, ignore_index):
+    """(loss, total_weight): loss per sample for reduction none (0), else a scalar."""
+    shape = target.shape if reduction == 0 else ()
+    return _empty(shape, x.dtype), _empty((), x.dtype)
+
+
+def _rms_norm(x, normalized_shape, weight, eps):
+    """``aten::_fused_rms_norm`` (CUDA): (output like ``x``, rstd in fp32 (fp64 for fp64) with the normalized dims
+    kept as 1), as torch's decomposition ``torch._decomp.decompositions._fused_rms_norm`` returns them."""
+    n = len(normalized_shape)
+    stat_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return _empty(x.shape, x.dtype), _empty((*x.shape[:x.dim() - n], *[1] * n), stat_dtype)
+
+
+def _rms_norm_backward(grad_out, x, normalized_shape, rstd, weight, output_mask):
+    """``aten::_fused_rms_norm_backward``: (grad input like ``x``, grad weight shaped like ``weight`` in ``x``'s
+    dtype), each None where ``output_mask`` says so."""
+    grad_x = _empty(x.shape, x.dtype) if output_mask[0] else None
+    grad_w = _empty(weight.shape, x.dtype) if output_mask[1] and weight is not None else None
+    return grad_x, grad_w
+
+
+# torch registers Python meta kernels (torch._meta_registrations, torch._refs) over most of aten's C++ ones; many
+# are wrapped in torch._compile._disable_dynamo, whose first call imports torch._dynamo and sympy (2-3 s). The ops a
+# decoder block and its loss use get their output shape, dtype and layout here instead. tests/unit/test_plan.py
+# checks that these agree with torch's meta kernels and that planning imports neither torch._dynamo nor sympy.
+_RULES = {
+    torch.ops.aten.mean.dim: _reduce,
+    torch.ops.aten.sum.dim_IntList: _reduce,
+    torch.ops.aten.cat.default: _cat,
+    torch.ops.aten._log_softmax.default: _log_softmax,
+    torch.ops.aten._log_softmax_backward_data.default: _log_softmax_backward,
+    torch.ops.aten.nll_loss_forward.default: _nll_loss_forward,
+    torch.ops.aten.nll_loss_backward.default: _nll_loss_backward,
+    torch.ops.aten._fused_rms_norm.default: _rms_norm,
+    torch.ops.aten._fused_rms_norm_backward.default: _rms_norm_backward,
+}
+USE_RULES = True  # False runs every op through torch's own meta kernels (tests compare the two)
+
+
+def _meta_call(func, args, kwargs):
+    """``func`` on meta tensors: a rule above when there is one, else torch's meta kernel."""
+    if USE_RULES:
+        rule = _RULES.get(func)
+        if rule is not None:
+            return rule(*args, **kwargs)
+        if torch.Tag.pointwise in func.tags and not func._schema.is_mutable:
+            out = _pointwise(func, args, kwargs)
+            if out is not None:
+                return out
+    return func(*args, **kwargs)
+
+
+def shadow(shape, dtype: torch.dtype, device: torch.device, requires_grad: bool = False) -> Shadow:
+    """A :class:`Shadow` of ``shape`` and ``dtype`` on ``device`` (allocates nothing)."""
+    return Shadow(torch.empty(shape, dtype=dtype, device=_META), device, requires_grad)
+
+
+def _sdp_choice(q, k, v, *args, **kwargs) -> int:
+    """``aten::_fused_sdp_choice`` as the real device would answer it: asked with tiny real tensors of the same
+    dtype and head layout (the choice depends on dtype, head size, mask and dropout, not on batch or length)."""
+    def small(t):
+        return torch.zeros(1, t.shape[1], min(t.shape[2], 8), t.shape[3], dtype=t.dtype, device=t.device)
+
+    args = tuple(torch.zeros(1, dtype=a.dtype, device=a.device) if isinstance(a, torch.Tensor) else a for a in args)
+    return torch.ops.aten._fused_sdp_choice.default(small(q), small(k), small(v), *args, **kwargs)
+
+
+def shadow_module(module: nn.Module, dtype: torch.dtype, device: torch.device, tracker: Tracker) -> nn.Module:
+    """Replace every parameter of ``module`` (built on meta) by a leaf :class:`Shadow` of ``dtype`` that requires
+    grad, ignored by ``tracker`` (parameter bytes are the planner's own arithmetic); ties are kept."""
+    done: dict[int, Shadow] = {}
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in done:
+                done[id(p)] = shadow(p.shape, dtype, device, requires_grad=True)
+                tracker.ignore(done[id(p)])
+            mod._parameters[name] = done[id(p)]
+    return module
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How the forward sees numbers. ``param_dtype``: dtype of the parameters the kernels read (fp32 master weights
+    under single/ddp; FSDP's all-gathered compute dtype under fsdp). ``autocast``: the autocast dtype, or None.
+    ``device``: the device type the simulation claims (cpu, or cuda when this process has CUDA)."""
+
+    param_dtype: torch.dtype
+    autocast: Optional[torch.dtype]
+    device: str = "cpu"
+
+    def autocast_ctx(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device, dtype=self.autocast)
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """Bytes of one stage (a decoder block, or the head with its loss), all absolute (0 = nothing of this stage):
+
+    fwd_peak: the most alive during its forward, its input included.
+    kept_in_autocast: kept after forward while the autocast region is still open (what backward needs, plus
+        autocast's cached low-precision weight copies), its output excluded.
+    kept: the same after the autocast region closed (autocast's cache is freed then): what backward needs.
+    bwd_peak: the most alive during its backward: what it kept, the incoming gradient, the parameter gradients it
+        makes, the gradient of its input, temporaries (and recomputation under activation checkpointing).
+    param_grads: bytes of the parameter gradients it leaves (dtype of the parameters it reads).
+    """
+
+    fwd_peak: int
+    kept_in_autocast: int
+    kept: int
+    bwd_peak: int
+    param_grads: int
+
+
+def _model_cfg(cfg_items: tuple):
+    from hydratrain.models.gpt import GPTConfig
+
+    return GPTConfig(**dict(cfg_items))
+
+
+@lru_cache(maxsize=64)
+def block_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode, checkpointed: bool) -> StageProfile:
+    """:class:`StageProfile` of one decoder block (``cfg_items``: the GPTConfig fields as sorted (key, value)
+    pairs) on a ``(batch, seq, d_model)`` input; ``checkpointed``: wrapped in non-reentrant activation
+    checkpointing, as :mod:`hydratrain.parallel.ac_compile` does."""
+    plain = _run_block(cfg_items, batch, seq, mode, grad=True)
+    if not checkpointed:
+        return plain
+    return _checkpointed(plain, _run_block(cfg_items, batch, seq, mode, grad=False))
+
+
+def _checkpointed(plain: StageProfile, no_grad: StageProfile) -> StageProfile:
+    """A checkpointed block, from the block run with and without autograd. Non-reentrant checkpointing
+    (``torch.utils.checkpoint``, ``use_reentrant=False``) runs the forward with every saved tensor dropped and keeps
+    the inputs; in backward it reruns the forward, this time saving, then runs the block's backward. So: the forward
+    peaks and what stays alive (the input, plus autocast's weight cache until the region closes) are those of the
+    forward without autograd; the backward peak is the larger of the recomputation (the saving forward's peak plus
+    the incoming gradient, the size of the input) and the plain backward. The real wrapper is not run here because
+    its first call imports torch._dynamo; tests/unit/test_plan.py checks this against it."""
+    grad_in = no_grad.kept  # the incoming gradient is the size of the output, i.e. of the input
+    return StageProfile(fwd_peak=no_grad.fwd_peak, kept_in_autocast=no_grad.kept_in_autocast, kept=no_grad.kept,
+                        bwd_peak=max(plain.fwd_peak + grad_in, plain.bwd_peak), param_grads=plain.param_grads)
+
+
+def _run_block(cfg_items: tuple, batch: int, seq: int, mode: Mode, grad: bool) -> StageProfile:
+    """One block's forward (and with ``grad``, backward). Without ``grad`` the forward runs under ``no_grad`` and
+    the input is kept (as checkpointing keeps it): ``kept`` is then the input, ``bwd_peak`` and ``param_grads`` 0."""
+    from hydratrain.models.gpt import Block
+
+    cfg = _model_cfg(cfg_items)
+    device = torch.device(mode.device)
+    tracker = Tracker()
+    with torch.device(_META):
+        block = Block(cfg)
+    shadow_module(block, mode.param_dtype, device, tracker)
+    # the rotary tables are buffers (counted by the planner); FSDP casts them to the compute dtype per block
+    rope_dtype = mode.param_dtype if mode.autocast is None else torch.float32
+    cos, sin = (shadow((seq, cfg.head_dim), rope_dtype, device) for _ in range(2))
+    tracker.ignore(cos)
+    tracker.ignore(sin)
+    with tracker, torch.set_grad_enabled(grad):
+        x = shadow((batch, seq, cfg.d_model), mode.param_dtype, device, requires_grad=True)
+        tracker.track(x)
+        tracker.reset_peak()
+        with mode.autocast_ctx():
+            y = block(x, cos, sin)
+            fwd_peak = tracker.peak
+            if grad:
+                del x  # the chain keeps it only if the block saved it
+            y_bytes = _inner(y).untyped_storage().nbytes()
+            kept_in_autocast = tracker.now - y_bytes
+        kept = tracker.now - y_bytes
+        if not grad:
+            return StageProfile(fwd_peak, kept_in_autocast, kept, 0, 0)
+        grad_y = shadow(y.shape, y.dtype, device)
+        tracker.track(grad_y)
+        tracker.reset_peak()
+        y.backward(grad_y)
+        bwd_peak = tracker.peak - y_bytes  # y itself is held here only; in the chain the next block freed it
+        grads = sum(_inner(p.grad).untyped_storage().nbytes() for p in block.parameters() if p.grad is not None)
+    return StageProfile(fwd_peak, kept_in_autocast, kept, bwd_peak, grads)
+
+
+@lru_cache(maxsize=64)
+def head_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode) -> StageProfile:
+    """:class:`StageProfile` of the head as the trainer runs it (``hydratrain.train.trainer.Trainer.loss_of``): final
+    norm and ``lm_head`` inside the autocast region, then ``cross_entropy(logits.float(), targets)`` outside it;
+    the logits are dropped when the loss is returned. Its input is the last block's output."""
+    cfg = _model_cfg(cfg_items)
+    device = torch.device(mode.device)
+    tracker = Tracker()
+    with torch.device(_META):
+        head = nn.Module()
+        head.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        head.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+    shadow_module(head, mode.param_dtype, device, tracker)
+    targets = shadow((batch, seq), torch.int64, device)
+    tracker.ignore(targets)
+    with tracker:
+        h = shadow((batch, seq, cfg.d_model), mode.param_dtype, device, requires_grad=True)
+        tracker.track(h)
+        tracker.reset_peak()
+        with mode.autocast_ctx():
+            logits = head.lm_head(head.norm(h))
+            del h
+            kept_in_autocast = tracker.now - _inner(logits).untyped_storage().nbytes()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        del logits
+        fwd_peak = tracker.peak
+        kept = tracker.now - _inner(loss).untyped_storage().nbytes()
+        tracker.reset_peak()
+        loss.backward()
+        bwd_peak = tracker.peak
+        grads = sum(_inner(p.grad).untyped_storage().nbytes() for p in head.parameters() if p.grad is not None)
+    return StageProfile(fwd_peak, kept_in_autocast, kept, bwd_peak, grads)

@@ -1,0 +1,419 @@
+"""The memory planner: each rank's peak memory, predicted before anything is allocated, and the cheapest changes
+that fit a budget.
+
+    python -m hydratrain.plan model=gpt_small strategy=fsdp precision=bf16 data.batch_size=8 data.seq_len=1024 \\
+        activation_checkpointing=true plan.world_size=8
+    python -m hydratrain.plan model=llama_8b strategy=fsdp precision=bf16 plan.world_size=8 plan.memory_gb=80
+
+Every run logs one line of it at the start (rank 0), a warning and the changes that fit when the prediction is over
+the budget; a run that runs out of memory stops with the breakdown and those changes (exit status 6,
+``hydratrain.errors.OutOfMemoryError``). Bytes everywhere; GiB = 2**30 bytes.
+
+What is counted, and how: :mod:`hydratrain.footprint`; activations: :mod:`hydratrain.memsim`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hydratrain.footprint import GiB, Plan, Setup, param_shapes, predict
+
+__all__ = ["GiB", "Plan", "Setup", "param_shapes", "predict", "suggestions", "budget_bytes", "plan_run", "main",
+           "OutOfMemoryGuard"]
+log = logging.getLogger("hydratrain.plan")
+
+
+# ------------------------------------------------------------------------------------------------ suggestions
+@dataclass(frozen=True)
+class Suggestion:
+    """A change (command-line overrides, launch changes) and the :class:`Plan` it gives."""
+
+    changes: tuple
+    plan: Plan
+
+    def __str__(self) -> str:
+        return f"{' '.join(self.changes)} -> peak {self.plan.peak / GiB:.2f} GiB"
+
+
+def _micro_batches(s: Setup) -> list[Setup]:
+    """Smaller micro-batches with more accumulation, the same tokens per optimizer step: largest first."""
+    return [s.replace(batch_size=s.batch_size // k, grad_accum_steps=s.grad_accum_steps * k)
+            for k in range(2, s.batch_size + 1) if s.batch_size % k == 0]
+
+
+def _more_ranks(s: Setup, max_world: int = 4096) -> list[Setup]:
+    """FSDP on this many ranks, then 2x, 4x, ... (FSDP on this world size first when there are several ranks)."""
+    out = [s.replace(strategy="fsdp", shard_degree=None)] if s.strategy != "fsdp" and s.world_size > 1 else []
+    w = s.world_size * 2
+    while w <= max_world:
+        out.append(s.replace(strategy="fsdp", world_size=w, shard_degree=None))
+        w *= 2
+    return out
+
+
+def suggestions(s: Setup, budget: int, limit: int = 4) -> list[Suggestion]:
+    """The cheapest changes of ``s`` whose predicted peak fits ``budget`` bytes, at most ``limit``, cheapest first.
+
+    Cost order (what each costs in speed): bf16 (nothing where the hardware computes it natively), a smaller
+    micro-batch with more accumulation (same tokens per step, smaller kernels), activation checkpointing (one more
+    forward per step, about +33% FLOPs), more ranks (more hardware; FSDP shards parameters, gradients and optimizer
+    state over them), CPU offload of FSDP's shards (bound by host-device copies; CUDA only). Single changes come
+    first; when none fits alone, the cheap switches (bf16, activation checkpointing) are combined with the others.
+    More ranks multiply the tokens per step unless the accumulation is lowered."""
+    plans: dict = {}
+
+    def plan_of(candidate: Setup) -> Plan:
+        if candidate not in plans:
+            plans[candidate] = predict(candidate)
+        return plans[candidate]
+
+    def first_fit(family: list[Setup]) -> Optional[Setup]:
+        return next((c for c in family if plan_of(c).peak <= budget), None)
+
+    def options(base: Setup) -> list[list[Setup]]:  # one change on top of base, cheapest first
+        out = [[base.replace(precision="bf16")]] if base.precision == "fp32" else []
+        out.append(_micro_batches(base))
+        if not base.activation_checkpointing:
+            out.append([base.replace(activation_checkpointing=True)])
+        out.append(_more_ranks(base))
+        if base.shards and base.device == "cuda" and not base.cpu_offload:
+            out.append([base.replace(cpu_offload=True)])
+        return out
+
+    found = [c for family in options(s) if (c := first_fit(family)) is not None]
+    if not found:  # two or three changes: the cheap switches, then one more change on top
+        switched = [b for b in (s.replace(precision="bf16") if s.precision == "fp32" else None,
+                                s.replace(activation_checkpointing=True) if not s.activation_checkpointing else None)
+                    if b is not None]
+        if len(switched) == 2:
+            switched.append(s.replace(precision="bf16", activation_checkpointing=True))
+        for base in switched:
+            found += [c for family in options(base) if (c := first_fit(family)) is not None]
+    unique = list(dict.fromkeys(found))
+    return [Suggestion(tuple(s.overrides(c)), plan_of(c)) for c in unique][:limit]
+
+
+# ------------------------------------------------------------------------------------------------- budgets
+def _proc_kib(path: str, key: str) -> Optional[int]:
+    """``key:`` of a /proc file in bytes (the kernel writes kB, i.e. KiB); None where there is none."""
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (``VmRSS``, /proc/self/status), bytes; 0 where /proc is missing."""
+    return _proc_kib("/proc/self/status", "VmRSS") or 0
+
+
+def baseline_bytes(device) -> int:
+    """What the process holds before the model: CUDA: ``torch.cuda.memory_allocated`` on ``device``; CPU: the
+    resident set size (the interpreter, torch's libraries, the data, measured rather than guessed)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.memory_allocated(device)
+    return resident_bytes()
+
+
+def budget_bytes(memory_gb: Optional[float], device, ranks_per_node: int, in_run: bool = True) -> tuple[int, str]:
+    """(per-rank budget in bytes, where it comes from): ``plan.memory_gb`` (GiB) when set; CUDA: the total memory of
+    ``device``; CPU: the tightest of the node's available memory (``MemAvailable``, /proc/meminfo), the room left
+    under this process's cgroup memory limit (both shared by the node's ``ranks_per_node`` ranks) and under its
+    address-space limit (``RLIMIT_AS``, its own), plus its own resident set when ``in_run`` (the ranks exist, so their
+    memory is not "available"; a planning process's own resident set goes away with it)."""
+    if memory_gb:
+        return int(memory_gb * GiB), "plan.memory_gb"
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory, f"total memory of {device}"
+    own = resident_bytes()
+    available = _proc_kib("/proc/meminfo", "MemAvailable")
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    shared = [(available, "available RAM")]
+    room = _cgroup_room()
+    if room is not None:
+        shared.append((room, "room under the cgroup memory limit"))
+    candidates = [((own + room // ranks_per_node) if in_run else (room + own) // ranks_per_node,
+                   f"{what} / {ranks_per_node} rank(s)" + (" + this rank's RSS" if in_run else ""))
+                  for room, what in shared]
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        virtual = _proc_kib("/proc/self/status", "VmSize") or 0
+        candidates.append((own + max(0, limit - virtual), "room under RLIMIT_AS (address space) + this rank's RSS"))
+    return min(candidates)
+
+
+def _cgroup_room() -> Optional[int]:
+    """Bytes left under this process's cgroup memory limit (v2 ``memory.max`` - ``memory.current``, or v1
+    ``memory.limit_in_bytes`` - ``memory.usage_in_bytes``); None without a limit."""
+    try:
+        with open("/proc/self/cgroup") as fh:
+            entries = [line.strip().split(":", 2) for line in fh]
+    except OSError:
+        return None
+    for _, controllers, path in entries:
+        if controllers == "":
+            files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):
+            files = (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes",
+                     f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit, usage = (Path(f).read_text().strip() for f in files)
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < 2 ** 60:
+            return max(0, int(limit) - int(usage))
+    return None
+
+
+# ------------------------------------------------------------------------------------------------- the run
+def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: int, device: str,
+              baseline: int, local_world_size: int = 1) -> Setup:
+    """The :class:`Setup` of the run config ``cfg`` with its :class:`~hydratrain.parallel.strategy.Strategy`, on
+    ``world_size`` ranks (``local_world_size`` per node: hsdp's default shard group), with the resolved
+    ``precision`` preset and vocabulary. Raises :class:`PlanUnavailable` for a strategy the planner does not model."""
+    from hydratrain.models.gpt import GPTConfig
+
+    if strategy.name not in ("single", "ddp", "fsdp", "hsdp"):
+        raise PlanUnavailable(f"strategy={strategy.name} is not modelled by the planner")
+    model = {k: cfg.model[k] for k in GPTConfig.__dataclass_fields__}
+    model["vocab_size"] = vocab_size
+    return Setup(model=tuple(sorted(model.items())), strategy=strategy.name,
+                 world_size=1 if strategy.name == "single" else world_size, precision=precision,
+                 reduce_dtype=str(cfg.precision.reduce_dtype), wrap_policy=str(cfg.wrap_policy.name),
+                 min_num_params=int(cfg.wrap_policy.get("min_num_params", 100_000)),
+                 reshard_after_forward=bool(cfg.strategy.get("reshard_after_forward", True)),
+                 cpu_offload=strategy.cpu_offload, activation_checkpointing=bool(cfg.activation_checkpointing),
+                 batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len),
+                 grad_accum_steps=int(cfg.trainer.grad_accum_steps), device=device, baseline=baseline,
+                 shard_degree=strategy.shard_degree(world_size, local_world_size) if strategy.name == "hsdp" else None,
+                 optim=str(cfg.optim.name), optim_block_size=int(cfg.optim.get("block_size", 256)))
+
+
+class PlanUnavailable(RuntimeError):
+    """The planner cannot predict this setup (the run goes on without a plan)."""
+
+
+@dataclass
+class RunPlan:
+    """A run's plan, its budget and the changes that fit (empty when it fits); see :func:`plan_run`."""
+
+    plan: Plan
+    budget: int
+    budget_from: str
+    fixes: list
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.peak <= self.budget
+
+    def line(self) -> str:
+        """The start-of-run line."""
+        verdict = "fits" if self.fits else "EXCEEDS the budget"
+        return (f"memory plan: {self.plan.summary()}; budget {self.budget / GiB:.2f} GiB per rank "
+                f"({self.budget_from}): {verdict}")
+
+    def advice(self) -> str:
+        """The changes that fit, one line: ``fits with: a=1 (3.1 GiB); b=2 c=3 (2.9 GiB)``."""
+        if not self.fixes:
+            return "no single change the planner tries fits; see python -m hydratrain.plan"
+        return "fits with: " + "; ".join(f"{' '.join(f.changes)} ({f.plan.peak / GiB:.2f} GiB)" for f in self.fixes)
+
+
+def plan_run(cfg, strategy, info, precision, vocab_size: int) -> Optional[RunPlan]:
+    """Predict this rank's peak before the model is built, log it (rank 0 prints one line; the table goes to each
+    rank's log file) and warn with the changes that fit when it exceeds the budget. Never stops the run: returns None
+    (and logs why) when the planner cannot predict this setup or ``plan.enabled`` is false."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.select(cfg, "plan.enabled", default=True):
+        return None
+    try:
+        setup = setup_for(cfg, strategy, world_size=info.world_size, precision=precision.name,
+                          vocab_size=vocab_size, device=info.device.type, baseline=baseline_bytes(info.device),
+                          local_world_size=info.local_world_size)
+        plan = predict(setup)
+        budget, source = budget_bytes(OmegaConf.select(cfg, "plan.memory_gb", default=None), info.device,
+                                      info.local_world_size)
+        run = RunPlan(plan, budget, source, [])
+        if not run.fits:
+            run.fixes = suggestions(setup, budget)
+    except Exception as err:  # the plan is advice: a planner bug must not stop training
+        log.warning("memory plan unavailable: %s: %s", type(err).__name__, err)
+        return None
+    for line in plan.table():
+        log.info(line, extra={"file_only": True})
+    if run.fits:
+        log.info(run.line())
+    else:
+        log.warning("%s; %s", run.line(), run.advice())
+    return run
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is an allocation failure: CUDA's ``torch.OutOfMemoryError``, the CPU allocator's
+    ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory"), ``std::bad_alloc``, or Python's MemoryError."""
+    if isinstance(err, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(err, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("can't allocate memory" in text or "bad_alloc" in text
+                                              or "out of memory" in text.lower())
+
+
+class OutOfMemoryGuard:
+    """A context manager that turns an allocation failure (:func:`is_out_of_memory`) into
+    :class:`hydratrain.errors.OutOfMemoryError` (exit status 6) whose one-line message gives what failed, the
+    planner's breakdown and the changes that fit. ``run_plan`` is set once the run has made its plan."""
+
+    def __init__(self):
+        self.run_plan: Optional[RunPlan] = None
+
+    def __enter__(self) -> "OutOfMemoryGuard":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc is None or not is_out_of_memory(exc):
+            return False
+        import traceback
+
+        from hydratrain.errors import OutOfMemoryError
+
+        what = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.error("out of memory:\n%s", "".join(traceback.format_exception(exc)), extra={"file_only": True})
+        # The failed step's frames hold its tensors as long as this traceback lives; drop them now, so the memory
+        # comes back before the teardown (which needs some: under an address-space limit even a thread's stack).
+        exc.__traceback__ = None
+        del tb
+        if self.run_plan is None:
+            raise OutOfMemoryError(f"{what} (no memory plan was made for this run)") from None
+        rp = self.run_plan
+        if not rp.fixes and rp.fits:
+            rp.fixes = suggestions(rp.plan.setup, int(rp.plan.peak * 0.8))  # it fitted on paper: aim lower
+        log.error("memory plan of this run:\n%s", "\n".join(rp.plan.table()), extra={"file_only": True})
+        raise OutOfMemoryError(f"{what}; planned {rp.plan.summary()}, budget {rp.budget / GiB:.2f} GiB per rank "
+                               f"({rp.budget_from}); {rp.advice()}") from None
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def planned_vocab_size(cfg, launch_dir) -> int:
+    """The vocabulary a run of ``cfg`` would resolve, without building data: ``model.vocab_size``, else the
+    tokenizer file's size or the BPE's ``data.vocab_size`` padded to 64, else 256 (bytes, synthetic)."""
+    from hydratrain.tokenized import vocab_size_for
+    from hydratrain.tokenizer import load_tokenizer, padded_vocab_size
+
+    data, explicit = cfg.data, cfg.model.vocab_size
+    if data.get("tokenizer"):
+        tokenizer = load_tokenizer(Path(launch_dir) / Path(data.tokenizer).expanduser())
+        return vocab_size_for(data, tokenizer, explicit)
+    if data.name in ("tokenized_text", "python_stdlib_bpe"):
+        return explicit or padded_vocab_size(data.vocab_size)
+    return vocab_size_for(data, None, explicit)
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from hydratrain.config import register_configs
+    from hydratrain.dist.run_dir import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    conf = Path(os.environ.get("HYDRATRAIN_CONF", Path(__file__).resolve().parents[2] / "conf"))
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose("train", overrides=overrides)
+
+
+def _run_imports() -> None:
+    """Import what a run has imported when it makes its plan, so this process's resident set (the CPU baseline)
+    resembles a rank's."""
+    import hydratrain.checkpoint.manager  # noqa: F401  (torch.distributed.checkpoint)
+    import hydratrain.checkpoint.stateful  # noqa: F401
+    import hydratrain.parallel.strategy  # noqa: F401
+    import hydratrain.train.trainer  # noqa: F401
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m hydratrain.plan [OVERRIDES]``: print the plan of the run ``train.py OVERRIDES`` would start (on
+    ``plan.world_size`` ranks), its budget and, when it does not fit, the changes that do. Exit status: 0 fits,
+    1 exceeds the budget, 2 a bad override or value."""
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
+    from omegaconf import OmegaConf
+
+    from hydratrain.errors import EXIT_CONFIG, ConfigError
+
+    try:
+        cfg = _compose(argv)
+        OmegaConf.set_readonly(cfg, True)
+        from hydratrain.config.validate import validate
+
+        validate(cfg)
+        return _report(cfg)
+    except ConfigError as err:
+        print(f"hydratrain: config error: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception as err:  # Hydra's composition errors name the override
+        if type(err).__module__.startswith(("hydra", "omegaconf")):
+            print(f"hydratrain: config error: {str(err).splitlines()[0]}", file=sys.stderr)
+            return EXIT_CONFIG
+        raise
+
+
+def _report(cfg) -> int:
+    import torch
+
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.paths import Paths
+
+    strategy = build_strategy(cfg)
+    cuda = str(cfg.device) == "cuda" or (str(cfg.device) == "auto" and torch.cuda.is_available())
+    world = int(cfg.plan.world_size or os.environ.get("WORLD_SIZE", 1))
+    per_node = int(cfg.plan.ranks_per_node or (1 if cuda else world))  # CPU ranks share this node's RAM
+    device = torch.device("cuda", 0) if cuda and torch.cuda.is_available() else torch.device("cuda" if cuda else "cpu")
+    precision = Precision.resolve(cfg.precision, device).name
+    _run_imports()
+    setup = setup_for(cfg, strategy, world_size=world, precision=precision,
+                      vocab_size=planned_vocab_size(cfg, Paths.resolve(cfg, Path.cwd()).data), device=device.type,
+                      baseline=resident_bytes() if device.type == "cpu" else 0,
+                      local_world_size=int(cfg.plan.ranks_per_node or world))
+    plan = predict(setup)
+    print("\n".join(plan.table()))
+    if device.type == "cuda" and not torch.cuda.is_available() and not cfg.plan.memory_gb:
+        print("budget: no CUDA device here to take it from; set plan.memory_gb")
+        return 0
+    budget, source = budget_bytes(cfg.plan.memory_gb, device, per_node, in_run=False)
+    fits = plan.peak <= budget
+    print(f"budget: {budget / GiB:.2f} GiB per rank ({source}): "
+          f"{'fits' if fits else 'EXCEEDS it'} ({plan.peak / budget:.0%})")
+    if not fits:
+        fixes = suggestions(setup, budget)
+        print("changes that fit, cheapest first:" if fixes else "no change the planner tries fits")
+        for fix in fixes:
+            print(f"  {' '.join(fix.changes):<60} peak {fix.plan.peak / GiB:.2f} GiB at {fix.plan.moment}")
+    return 0 if fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Launchers and sweeps whose workers are processes: the torchrun launcher plugin, sweeps inside torchrun ranks, sweep
+report and TensorBoard hparams, Optuna with torchrun, multi-node, submitit, elastic restarts, Ctrl-C. Every run is a
+tiny model on 2 gloo ranks. (The local launcher, and launcher errors found before any worker starts, are tested in
+this process: tests/unit/test_local_launcher.py.)"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from helpers import (
+    FAULTY,
+    ROOT,
+    SHARED_RUNS,
+    check_optuna_search,
+    finish,
+    free_port,
+    hparams_runs,
+    log_of,
+    report_rows,
+    results,
+    run,
+    sh,
+    start,
+)
+
+# ------------------------------------------------------------------------------------------ torchrun launcher
+# the default config (data=python_stdlib, model=gpt_tiny, strategy=fsdp, precision=auto), only made short
+SHORT = ["trainer.max_steps=3", "data.batch_size=2", "data.seq_len=64", "trainer.eval_samples=8",
+         "trainer.sample_tokens=0"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_sweep(tmp_path_factory, cache_dir) -> Path:
+    """``-m launcher=torchrun launcher.nproc_per_node=2 strategy=ddp,fsdp`` on the default config, shortened (job 1
+    is the default config itself), with a 16-token sample: one launch for the tests below."""
+    launch = tmp_path_factory.mktemp("torchrun_sweep")
+    sweep = launch / "sweep"
+    run(["-m", "launcher=torchrun", "launcher.nproc_per_node=2", "strategy=ddp,fsdp", *SHORT,
+         "trainer.sample_tokens=16", f"hydra.sweep.dir={sweep}"], cwd=launch, fast=False, timeout=400,
+        env={"HYDRATRAIN_CACHE": str(cache_dir)}).ok()
+    return sweep
+
+
+def test_torchrun_launcher_sweep_runs_each_job_on_two_fresh_ranks(torchrun_sweep):
+    sweep = torchrun_sweep
+    for job in ("0", "1"):
+        res = results(sweep / job)
+        assert res["hparams"]["world_size"] == 2 and res["steps"] == 3
+        assert (sweep / job / "train_rank0.log").exists() and (sweep / job / "train_rank1.log").exists()
+        assert "process group: backend=gloo world_size=2 rank=0" in (sweep / job / "train_rank0.log").read_text()
+    assert [results(sweep / j)["hparams"]["strategy.name"] for j in "01"] == ["ddp", "fsdp"]
+    rows = report_rows(sweep)
+    assert [r["status"] for r in rows] == ["COMPLETED", "COMPLETED"]
+    assert "strategy=ddp" in rows[0]["overrides"] and "strategy=fsdp" in rows[1]["overrides"]
+    for r in rows:
+        for col in ("train_loss", "eval_loss", "tokens_per_sec", "peak_memory_mb", "mfu"):
+            assert float(r[col]) > 0, (col, r)
+    assert float(rows[0]["eval_loss"]) == pytest.approx(results(sweep / "0")["eval_loss"], rel=1e-5)
+    # TensorBoard's hparams plugin sees the sweep dir as one table: one session (row) per job
+    sessions = hparams_runs(sweep)
+    assert sorted(sessions) == ["0/tensorboard", "1/tensorboard"]
+    assert all(b"strategy.name" in s for s in sessions.values())
+
+
+def _is_the_default_config_run(job: Path, world_size: int) -> None:
+    """No precision= override: precision=auto is resolved by each rank (never written into the config), so the
+    config the launcher hands its ranks passes the checks as composed."""
+    res = results(job)
+    assert res["steps"] == 3 and res["hparams"]["world_size"] == world_size
+    assert res["hparams"]["precision.name"] == "auto" and res["hparams"]["data.name"] == "python_stdlib"
+    saved = OmegaConf.load(job / ".hydra" / "config.yaml")
+    assert (saved.precision.name, saved.strategy.name) == ("auto", "fsdp")
+
+
+def test_torchrun_launcher_runs_the_default_config_and_writes_weights_and_a_sample(torchrun_sweep):
+    """The main job's path on the stdlib corpus (shortened) through the torchrun launcher: the weights file loads
+    into a fresh GPT, the sample is printed. (The local launcher: tests/unit/test_local_launcher.py.)"""
+    job = torchrun_sweep / "1"
+    _is_the_default_config_run(job, 2)
+    log0 = log_of(job)
+    assert "sample:\ndef " in log0 and "data=python_stdlib" in log0
+    from safetensors.torch import load_file
+
+    from hydratrain.models.gpt import GPT, GPTConfig
+
+    state = load_file(str(job / "model.safetensors"))
+    model = GPT(GPTConfig())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: stored once or twice, both load
+    assert state["blocks.0.attn.wq.weight"].shape == (128, 128)
+
+
+def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_torchrun(tmp_path):
+    """Basic sweeper + torchrun launcher, 4 jobs (nproc 1, 2) x (max_steps -1, 3): the -1 jobs fail the app's job
+    check before any worker starts; job 3's rank 1 dies (a crashed rank); job 1 runs on its own 1 rank."""
+    sweep = tmp_path / "goes_on"
+    r = run(["-m", "launcher=torchrun", "strategy=ddp", "launcher.nproc_per_node=1,2", "trainer.max_steps=-1,3",
+             f"hydra.sweep.dir={sweep}"], cwd=tmp_path, script=FAULTY, env={"HT_FAULT_JOBS": "3:kill"})
+    rc, out = r.returncode, r.output
+    assert rc != 0  # Hydra's basic sweeper raises the first failure once the batch is done
+    rows = report_rows(sweep)
+    assert [r["status"] for r in rows] == ["FAILED", "COMPLETED", "FAILED", "FAILED"], (rows, out[-3000:])
+    for r in rows[0], rows[2]:
+        assert r["error"] == "ConfigError: trainer.max_steps=-1: must be finite and > 0", r
+    assert not (sweep / "0" / ".hydra").exists()  # rejected in the launcher: no worker ran
+    assert "launcher.nproc_per_node=2 trainer.max_steps=3" in rows[3]["overrides"]
+    assert "job #3: rank 1 failed" in rows[3]["error"] and "SIGKILL" in rows[3]["error"], rows[3]
+    assert results(sweep / "1")["steps"] == 3 and results(sweep / "1")["hparams"]["world_size"] == 1
+    assert "ConfigError: trainer.max_steps=-1: must be finite and > 0" in out
+
+
+@pytest.mark.slow  # ~40-70 s on 2 busy cores
+def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
+    procs = [start(["launcher=torchrun", "launcher.nproc_per_node=2", "strategy=ddp",
+                    f"hydra.sweep.dir={tmp_path / name}"], cwd=tmp_path) for name in ("a", "b")]
+    outs = [finish(p, 300) for p in procs]
+    for r, name in zip(outs, "ab"):
+        r.ok()
+        assert results(tmp_path / name / "0")["hparams"]["world_size"] == 2
+
+
+def test_ctrl_c_ends_the_sweep(tmp_path):
+    """SIGINT to the launching process while job 0 trains: its workers are stopped, job 1 never starts, the sweep
+    exits non-zero at once instead of recording job 0 as failed and going on."""
+    sweep = tmp_path / "s"
+    proc = start(["-m", "launcher=torchrun", "launcher.nproc_per_node=1", "strategy=ddp", "trainer.max_steps=100000",
+                  "trainer.eval_every_n_steps=0", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    deadline = time.time() + 180
+    while not (sweep / "0" / "tensorboard").exists():  # job 0's rank 0 is training
+        assert proc.poll() is None and time.time() < deadline, finish(proc, 10).output[-3000:]
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    t0 = time.time()
+    r = finish(proc, 90)
+    assert r.returncode != 0 and time.time() - t0 < 60, r.output[-3000:]
+    assert not (sweep / "1").exists()
+    assert not (sweep / "0" / "status.json").exists()  # interrupted, not a failed job
+    time.sleep(2)
+    try:
+        os.killpg(proc.pid, 0)  # the launcher's process group: its workers, if any outlived it
+    except ProcessLookupError:
+        return
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("a worker outlived the interrupted sweep")
+
+
+@pytest.mark.slow  # ~40 s, mostly waiting
+def test_node_that_cannot_reach_node0_gives_up_with_a_clear_error(tmp_path):
+    r = run(["launcher=torchrun", "strategy=ddp", "launcher.nnodes=2", "launcher.node_rank=1",
+             "launcher.nproc_per_node=1", f"launcher.rdzv_endpoint=127.0.0.1:{free_port()}", "launcher.rdzv_timeout=10",
+             f"hydra.sweep.dir={tmp_path / 's'}"], cwd=tmp_path, timeout=150)
+    rc, out = r.returncode, r.output
+    assert rc != 0 and "no rendezvous with all 2 node(s) within hydra.launcher.rdzv_timeout=10 s" in out, out[-3000:]
+
+
+def test_sweep_inside_each_torchrun_rank(shared_sweep):
+    """``torchrun ... train.py -m +testrun=...``: the session's shared sweep (helpers.SHARED_RUNS) is one; every job
+    ran on both ranks with its own overrides and completed."""
+    rows = report_rows(shared_sweep.dir)
+    assert [r["status"] for r in rows] == ["COMPLETED"] * len(SHARED_RUNS), rows
+    for (name, overrides), row in zip(SHARED_RUNS.items(), rows):
+        hparams = results(shared_sweep.job(name))["hparams"]
+        assert f"+testrun={name}" in row["overrides"] and hparams["world_size"] == 2
+        assert [hparams["strategy.name"], hparams["precision.name"]] == \
+            [o.split("=")[1] for o in overrides if o.startswith(("strategy=", "precision="))]
+
+
+@pytest.mark.slow  # ~40-70 s on 2 busy cores
+def test_elastic_restart_after_a_killed_worker_resumes_from_its_checkpoint(tmp_path):
+    """Job 0 (max_restarts=0): rank 1 is SIGKILLed at step 3, the job fails and is reported; job 1
+    (max_restarts=1): the agent restarts both workers, which resume from the step-2 checkpoint in the same run dir
+    and complete the run."""
+    sweep = tmp_path / "sweep"
+    r = run(["-m", "launcher=torchrun", "launcher.nproc_per_node=2", "strategy=ddp", "trainer.max_steps=6",
+             "checkpoint.every_n_steps=2", "launcher.max_restarts=0,1", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
+            script=FAULTY, env={"HT_FAULT": "kill", "HT_FAULT_STEP": "3", "HT_FAULT_RANK": "1"})
+    rc, out = r.returncode, r.output
+    rows = report_rows(sweep)
+    assert [r["status"] for r in rows] == ["FAILED", "COMPLETED"], (rows, out[-3000:])
+    assert "rank 1" in rows[0]["error"] and "SIGKILL" in rows[0]["error"]
+    assert (sweep / "1" / "fault_rank1_step3").exists()
+    assert results(sweep / "1")["steps"] == 6 and results(sweep / "1")["hparams"]["world_size"] == 2
+    log0 = (sweep / "1" / "train_rank0.log").read_text()
+    assert "resumed from" in log0 and "step_00000002: step 2 " in log0, log0[-3000:]
+    assert rc != 0  # the sweep as a whole reports job 0's failure
+
+
+# ------------------------------------------------------------------------------------------------ multi-node
+def _one_run_dir_with_both_ranks(base: Path) -> Path:
+    dirs = sorted(p.parent for p in base.rglob("results.json"))
+    assert len(dirs) == 1, dirs
+    assert {p.name for p in dirs[0].iterdir()} >= {".hydra", "tensorboard"}
+    logs = sorted(p.name for p in dirs[0].glob("train_rank*.log"))
+    assert logs == ["train_rank0.log", "train_rank1.log"], logs
+    assert results(dirs[0])["hparams"]["world_size"] == 2
+    assert "world_size=2 rank=1" in (dirs[0] / "train_rank1.log").read_text()
+    return dirs[0]
+
+
+@pytest.mark.slow  # 2 agents + 2 workers; one node's ranks agreeing on the run dir: the shared sweep (test_train.py)
+def test_two_nodes_with_torchrun_cli_share_one_group_and_run_dir(tmp_path):
+    """Two torchrun agents (two "nodes" of 1 rank each) and no hydra.run.dir: both ranks agree on the time-stamped
+    run dir through the rendezvous store."""
+    port = free_port()
+    procs = [start(["strategy=ddp"], cwd=tmp_path, torchrun=["--nnodes", "2", "--node_rank", str(r),
+                                                            "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+                                                            "--rdzv_endpoint", f"127.0.0.1:{port}"]) for r in (0, 1)]
+    for p in procs:
+        finish(p, 240).ok()
+    _one_run_dir_with_both_ranks(tmp_path / "outputs")
+
+
+@pytest.mark.slow  # ~40-70 s on 2 busy cores
+def test_two_nodes_with_the_launcher_share_one_group_and_run_dir(tmp_path):
+    port = free_port()
+    procs = [start(["launcher=torchrun", "launcher.nnodes=2", f"launcher.node_rank={r}", "launcher.nproc_per_node=1",
+                    f"launcher.rdzv_endpoint=127.0.0.1:{port}", "strategy=ddp"], cwd=tmp_path) for r in (0, 1)]
+    for p in procs:
+        finish(p, 240).ok()
+    _one_run_dir_with_both_ranks(tmp_path / "multirun")
+
+
+# ------------------------------------------------------------------------------------------------ submitit
+def test_submitit_local_runs_the_default_config_as_two_tasks_of_one_run(tmp_path, cache_dir):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    run(["launcher=submitit_local", *SHORT, f"hydra.sweep.dir={sweep}"], fast=False, cwd=tmp_path, timeout=400,
+        env={"HYDRATRAIN_CACHE": str(cache_dir)}).ok()
+    _is_the_default_config_run(_one_run_dir_with_both_ranks(sweep), 2)
+    assert report_rows(sweep)[0]["status"] == "COMPLETED"
+
+
+# ------------------------------------------------------------------------------------------------ optuna
+@pytest.mark.slow  # 4 trials x 2 ranks (~20 s); the local search (in-process) and the basic sweeper's torchrun jobs
+# cover its parts in the default selection
+def test_optuna_torchrun_search_goes_on_past_failed_trials(tmp_path):
+    """Optuna + torchrun launcher (2 ranks): a config error on a sampled value (trial 2 with the preset's seed,
+    rejected by the job check in the launcher), a crashed rank (job 0), a diverged run (job 3); the study still runs
+    all 4 trials."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    r = run(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=4", "launcher=torchrun", "launcher.nproc_per_node=2",
+             "strategy=ddp", "trainer.max_steps=4", "optim.weight_decay=interval(-0.2,0.2)",
+             f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=400, script=FAULTY,
+            env={"HT_FAULT_JOBS": "0:kill,3:raise"})
+    check_optuna_search(r.returncode, r.output, sweep, 4, {0: "kill", 3: "raise"},
+                        ["ConfigError", "SIGKILL", "FloatingPointError"])
+
+
+# ------------------------------------------------------------------------------------------------------ slow
+@pytest.mark.slow
+def test_issue_sweep_precision_by_strategy(tmp_path):
+    sweep = tmp_path / "sweep"
+    run(["-m", "launcher=torchrun", "launcher.nproc_per_node=2", "precision=fp32,bf16", "strategy=ddp,fsdp",
+         "trainer.max_steps=4", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900).ok()
+    rows = report_rows(sweep)
+    assert len(rows) == 4 and all(r["status"] == "COMPLETED" for r in rows)
+    assert len(hparams_runs(sweep)) == 4
+
+
+def test_plugin_is_discovered_from_a_normal_install(tmp_path):
+    """Editable installs can hide namespace plugins from Hydra's scan: check a wheel, imported without site .pth."""
+    import site
+    import zipfile
+
+    sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+       tmp_path).ok()
+    wheel = next(tmp_path.glob("hydratrain-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "hydra_plugins/hydratrain_launcher/torchrun_launcher.py" in names
+    assert "hydra_plugins/__init__.py" not in names
+    zipfile.ZipFile(wheel).extractall(tmp_path / "installed")
+    r = sh([sys.executable, "-S", "-c", "import hydratrain, hydra_plugins.hydratrain_launcher as p; "
+            "print(p.__file__); from hydra.core.plugins import Plugins; from hydra.plugins.launcher import "
+            "Launcher; print([c.__name__ for c in Plugins.instance().discover(Launcher)])"], tmp_path, timeout=120,
+           env={"PYTHONPATH": f"{tmp_path / 'installed'}:{site.getsitepackages()[0]}"})
+    rc, out = r.returncode, r.output
+    assert rc == 0 and "TorchrunLauncher" in out and str(tmp_path / "installed") in out, out

@@ -1,0 +1,192 @@
+"""Checkpoints in this process: atomic saves and pruning, an incomplete checkpoint is never picked, truncated or
+corrupt shards and unsafe metadata are one-line errors (a run refuses them before any step), weights-only loading,
+init_from shape checks, the data position remapped across world sizes, checkpoint config checks. Resuming across
+processes, world sizes and strategies: tests/e2e/test_checkpoint.py."""
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import assert_same_tensors, ckpt_of
+from hydratrain.checkpoint.io import SafeLoadPlanner, read_all, read_metadata, verify
+from hydratrain.checkpoint.manager import find_resume, latest_checkpoint, list_checkpoints, resolve_checkpoint
+from hydratrain.data import ShardedBatches, TokenDataset
+from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError
+
+
+@pytest.fixture
+def saved(make_job, tmp_path) -> Path:
+    """A run dir whose checkpoints/ holds step_00000010 and step_00000020 of a tiny single-process job."""
+    run_dir = tmp_path / "saved"
+    job = make_job(run_dir)
+    for step in (10, 20):
+        job.trainer.progress.step = step
+        job.checkpoints.save(step)
+    return run_dir
+
+
+# ------------------------------------------------------------------------------------------ saving and picking
+def test_save_is_atomic_and_pruned(make_job, tmp_path, monkeypatch):
+    """keep_last prunes; a save that dies before its rename leaves the previous checkpoint as the latest, loadable,
+    and the next start removes the leftover temporary dir."""
+    import hydratrain.checkpoint.manager as ck
+
+    job = make_job(tmp_path, "checkpoint.keep_last=2")
+    root = tmp_path / "checkpoints"
+    trainer = job.trainer
+    batches = iter(trainer.train_batches)
+    for step in range(1, 5):
+        trainer.train_step(batches)
+        trainer.progress.step = step
+        job.checkpoints.save(step)
+    assert [p.name for _, p in list_checkpoints(root)] == ["step_00000003", "step_00000004"]
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+    trainer.train_step(batches)
+    trainer.progress.step = 5
+    monkeypatch.setattr(ck.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt("killed")))
+    with pytest.raises(KeyboardInterrupt):
+        job.checkpoints.save(5)
+    monkeypatch.undo()
+    assert (root / ".tmp-step_00000005" / ".metadata").exists() and latest_checkpoint(root).name == "step_00000004"
+
+    fresh = make_job(tmp_path)
+    assert not (root / ".tmp-step_00000005").exists()
+    fresh.checkpoints.load(latest_checkpoint(root))
+    assert fresh.trainer.progress.step == 4 and fresh.trainer.train_batches.position() == (0, 4 * 4)
+    assert_same_tensors(fresh.model.state_dict(), weights, "weights loaded from step 4")
+
+
+def test_incomplete_checkpoint_is_never_picked(saved, tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(ckpt_of(saved, 10), root / "step_00000010")
+    shutil.copytree(ckpt_of(saved, 20), root / "step_00000020")
+    (root / "step_00000020" / ".metadata").unlink()  # as if the metadata never got written
+    shutil.copytree(ckpt_of(saved, 20), root / ".tmp-step_00000030")  # a save killed before its rename
+    assert latest_checkpoint(root) == root / "step_00000010"
+    with pytest.raises(CheckpointError, match=r"step_00000020/.metadata: missing"):
+        resolve_checkpoint(root / "step_00000020")
+
+
+# ------------------------------------------------------------------------------------------ unusable checkpoints
+def test_truncated_shard_stops_the_run_with_one_line(saved, tmp_path, cli):
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step_00000010"
+    shutil.copytree(ckpt_of(saved, 10), ckpt)
+    shard = ckpt / "__0_0.distcp"
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=re.escape(str(shard)) + ": truncated"):
+        verify(ckpt)
+    r = cli(["strategy=single", "trainer.max_steps=20"], run)  # auto-resume finds it: refused before any step
+    assert r.returncode == EXIT_CHECKPOINT, r.output[-3000:]
+    errors = [line for line in r.err.splitlines() if "checkpoint error" in line]
+    assert len(errors) == 1 and errors[0].startswith(f"hydratrain: checkpoint error: {shard}: truncated")
+    assert "step 1/" not in r.output
+
+
+def test_corrupt_bytes_are_named(saved, tmp_path):
+    ckpt = tmp_path / "step_00000010"
+    shutil.copytree(ckpt_of(saved, 10), ckpt)
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[: len(data) // 2] = bytes(len(data) // 2)
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(str(shard)) + r": bytes \d+\.\.\d+ \(.*\) are corrupt"):
+        read_all(ckpt)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_metadata_is_read_without_running_code(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(CheckpointError, match=r"\.metadata: unreadable checkpoint metadata .*posix.system"):
+        read_metadata(ckpt)
+    (ckpt / ".metadata").write_bytes(pickle.dumps({"a": 1})[:5])
+    with pytest.raises(CheckpointError, match=r"\.metadata: unreadable"):
+        read_metadata(ckpt)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_stored_values_load_weights_only(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    buf = io.BytesIO()
+    torch.save(_Evil(), buf)
+    buf.seek(0)
+    with pytest.raises(pickle.UnpicklingError):
+        SafeLoadPlanner().load_bytes(None, buf)
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_init_from_wrong_shapes_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from hydratrain.checkpoint.io import init_from_file
+    from hydratrain.models.gpt import GPT, GPTConfig
+
+    bad = tmp_path / "bad.safetensors"
+    save_file({k: v.clone() for k, v in GPT(GPTConfig(d_model=32, n_layer=2, n_head=2)).state_dict().items()}, str(bad))
+    model = GPT(GPTConfig(d_model=64, n_layer=2, n_head=2))
+    with pytest.raises(CheckpointError, match=r"model.init_from=.*bad.safetensors: tok_emb.weight has shape"):
+        init_from_file(model, bad)
+
+
+# ------------------------------------------------------------------------------------------- data position
+@pytest.mark.parametrize("old,new", [((2, 4), (1, 4)), ((2, 4), (4, 4)), ((2, 4), (3, 5)), ((4, 3), (2, 4))])
+def test_data_position_remaps_exactly(old, new):
+    """After k micro-batches on W ranks of batch B, seeking on W' ranks of batch B' covers the rest of the epoch's
+    order: nothing consumed twice, nothing skipped before the dropped tail of the epoch."""
+    ds = TokenDataset(np.arange(203 * 8 + 1), 8)  # sample i starts with token 8 * i
+
+    def take(world, batch, n, seek=None):
+        seen = []
+        for rank in range(world):
+            sb = ShardedBatches(ds, batch, rank, world, seed=3)
+            if seek:
+                sb.seek(*seek)
+            it = iter(sb)
+            count = n if n is not None else sb.batches_left_in_epoch()
+            for _ in range(count):
+                x, _ = next(it)
+                seen += (x[:, 0] // 8).tolist()
+        return seen, sb.position()
+
+    (w, b), (w2, b2) = old, new
+    first, pos = take(w, b, 5)
+    assert pos == (0, 5 * w * b)
+    rest, end = take(w2, b2, None, seek=pos)
+    starts = first + rest
+    assert len(starts) == len(set(starts)), "a sample was repeated"
+    sampler_order = ShardedBatches(ds, b, 0, 1, seed=3).order
+    sampler_order.set_epoch(0)
+    order = list(sampler_order)
+    consumed = len(starts)
+    assert sorted(starts) == sorted(order[:consumed]), "the consumed samples are not a prefix of the order"
+    assert len(ds) // w2 * w2 - consumed < w2 * b2  # only a partial global batch is left over
+
+
+# ----------------------------------------------------------------------------------------------- config
+def test_config_checks(compose):
+    from hydratrain.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="checkpoint.preempt_exit_code=2"):
+        validate(compose(["checkpoint.preempt_exit_code=2"]))
+    with pytest.raises(ConfigError, match="model.init_from='w.pt': must be a .safetensors file"):
+        validate(compose(["model.init_from=w.pt"]))
+    cfg = compose(["checkpoint.resume_from=/nonexistent/x"])
+    with pytest.raises(CheckpointError, match="/nonexistent/x: no such checkpoint dir"):
+        find_resume(cfg.checkpoint, Path("/nonexistent/run"), Path("/"))

@@ -1,0 +1,53 @@
+"""Launcher presets, in this process: each selects its Hydra launcher and multirun and maps the user's launcher.* keys
+onto the plugin's own node; bad launcher values are one-line errors naming the key; Hydra finds the plugin."""
+from __future__ import annotations
+
+import pytest
+
+from hydratrain.config import ConfigError, validate
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["launcher=submitit_local", "launcher.gpus_per_node=2", "launcher.tasks_per_node=1"], "launcher.tasks_per_node"),
+    (["launcher=slurm", "launcher.gpus_per_node=8", "launcher.tasks_per_node=4"], "launcher.tasks_per_node"),
+    (["launcher=torchrun", "launcher.nnodes=2"], "launcher.rdzv_endpoint"),
+    (["launcher=torchrun", "launcher.nnodes=2", "launcher.node_rank=2", "launcher.rdzv_endpoint=h:1"],
+     "launcher.node_rank"),
+    (["launcher=torchrun", "launcher.rdzv_endpoint=nohostport"], "launcher.rdzv_endpoint"),
+    (["launcher=torchrun", "strategy=single"], "strategy.name"),
+    (["launcher=torchrun", "launcher.max_restarts=-1"], "launcher.max_restarts"),
+])
+def test_bad_launcher_config_is_one_line_error_naming_the_key(compose, overrides, key):
+    cfg = compose(overrides, return_hydra_config=True)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)  # the checks main() runs before any process group
+    assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_presets_select_the_hydra_launcher_and_multirun(compose):
+    for name, target in [("torchrun", "hydratrain_launcher.torchrun_launcher.TorchrunLauncher"),
+                         ("slurm", "hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+                         ("submitit_local", "hydra_submitit_launcher.submitit_launcher.LocalLauncher")]:
+        cfg = compose([f"launcher={name}", "launcher.gpus_per_node=4"] if name == "slurm" else [f"launcher={name}"],
+                      return_hydra_config=True)
+        assert cfg.hydra.launcher._target_.endswith(target)
+        assert str(cfg.hydra.mode) == "RunMode.MULTIRUN"
+        assert cfg.launcher.name == name
+    # the user-facing launcher.* keys are mapped onto the plugin's own node, which knows no hydratrain
+    torchrun = compose(["launcher=torchrun", "launcher.nproc_per_node=3", "launcher.nnodes=2", "launcher.node_rank=1",
+                        "launcher.rdzv_endpoint=h:29500", "launcher.rdzv_timeout=30", "launcher.max_restarts=2"],
+                       return_hydra_config=True)
+    h = torchrun.hydra.launcher
+    assert (h.nproc_per_node, h.nnodes, h.node_rank, h.rdzv_endpoint, h.rdzv_timeout, h.max_restarts) == \
+        (3, 2, 1, "h:29500", 30, 2)
+    assert h.job_check == "hydratrain.config.validate"
+    slurm = compose(["launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4", "launcher.partition=gpu",
+                     "launcher.account=acct", "launcher.timeout_min=30"], return_hydra_config=True)
+    h = slurm.hydra.launcher
+    assert (h.nodes, h.tasks_per_node, h.gpus_per_node, h.partition, h.account, h.timeout_min) == \
+        (2, 4, 4, "gpu", "acct", 30)
+
+
+def test_plugin_is_discovered(cli):
+    r = cli(["--info", "plugins"], fast=False)
+    assert r.returncode == 0 and "TorchrunLauncher" in r.output, r.output

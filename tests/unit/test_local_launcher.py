@@ -1,0 +1,98 @@
+"""train.py's command line in this process where no worker process is the point: the default config under the local
+launcher, local sweeps and Optuna searches whose failed jobs are reported while the sweep goes on, and launcher errors
+found before any worker starts (a port that cannot be had, submitit's GPU/task mismatch, stop_on_failure)."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+from omegaconf import OmegaConf
+
+from helpers import FAULTY, check_optuna_search, report_rows, results
+
+# the default config (data=python_stdlib, model=gpt_tiny, strategy=fsdp, precision=auto), only made short
+SHORT = ["trainer.max_steps=3", "data.batch_size=2", "data.seq_len=64", "trainer.eval_samples=8",
+         "trainer.sample_tokens=0"]
+
+
+def test_local_launcher_runs_the_default_config(cli, tmp_path):
+    """No precision= override: precision=auto is resolved by the rank (never written into the config), so the config
+    passes the checks as composed (the torchrun and submitit launchers: tests/e2e/test_launchers.py)."""
+    out_dir = tmp_path / "out"
+    r = cli(["launcher=local", *SHORT, f"hydra.run.dir={out_dir}"], fast=False)
+    assert r.returncode == 0, r.output[-4000:]
+    assert [p.parent for p in out_dir.rglob("results.json")] == [out_dir]
+    res = results(out_dir)
+    assert res["steps"] == 3 and res["hparams"]["world_size"] == 1
+    assert res["hparams"]["precision.name"] == "auto" and res["hparams"]["data.name"] == "python_stdlib"
+    saved = OmegaConf.load(out_dir / ".hydra" / "config.yaml")
+    assert (saved.precision.name, saved.strategy.name) == ("auto", "fsdp")
+
+
+def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_local(cli, tmp_path, monkeypatch):
+    """Basic sweeper + local launcher (jobs in-process): a config error fails that job only, a diverged run (the task
+    raising) fails its job; the job between them completes and writes its results."""
+    monkeypatch.setenv("HT_FAULT_JOBS", "2:raise")
+    sweep = tmp_path / "local"
+    r = cli(["-m", "strategy=single", "trainer.max_steps=-1,3,4", f"hydra.sweep.dir={sweep}"], script=FAULTY)
+    assert r.returncode != 0
+    rows = report_rows(sweep)
+    assert [r["status"] for r in rows] == ["FAILED", "COMPLETED", "FAILED"], (rows, r.output[-3000:])
+    assert rows[0]["error"] == "ConfigError: trainer.max_steps=-1: must be finite and > 0"
+    assert rows[2]["error"] == "FloatingPointError: loss diverged (test)"
+    assert (sweep / "1" / "results.json").exists() and results(sweep / "1")["steps"] == 3
+
+
+def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "sweep"
+    r = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=3", "strategy=single", "trainer.max_steps=3",
+             f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 0, r.output[-3000:]
+    rows = report_rows(sweep)
+    assert len(rows) == 3 and all(r["status"] == "COMPLETED" for r in rows)
+    best = min(float(r["eval_loss"]) for r in rows)
+    assert f"Best value: {best:.4f}"[:16] in r.output
+    assert all("optim.lr=" in r["overrides"] for r in rows)
+
+
+def test_optuna_local_search_goes_on_past_failed_trials(cli, tmp_path, monkeypatch):
+    """Optuna + local launcher: trials that sample an invalid weight decay fail with a config error (with the
+    preset's seed, trial 2 does), trial 3 diverges (raises); the study still runs all 5 trials."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    monkeypatch.setenv("HT_FAULT_JOBS", "3:raise")
+    sweep = tmp_path / "sweep"
+    r = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=5", "strategy=single", "trainer.max_steps=3",
+             "optim.weight_decay=interval(-0.2,0.2)", f"hydra.sweep.dir={sweep}"], script=FAULTY)
+    check_optuna_search(r.returncode, r.output, sweep, 5, {3: "raise"}, ["ConfigError", "FloatingPointError"])
+
+
+# ------------------------------------------------------------------ launcher errors before any worker starts
+def test_port_that_cannot_be_had_is_a_clear_error_not_a_hang(cli, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = cli(["launcher=torchrun", "strategy=ddp", f"launcher.rdzv_endpoint=127.0.0.1:{port}",
+                 f"hydra.sweep.dir={tmp_path / 's'}"])
+    assert r.returncode != 0 and r.seconds < 60
+    assert f"hydra.launcher.rdzv_endpoint=127.0.0.1:{port}: node 0 cannot host the rendezvous store" in r.output, \
+        r.output[-3000:]
+    assert report_rows(tmp_path / "s")[0]["status"] == "FAILED"
+
+
+def test_stop_on_failure_ends_the_sweep(cli, tmp_path):
+    sweep = tmp_path / "stops"
+    r = cli(["-m", "launcher=torchrun", "launcher.nproc_per_node=1", "strategy=ddp",
+             "hydra.launcher.stop_on_failure=true", "trainer.max_steps=-1,3", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode != 0 and [row["status"] for row in report_rows(sweep)] == ["FAILED"]
+    assert not (sweep / "1").exists()
+
+
+def test_submitit_gpu_task_mismatch_fails_before_submitting(cli, tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    r = cli(["launcher=submitit_local", "launcher.gpus_per_node=2", "launcher.tasks_per_node=1",
+             f"hydra.sweep.dir={tmp_path / 's'}"])
+    assert r.returncode != 0
+    assert "config error: launcher.tasks_per_node=1: must equal launcher.gpus_per_node=2" in r.output
+    assert not (tmp_path / "s" / ".submitit").exists()

@@ -1,0 +1,130 @@
+"""train.py run in this process (``cli``), single-process runs end to end: epochs with gradient accumulation, user
+paths against the launch dir, the environment report; and issue 7's correctness checks that need no second rank:
+divergence caught before the update, skipped non-finite updates, logged scalars that mean what they say, resuming
+with new hyper-parameters, a checkpoint of another model size refused in one line, every path key under
+hydra.job.chdir. (Multi-rank runs: tests/e2e/.)"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from helpers import ckpt_of, log_of, results, tb_scalars, write_user_inputs
+
+
+def test_single_process_run_with_epochs_and_grad_accumulation(cli, tmp_path):
+    cli(["strategy=single", "trainer.max_steps=null", "trainer.max_epochs=1", "data.synthetic_tokens=20000",
+         "trainer.grad_accum_steps=2", "trainer.eval_every_n_steps=0"], tmp_path).ok()
+    res = results(tmp_path)
+    # 19000 train tokens / 64 = 296 samples -> 74 micro-batches of 4 -> 37 steps of 2
+    assert res["steps"] == 37 and res["hparams"]["world_size"] == 1
+    assert "process group" not in log_of(tmp_path)
+
+
+def test_text_files_relative_paths_resolve_against_the_launch_dir(cli, tmp_path, monkeypatch):
+    (tmp_path / "notes").mkdir()
+    for i in range(4):
+        (tmp_path / "notes" / f"n{i}.txt").write_text(f"note {i}: the quick brown fox jumps over the lazy dog\n" * 60)
+    monkeypatch.chdir(tmp_path)
+    cli(["strategy=single", "data=text_files", "data.paths=[notes/*.txt]", "data.val_fraction=0.3",
+         "trainer.max_steps=3"], tmp_path / "run").ok()
+    log0 = log_of(tmp_path / "run")
+    assert re.search(r"data=text_files: .* \(train \d files / \d+ tokens, val \d files", log0), log0
+
+
+def test_env_report(capsys):
+    """``python -m hydratrain.env`` prints the report."""
+    import runpy
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # hydratrain.env may be imported already
+        runpy.run_module("hydratrain.env", run_name="__main__")
+    out = capsys.readouterr().out
+    assert "torch 2." in out and "cuda available:" in out and "backends: gloo" in out
+    assert "strategies: single, ddp, fsdp" in out and "precisions: fp32" in out
+
+
+# ------------------------------------------------------------------------------------------ divergence
+def test_divergence_stops_before_the_update_and_keeps_the_good_checkpoint(cli, tmp_path):
+    """optim.lr=1e30: step 1's update blows the weights up, step 2's gradient norm is not finite. The run stops
+    before step 2's optimizer step with exit status 4 naming the step and the last good checkpoint; no checkpoint of
+    non-finite weights exists and keep_last evicted nothing good."""
+    r = cli(["strategy=single", "optim.lr=1e30", "scheduler=constant", "checkpoint.every_n_steps=1",
+             "checkpoint.keep_last=1", "trainer.eval_every_n_steps=0"], tmp_path)
+    assert r.returncode == 4, r.output[-3000:]
+    line = [x for x in r.output.splitlines() if x.startswith("hydratrain: diverged:")]
+    assert len(line) == 1 and "at step 2" in line[0] and str(ckpt_of(tmp_path, 1)) in line[0], r.output[-2000:]
+    from hydratrain.checkpoint.io import read_all
+    from hydratrain.checkpoint.manager import list_checkpoints
+
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [1]
+    saved = read_all(ckpt_of(tmp_path, 1))
+    assert all(torch.isfinite(v).all() for v in saved.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_skip_drops_nonfinite_updates_then_stops_after_too_many(cli, tmp_path):
+    r = cli(["strategy=single", "optim.lr=1e30", "scheduler=constant", "trainer.on_nonfinite=skip",
+             "trainer.max_consecutive_nonfinite=3", "trainer.eval_every_n_steps=0"], tmp_path)
+    assert r.returncode == 4 and "3 steps in a row up to step 4 had non-finite gradients" in r.output, r.output[-2000:]
+    assert log_of(tmp_path).count("update skipped on every rank (trainer.on_nonfinite=skip)") == 3
+    assert tb_scalars(tmp_path, "train/skipped_steps")[4] == 3
+
+
+# ------------------------------------------------------------------------------------- what is logged
+def test_logged_lr_loss_and_grad_norm_mean_what_the_readme_says(cli, tmp_path):
+    """train/lr at step s is the lr step s's update used (warm-up: lr * s / warmup_steps); train/loss is the mean of
+    the window's step losses; train/grad_norm is the norm before clipping."""
+    common = ["strategy=single", "optim.lr=0.01", "scheduler=constant", "scheduler.warmup_steps=4",
+              "trainer.max_steps=6", "trainer.eval_every_n_steps=0", "trainer.grad_clip=1e-6"]
+    cli([*common, "trainer.log_every_n_steps=1"], tmp_path / "every").ok()
+    cli([*common, "trainer.log_every_n_steps=3"], tmp_path / "three").ok()
+    lr = tb_scalars(tmp_path / "every", "train/lr")
+    assert [lr[s] for s in range(1, 7)] == pytest.approx([0.0025, 0.005, 0.0075, 0.01, 0.01, 0.01])
+    every, three = tb_scalars(tmp_path / "every"), tb_scalars(tmp_path / "three")
+    assert sorted(three) == [1, 3, 6]
+    assert three[3] == pytest.approx((every[2] + every[3]) / 2, rel=1e-6)  # step 1 was its own window
+    assert three[6] == pytest.approx((every[4] + every[5] + every[6]) / 3, rel=1e-6)
+    assert min(tb_scalars(tmp_path / "every", "train/grad_norm").values()) > 0.1  # not the clipped 1e-6
+
+
+# ---------------------------------------------------------------------- resuming with new hyper-parameters
+def test_resume_with_a_new_lr_trains_with_it_and_records_it(cli, tmp_path):
+    common = ["strategy=single", "scheduler=constant", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=0"]
+    cli([*common, "optim.lr=1e-3", "trainer.max_steps=4", "checkpoint.every_n_steps=4"], tmp_path / "a").ok()
+    b = tmp_path / "b"
+    cli([*common, "optim.lr=5e-3", "optim.weight_decay=0.05", "trainer.max_steps=6",
+         f"checkpoint.resume_from={tmp_path / 'a'}"], b).ok()
+    assert tb_scalars(b, "train/lr")[5] == pytest.approx(5e-3)
+    assert results(b)["hparams"]["optim.lr"] == 5e-3
+    log = log_of(b)
+    assert "optim.lr: 0.001 -> 0.005" in log and "optim.weight_decay: 0.1 -> 0.05" in log
+    # auto-resume in the same run dir with yet another lr
+    cli([*common, "optim.lr=2e-3", "trainer.max_steps=8", "checkpoint.every_n_steps=2"], tmp_path / "a").ok()
+    assert tb_scalars(tmp_path / "a", "train/lr")[5] == pytest.approx(2e-3)
+    assert results(tmp_path / "a")["hparams"]["optim.lr"] == 2e-3
+
+
+def test_loading_a_checkpoint_of_another_model_size_is_one_line(cli, tmp_path):
+    cli(["strategy=single", "trainer.max_steps=2", "checkpoint.save_last=true"], tmp_path / "a").ok()
+    r = cli(["strategy=single", "model.d_model=32", f"checkpoint.resume_from={tmp_path / 'a'}"], tmp_path / "b")
+    assert r.returncode == 3
+    errors = [x for x in r.output.splitlines() if "checkpoint error" in x]
+    assert len(errors) == 1 and "model.d_model: 64 -> 32" in errors[0] and "Traceback" not in r.output
+
+
+# ------------------------------------------------------------------------------------------- user paths
+@pytest.mark.parametrize("chdir", ["true", "false"])
+def test_every_path_key_resolves_against_the_launch_dir(cli, tmp_path, monkeypatch, chdir):
+    monkeypatch.chdir(tmp_path)  # the launch dir
+    write_user_inputs(cli, tmp_path)
+    text = ["data=text_files", "data.paths=[notes/*.txt]", "data.val_fraction=0.3", "data.cache_dir=cache"]
+    cli(["strategy=single", *text, "model.init_from=w.safetensors", f"hydra.job.chdir={chdir}",
+         "trainer.max_steps=2"], tmp_path / "r1").ok()
+    assert f"initialised the model from {tmp_path / 'w.safetensors'}" in log_of(tmp_path / "r1")
+    assert (tmp_path / "cache").is_dir() and not (tmp_path / "r1" / "cache").exists()
+    cli(["strategy=single", "checkpoint.resume_from=src", f"hydra.job.chdir={chdir}", "trainer.max_steps=3"],
+        tmp_path / "r2").ok()
+    assert f"resumed from {ckpt_of(tmp_path / 'src', 2)}" in log_of(tmp_path / "r2")
