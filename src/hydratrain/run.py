@@ -179,8 +179,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), keep_last=cfg.checkpoint.keep_last,
         device=device, attachments=model_files(raw, tokenizer))
-    preemption = Preemption(cfg.checkpoint.save_on_sigterm, device, cfg.checkpoint.preempt_exit_code,
-                            under_submitit())
+    preemption = Preemption(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())
     trainer = Trainer(tcfg=cfg.trainer, model=model, strategy=strategy, precision=precision, device=device,
                       optimizer=optimizer, scheduler=scheduler, scaler=scaler, train_batches=train_batches,
                       evaluator=Evaluator(eval_batches, device), step_logger=step_logger, checkpoints=checkpoints,
