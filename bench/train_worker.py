@@ -7,7 +7,8 @@ more); usable alone:
 
 Both implementations train ``hydratrain.models.gpt.GPT`` (shapes from ``conf/model/<model>.yaml``) on the same
 synthetic token stream (``hydratrain.data.synthetic_stream``), ``--batch`` x ``--seq`` tokens per rank and step, with
-AdamW (decay on matrices only, lr 2e-3, betas 0.9/0.95, torch's default implementation unless ``--adamw``), global
+AdamW (decay on matrices only, lr 2e-3, betas 0.9/0.95; ``--adamw``: the implementation, by default torch's choice
+for the hand-written loop and ``optim.impl=auto`` for hydratrain), global
 grad-norm clipping at 1.0 and a warm-up + cosine ``LambdaLR``; the CPU thread count per rank is the same
 (``cores / ranks per node``, hydratrain's rule, unless ``--threads``). Time is taken at the end of every optimizer
 step (after a device synchronisation); tokens/s is ``tokens of all ranks x (steps - warm) / (t[steps] - t[warm])``.
@@ -42,7 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warm", type=int, default=10, help="steps before the timed ones")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / local ranks)")
-    p.add_argument("--adamw", choices=["default", "for_loop", "foreach", "fused"], default="default")
+    p.add_argument("--adamw", choices=["default", "for_loop", "foreach", "fused"], default="default",
+                   help="AdamW implementation (hand: default = torch's choice; hydratrain: default = optim.impl=auto)")
     p.add_argument("--compile", choices=["none", "blocks", "model"], default="none",
                    help="hand: torch.compile of each block or of the whole model (hydratrain: trainer.compile)")
     p.add_argument("--device", default="auto")
@@ -235,6 +237,8 @@ def run_hydratrain(args) -> dict:
         overrides.append(f"precision={args.precision}")
     if args.compile != "none":
         overrides.append("trainer.compile=true")
+    if args.adamw != "default":
+        overrides.append(f"optim.impl={args.adamw}")
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides + list(args.override))
     import torch
