@@ -14,11 +14,18 @@
 #   cpu_offload    ... strategy.cpu_offload=true                              (FSDP2 CPUOffloadPolicy, pinned)
 #   meta_llama_1b  model=llama_1b, batch 2 x 512                              (built on meta, sharded, materialised)
 #   compile        ... trainer.compile=true                                   (torch.compile of every block)
+#   ac             ... activation_checkpointing=true                          (recompute each block in backward)
+#   compile_ac     ... trainer.compile=true activation_checkpointing=true
 #   ckpt_save      ... hydra.run.dir=DIR/runs/ckpt checkpoint.every_n_steps=N trainer.max_steps=N
 #   ckpt_resume    the same run dir relaunched with trainer.max_steps=2N: resumes at N, trains N more
 #   adamw8bit      ... optim=adamw8bit (torchao's 8-bit AdamW on FSDP2 shards; needs pip install -e ".[lowbit]")
 #   *_x<R>         with R >= 2 GPUs (2 CPU ranks in the dry run): fsdp_bf16, ckpt_save, ckpt_resume on R ranks
 #   hsdp_x<R>      strategy=hsdp strategy.shard_size=R/2 on R ranks (2 replicas of R/2-way shards)
+#   vs_hand        bench/overhead.py: hydratrain (its defaults, and bf16 against bf16) against a hand-written loop
+#                  on gpt_small, 1 GPU (single) and all of them (fsdp), 2 interleaved rounds; its table is appended
+#
+# results.md also holds the gpt_small bf16 fsdp matrix of compile off/on x activation checkpointing off/on (tokens/s,
+# MFU, peak memory) from fsdp_bf16, compile, ac and compile_ac.
 #
 # Each case PASSes when train.py exits 0 and its results.json has the expected steps, finite train and eval loss,
 # tokens/s > 0, peak memory > 0 and an MFU in (0, 1] (on a GPU in hydratrain's peak table an MFU is required).
@@ -124,6 +131,9 @@ run_case cpu_offload cpu_offload 1 "$STEPS" "$STEPS" none "${FSDP[@]}" strategy.
 run_case meta_llama_1b meta_llama_1b 1 "$HALF" "$HALF" none strategy=fsdp "$BF16" "${LLAMA[@]}" \
   trainer.max_steps="$HALF"
 run_case compile compile 1 "$STEPS" "$STEPS" none "${FSDP[@]}" trainer.compile=true trainer.max_steps="$STEPS"
+run_case ac ac 1 "$STEPS" "$STEPS" none "${FSDP[@]}" activation_checkpointing=true trainer.max_steps="$STEPS"
+run_case compile_ac compile_ac 1 "$STEPS" "$STEPS" none "${FSDP[@]}" trainer.compile=true \
+  activation_checkpointing=true trainer.max_steps="$STEPS"
 run_case ckpt_save ckpt 1 "$HALF" "$HALF" none "${FSDP[@]}" checkpoint.every_n_steps="$HALF" \
   trainer.max_steps="$HALF"
 run_case ckpt_resume ckpt 1 "$STEPS" "$((STEPS - HALF))" resume "${FSDP[@]}" checkpoint.every_n_steps="$HALF" \
@@ -141,5 +151,22 @@ if ((MULTI >= 2)); then
       strategy.shard_size="$((MULTI / 2))" "$BF16" model=gpt_small trainer.max_steps="$STEPS"
   fi
 fi
+VS_HAND=0
+if selected vs_hand; then
+  if ((DRY)); then
+    VS=(--model gpt_tiny --batch 4 --seq 64 --steps 6 --warm 2 --rounds 1 --strategies single --device cpu)
+  else
+    VS=(--model gpt_small --batch 8 --seq 1024 --steps 30 --warm 10 --rounds 2 --device cuda --nproc "$MULTI")
+    ((MULTI >= 2)) && VS+=(--strategies single,fsdp) || VS+=(--strategies single)
+  fi
+  echo "== vs_hand: $PY bench/overhead.py ${VS[*]}"
+  (cd "$ROOT" && PYTHONUNBUFFERED=1 timeout --kill-after=30 $((TIMEOUT * 8)) "$PY" bench/overhead.py "${VS[@]}" \
+    --out "$OUT/vs_hand") > "$OUT/logs/vs_hand.log" 2>&1
+  VS_HAND=$?
+  ((VS_HAND == 0)) && echo "PASS vs_hand (table in $OUT/vs_hand/results.md)" \
+    || echo "FAIL vs_hand: exit status $VS_HAND (log $OUT/logs/vs_hand.log)"
+fi
 echo
-"${REPORT[@]}" table --out "$OUT"
+"${REPORT[@]}" table --out "$OUT" --append "$OUT/vs_hand/results.md"
+STATUS=$?
+((VS_HAND == 0 && STATUS == 0))

@@ -153,11 +153,34 @@ def cmd_table(args: argparse.Namespace) -> int:
                      f"{_fmt_mem(r)} | {steps if r.get('steps') is not None else 'n/a'} | {r['seconds']} | "
                      f"`{' '.join(r['overrides'])}` | {notes} |")
     failed = sum(r["status"] != "PASS" for r in rows)
-    summary = f"{len(rows) - failed} passed, {failed} failed" + ("" if rows else " (no case ran)")
+    appended = Path(args.append) if args.append and Path(args.append).is_file() else None
+    summary = f"{len(rows) - failed} passed, {failed} failed" + ("" if rows or appended else " (no case ran)")
     lines += ["", summary, ""]
+    lines += matrix(rows)
+    if appended is not None:
+        lines += ["", appended.read_text().replace("# bench/overhead.py", "## vs_hand: bench/overhead.py", 1)]
     (out / "results.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    return 1 if failed or not rows else 0
+    return 1 if failed or not (rows or appended) else 0
+
+
+MATRIX = {("off", "off"): "fsdp_bf16", ("on", "off"): "compile", ("off", "on"): "ac", ("on", "on"): "compile_ac"}
+
+
+def matrix(rows: list[dict]) -> list[str]:
+    """The compile x activation-checkpointing table of the gpt_small bf16 fsdp cases (those that ran)."""
+    by_case = {r["case"]: r for r in rows}
+    if not any(name in by_case for name in MATRIX.values()):
+        return []
+    lines = ["## gpt_small, bf16, fsdp, 1 rank: compile x activation checkpointing", "",
+             "| compile | activation checkpointing | case | tokens/s | MFU | peak memory | status |",
+             "|---|---|---|---|---|---|---|"]
+    for (compiled, ac), name in MATRIX.items():
+        r = by_case.get(name)
+        if r is not None:
+            lines.append(f"| {compiled} | {ac} | {name} | {_fmt_tps(r)} | {_fmt_mfu(r)} | {_fmt_mem(r)} | "
+                         f"{r['status']} |")
+    return lines + [""]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -180,6 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("overrides", nargs="*")
     p = sub.add_parser("table")
     p.add_argument("--out", required=True)
+    p.add_argument("--append", default=None, help="a markdown file appended to results.md when it exists")
     args = parser.parse_args(argv)
     return {"env": cmd_env, "record": cmd_record, "table": cmd_table}[args.command](args)
 

@@ -168,11 +168,16 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, m: int = 2048
     """FLOP/s of ``F.linear`` on ``(m, n) x (n, n)`` in ``dtype`` on ``device`` (the kernels a model's Linear layers
     use) with this process's thread count: the best of repeated timed runs of ``2*m*n*n`` FLOPs, for about
     ``budget_s`` seconds (at least ``min_iters`` runs), so a moment of contention from other processes does not
-    lower the peak much. Sustained contention still does: MFU on a shared CPU is indicative only."""
+    lower the peak much. Sustained contention still does: MFU on a shared CPU is indicative only. A dtype so slow
+    that the warm-up call alone takes ``budget_s`` (fp16 on a CPU without native fp16: ~1 GFLOP/s) is timed once more
+    instead of ``min_iters`` times, so the probe stays under a few seconds."""
     a = torch.randn(m, n, device=device).to(dtype)
     w = torch.randn(n, n, device=device).to(dtype)
-    best, iters, start = float("inf"), 0, time.perf_counter()
+    start = time.perf_counter()
     torch.nn.functional.linear(a, w)  # warm-up
+    if time.perf_counter() - start > budget_s:
+        min_iters = 1
+    best, iters, start = float("inf"), 0, time.perf_counter()
     while iters < min_iters or time.perf_counter() - start < budget_s:
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -258,6 +263,23 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path] = None) -> tupl
                 tmp.unlink()
             where = f"measured now ({key}); not cached ({e})"
     return flops, where
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False,
+                 cache_dir: Optional[Path] = None) -> tuple[float, str]:
+    """(FLOP/s of matmuls in ``dtype`` on ``device``, where the figure comes from, briefly): on CPU the cached
+    measurement of :func:`cpu_peak_flops`; on CUDA the datasheet peak (:func:`gpu_peak_flops`), or a short
+    measurement when the table has none for this GPU and dtype (e.g. bf16 on a V100, which emulates it); NaN for
+    other devices. For comparing dtypes on one device (``Precision.slow_path``), not for MFU."""
+    if device.type == "cpu":
+        flops, _ = cpu_peak_flops(dtype, cache_dir)
+        return flops, "measured on this CPU, cached"
+    if device.type == "cuda":
+        flops, _ = gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32)
+        if math.isfinite(flops):
+            return flops, "datasheet peaks"
+        return measure_matmul_flops(device, dtype, budget_s=0.2), "measured on this GPU"
+    return math.nan, f"no figure for device type {device.type!r}"
 
 
 def peak_flops(device: torch.device, compute_dtype: Union[torch.dtype, str], override: Optional[float] = None,
@@ -374,14 +396,22 @@ class TensorBoardLogger:
 
     Hparams are written once, into the same event file as the scalars (``SummaryWriter.add_hparams`` would make a
     time-stamped sub-directory per call), so a sweep reads as one table with one row per run.
+
+    The ``SummaryWriter`` (and the tensorboard import, ~0.1 s) is made at the first write, after the first optimizer
+    step, so it is not on the path to it.
     """
 
     def __init__(self, log_dir: Path, enabled: bool):
-        self.writer = None
-        if enabled:
+        self.log_dir, self.enabled, self._writer = log_dir, enabled, None
+
+    @property
+    def writer(self):
+        """The ``SummaryWriter`` (made on first use), or None when disabled."""
+        if self._writer is None and self.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(log_dir))
+            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        return self._writer
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if self.writer:
@@ -412,9 +442,9 @@ class TensorBoardLogger:
         self.scalars(metric_tags, step)
 
     def flush(self) -> None:
-        if self.writer:
-            self.writer.flush()
+        if self._writer:
+            self._writer.flush()
 
     def close(self) -> None:
-        if self.writer:
-            self.writer.close()
+        if self._writer:
+            self._writer.close()

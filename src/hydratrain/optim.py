@@ -1,7 +1,9 @@
 """Optimizer and learning-rate schedule builders.
 
 - ``adamw``: ``torch.optim.AdamW`` (Loshchilov & Hutter 2019) with weight decay on matrices only; norms' gains and
-  biases (1-D tensors) get none, as in GPT-2/LLaMA training recipes.
+  biases (1-D tensors) get none, as in GPT-2/LLaMA training recipes. ``optim.impl=auto`` uses torch's fused kernel
+  where it has one for the parameters' device (CPU and CUDA; one kernel launch per parameter group instead of a few
+  per tensor, which matters most for FSDP's DTensor shards, whose every op is dispatched in Python), else foreach.
 - ``adamw8bit``: the same update with both moments stored as 8-bit block-wise quantised codes (Dettmers et al. 2022,
   "8-bit Optimizers via Block-wise Quantization"), by torchao's ``torchao.optim.AdamW8bit`` (extra ``[lowbit]``).
   It works on FSDP2's DTensor shards (each rank quantises its own shard) and on plain tensors, on CPU and CUDA; its
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 LOWBIT_INSTALL = "pip install -e '.[lowbit]'"
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
@@ -37,7 +40,23 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
         with _quiet_import():
             from torchao.optim import AdamW8bit
         return AdamW8bit(groups, block_size=optim_cfg.block_size, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    impl = adamw_impl(str(optim_cfg.get("impl", "auto")), params)
+    log.info("optimizer: torch.optim.AdamW, %s implementation%s", impl,
+             " (optim.impl=auto)" if str(optim_cfg.get("impl", "auto")) == "auto" else "")
+    flags = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    return torch.optim.AdamW(groups, **kwargs, **flags)
+
+
+FUSED_DEVICES = ("cpu", "cuda")  # torch.optim.AdamW(fused=True) kernels in every torch this package supports (>= 2.6)
+
+
+def adamw_impl(requested: str, params: list) -> str:
+    """``for_loop`` | ``foreach`` | ``fused``: ``requested`` unless ``auto``; auto is fused when every parameter is
+    a floating tensor on a device with a fused kernel (:data:`FUSED_DEVICES`), else foreach."""
+    if requested != "auto":
+        return requested
+    fused = bool(params) and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+    return "fused" if fused else "foreach"
 
 
 @contextlib.contextmanager

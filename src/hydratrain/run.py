@@ -28,6 +28,11 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     multirun the error is raised instead, so Hydra records the job as failed and the sweep goes on. The task never
     returns a non-finite eval loss (divergence raises).
     """
+    from hydratrain import timing
+
+    timing.begin()
+    import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
+
     from hydratrain.checkpoint.manager import find_resume
     from hydratrain.config.validate import check_environment, validate
     from hydratrain.dist.env import dist_info, quiet_console
@@ -36,6 +41,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain.parallel.strategy import build_strategy
     from hydratrain.plan import OutOfMemoryGuard
 
+    timing.mark("imports")
     env = dist_info()
     quiet_console()
     OmegaConf.set_readonly(cfg, True)
@@ -47,8 +53,10 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed
+        timing.mark("checks")
         with process_group(str(cfg.device), strategy.backend, strategy.needs_process_group, strategy.cpu_offload,
                            dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info, OutOfMemoryGuard() as oom:
+            timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except HydratrainError as err:
         if env.rank == 0 or err.exit_status != EXIT_CONFIG:  # a config error is the same on every rank
@@ -99,6 +107,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     import numpy as np
     import torch
 
+    from hydratrain import timing
     from hydratrain.checkpoint.manager import CheckpointManager
     from hydratrain.checkpoint.preemption import Preemption
     from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, SchedulerState
@@ -116,6 +125,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     from hydratrain.train.step_logger import StepLogger
     from hydratrain.train.trainer import Trainer, TrainProgress
 
+    timing.mark("imports")
     device = info.device
     precision = Precision.resolve(cfg.precision, device)
     precision.apply_backend_flags()
@@ -131,14 +141,18 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     tokenizer, vocab_size = data_vocabulary(cfg, info, paths.data, cfg.trainer.progress_bar, cache_dir=paths.cache)
     train_batches, eval_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
                                              cache_dir=paths.cache)
+    timing.mark("data")
     memory_plan = plan_run(cfg, strategy, info, precision, vocab_size)  # before the model: nothing allocated yet
     if oom_guard is not None:
         oom_guard.run_plan = memory_plan
+    timing.mark("memory plan")
     model, raw, n_params, summary = build_model(cfg, strategy, precision, device, vocab_size)
+    timing.mark("model")
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
              strategy.local_param_bytes(model) / 1e6, summary)
     optimizer = build_optimizer(model, cfg.optim)
     optimizer_state = OptimizerState(model, optimizer)  # the configured hyper-parameters, before the scheduler
+    timing.mark("optimizer")
     max_steps = total_steps(cfg.trainer, train_batches.batches_per_epoch)
     if max_steps == 0:
         raise ConfigError("trainer.max_epochs", cfg.trainer.max_epochs,
@@ -148,12 +162,16 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     scaler = precision.grad_scaler(device)
     progress = TrainProgress()
     tokens_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * cfg.data.seq_len * info.world_size
+    timing.mark("optimizer")
+    slow = precision.slow_path(device, cache_dir=paths.cache)
+    if slow:
+        log.warning(slow)
+    peak = peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32,
+                      cache_dir=paths.cache)
+    timing.mark("peak FLOP/s")
     step_logger = StepLogger(run_dir, device, tokens_per_step, raw.flops_per_token(cfg.data.seq_len),
-                             peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32,
-                                        cache_dir=paths.cache)
-                             * info.world_size,
-                             cfg.trainer.log_every_n_steps, max_steps, info.is_main, cfg.logger.tensorboard,
-                             cfg.trainer.progress_bar)
+                             peak * info.world_size, cfg.trainer.log_every_n_steps, max_steps, info.is_main,
+                             cfg.logger.tensorboard, cfg.trainer.progress_bar)
     checkpoints = CheckpointManager(
         run_dir / "checkpoints",
         components={"model": ModelState(model), "optim": optimizer_state, "scheduler": SchedulerState(scheduler),
@@ -161,18 +179,18 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), keep_last=cfg.checkpoint.keep_last,
         device=device, attachments=model_files(raw, tokenizer))
-    preemption = Preemption(cfg.checkpoint.save_on_sigterm, device, cfg.checkpoint.preempt_exit_code,
-                            under_submitit())
+    preemption = Preemption(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())
     trainer = Trainer(tcfg=cfg.trainer, model=model, strategy=strategy, precision=precision, device=device,
                       optimizer=optimizer, scheduler=scheduler, scaler=scaler, train_batches=train_batches,
                       evaluator=Evaluator(eval_batches, device), step_logger=step_logger, checkpoints=checkpoints,
                       preemption=preemption, progress=progress, max_steps=max_steps,
                       save_every=cfg.checkpoint.every_n_steps, save_last=cfg.checkpoint.save_last)
+    timing.mark("logger, checkpoints, trainer")
     return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer)
 
 
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
-    from hydratrain.checkpoint.io import init_from_file
+    from hydratrain import timing
     from hydratrain.checkpoint.manager import step_of
     from hydratrain.dist.collectives import max_over_ranks, same_on_all_ranks
     from hydratrain.dist.run_dir import resolve_path
@@ -196,7 +214,10 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                         "(trainer.max_steps / max_epochs): nothing to train, evaluating only", progress.step,
                         job.trainer.max_steps)
     elif cfg.model.init_from:
+        from hydratrain.checkpoint.io import init_from_file  # (torch.distributed.checkpoint: only when needed)
+
         init_from_file(job.model, resolve_path(cfg.model.init_from, Paths.resolve(cfg, launch).model))
+    timing.mark("resume / init_from")
     result = job.trainer.fit()
     log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,
              cfg.optim.name)

@@ -15,8 +15,8 @@ from helpers import ROOT, Run, sh
 
 SCRIPT = ROOT / "bench" / "gpu.sh"
 HELPER = ROOT / "bench" / "gpu_report.py"
-ALL_CASES = ["fsdp_bf16", "fp16_scaler", "cpu_offload", "meta_llama_1b", "compile", "ckpt_save", "ckpt_resume",
-             "adamw8bit", "fsdp_bf16_x2", "ckpt_save_x2", "ckpt_resume_x2", "hsdp_x2"]
+ALL_CASES = ["fsdp_bf16", "fp16_scaler", "cpu_offload", "meta_llama_1b", "compile", "ac", "compile_ac", "ckpt_save",
+             "ckpt_resume", "adamw8bit", "fsdp_bf16_x2", "ckpt_save_x2", "ckpt_resume_x2", "hsdp_x2"]
 
 
 def _helper():
@@ -36,8 +36,10 @@ def _rows(out: Path) -> list[dict]:
 
 
 def _table_rows(out: Path) -> dict[str, list[str]]:
-    """{case: cells} of the markdown table's body."""
-    lines = [line for line in (out / "results.md").read_text().splitlines() if line.startswith("| ")][1:]
+    """{case: cells} of the first markdown table's body (the cases; the compile x AC matrix and vs_hand follow)."""
+    text = (out / "results.md").read_text()
+    first = text[text.index("\n| "):].split("\n\n")[0]
+    lines = [line for line in first.splitlines() if line.startswith("| ")][1:]
     return {cells[0]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
 
 
@@ -100,4 +102,6 @@ def test_dry_run_full_sequence(tmp_path):
     table = _table_rows(out)
     assert list(table) == ALL_CASES and all(cells[2] == "PASS" for cells in table.values())
     assert table["ckpt_resume"][6] == "8 (4 this launch)"
-    assert f"{len(ALL_CASES)} passed, 0 failed" in (out / "results.md").read_text()
+    text = (out / "results.md").read_text()
+    assert f"{len(ALL_CASES)} passed, 0 failed" in text
+    assert "compile x activation checkpointing" in text and "## vs_hand: bench/overhead.py" in text

@@ -77,8 +77,8 @@ def _inject() -> None:
     else:
         original_end = trainer.Trainer._end_of_step
 
-        def end_of_step(self, s):
-            stop = original_end(self, s)
+        def end_of_step(self, s, votes):
+            stop = original_end(self, s, votes)
             if s == step:
                 fault()
             return stop

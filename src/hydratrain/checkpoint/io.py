@@ -22,12 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from hydratrain.checkpoint import METADATA
 from hydratrain.dist.collectives import rank_and_world
 from hydratrain.errors import CheckpointError
 
 log = logging.getLogger(__name__)
-
-METADATA = ".metadata"
 
 
 @contextlib.contextmanager

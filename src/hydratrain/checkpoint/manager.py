@@ -29,11 +29,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 
-from hydratrain.checkpoint.io import METADATA, check_model_shapes, load_dcp, quiet_without_process_group, verify
+from hydratrain.checkpoint import METADATA
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
 from hydratrain.errors import CheckpointError, DivergenceError
 
@@ -125,6 +122,8 @@ def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 def _keep_stored(tree: dict, stored: set) -> dict:
     """``tree`` without the entries the checkpoint does not hold (torch versions add scheduler keys, a CPU run saved
     no CUDA RNG, a run on more ranks than saved has no RNG state for the new ranks), in DCP's own flat layout."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
     flat, paths = flatten_state_dict(tree)
     kept = {k: v for k, v in flat.items() if k in stored}
     return unflatten_state_dict(kept, {k: paths[k] for k in kept})
@@ -136,6 +135,8 @@ def _has(stored: set, name: str) -> bool:
 
 def _non_finite(state: dict) -> list[str]:
     """Names of floating tensors (local shards) in ``state`` that hold a NaN or an inf."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     bad = []
     for key, v in flatten_state_dict(state)[0].items():
         if isinstance(v, torch.Tensor) and v.is_floating_point():
@@ -218,7 +219,11 @@ class CheckpointManager:
         beyond ``keep_last`` are deleted. Replaces a checkpoint of the same step, if any. Raises
         :class:`~hydratrain.errors.DivergenceError`, writing nothing, when any rank's state holds a non-finite value.
         """
+        import torch.distributed.checkpoint as dcp
         from omegaconf import OmegaConf
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        from hydratrain.checkpoint.io import quiet_without_process_group
 
         t0 = time.perf_counter()
         state = self._state()
@@ -274,6 +279,8 @@ class CheckpointManager:
         Raises :class:`CheckpointError` when the checkpoint is unreadable, from a model of another shape, or a
         component refuses its state (e.g. the data order changed).
         """
+        from hydratrain.checkpoint.io import check_model_shapes, load_dcp, verify
+
         ckpt = Path(ckpt)
         md = verify(ckpt)
         stored = set(md.state_dict_metadata)
@@ -347,5 +354,7 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
     if ckpt is None and ccfg.resume_from:
         ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir))
     if ckpt is not None:
+        from hydratrain.checkpoint.io import verify
+
         verify(ckpt)
     return ckpt

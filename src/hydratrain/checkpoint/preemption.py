@@ -2,9 +2,10 @@
 
 Signals: SIGTERM (how SLURM preempts and how torchrun stops workers), and SIGUSR2 inside a submitit task (submitit
 asks SLURM for it before the time limit, ``--signal=USR2@90``, and its own handler requeues the job). One rank
-receiving the signal is enough: every step all ranks agree through a non-blocking all-reduce of one flag, whose result
-is read at the next step (so the agreement costs no wait on the hot path and the run stops one step later). After
-the save, submitit's own SIGUSR2 handler runs on rank 0, so the job is requeued as submitit would have done.
+receiving the signal is enough: with several ranks, each rank's flag rides on the all-reduce the step logger makes at
+every log step (``trainer.log_every_n_steps``), so the agreement costs no collective and no host synchronisation of
+its own, and the run stops at the first log step after the signal (one process: at the end of the current step).
+After the save, submitit's own SIGUSR2 handler runs on rank 0, so the job is requeued as submitit would have done.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import logging
 import signal
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
@@ -23,17 +23,15 @@ class Preemption:
 
     Args:
         enabled: ``checkpoint.save_on_sigterm``.
-        device: where the agreement's flag lives (the process group's device).
         exit_code: ``checkpoint.preempt_exit_code``, for the log line.
         under_submitit: also handle SIGUSR2, and call submitit's handler after the save.
     """
 
-    def __init__(self, enabled: bool, device: torch.device, exit_code: int, under_submitit: bool = False):
-        self.enabled, self.device, self.exit_code = enabled, device, exit_code
+    def __init__(self, enabled: bool, exit_code: int, under_submitit: bool = False):
+        self.enabled, self.exit_code = enabled, exit_code
         self.received: Optional[int] = None  # the signal this rank got, if any
         self.stopped = False
         self._previous: dict[int, object] = {}
-        self._work, self._flag = None, None
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if not enabled:
             return
@@ -47,23 +45,24 @@ class Preemption:
 
     def _on_signal(self, signum, frame) -> None:
         if self.received is None:
-            log.warning("%s received: finishing this step, then saving a checkpoint and exiting with %d",
-                        signal.Signals(signum).name, self.exit_code)
+            log.warning("%s received: saving a checkpoint at the %s, then exiting with %d",
+                        signal.Signals(signum).name, "end of this step" if self.world_size == 1 else "next log step",
+                        self.exit_code)
             self.received = signum
 
-    def should_stop(self) -> bool:
-        """True when any rank received a signal (every rank calls once per step; all get the same answer)."""
+    def vote(self) -> float:
+        """This rank's flag for the log step's all-reduce: 1.0 when it received a signal, else 0.0."""
+        return float(self.enabled and self.received is not None)
+
+    def should_stop(self, votes: Optional[float]) -> bool:
+        """True when any rank received a signal; every rank gets the same answer. ``votes``: the mean of
+        :meth:`vote` over ranks when this step was a log step, else None (with several ranks, only log steps stop;
+        one process stops at any step)."""
         if not self.enabled:
             return False
         if self.world_size == 1:
             return self.received is not None
-        agreed = False
-        if self._work is not None:
-            self._work.wait()
-            agreed = bool(self._flag.item())
-        self._flag = torch.tensor([int(self.received is not None)], dtype=torch.int32, device=self.device)
-        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
-        return agreed
+        return votes is not None and votes > 0
 
     def stopping(self, step: int, checkpoint: Optional[str]) -> None:
         """Called by every rank after the stop's checkpoint is saved: log it and, inside submitit, let its SIGUSR2
@@ -80,15 +79,11 @@ class Preemption:
             except Exception as err:  # e.g. submitit's UncompletedJobError: not requeueable
                 log.warning("submitit did not requeue the job: %s", err)
 
-    def close(self, wait: bool = True) -> None:
-        """Wait for the last agreement (unless ``wait`` is False: after an error a peer may never join it) and restore
-        the previous handlers -- unless stopping after a signal: then SIGTERM is ignored from here on, so the
-        launcher's own SIGTERM (torchrun signals every other worker once one has exited) cannot kill a rank still
+    def close(self) -> None:
+        """Restore the previous handlers -- unless stopping after a signal: then SIGTERM is ignored from here on, so
+        the launcher's own SIGTERM (torchrun signals every other worker once one has exited) cannot kill a rank still
         tearing down before it exits with ``checkpoint.preempt_exit_code`` (``SIG_IGN``, unlike a Python handler,
         survives interpreter shutdown; a hung teardown still ends with torchrun's SIGKILL 30 s later)."""
-        if self._work is not None and wait:
-            self._work.wait()
-        self._work = None
         for sig, previous in self._previous.items():
             if self.stopped and sig == signal.SIGTERM:
                 signal.signal(sig, signal.SIG_IGN)

@@ -86,6 +86,13 @@ class OptimName(Option):
     adamw8bit = "adamw8bit"
 
 
+class AdamWImpl(Option):
+    auto = "auto"
+    for_loop = "for_loop"
+    foreach = "foreach"
+    fused = "fused"
+
+
 class PathsName(Option):
     default = "default"
     workspace = "workspace"
@@ -414,15 +421,23 @@ class AdamWConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    # torch's implementation: auto = fused where torch has the fused kernel for the parameters' device (CPU, CUDA),
+    # else foreach (decided at run time and logged); for_loop | foreach | fused force one
+    impl: AdamWImpl = AdamWImpl.auto
 
 
 @dataclass
-class AdamW8bitConfig(AdamWConfig):
+class AdamW8bitConfig:
     """torchao's ``AdamW8bit``: both moments kept as 8-bit codes with one fp32 scale per ``block_size`` values
     (about 1/4 of fp32 AdamW's state); tensors under 4096 values, or not a multiple of block_size, stay fp32."""
 
     option: ClassVar[OptimName] = OptimName.adamw8bit
     name: OptimName = OptimName.adamw8bit
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.1  # applied to matrices only (not norms or biases)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
     block_size: int = 256  # values per quantisation block (one fp32 scale each)
 
 

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager
+from pathlib import Path
+from typing import ContextManager, Optional
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRESET_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# A precision whose matmuls run this many times slower than those of the preset ``auto`` picks is a slow path worth a
+# warning (fp16 on a CPU without native fp16: ~100x; bf16 on an AVX2-only CPU: ~10x; fp32 without TF32 on an A100:
+# 16x). fp32 against native bf16 (3.8-4.6x on an AVX512-BF16 CPU, 2x against TF32 on a GPU) stays below it.
+SLOW_FACTOR = 5.0
 
 
 def cpu_has_native_bf16() -> bool:
@@ -41,6 +46,11 @@ def native_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     return cpu_has_native_bf16()
+
+
+def auto_preset(device: torch.device) -> str:
+    """The preset ``precision=auto`` resolves to on ``device``: bf16 where it is native, else fp32."""
+    return "bf16" if native_bf16(device) else "fp32"
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ class Precision:
         """The :class:`Precision` for the ``precision`` config node ``cfg`` on ``device`` (``auto`` made concrete).
         Reads ``cfg`` only."""
         requested = str(cfg.name)
-        name = requested if requested != "auto" else ("bf16" if native_bf16(device) else "fp32")
+        name = requested if requested != "auto" else auto_preset(device)
         return cls(name=name, requested=requested, compute_dtype=PRESET_DTYPE[name],
                    reduce_dtype=DTYPES[str(cfg.reduce_dtype)], use_scaler=name == "fp16",
                    init_scale=float(cfg.get("init_scale", 65536.0)),
@@ -84,6 +94,29 @@ class Precision:
         extra = ", TF32 matmuls" if self.tf32 else ""
         return (f"{head} (compute {str(self.compute_dtype).removeprefix('torch.')}, reduce "
                 f"{str(self.reduce_dtype).removeprefix('torch.')}{', grad scaler' if self.use_scaler else ''}{extra})")
+
+    def slow_path(self, device: torch.device, cache_dir: Optional[Path] = None) -> Optional[str]:
+        """A one-line warning when this precision's matmuls run at least :data:`SLOW_FACTOR` times slower on
+        ``device`` than those of the preset ``precision=auto`` picks there, with the measured factor; else None.
+
+        The rates are the ones MFU uses (:func:`hydratrain.metrics.matmul_flops`): on CPU the matmul measured once
+        per machine and dtype and cached, on CUDA the datasheet peak of the device (measured when the table has
+        none, e.g. bf16 on a V100, which only emulates it). Costs nothing when this is the preset auto picks."""
+        from hydratrain.metrics import matmul_flops
+
+        faster = auto_preset(device)
+        if faster == self.name:
+            return None
+        tf32 = device.type == "cuda" and faster == "fp32"  # auto's fp32 uses TF32 on CUDA (precision.tf32: true)
+        mine, _ = matmul_flops(device, self.compute_dtype, self.tf32, cache_dir)
+        best, where = matmul_flops(device, PRESET_DTYPE[faster], tf32, cache_dir)
+        if not (mine > 0 and best / mine >= SLOW_FACTOR):
+            return None
+        what = f"{device.type.upper()} " + ("without native fp16" if self.name == "fp16" and device.type == "cpu" else
+                                            "without native bf16" if self.name == "bf16" else "")
+        return (f"precision={self.name} is a slow path on this {what.strip()}: its {_short(self.compute_dtype)} "
+                f"matmuls run {best / mine:.0f}x slower than {_short(PRESET_DTYPE[faster])} ({mine / 1e9:,.1f} vs "
+                f"{best / 1e9:,.1f} GFLOP/s, {where}); precision={faster} (what precision=auto picks here) is faster")
 
     def apply_backend_flags(self) -> None:
         """Set the process-wide CUDA matmul/conv flags this precision implies (TF32 for fp32 when ``tf32``), with
@@ -111,3 +144,7 @@ class Precision:
         its ``scale`` returns the loss, ``step`` calls ``optimizer.step`` and ``get_scale`` is 1.0)."""
         return torch.amp.GradScaler(device.type, init_scale=self.init_scale, growth_interval=self.growth_interval,
                                     enabled=self.use_scaler)
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -91,9 +91,13 @@ class Strategy:
         """Global L2 norm of all gradients (over all ranks and shards), before clipping; clips to ``max_norm`` when
         it is > 0. Returns the norm as a 0-d float tensor on ``device``."""
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = self._global_norm(torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0))
+        grads = [p.grad for p in params]
+        # foreach on every device that has the kernels: torch picks it by itself only for plain tensors, so FSDP's
+        # DTensor gradients would otherwise take one Python-dispatched op per tensor for the norm and the scaling
+        foreach = True if grads and grads[0].device.type in ("cpu", "cuda") else None
+        norm = self._global_norm(torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=foreach))
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=foreach)
         return norm.to(device, non_blocking=True)
 
     def _global_norm(self, norm: torch.Tensor) -> torch.Tensor:
@@ -133,9 +137,13 @@ class DDP(Strategy):
         from torch.nn.parallel import DistributedDataParallel
 
         self._materialise_plain(raw, device, seed)
+        # broadcast_buffers=False: DDP would otherwise send rank 0's buffers to every rank before each forward (1.6
+        # ms per step for gpt_tiny on gloo, 31 broadcasts in a 30-step profile); the model's only buffers are the
+        # rotary tables, computed identically on every rank and never changed by training.
         model = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None,
                                         bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
-                                        find_unused_parameters=self.cfg.strategy.find_unused_parameters)
+                                        find_unused_parameters=self.cfg.strategy.find_unused_parameters,
+                                        broadcast_buffers=False)
         note = "ddp"
         if precision.reduce_dtype != torch.float32:
             model.register_comm_hook(None, _all_reduce_in(precision.reduce_dtype))

@@ -14,7 +14,8 @@ Each logged scalar means exactly this (README, "Logged metrics"):
 - ``train/loss_scale``, ``train/skipped_steps`` (fp16; skipped steps also count non-finite steps skipped with
   ``trainer.on_nonfinite=skip``).
 
-Losses stay on the device between log steps: the one host synchronisation is the all-reduce at a log step.
+Losses stay on the device between log steps: the one host synchronisation is the all-reduce at a log step, which also
+carries each rank's preemption vote (``hydratrain.checkpoint.preemption``).
 """
 from __future__ import annotations
 
@@ -123,12 +124,14 @@ class StepLogger:
     def due(self, step: int) -> bool:
         return step == 1 or step % self.log_every == 0 or step == self.max_steps
 
-    def log(self, step: int, grad_norm: torch.Tensor, lr: float, timed: bool,
-            extra: Optional[dict] = None) -> float:
+    def log(self, step: int, grad_norm: torch.Tensor, lr: float, timed: bool, extra: Optional[dict] = None,
+            vote: float = 0.0) -> tuple[float, float]:
         """Reduce the window over ranks (every rank calls), log one line and the scalars, reset the window.
-        ``timed``: report tokens/s and MFU for this window. Returns the window's mean train loss."""
-        stats = all_reduce_mean(torch.stack([self.window_loss / max(self.window_steps, 1), grad_norm.float()]))
-        loss, norm = stats.tolist()
+        ``timed``: report tokens/s and MFU for this window; ``vote``: this rank's value to average over ranks in the
+        same all-reduce (the preemption flag). Returns (the window's mean train loss, the mean vote)."""
+        window = self.window_loss / max(self.window_steps, 1)
+        stats = all_reduce_mean(torch.stack([window, grad_norm.float(), window.new_tensor(vote)]))
+        loss, norm, votes = stats.tolist()
         self.last_loss = loss
         scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
                    "mem/peak": peak_memory_bytes(self.device)}
@@ -151,7 +154,7 @@ class StepLogger:
         self.window_loss.zero_()
         self.window_steps = 0
         self.drop_timing()
-        return loss
+        return loss, votes
 
     def mean_rates(self) -> tuple[float, float, float]:
         """(tokens/s, mfu, data wait share) averaged over the timed windows of this launch (NaN if none)."""

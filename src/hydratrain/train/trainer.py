@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hydratrain import timing
 from hydratrain.errors import DivergenceError
 
 log = logging.getLogger("hydratrain.trainer")
@@ -67,6 +68,7 @@ class FitResult:
     skipped_steps: int = 0
     seconds: float = 0.0
     preempted: bool = False  # stopped early by a preemption signal after saving a checkpoint (no final eval)
+    startup_s: dict = field(default_factory=dict)  # start-up phases up to the first step, seconds (timing.record)
 
 
 class Trainer:
@@ -80,7 +82,7 @@ class Trainer:
         evaluator: ``evaluate(model) -> (loss, perplexity)`` over the fixed eval set.
         step_logger: the logging window, TensorBoard and progress (``hydratrain.train.step_logger``).
         checkpoints: a ``CheckpointManager`` (``save(step)``, ``latest()``), or None.
-        preemption: a ``Preemption`` (``should_stop()``, agreed by all ranks).
+        preemption: a ``Preemption`` (``should_stop(votes)``, agreed by all ranks at log steps).
         progress: the :class:`TrainProgress` (restored by the checkpoint manager before :meth:`fit`).
         max_steps: optimizer steps the run trains to.
         save_every, save_last: checkpoint cadence (``checkpoint.every_n_steps``, ``checkpoint.save_last``).
@@ -168,7 +170,6 @@ class Trainer:
         self.logger.start(self.progress.step)
         batches = iter(self.train_batches)
         self.model.train()
-        ok = False
         try:
             while self.progress.step < self.max_steps:
                 loss, grad_norm, lr, applied = self.train_step(batches)
@@ -177,22 +178,26 @@ class Trainer:
                 self.logger.step_done(step, loss)
                 if step == first:
                     self.logger.drop_timing()  # start-up (allocations, compile) stays out of tokens/s
+                    timing.mark("first step")
+                    result.startup_s = timing.record()
+                    log.info("start-up: %s", timing.summary())
+                votes = None  # the ranks' preemption votes, reduced with the log line's values at a log step
                 if self.logger.due(step):
                     extra = {}
                     if self.scaler.is_enabled():
                         extra["train/loss_scale"] = self.scaler.get_scale()
                     if self.scaler.is_enabled() or self.progress.skipped_steps:
                         extra["train/skipped_steps"] = self.progress.skipped_steps
-                    train_loss = self.logger.log(step, grad_norm, lr, timed=step > first, extra=extra)
+                    train_loss, votes = self.logger.log(step, grad_norm, lr, timed=step > first, extra=extra,
+                                                        vote=self.preemption.vote())
                     if step == 1:
                         self.progress.first_loss = train_loss
                 self._check_skips()
-                if self._end_of_step(step):
+                if self._end_of_step(step, votes):
                     result.preempted = True
                     break
-            ok = True
         finally:
-            self.preemption.close(wait=ok)
+            self.preemption.close()
             self.logger.close_bar()
             self.logger.tb.flush()  # what was logged before an error stays readable
         result.steps, result.steps_this_launch = self.progress.step, self.progress.step - first + 1
@@ -207,12 +212,13 @@ class Trainer:
         result.tokens_per_sec, result.mfu, result.data_wait_fraction = self.logger.mean_rates()
         return result
 
-    def _end_of_step(self, step: int) -> bool:
-        """Eval, periodic save, and the preemption agreement after optimizer step ``step``; True to stop now."""
+    def _end_of_step(self, step: int, votes: Optional[float]) -> bool:
+        """Eval, periodic save, and the preemption agreement after optimizer step ``step`` (``votes``: the ranks'
+        mean preemption vote when this was a log step, else None); True to stop now."""
         every_eval = self.tcfg.eval_every_n_steps
         if every_eval and step % every_eval == 0 and step < self.max_steps:
             self._eval_and_log(step)
-        stop = self.preemption.should_stop()
+        stop = self.preemption.should_stop(votes)
         due = self.save_every and step % self.save_every == 0
         if self.checkpoints is not None and (due or stop) and self.checkpoints.last_saved_step != step:
             with self.logger.paused():

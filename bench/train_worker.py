@@ -1,0 +1,347 @@
+"""One timed training run, through hydratrain or through a hand-written loop on the same model; rank 0 prints one JSON
+line. Started by bench/overhead.py, bench/memory.py and bench/fastpaths.py (plain python for one rank, torchrun for
+more); usable alone:
+
+    python bench/train_worker.py --impl hand --strategy single --precision fp32
+    torchrun --standalone --nproc_per_node 2 bench/train_worker.py --impl hydratrain --strategy fsdp --precision bf16
+
+Both implementations train ``hydratrain.models.gpt.GPT`` (shapes from ``conf/model/<model>.yaml``) on the same
+synthetic token stream (``hydratrain.data.synthetic_stream``), ``--batch`` x ``--seq`` tokens per rank and step, with
+AdamW (decay on matrices only, lr 2e-3, betas 0.9/0.95; ``--adamw``: the implementation, by default torch's choice
+for the hand-written loop and ``optim.impl=auto`` for hydratrain), global
+grad-norm clipping at 1.0 and a warm-up + cosine ``LambdaLR``; the CPU thread count per rank is the same
+(``cores / ranks per node``, hydratrain's rule, unless ``--threads``). Time is taken at the end of every optimizer
+step (after a device synchronisation); tokens/s is ``tokens of all ranks x (steps - warm) / (t[steps] - t[warm])``.
+
+hand: the loop a user writes: ``DistributedDataParallel`` or FSDP2 ``fully_shard`` of each block then the root
+(``MixedPrecisionPolicy`` for bf16), ``torch.autocast`` for bf16 otherwise, ``loss.item()`` every 10 steps.
+hydratrain: ``hydratrain.run.build`` + ``Trainer.fit`` with the product's defaults and these overrides (eval only
+after the last step, log every 10 steps, TensorBoard on, no checkpoints); its logged tokens/s and MFU are reported too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--impl", choices=["hand", "hydratrain"], required=True)
+    p.add_argument("--strategy", choices=["single", "ddp", "fsdp"], default="single")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16 | auto (hydratrain: its default)")
+    p.add_argument("--model", default="gpt_tiny")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warm", type=int, default=10, help="steps before the timed ones")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / local ranks)")
+    p.add_argument("--adamw", choices=["default", "for_loop", "foreach", "fused"], default="default",
+                   help="AdamW implementation (hand: default = torch's choice; hydratrain: default = optim.impl=auto)")
+    p.add_argument("--compile", choices=["none", "blocks", "model"], default="none",
+                   help="hand: torch.compile of each block or of the whole model (hydratrain: trainer.compile)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--memory", action="store_true", help="also report per-rank parameter/grad/optimizer bytes")
+    p.add_argument("--override", action="append", default=[], help="extra hydratrain override (repeatable)")
+    return p.parse_args(argv)
+
+
+def dist_env() -> tuple[int, int, int, int]:
+    """(rank, local rank, world size, ranks on this node) from torchrun's variables (1 rank without them)."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def model_shape(name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    keys = ("max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "tie_embeddings")
+    return {k: node[k] for k in keys if k in node and node[k] is not None}
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def grad_bytes(model) -> int:
+    total = 0
+    for p in model.parameters():
+        g = p.grad
+        if g is not None:
+            g = g.to_local() if hasattr(g, "to_local") else g
+            total += g.numel() * g.element_size()
+    return total
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (``VmRSS``), bytes; 0 without /proc."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def max_over_ranks(values: dict, device) -> dict:
+    """``values`` (ints) with each replaced by its maximum over the ranks of the default process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor([float(v) for v in values.values()], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {k: int(v) for k, v in zip(values, t.tolist())}
+
+
+def param_bytes(model) -> int:
+    total = 0
+    for p in model.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        total += t.numel() * t.element_size()
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ hand-written
+def run_hand(args) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from hydratrain.data import synthetic_stream
+    from hydratrain.models.gpt import GPT, GPTConfig
+
+    rank, local_rank, world, local_world = dist_env()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count())) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(args.threads or max(1, cores() // local_world))
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    elif args.strategy != "single":
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    precision = args.precision
+    if precision == "auto":
+        from hydratrain.parallel.precision import native_bf16
+
+        precision = "bf16" if native_bf16(device) else "fp32"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    torch.manual_seed(1234)
+    cfg = GPTConfig(vocab_size=256, **model_shape(args.model))
+    model = GPT(cfg).to(device)
+    raw = model
+    if args.compile == "blocks":
+        for block in model.blocks:
+            block.compile()
+    elif args.compile == "model":
+        model.compile()
+    if args.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    elif args.strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+        for block in raw.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(raw, mp_policy=mp)
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    impl = {"default": {}, "for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+    opt = torch.optim.AdamW(groups, lr=2e-3, betas=(0.9, 0.95), eps=1e-8, **impl[args.adamw])
+    warmup, total = 20, args.steps
+
+    def lr_lambda(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    tokens = torch.from_numpy(synthetic_stream(2_000_000, 256).astype("int64"))
+    gen = torch.Generator().manual_seed(1234 + rank)
+    offsets = torch.arange(args.seq + 1)
+    autocast = (torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 and args.strategy != "fsdp"
+                else torch.autocast(device.type, enabled=False))
+    times, peak_grads, losses = [], 0, []
+    model.train()
+    sync(device)
+    loop_start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        starts = torch.randint(0, len(tokens) - args.seq - 1, (args.batch,), generator=gen)
+        window = tokens[starts[:, None] + offsets]
+        x, y = window[:, :-1].to(device, non_blocking=True), window[:, 1:].to(device, non_blocking=True)
+        with autocast:
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if args.memory:
+            peak_grads = max(peak_grads, grad_bytes(model))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 10 == 0:
+            losses.append(loss.item())
+        sync(device)
+        times.append(time.perf_counter())
+    from hydratrain.metrics import peak_flops
+
+    row = {"precision": precision, "losses": losses, "first_step_s": times[0] - loop_start,
+           "flops_per_token": raw.flops_per_token(args.seq), "peak_flops_total": world * peak_flops(device, dtype)}
+    if args.memory:
+        from hydratrain.metrics import peak_memory_bytes
+        from hydratrain.optim import state_bytes
+
+        row.update(param_bytes=param_bytes(model), grad_bytes=peak_grads, optim_bytes=state_bytes(opt),
+                   peak_memory_bytes=peak_memory_bytes(device))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return {**row, **timing(args, times, world)}
+
+
+# -------------------------------------------------------------------------------------------------- hydratrain
+def run_hydratrain(args) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    from hydratrain.config import register_configs
+    from hydratrain.dist.run_dir import register_resolvers
+
+    register_configs()
+    register_resolvers()
+    overrides = [f"model={args.model}", "data=synthetic", f"data.batch_size={args.batch}", f"data.seq_len={args.seq}",
+                 f"strategy={args.strategy}", f"trainer.max_steps={args.steps}", "trainer.eval_every_n_steps=0",
+                 "trainer.eval_samples=16", "trainer.log_every_n_steps=10", "trainer.progress_bar=false",
+                 "trainer.sample_tokens=0", "trainer.save_weights=false", "checkpoint.every_n_steps=0",
+                 "checkpoint.auto_resume=false", f"device={args.device}"]
+    if args.precision != "auto":
+        overrides.append(f"precision={args.precision}")
+    if args.compile != "none":
+        overrides.append("trainer.compile=true")
+    if args.adamw != "default":
+        overrides.append(f"optim.impl={args.adamw}")
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides + list(args.override))
+    import torch
+    from omegaconf import OmegaConf
+
+    from hydratrain.dist.process_group import process_group
+    from hydratrain.metrics import peak_memory_bytes
+    from hydratrain.optim import state_bytes
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.run import build
+
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    OmegaConf.set_readonly(cfg, True)
+    strategy = build_strategy(cfg)
+    _, _, world, _ = dist_env()
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp, \
+            process_group(str(cfg.device), strategy.backend, strategy.needs_process_group) as info:
+        if args.threads and info.device.type == "cpu":
+            torch.set_num_threads(args.threads)
+        if info.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(info.device)
+        if args.memory and info.device.type == "cpu":
+            # libraries the build and the first step load, loaded before the baseline is read
+            import torch._dynamo  # noqa: F401  (torch.optim's first use)
+            import torch.distributed.fsdp  # noqa: F401
+            import torch.utils.tensorboard  # noqa: F401
+        start_bytes = torch.cuda.memory_allocated(info.device) if info.device.type == "cuda" else rss_bytes()
+        job = build(cfg, strategy, info, Path(tmp), Path(tmp))
+        times, peak_grads = [], [0]
+        logger, device = job.step_logger, info.device
+        original = logger.step_done
+
+        train_peak = [0]
+
+        def step_done(step, loss):
+            original(step, loss)
+            sync(device)
+            times.append(time.perf_counter())
+            if args.memory:  # the training steps' peak (the final eval after fit loads torchmetrics)
+                train_peak[0] = peak_memory_bytes(device)
+
+        logger.step_done = step_done
+        if args.memory:
+            opt, step_fn = job.trainer.optimizer, job.trainer.optimizer.step
+
+            def step_with_bytes(*a, **k):
+                peak_grads[0] = max(peak_grads[0], grad_bytes(job.model))
+                return step_fn(*a, **k)
+
+            opt.step = step_with_bytes
+        sync(device)
+        fit_start = time.perf_counter()
+        result = job.trainer.fit()
+        row = {"precision": job.precision.name, "logged_tokens_per_sec": windows_rate(logger.rates, args),
+               "logged_mfu_last": logger.rates[-1][1] if logger.rates else None,
+               "flops_per_token": logger.flops_per_token, "peak_flops_total": logger.peak,
+               "n_params": job.raw.num_params(), "train_loss": result.train_loss, "startup_s": result.startup_s,
+               "first_step_s": times[0] - fit_start}
+        if args.memory:
+            # max over ranks (shards differ by FSDP's padding); peak memory: CUDA max_memory_allocated, CPU VmHWM,
+            # and what it grew by from just before the build (the interpreter and torch's libraries excluded)
+            peak = train_peak[0]
+            row.update(max_over_ranks({"param_bytes": param_bytes(job.model), "grad_bytes": peak_grads[0],
+                                       "optim_bytes": state_bytes(job.trainer.optimizer), "peak_memory_bytes": peak,
+                                       "peak_above_start_bytes": peak - start_bytes}, device))
+        job.step_logger.tb.close()
+    return {**row, **timing(args, times, world)}
+
+
+def windows_rate(rates, args) -> float | None:
+    """The logged tokens/s over the timed steps: the windows after step ``warm`` (log every 10 steps), combined as
+    total tokens over total time (each window has the same number of steps)."""
+    n = (args.steps - args.warm) // 10
+    picked = [r[0] for r in rates[-n:]] if n > 0 else []
+    if not picked:
+        return None
+    return len(picked) / sum(1.0 / r for r in picked)
+
+
+def timing(args, times: list, world: int) -> dict:
+    timed = args.steps - args.warm
+    seconds = times[args.steps - 1] - times[args.warm - 1]
+    return {"tokens_per_sec": world * args.batch * args.seq * timed / seconds, "timed_steps": timed,
+            "timed_seconds": seconds, "world_size": world}
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.warm < 1 or args.steps <= args.warm:
+        raise SystemExit("--warm must be >= 1 and < --steps")
+    t0 = time.perf_counter()
+    row = run_hand(args) if args.impl == "hand" else run_hydratrain(args)
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
+        import torch
+
+        row.update(impl=args.impl, strategy=args.strategy, requested_precision=args.precision, model=args.model,
+                   batch=args.batch, seq=args.seq, steps=args.steps, threads=torch.get_num_threads(),
+                   adamw=args.adamw, compile=args.compile, wall_s=time.perf_counter() - t0)
+        print(json.dumps(row, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Performance-related decisions: the FLOP count behind MFU against independent counts, the slow-precision warning,
+the start-up timeline, and data generation that must stay bit-identical while getting faster."""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hydratrain import timing
+from hydratrain.models.gpt import GPT, GPTConfig
+from hydratrain.parallel.precision import PRESET_DTYPE, Precision
+
+
+def shape_count(c: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token derived from the layer shapes alone (PaLM appendix B): 6 x the weights every token
+    multiplies (each block's q, k, v, o and SwiGLU matrices, the output head; the embedding lookup multiplies
+    nothing, unless tied to the head) and the norm gains, plus 12 x L x H x Q x T for the attention scores and
+    their weighted sum (forward 2 matmuls of 2*T*Q FLOPs per head, backward twice that)."""
+    d, h, kv, q, f, v, L = c.d_model, c.n_head, c.n_kv_head or c.n_head, c.d_model // c.n_head, c.ff_dim, \
+        c.vocab_size, c.n_layer
+    per_block = d * h * q + 2 * d * kv * q + h * q * d + 3 * d * f + 2 * d
+    n = L * per_block + d + v * d  # + final norm + the output head (the tied embedding is the head's matrix)
+    return 6 * n + 12 * L * h * q * seq_len
+
+
+CONFIGS = [dict(d_model=128, n_layer=4, n_head=4), dict(d_model=128, n_layer=4, n_head=4, tie_embeddings=False),
+           dict(d_model=96, n_layer=3, n_head=6, n_kv_head=2), dict(d_model=64, n_layer=2, n_head=2, d_ff=200)]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=["tied", "untied", "gqa", "d_ff"])
+def test_flops_per_token_agrees_with_counts_from_shapes_and_from_the_executed_matmuls(kw):
+    seq = 64
+    cfg = GPTConfig(vocab_size=256, max_seq_len=seq, **kw)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    assert model.flops_per_token(seq) == pytest.approx(shape_count(cfg, seq), rel=1e-9)
+    # the matmuls a training step executes, counted by torch (math SDPA so that attention shows as bmm; it computes
+    # the full T x T scores, as PaLM's term counts them)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randint(0, 256, (2, seq + 1))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    executed = counter.get_total_flops() / x[:, :-1].numel()
+    assert model.flops_per_token(seq) == pytest.approx(executed, rel=0.005)  # norm gains: the only difference
+
+
+def test_gpt_small_flops_per_token_from_shapes():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=256, max_seq_len=1024, d_model=768, n_layer=12, n_head=12))
+    assert model.flops_per_token(1024) == pytest.approx(shape_count(model.cfg, 1024), rel=1e-9)
+
+
+def test_logged_mfu_is_tokens_per_second_times_flops_over_the_peak(tmp_path):
+    from hydratrain.train.step_logger import StepLogger
+
+    logger = StepLogger(tmp_path, torch.device("cpu"), tokens_per_step=1000, flops_per_token=6e6,
+                        peak_flops_total=2e11, log_every=2, max_steps=4, is_main=True, tensorboard=False,
+                        progress_bar=False)
+    logger.start(0)
+    for step in (1, 2):
+        time.sleep(0.05)
+        logger.step_done(step, torch.tensor(1.0))
+    logger.log(2, torch.tensor(0.5), 1e-3, timed=True)
+    tps, mfu, _ = logger.rates[-1]
+    assert mfu == pytest.approx(tps * 6e6 / 2e11, rel=1e-12)
+    assert 2000 / 0.2 < tps < 2000 / 0.09  # two steps of ~50 ms
+
+
+def _cfg(name: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"name": name, "reduce_dtype": "float32", "tf32": True})
+
+
+@pytest.mark.parametrize("name, rates, warns", [
+    ("fp16", {"fp16": 2e9, "bf16": 500e9, "fp32": 100e9}, True),   # 250x: the brief's example
+    ("fp32", {"fp32": 110e9, "bf16": 500e9}, False),              # 4.5x: below SLOW_FACTOR
+    ("fp32", {"fp32": 20e9, "bf16": 500e9}, True),                # 25x
+    ("bf16", {"bf16": 500e9}, False),                             # what auto picks: nothing measured
+])
+def test_a_slow_precision_warns_once_with_the_measured_factor(monkeypatch, name, rates, warns):
+    from hydratrain import metrics
+    from hydratrain.parallel import precision as precision_module
+
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: True)
+    asked = []
+
+    def fake(dtype, cache_dir=None):
+        key = {v: k for k, v in PRESET_DTYPE.items()}[dtype]
+        asked.append(key)
+        return rates[key], "test"
+
+    monkeypatch.setattr(metrics, "cpu_peak_flops", fake)
+    p = Precision.resolve(_cfg(name), torch.device("cpu"))
+    line = p.slow_path(torch.device("cpu"))
+    if not warns:
+        assert line is None
+        if name == "bf16":
+            assert asked == []
+        return
+    factor = rates["bf16"] / rates[name]
+    assert line is not None and "\n" not in line
+    assert f"{factor:.0f}x slower" in line and "precision=bf16" in line and f"precision={name}" in line
+
+
+def test_fp16_without_native_bf16_compares_with_fp32(monkeypatch):
+    from hydratrain import metrics
+    from hydratrain.parallel import precision as precision_module
+
+    monkeypatch.setattr(precision_module, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(metrics, "cpu_peak_flops",
+                        lambda dtype, cache_dir=None: ({torch.float16: 1e9, torch.float32: 100e9}[dtype], "test"))
+    line = Precision.resolve(_cfg("fp16"), torch.device("cpu")).slow_path(torch.device("cpu"))
+    assert "100x slower than float32" in line and "precision=fp32" in line
+
+
+def test_startup_timeline_charges_each_phase_the_time_since_the_previous_mark(monkeypatch):
+    monkeypatch.setattr(timing, "_ORIGIN", None)
+    monkeypatch.setattr(timing, "_MARKS", [])
+    timing.begin()
+    time.sleep(0.02)
+    timing.mark("imports")
+    timing.mark("data")
+    time.sleep(0.01)
+    timing.mark("imports")
+    p = timing.phases()
+    assert list(p) == ["python + hydra + compose", "imports", "data", "total"]
+    assert p["imports"] >= 0.03 and p["data"] < 0.01
+    assert p["total"] == pytest.approx(sum(v for k, v in p.items() if k != "total"), abs=1e-6)
+    rec = timing.record()
+    assert rec["ended_at"] - rec["process_started_at"] == pytest.approx(rec["total"])
+    assert timing.summary().startswith(f"{rec['total']:.2f} s from process start to the first optimizer step (")
+    assert 0 < time.time() - timing.process_start_time() < 24 * 3600
+
+
+def _synthetic_stream_reference(n_tokens, vocab_size, seed=0):
+    """The original implementation (a Python list of words, concatenated): the vectorised one must match it."""
+    rng = np.random.default_rng(seed)
+    dtype = np.uint8 if vocab_size <= 256 else np.uint16
+    words = [rng.integers(0, vocab_size, size=rng.integers(3, 9)).astype(dtype) for _ in range(64)]
+    picks = rng.integers(0, len(words), size=n_tokens // 3 + 1)
+    return np.concatenate([words[i] for i in picks])[:n_tokens]
+
+
+@pytest.mark.parametrize("n, vocab, seed", [(200_000, 256, 0), (1, 256, 0), (7, 300, 3), (12_345, 50_000, 1)])
+def test_synthetic_stream_is_bit_identical_to_the_original(n, vocab, seed):
+    from hydratrain.data import synthetic_stream
+
+    got, want = synthetic_stream(n, vocab, seed), _synthetic_stream_reference(n, vocab, seed)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+def test_measure_matmul_flops_times_a_very_slow_dtype_once(monkeypatch):
+    from hydratrain import metrics
+
+    calls = []
+
+    def slow_linear(a, w):
+        calls.append(1)
+        time.sleep(0.03)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", slow_linear)
+    flops = metrics.measure_matmul_flops(torch.device("cpu"), torch.float32, m=8, n=8, budget_s=0.01)
+    assert len(calls) == 2 and math.isfinite(flops) and flops > 0  # warm-up + one timed call
