@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import ROOT, clean_env
+
+pytestmark = pytest.mark.slow  # about 130 s on 2 busy cores: the four scripts start 10 processes between them
 
 TINY = ["--model", "gpt_tiny", "--batch", "2", "--seq", "32"]
 STEPS = ["--steps", "3", "--warm", "1"]
