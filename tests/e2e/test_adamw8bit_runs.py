@@ -12,6 +12,7 @@ pytest.importorskip("torchao")
 COMMON = ["strategy=fsdp", "optim.lr=1e-2", "scheduler.warmup_steps=2", "trainer.eval_every_n_steps=0"]
 
 
+@pytest.mark.slow
 def test_adamw8bit_trains_like_adamw(tmp_path):
     # d_model 128 (gpt_tiny's width): each rank's matrix shards hold >= 4096 values, so torchao quantises them
     steps = ["trainer.max_steps=40", "trainer.log_every_n_steps=10", "model.d_model=128", "model.n_head=4"]

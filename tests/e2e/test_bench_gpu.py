@@ -69,6 +69,7 @@ def test_judge_catches_what_a_smoke_test_must():
     assert "skipped 20 of 20" in judge({**good, "skipped_steps": 20}, 0, 20, None, "fp16", False)[0]
 
 
+@pytest.mark.slow
 def test_dry_run_one_case_and_a_failing_one(tmp_path):
     """One case end to end (~10 s), then a launch that fails (a config error) must give FAIL and exit status 1."""
     proc = _dry_run(tmp_path / "ok", tmp_path / "cache", cases="fsdp_bf16")

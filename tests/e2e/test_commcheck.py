@@ -69,7 +69,7 @@ def test_normal_run_flags_nobody(n, tmp_path):
     assert sorted(x["rank"] for x in lines if x["kind"] == "rank") == list(range(n))
 
 
-@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_slow_rank_is_flagged(n):
     slow = n - 1
     args = ["commcheck.min_bytes=64K", "commcheck.max_bytes=1M", "commcheck.iters=10", "commcheck.warmup=2",

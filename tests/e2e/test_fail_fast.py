@@ -59,6 +59,7 @@ def test_a_silent_rank_is_found_by_its_heartbeat(tmp_path):
     assert "rank 1 stopped responding" in log_of(tmp_path, 0), log_of(tmp_path, 0)[-2000:]
 
 
+@pytest.mark.slow
 def test_launcher_restart_resumes_after_an_exception(tmp_path):
     """launcher=torchrun with max_restarts=1: rank 1 raises at step 3 on the first attempt; the agent restarts both
     workers, which resume from the step-2 checkpoint and finish."""

@@ -125,6 +125,7 @@ def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
         assert results(tmp_path / name / "0")["hparams"]["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_the_sweep(tmp_path):
     """SIGINT to the launching process while job 0 trains: its workers are stopped, job 1 never starts, the sweep
     exits non-zero at once instead of recording job 0 as failed and going on."""

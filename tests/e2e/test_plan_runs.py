@@ -87,6 +87,7 @@ def test_every_run_starts_with_its_plan_and_records_it(tmp_path):
     assert 0 < res["planned_peak_memory_bytes"] and res["peak_memory_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_a_run_over_its_budget_warns_with_changes_but_trains(tmp_path):
     r = subprocess.run(command(["strategy=single", "device=cpu", "trainer.max_steps=1", "plan.memory_gb=0.05",
                                 f"hydra.run.dir={tmp_path}"]),
@@ -96,6 +97,7 @@ def test_a_run_over_its_budget_warns_with_changes_but_trains(tmp_path):
     assert "EXCEEDS the budget" in line and "budget 0.05 GiB" in line, line
 
 
+@pytest.mark.slow
 def test_the_cli_plans_a_launch_and_lists_what_fits(tmp_path):
     def plan(*overrides):
         return subprocess.run([sys.executable, "-m", "hydratrain.plan", *overrides], cwd=str(tmp_path),

@@ -80,6 +80,7 @@ def test_a_two_job_sweep_behaves_as_under_torchrun(tmp_path, cluster):
     assert r.output.count("process group: the launcher's") == 2  # rank 0 only prints, one line per job
 
 
+@pytest.mark.slow
 def test_a_failed_worker_is_reported_with_its_rank_and_message(tmp_path, cluster):
     sweep = tmp_path / "sweep"
     r = run(["-m", *RAY, f"launcher.address={cluster}", "strategy=ddp", f"hydra.sweep.dir={sweep}"], script=FAULTY,

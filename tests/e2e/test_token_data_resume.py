@@ -25,6 +25,7 @@ def token_files(tmp_path):
             "model.vocab_size=1024", "data.seq_len=64", "data.batch_size=4"]
 
 
+@pytest.mark.slow
 def test_token_bin_resumes_bit_identically_after_sigkill(tmp_path, token_files):
     common = [*token_files, "strategy=fsdp", "trainer.max_steps=8", "checkpoint.every_n_steps=5",
               "trainer.eval_every_n_steps=0"]

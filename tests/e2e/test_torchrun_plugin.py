@@ -70,6 +70,7 @@ def test_suite_sweep_2_jobs(hydra_sweep_runner, tmpdir):
     sweep_2_jobs(hydra_sweep_runner, overrides=["hydra/launcher=torchrun"], task_function=None, temp_dir=tmpdir)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("hydra_restore_singletons")
 def test_suite_sweep_dir_from_the_command_line(tmpdir):
     integration_test(tmpdir=Path(tmpdir), task_config={}, prints="os.getcwd()",
@@ -97,6 +98,7 @@ def _sweep(hydra_sweep_runner, tmp_path, overrides):
                               temp_dir=tmp_path / "sweep")
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("hydra_restore_singletons")
 def test_each_job_gets_its_own_settings_from_its_config(hydra_sweep_runner, tmp_path, monkeypatch):
     """The app maps ``n`` onto ``hydra.launcher.nproc_per_node``; a sweep over n gives each job its own world."""
@@ -109,6 +111,7 @@ def test_each_job_gets_its_own_settings_from_its_config(hydra_sweep_runner, tmp_
         assert sorted(p.name for p in tmp_path.glob("ran_*")) == ["ran_job0_rank0", "ran_job0_rank1", "ran_job1_rank0"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("hydra_restore_singletons")
 def test_failed_jobs_are_returned_and_reported_to_callbacks_and_the_sweep_goes_on(hydra_sweep_runner, tmp_path,
                                                                                    monkeypatch):

@@ -126,6 +126,7 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank():
     assert r.output.count("poison=True scale 1024 -> 512, params_changed=False") == 2, r.output
 
 
+@pytest.mark.slow
 def test_large_preset_is_built_on_meta_and_each_rank_holds_half():
     r = sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             str(SCRIPTS / "meta_shard_llama.py")], cwd=ROOT, timeout=300).ok()
