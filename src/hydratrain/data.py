@@ -159,11 +159,15 @@ def synthetic_stream(n_tokens: int, vocab_size: int, seed: int = 0) -> np.ndarra
 class TokenDataset:
     """Fixed windows over a 1-D token array: sample ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + 1)``.
 
-    ``batch(indices)`` returns ``(x, y)``, each ``(len(indices), seq_len)`` int64, ``y`` shifted by one.
+    ``batch(indices)`` returns ``(x, y)``, each ``(len(indices), seq_len)`` int64, ``y`` shifted by one. With
+    ``vocab_size``, a batch holding an id >= it raises :class:`~hydratrain.errors.ConfigError` naming
+    ``model.vocab_size`` and ``source`` (the start-up check of a large token file reads a sample only; an embedding
+    lookup out of range would be an opaque IndexError on CPU and a device-side assert on CUDA). The check is one
+    ``max`` over the batch's B x (T + 1) ids on the host.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: Optional[int] = None, source: str = "data"):
+        self.tokens, self.seq_len, self.vocab_size, self.source = tokens, seq_len, vocab_size, source
         self.n = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
@@ -174,6 +178,13 @@ class TokenDataset:
         import torch
 
         window = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
+        if self.vocab_size is not None and window.size and int(window.max()) >= self.vocab_size:
+            from hydratrain.errors import ConfigError
+
+            bad = int(window.max())
+            at = int(starts[int(np.argwhere(window == bad)[0][0]), 0]) + int(np.argwhere(window == bad)[0][1])
+            raise ConfigError("model.vocab_size", self.vocab_size, f"{self.source} holds token id {bad} (at token "
+                              f"{at}), which needs model.vocab_size > {bad}")
         t = torch.from_numpy(window)
         return t[:, :-1], t[:, 1:]
 
@@ -420,13 +431,15 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
     if splits is None:
         splits = load_splits(**kwargs)
     try:
-        train = ShardedBatches(TokenDataset(splits["train"], cfg.data.seq_len), cfg.data.batch_size, info.rank,
+        train = ShardedBatches(TokenDataset(splits["train"], cfg.data.seq_len, vocab_size, "the train split"),
+                               cfg.data.batch_size, info.rank,
                                info.world_size, seed=cfg.trainer.seed, device=info.device,
                                strict_position=cfg.checkpoint.restore_data_position)
     except ValueError as err:
         raise ConfigError("data", cfg.data.name, f"train split ({len(splits['train'])} tokens): {err}") from None
     try:
-        evals = EvalBatches(TokenDataset(splits["val"], cfg.data.seq_len), cfg.trainer.eval_samples,
+        evals = EvalBatches(TokenDataset(splits["val"], cfg.data.seq_len, vocab_size, "the val split"),
+                            cfg.trainer.eval_samples,
                             cfg.data.batch_size, info.rank, info.world_size, device=info.device)
     except ValueError as err:
         raise ConfigError("data", cfg.data.name, f"val split ({len(splits['val'])} tokens): {err}") from None

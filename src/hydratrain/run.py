@@ -42,10 +42,11 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain.plan import OutOfMemoryGuard
 
     timing.mark("imports")
-    env = dist_info()
+    env = None
     quiet_console()
     OmegaConf.set_readonly(cfg, True)
     try:
+        env = dist_info()
         validate(cfg)
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
@@ -59,14 +60,14 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except HydratrainError as err:
-        if env.rank == 0 or err.exit_status != EXIT_CONFIG:  # a config error is the same on every rank
+        if env is None or env.rank == 0 or err.exit_status != EXIT_CONFIG:  # the same config error on every rank
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
         if _in_multirun():
             raise  # Hydra records the job as failed and the sweep goes on
         raise SystemExit(err.exit_status) from None
     except Exception:
-        log.exception("rank %d failed", env.rank)
+        log.exception("rank %d failed", env.rank if env else 0)
         if _in_multirun():
             raise
         raise SystemExit(EXIT_ERROR) from None
@@ -214,9 +215,12 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                         "(trainer.max_steps / max_epochs): nothing to train, evaluating only", progress.step,
                         job.trainer.max_steps)
     elif cfg.model.init_from:
+        from dataclasses import asdict
+
         from hydratrain.checkpoint.io import init_from_file  # (torch.distributed.checkpoint: only when needed)
 
-        init_from_file(job.model, resolve_path(cfg.model.init_from, Paths.resolve(cfg, launch).model))
+        init_from_file(job.model, resolve_path(cfg.model.init_from, Paths.resolve(cfg, launch).model),
+                       asdict(job.raw.cfg))
     timing.mark("resume / init_from")
     result = job.trainer.fit()
     log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,

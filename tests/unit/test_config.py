@@ -134,9 +134,10 @@ def test_bad_config_exits_with_one_line_before_process_group(cli, args, expect, 
 ])
 def test_a_config_error_under_torchrun_is_one_line_from_rank_0_before_any_process_group(cli, monkeypatch, tmp_path,
                                                                                          rank, args, expect):
-    """As each of 2 torchrun ranks sees it (no MASTER_ADDR: a process group attempt would fail with status 1): exit
-    status 2 on every rank, the one line from rank 0 only."""
-    for key, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2).items():
+    """As each of 2 torchrun ranks sees it (nothing listens at MASTER_ADDR:MASTER_PORT: a process group attempt would
+    fail): exit status 2 on every rank, the one line from rank 0 only."""
+    for key, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=9).items():
         monkeypatch.setenv(key, str(value))
     r = cli(args, tmp_path, fast=False)
     assert r.returncode == 2, r.output[-3000:]

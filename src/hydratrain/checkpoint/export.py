@@ -30,11 +30,15 @@ def write_safetensors(tensors: dict, out: Path, metadata: dict) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, out)
+    try:
+        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # no partial file left behind
+        raise
     return out
 
 
@@ -86,6 +90,9 @@ def main(argv=None) -> int:
     out = args.out.expanduser()
     if not out.is_absolute():
         out = (args.model_dir.expanduser() if args.model_dir is not None else default_model_dir()) / out
+    if out.is_dir() or out.suffix != ".safetensors":
+        parser.error(f"out={out}: must be a file path ending in .safetensors" + (" (that is a directory)"
+                                                                                 if out.is_dir() else ""))
     try:
         out = export(args.checkpoint, out)
     except CheckpointError as err:

@@ -228,14 +228,15 @@ def read_all(ckpt: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ full-weight files
-def init_from_file(model: torch.nn.Module, path: Path) -> int:
+def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[dict] = None) -> int:
     """Load full weights from the safetensors file ``path`` into ``model`` (single, DDP or FSDP2; every rank calls),
     then check every rank's local shard against the matching slice of the file.
 
     With a process group, rank 0 reads the file and ``set_model_state_dict(full_state_dict=True,
     broadcast_from_rank0=True)`` scatters it; the check then reads, on each rank, only the slices that rank holds.
     Returns the number of tensors checked. Raises :class:`CheckpointError` naming ``model.init_from`` when keys or
-    shapes differ from the model or a shard does not match the file.
+    shapes differ from the model, a shard does not match the file, or the file's ``model_config`` (written by
+    hydratrain) differs from ``model_config`` in a key that changes what the weights compute (e.g. ``n_head``).
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -248,8 +249,22 @@ def init_from_file(model: torch.nn.Module, path: Path) -> int:
     try:
         with safe_open(str(path), "pt", device="cpu") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            saved = (f.metadata() or {}).get("model_config")
     except Exception as err:
         raise CheckpointError(f"{where}: unreadable safetensors file ({type(err).__name__}: {err})") from None
+    if saved and model_config:
+        import json
+
+        from hydratrain.checkpoint.manager import architecture_diff
+
+        try:
+            arch = architecture_diff(json.loads(saved), model_config)
+        except ValueError:
+            arch = []
+        if arch:
+            raise CheckpointError(f"{where}: written by another model architecture ({'; '.join(arch)}): its weights "
+                                  "would load without a shape error and compute something else; use its model "
+                                  "settings")
     missing, unexpected = sorted(set(live) - set(shapes)), sorted(set(shapes) - set(live))
     if missing or unexpected:
         raise CheckpointError(f"{where}: keys differ from the model's (missing {missing[:5]}, unexpected "

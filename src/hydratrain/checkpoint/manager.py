@@ -168,6 +168,26 @@ def _from_format_1(loaded: dict, rank_key: str, components: Mapping) -> dict:
     return loaded
 
 
+# model keys that change what the weights compute without changing their shapes: a checkpoint loads into any of
+# these values without a shape error, and would then train a different function (max_seq_len, init_* and init_from
+# may change: the rotary table is recomputed, initialisation is replaced by the loaded weights)
+ARCHITECTURE_KEYS = ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "ff_multiple_of", "tie_embeddings",
+                     "rope_theta", "norm_eps")
+
+
+def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[str]:
+    """``model.KEY: old -> new`` for each :data:`ARCHITECTURE_KEYS` entry that differs (none when ``saved_model``
+    is unknown)."""
+    if not saved_model:
+        return []
+
+    def value(cfg: Mapping, key: str) -> Any:
+        return (cfg.get(key) or cfg.get("n_head")) if key == "n_kv_head" else cfg.get(key)  # null = n_head
+
+    return [f"model.{k}: {saved_model.get(k)!r} -> {model.get(k)!r}" for k in ARCHITECTURE_KEYS
+            if k in saved_model and value(saved_model, k) != value(model, k)]
+
+
 def config_diff(saved: Mapping, now: Mapping) -> list[str]:
     """``key: old -> new`` for every leaf that differs between two config containers (keys in either)."""
     a, b = _flat(saved), _flat(now)
@@ -288,6 +308,11 @@ class CheckpointManager:
         if "model" in self.components:
             shapes = {k: tuple(v.shape) for k, v in self.components["model"].state_dict().items()}
             check_model_shapes(md, shapes, ckpt, saved_config, dict(self.config))
+        arch = architecture_diff((saved_config or {}).get("model"), dict(self.config).get("model") or {})
+        if arch:
+            raise CheckpointError(f"{ckpt}: saved by another model architecture ({'; '.join(arch)}): its weights "
+                                  "would load without a shape error and compute something else; use the "
+                                  "checkpoint's model settings")
         rank_key = f"rank{self.rank}"
         targets = {name: obj.state_dict() for name, obj in self.components.items()}
         targets[rank_key] = {name: obj.state_dict() for name, obj in self.rank_components.items()}

@@ -73,8 +73,9 @@ def validate(cfg: DictConfig) -> None:
         if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(key, value, "must be finite and " + (">= 0" if allow_zero else "> 0"))
 
-    for key in ("model.max_seq_len", "model.d_model", "model.n_layer", "model.n_head",
-                "model.init_std", "model.ff_multiple_of", "data.seq_len", "data.batch_size", "data.synthetic_tokens",
+    for key in ("model.max_seq_len", "model.d_model", "model.n_layer", "model.n_head", "model.rope_theta",
+                "model.norm_eps", "model.init_std", "model.ff_multiple_of", "data.seq_len", "data.batch_size",
+                "data.synthetic_tokens",
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",
                 "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb",
@@ -90,6 +91,8 @@ def validate(cfg: DictConfig) -> None:
         positive(key, allow_none=True)
 
     m = cfg.model
+    if m.vocab_size is not None and m.vocab_size < 2:
+        raise ConfigError("model.vocab_size", m.vocab_size, "must be >= 2 (one token has nothing to predict)")
     if m.d_model % m.n_head:
         raise ConfigError("model.n_head", m.n_head, f"must divide model.d_model={m.d_model}")
     if (m.d_model // m.n_head) % 2:

@@ -48,11 +48,38 @@ def export_cluster_env() -> None:
 
 
 def dist_info() -> DistInfo:
-    """This process's :class:`DistInfo` (without a device) from the launch environment; rank 0 of 1 without one."""
+    """This process's :class:`DistInfo` (without a device) from the launch environment; rank 0 of 1 without one.
+
+    Raises :class:`~hydratrain.errors.ConfigError` naming the variable when the environment is not one a launcher
+    sets: a value that is not a number, ``RANK >= WORLD_SIZE`` (a ``RANK`` left over from another launch), or
+    ``WORLD_SIZE > 1`` without ``MASTER_ADDR``/``MASTER_PORT`` (``python train.py`` where torchrun was meant).
+    """
+    from hydratrain.errors import ConfigError
+
     export_cluster_env()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return DistInfo(rank=int(os.environ.get("RANK", "0")), local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                    world_size=world_size, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size))))
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if world_size < 1:
+        raise ConfigError("$WORLD_SIZE", world_size, "must be >= 1")
+    if rank >= world_size:
+        raise ConfigError("$RANK", rank, f"must be < $WORLD_SIZE={world_size} (a RANK left from another launch?); "
+                          "unset RANK or launch with torchrun")
+    if world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        raise ConfigError("$WORLD_SIZE", world_size, "is > 1 but MASTER_ADDR/MASTER_PORT are not set: launch with "
+                          "torchrun (or launcher=torchrun), or unset WORLD_SIZE for one process")
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, local_world_size=local_world_size)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        from hydratrain.errors import ConfigError
+
+        raise ConfigError(f"${name}", raw, "must be a non-negative integer (torchrun and the schedulers set it)")
+    return int(raw)
 
 
 def env_rank() -> int:

@@ -127,9 +127,20 @@ def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, a
 
 
 def write_results(run_dir: Path, result, hparams: dict) -> Path:
-    """``<run_dir>/results.json``: the FitResult fields and the hparams (non-finite figures as null), atomically."""
+    """``<run_dir>/results.json``: the FitResult fields and the hparams (non-finite figures as null), atomically.
+
+    A launch that trained no step (relaunched after the run had finished, e.g. a requeue) keeps the training figures
+    of the results.json already there (train loss, tokens/s, MFU, ...) where it has none of its own, so nothing
+    measured before is lost."""
     payload = {**result.__dict__, "hparams": hparams}
     payload = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in payload.items()}
+    previous = run_dir / "results.json"
+    if getattr(result, "steps_this_launch", 1) == 0 and previous.exists():
+        try:
+            before = json.loads(previous.read_text())
+        except (OSError, ValueError):
+            before = {}
+        payload = {**payload, **{k: v for k, v in before.items() if payload.get(k) is None and v is not None}}
     tmp = run_dir / f".results.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(payload, indent=1, default=str, allow_nan=False))
     os.replace(tmp, run_dir / "results.json")

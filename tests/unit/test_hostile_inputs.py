@@ -1,0 +1,90 @@
+"""What a hostile (or unlucky) user does, found by trying to break the product: a launch environment no launcher
+made, model settings that load a checkpoint without a shape error, token ids the start-up sample missed, a finished
+run relaunched, an export onto a directory. Each is one line with the documented exit status, and nothing written
+before is lost."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import ckpt_of, results
+from hydratrain.errors import ConfigError
+
+SHORT = ["strategy=single", "trainer.max_steps=2"]
+
+
+@pytest.mark.parametrize("env, key", [
+    ({"RANK": "1"}, "$RANK"),  # a RANK left over from another launch
+    ({"WORLD_SIZE": "2"}, "$WORLD_SIZE"),  # python train.py where torchrun was meant: no MASTER_ADDR
+    ({"WORLD_SIZE": "abc"}, "$WORLD_SIZE"),
+])
+def test_a_launch_environment_no_launcher_made_is_one_line(cli, tmp_path, monkeypatch, env, key):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    r = cli(SHORT, tmp_path / "r")
+    assert r.returncode == 2, r.output[-2000:]
+    lines = [ln for ln in r.err.splitlines() if ln.startswith("hydratrain: config error:")]
+    assert len(lines) == 1 and lines[0].startswith(f"hydratrain: config error: {key}="), r.err[-2000:]
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.rope_theta=0", "model.rope_theta"), ("model.rope_theta=nan", "model.rope_theta"),
+    ("model.norm_eps=-1", "model.norm_eps"), ("model.vocab_size=1", "model.vocab_size"),
+])
+def test_model_values_that_cannot_train_are_config_errors(compose, override, key):
+    from hydratrain.config import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["strategy=single", override]))
+    assert err.value.key == key
+
+
+def test_a_token_id_beyond_the_vocabulary_is_a_config_error_at_its_batch():
+    from hydratrain.data import TokenDataset
+
+    tokens = np.arange(100) % 50
+    tokens[77] = 300  # where a start-up sample of the file may not look
+    ds = TokenDataset(tokens, 8, vocab_size=256, source="train.bin")
+    ds.batch([0, 1])  # tokens 0-17: fine
+    with pytest.raises(ConfigError) as err:
+        ds.batch([9])  # tokens 72-80
+    assert err.value.key == "model.vocab_size" and "train.bin holds token id 300 (at token 77)" in str(err.value)
+
+
+@pytest.mark.parametrize("change", ["model.n_head=4", "model.rope_theta=500000", "model.tie_embeddings=false"])
+def test_a_checkpoint_of_another_architecture_with_the_same_shapes_is_refused(cli, tmp_path, change):
+    cli([*SHORT, "checkpoint.save_last=true", "trainer.save_weights=true"], tmp_path / "a").ok()
+    for source in (f"checkpoint.resume_from={ckpt_of(tmp_path / 'a', 2)}",
+                   f"model.init_from={tmp_path / 'a' / 'model.safetensors'}"):
+        r = cli([*SHORT, change, source], tmp_path / f"b{len(source)}")
+        assert r.returncode == 3, r.output[-2000:]
+        lines = [ln for ln in r.err.splitlines() if ln.startswith("hydratrain: checkpoint error:")]
+        assert len(lines) == 1 and f"model.{change.split('=')[0].split('.')[1]}:" in lines[0], r.err[-2000:]
+        assert "Traceback" not in r.output
+
+
+def test_relaunching_a_finished_run_keeps_its_results(cli, tmp_path):
+    run = tmp_path / "r"
+    cli([*SHORT, "checkpoint.save_last=true"], run).ok()
+    before = results(run)
+    assert before["train_loss"] is not None and before["tokens_per_sec"] > 0
+    cli([*SHORT, "checkpoint.save_last=true"], run).ok()  # a requeue of a finished run: nothing to train
+    after = results(run)
+    assert after["steps_this_launch"] == 0
+    for key in ("train_loss", "tokens_per_sec", "mfu", "first_loss"):
+        assert after[key] == before[key], key
+
+
+def test_export_onto_a_directory_is_refused_and_leaves_no_file(cli, tmp_path, capsys):
+    from hydratrain.checkpoint.export import main
+
+    cli([*SHORT, "checkpoint.save_last=true"], tmp_path / "a").ok()
+    target = tmp_path / "weights"
+    target.mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        main([str(ckpt_of(tmp_path / "a", 2)), str(target)])
+    assert exit_.value.code == 2 and "must be a file path ending in .safetensors" in capsys.readouterr().err
+    assert list(tmp_path.glob(".*tmp*")) == [] and list(target.iterdir()) == []
