@@ -159,3 +159,14 @@ def write_report(out: Path, title: str, machine_row: dict, body: str, command_li
 
 def fmt(value: Optional[float], spec: str = ",.0f") -> str:
     return "n/a" if value is None or value != value else format(value, spec)
+
+
+def auto_choices(device: str) -> tuple[str, str]:
+    """What ``precision=auto`` and ``optim.impl=auto`` pick on this machine's ``device`` (a subprocess: the bench
+    drivers do not import torch)."""
+    code = ("import torch; from hydratrain.parallel.precision import auto_preset; from hydratrain.optim import "
+            f"adamw_impl; d = torch.device('cuda' if {device!r} == 'cuda' or ({device!r} == 'auto' and "
+            "torch.cuda.is_available()) else 'cpu'); print(auto_preset(d), adamw_impl('auto', [torch.ones(1, "
+            "device=d)]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    return out[0], out[1]

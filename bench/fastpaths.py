@@ -22,12 +22,12 @@ token, i.e. MFU 100 %).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 from benchlib import (
     BENCH,
     Recorder,
+    auto_choices,
     clean_env,
     command,
     cores,
@@ -40,13 +40,6 @@ from benchlib import (
     table,
     write_report,
 )
-
-
-def auto_precision(device: str) -> str:
-    code = ("import torch; from hydratrain.parallel.precision import auto_preset; "
-            f"d = torch.device('cuda' if {device!r} == 'cuda' or ({device!r} == 'auto' and torch.cuda.is_available()) "
-            "else 'cpu'); print(auto_preset(d))")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main(argv=None) -> int:
@@ -62,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    auto = auto_precision(args.device)
+    auto, _ = auto_choices(args.device)
     precisions = ["fp32"] + (["bf16"] if auto == "bf16" else [])
     n_cores = cores()
     cases: list[tuple[str, list[str]]] = []

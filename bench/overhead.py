@@ -17,12 +17,12 @@ Results: ``<out>/results.jsonl`` (one line per run, the first describes the mach
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 from benchlib import (
     BENCH,
     Recorder,
+    auto_choices,
     clean_env,
     command,
     fmt,
@@ -34,17 +34,6 @@ from benchlib import (
     table,
     write_report,
 )
-
-
-def auto_choices(device: str) -> tuple[str, str]:
-    """What ``precision=auto`` and ``optim.impl=auto`` pick on this machine's ``device`` (a subprocess: this script
-    does not import torch)."""
-    code = ("import torch; from hydratrain.parallel.precision import auto_preset; from hydratrain.optim import "
-            f"adamw_impl; d = torch.device('cuda' if {device!r} == 'cuda' or ({device!r} == 'auto' and "
-            "torch.cuda.is_available()) else 'cpu'); print(auto_preset(d), adamw_impl('auto', [torch.ones(1, "
-            "device=d)]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    return out[0], out[1]
 
 
 def main(argv=None) -> int:
