@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             cases.append((f"compile model {prec}", ["--impl", "hand", "--precision", prec, "--compile", "model"]))
     for impl in ("for_loop", "foreach", "fused"):
         cases.append((f"AdamW {impl} ({auto})", ["--impl", "hand", "--precision", auto, "--adamw", impl]))
-    if n_cores > 1:
+    if n_cores > 1 and not args.device.startswith("cuda"):  # CPU threads: no question on a GPU
         for threads in (1, n_cores):
             cases.append((f"{threads} thread(s) ({auto})", ["--impl", "hand", "--precision", auto, "--threads",
                                                             str(threads)]))

@@ -156,7 +156,9 @@ if selected vs_hand; then
   if ((DRY)); then
     VS=(--model gpt_tiny --batch 4 --seq 64 --steps 6 --warm 2 --rounds 1 --strategies single --device cpu)
   else
-    VS=(--model gpt_small --batch 8 --seq 1024 --steps 30 --warm 10 --rounds 2 --device cuda --nproc "$MULTI")
+    # bf16 only: the overhead row (bf16 both sides) and the defaults row (hydratrain's defaults vs fp32 eager)
+    VS=(--model gpt_small --batch 8 --seq 1024 --steps 30 --warm 10 --rounds 2 --device cuda --nproc "$MULTI"
+        --precisions bf16)
     ((MULTI >= 2)) && VS+=(--strategies single,fsdp) || VS+=(--strategies single)
   fi
   echo "== vs_hand: $PY bench/overhead.py ${VS[*]}"

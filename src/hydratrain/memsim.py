@@ -285,6 +285,11 @@ class Mode:
     autocast: Optional[torch.dtype]
     device: str = "cpu"
 
+    def torch_device(self) -> torch.device:
+        """The device the shadows claim, with an index: autograd's engine routes a backward by device index, and a
+        bare ``cuda`` (index -1) failed its internal assert on an H200 (torch 2.11), so every GPU run lost its plan."""
+        return torch.device(self.device) if self.device == "cpu" else torch.device(self.device, 0)
+
     def autocast_ctx(self):
         if self.autocast is None:
             return contextlib.nullcontext()
@@ -347,7 +352,7 @@ def _run_block(cfg_items: tuple, batch: int, seq: int, mode: Mode, grad: bool) -
     from hydratrain.models.gpt import Block
 
     cfg = _model_cfg(cfg_items)
-    device = torch.device(mode.device)
+    device = mode.torch_device()
     tracker = Tracker()
     with torch.device(_META):
         block = Block(cfg)
@@ -386,7 +391,7 @@ def head_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode) -> StagePro
     norm and ``lm_head`` inside the autocast region, then ``cross_entropy(logits.float(), targets)`` outside it;
     the logits are dropped when the loss is returned. Its input is the last block's output."""
     cfg = _model_cfg(cfg_items)
-    device = torch.device(mode.device)
+    device = mode.torch_device()
     tracker = Tracker()
     with torch.device(_META):
         head = nn.Module()

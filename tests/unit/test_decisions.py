@@ -130,6 +130,24 @@ def test_activation_checkpointing_does_not_change_the_initial_weights(compose):
     assert [k for k in built["false"] if not torch.equal(built["false"][k], built["true"][k])] == []
 
 
+@pytest.mark.parametrize("policy", ["transformer_block", "size_based"])
+def test_fsdp_shards_a_checkpointed_block_at_its_wrapper(policy):
+    """FSDP's pre-forward hook (all-gather, cast to the MixedPrecisionPolicy dtype) must run outside the checkpointed
+    region: sharded inside it, torch 2.11 recomputed in fp32 what the forward had saved in bf16 (CheckpointError on
+    every strategy=fsdp precision=bf16 activation_checkpointing=true run; found by bench/gpu.sh on torch 2.11)."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.models.gpt import GPT, Block, GPTConfig
+    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+    from hydratrain.parallel.wrap_policy import shard_units
+
+    model = GPT(GPTConfig(d_model=32, n_layer=2, n_head=2, max_seq_len=16, vocab_size=64))
+    assert apply_activation_checkpointing(model) == 2
+    units = shard_units(model, OmegaConf.create({"name": policy, "min_num_params": 1000}))
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    assert [getattr(u, "_checkpoint_wrapped_module", None) for u in units] == blocks
+
+
 # ----------------------------------------------------------------------------------------------- eval set
 @pytest.mark.parametrize("n_samples", [0, 10, 33])
 def test_eval_set_counts_each_sample_once_at_any_world_size_and_batch(n_samples):

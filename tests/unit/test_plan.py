@@ -266,3 +266,11 @@ def test_hsdp_shards_over_its_shard_group_and_adamw8bit_quarters_the_moments():
     full = predict(setup())
     # matrices of >= 4096 values get 1 byte + an fp32 scale per 256 values per moment; norms stay fp32
     assert full.parts["optimizer"] / 4.2 < eight.parts["optimizer"] < full.parts["optimizer"] / 3.8
+
+
+def test_the_simulated_gpu_has_a_device_index():
+    """A bare ``cuda`` device (index -1) made autograd's engine assert in the block simulation's backward on an
+    H200 (torch 2.11), and every GPU run started without its memory plan."""
+    assert memsim.Mode(torch.bfloat16, None, "cuda").torch_device() == torch.device("cuda", 0)
+    assert memsim.Mode(torch.float32, None, "cpu").torch_device() == torch.device("cpu")
+

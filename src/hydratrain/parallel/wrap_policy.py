@@ -52,4 +52,20 @@ def shard_units(model: nn.Module, wrap_policy_cfg) -> list[nn.Module]:
     else:
         return []
     shared = _shared_parameters(model)
-    return [u for u in units if not shared & {id(p) for p in u.parameters()}]
+    lifted = _lift_out_of_checkpointing(model, [u for u in units if not shared & {id(p) for p in u.parameters()}])
+    return list({id(u): u for u in lifted}.values())  # one unit per wrapper, in order
+
+
+def _lift_out_of_checkpointing(model: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """Each unit, replaced by the outermost activation-checkpointing wrapper around it, if any.
+
+    FSDP's pre-forward hook (the all-gather and the cast to ``MixedPrecisionPolicy.param_dtype``) must run outside
+    the checkpointed region, as torchtitan applies it: with the hook inside, torch 2.11's recomputation in backward
+    saw fp32 parameters where the forward had bf16 ones and raised ``CheckpointError`` (torch 2.13 passes either
+    way). A unit below a wrapper (a block's attention under ``size_based``) is merged into the wrapper's unit."""
+    wrapper_of: dict[int, nn.Module] = {}
+    for m in model.modules():  # parents before children: the outermost wrapper is seen first
+        if isinstance(getattr(m, "_checkpoint_wrapped_module", None), nn.Module):
+            for sub in m.modules():
+                wrapper_of.setdefault(id(sub), m)
+    return [wrapper_of.get(id(u), u) for u in units]
