@@ -68,6 +68,7 @@ class Setup:
     shard_degree: Optional[int] = None  # hsdp: ranks of a shard group (fsdp shards over all world_size ranks)
     optim: str = "adamw"  # adamw | adamw8bit
     optim_block_size: int = 256  # adamw8bit: values per quantisation block
+    optim_impl: str = "auto"  # optim.impl: auto | fused | foreach | for_loop (auto is fused on cpu and cuda)
 
     @property
     def shards(self) -> bool:
@@ -297,8 +298,7 @@ def predict(s: Setup) -> Plan:
         root_reduce = root_grads + root_full * r + (root_full // W) * (r + (4 if r != 4 else 0))
         fsdp_note = (f"{c * 8}-bit parameters of the root and {'the block(s) in flight' if raf else 'every unit'} "
                      f"all-gathered, {c * 8}-bit unsharded gradients, {r * 8}-bit reduce-scatter input")
-        step_tmp = 4 * shard if s.device == "cuda" else 2 * 4 * max(v[1] for v in full.values())
-        step_tmp *= on_device
+        step_tmp = _step_temporaries(s, 4 * shard, 2 * 4 * max(v[1] for v in full.values())) * on_device
         parts_static.update(parameters=params, optimizer=optim)
     else:
         params = 4 * n_params + buffers
@@ -313,7 +313,7 @@ def predict(s: Setup) -> Plan:
         notes["parameters"] = "fp32 master weights, a full replica" + (" (+ rotary tables)" if buffers else "")
         notes["gradients"] = "fp32"
         notes["optimizer"] = _optim_note(s)
-        step_tmp = 4 * n_params if s.device == "cuda" else 2 * 4 * max(_numel(v) for v in shapes.values())
+        step_tmp = _step_temporaries(s, 4 * n_params, 2 * 4 * max(_numel(v) for v in shapes.values()))
         parts_static.update(parameters=params, optimizer=optim)
         if s.strategy == "ddp":
             parts_static["ddp buckets"] = 4 * n_params
@@ -365,8 +365,7 @@ def predict(s: Setup) -> Plan:
                         "working set of the block in flight"),
         "logits/loss": (f"B x T x vocab = {s.batch_size} x {s.seq_len} x {m.vocab_size}: logits, fp32 copy, "
                         "log-softmax, their gradients"),
-        "optimizer step": "AdamW's temporaries (foreach: one fp32 copy of the parameters)" if s.device == "cuda"
-        else "AdamW's temporaries (per tensor: two of the largest parameter)",
+        "optimizer step": _step_note(s),
         "fsdp buffers": fsdp_note if s.shards else "",
         "batches": "token ids of this and the next micro-batch, int64",
         "baseline": "this process before the model: resident set (interpreter, torch, data)" if s.device == "cpu"
@@ -385,6 +384,31 @@ def predict(s: Setup) -> Plan:
                       "measured 40-120% above it (README, Memory planner); MALLOC_MMAP_THRESHOLD_=131072 in the "
                       "environment makes it track the tensors, at the cost of page faults")
     return Plan(s, sum(parts.values()), name, parts, notes, facts, n_params)
+
+
+def _cuda_step_impl(s: Setup) -> str:
+    """The AdamW implementation whose temporaries a CUDA step holds: ``optim.impl`` (auto resolves to fused, as
+    ``hydratrain.optim.adamw_impl`` does for CUDA parameters); torchao's 8-bit AdamW is counted as foreach."""
+    if s.optim == "adamw8bit":
+        return "foreach"
+    return "fused" if s.optim_impl in ("auto", "fused") else s.optim_impl
+
+
+def _step_temporaries(s: Setup, params_fp32: int, two_largest_fp32: int) -> int:
+    """Bytes AdamW's step allocates beyond its state: CPU, two of the largest parameter (calibrated on CPU for the
+    per-tensor and fused kernels); CUDA fused, none (one in-place kernel: measured on an H200, llama_1b, the optimizer
+    step's peak was parameters + gradients + moments); foreach, one fp32 copy of the parameters
+    (``torch.optim.adam._multi_tensor_adam``); for_loop, two of the largest parameter."""
+    if s.device != "cuda":
+        return two_largest_fp32
+    return {"fused": 0, "foreach": params_fp32}.get(_cuda_step_impl(s), two_largest_fp32)
+
+
+def _step_note(s: Setup) -> str:
+    if s.device != "cuda":
+        return "AdamW's temporaries (per tensor: two of the largest parameter)"
+    return {"fused": "", "foreach": "AdamW's temporaries (foreach: one fp32 copy of the parameters)"}.get(
+        _cuda_step_impl(s), "AdamW's temporaries (per tensor: two of the largest parameter)")
 
 
 def _moment_bytes(numel: int, s: Setup) -> int:

@@ -82,6 +82,21 @@ def test_ddp_adds_its_buckets_and_every_strategy_counts_the_baseline():
     assert single.parts["baseline"] == 3 * 2**20
 
 
+def test_cuda_optimizer_step_holds_what_the_chosen_adamw_allocates():
+    """optim.impl=auto is fused on CUDA: one in-place kernel, no temporaries (on an H200, llama_1b fsdp 2 x 512,
+    measured 16.02 GiB; counting foreach's fp32 copy of the parameters predicted 19.35, now 15.85)."""
+    from hydratrain.footprint import predict as predict_moments
+
+    def step_bytes(impl):
+        plan = predict_moments(setup(device="cuda", batch_size=1, seq_len=8, optim_impl=impl))
+        return plan, plan.parts.get("optimizer step", 0)  # batch 1 x 8: the peak is the optimizer step
+
+    fused, foreach = step_bytes("auto"), step_bytes("foreach")
+    assert fused[1] == step_bytes("fused")[1] == 0
+    assert foreach[1] == 4 * foreach[0].n_params and foreach[0].moment == "optimizer step"
+    assert foreach[0].peak >= fused[0].peak
+
+
 def test_large_vocabularies_make_the_logits_the_peak():
     plan = predict(setup(model={"vocab_size": 65536}, batch_size=16))
     assert plan.moment.startswith("backward of the head") or plan.moment.startswith("forward of the head")
