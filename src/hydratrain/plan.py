@@ -237,6 +237,27 @@ class RunPlan:
         return "fits with: " + "; ".join(f"{' '.join(f.changes)} ({f.plan.peak / GiB:.2f} GiB)" for f in self.fixes)
 
 
+# strategy.cpu_offload=true against false, tokens/s: 137,934 / 56,316 for gpt_small (8 x 1024 tokens, bf16, fsdp) on
+# one H200 with torch 2.11 (bench/gpu.sh, bench/results/h200-2026-11-30/gpu.md): parameters, gradients and the AdamW
+# step live on the CPU and cross PCIe every step.
+OFFLOAD_SLOWDOWN = (137_934 / 56_316, "gpt_small, bf16, fsdp on one H200, bench/results/h200-2026-11-30")
+
+
+def offload_slow_path(setup: Setup, budget: int) -> Optional[str]:
+    """A one-line warning when ``strategy.cpu_offload=true`` on a GPU is not needed: the plan without offload fits
+    ``budget`` (bytes per rank). Offload is a slow path (:data:`OFFLOAD_SLOWDOWN`) worth paying only to fit; None
+    when offload is off, the device is a CPU, or the run does not fit without it."""
+    if not setup.cpu_offload or setup.device == "cpu":
+        return None
+    without = predict(setup.replace(cpu_offload=False))
+    if without.peak > budget:
+        return None
+    factor, where = OFFLOAD_SLOWDOWN
+    return (f"strategy.cpu_offload=true is a slow path here: the memory plan fits without it ({without.peak / GiB:.2f} "
+            f"of {budget / GiB:.2f} GiB per rank), and offload trained {factor:.1f}x slower than without ({where}); "
+            "strategy.cpu_offload=false is faster")
+
+
 def plan_run(cfg, strategy, info, precision, vocab_size: int) -> Optional[RunPlan]:
     """Predict this rank's peak before the model is built, log it (rank 0 prints one line; the table goes to each
     rank's log file) and warn with the changes that fit when it exceeds the budget. Never stops the run: returns None
@@ -255,6 +276,7 @@ def plan_run(cfg, strategy, info, precision, vocab_size: int) -> Optional[RunPla
         run = RunPlan(plan, budget, source, [])
         if not run.fits:
             run.fixes = suggestions(setup, budget)
+        slow = offload_slow_path(setup, budget)
     except Exception as err:  # the plan is advice: a planner bug must not stop training
         log.warning("memory plan unavailable: %s: %s", type(err).__name__, err)
         return None
@@ -264,6 +286,8 @@ def plan_run(cfg, strategy, info, precision, vocab_size: int) -> Optional[RunPla
         log.info(run.line())
     else:
         log.warning("%s; %s", run.line(), run.advice())
+    if slow:
+        log.warning(slow)
     return run
 
 

@@ -97,6 +97,20 @@ def test_cuda_optimizer_step_holds_what_the_chosen_adamw_allocates():
     assert foreach[0].peak >= fused[0].peak
 
 
+def test_cpu_offload_on_a_gpu_warns_when_the_run_fits_without_it():
+    """No silent slow path: offload cost 2.4x tokens/s on an H200 (bench/gpu.sh); it is worth it only to fit."""
+    from hydratrain.plan import offload_slow_path
+
+    offloaded = setup(strategy="fsdp", world_size=2, device="cuda", cpu_offload=True)
+    without = predict(offloaded.replace(cpu_offload=False)).peak
+    line = offload_slow_path(offloaded, budget=2 * without)
+    assert "strategy.cpu_offload=true is a slow path" in line and "strategy.cpu_offload=false" in line
+    assert "2.4x slower" in line
+    assert offload_slow_path(offloaded, budget=without - 1) is None  # offload is what makes it fit
+    assert offload_slow_path(offloaded.replace(device="cpu"), budget=2 * without) is None
+    assert offload_slow_path(offloaded.replace(cpu_offload=False), budget=2 * without) is None
+
+
 def test_large_vocabularies_make_the_logits_the_peak():
     plan = predict(setup(model={"vocab_size": 65536}, batch_size=16))
     assert plan.moment.startswith("backward of the head") or plan.moment.startswith("forward of the head")
@@ -142,6 +156,40 @@ def test_a_plan_is_fast_for_llama_8b_and_imports_no_dynamo():
     seconds, peak, dynamo = out.stdout.split()
     assert dynamo == "False" and float(seconds) < 1.0, out.stdout
     assert 10 * GiB < int(peak) < 80 * GiB, out.stdout  # 7.5B parameters over 8 ranks, bf16, AC
+
+
+def test_a_relaunch_reads_the_simulation_from_disk_and_skips_its_imports(tmp_path, monkeypatch):
+    """The block and head simulations are cached in $HYDRATRAIN_CACHE: a second process with the same setup gets the
+    same plan without dispatching a tensor subclass (which imports torch.distributed.tensor and sympy, ~0.5 s of a
+    CPU run's start-up); a corrupt cache file is simulated over."""
+    from hydratrain.memsim import PROFILE_CACHE
+
+    code = ("import sys, dataclasses, torch\n"
+            "from hydratrain.plan import Setup, predict\n"
+            "from hydratrain.models.gpt import GPTConfig\n"
+            "m = GPTConfig(vocab_size=512, max_seq_len=128, d_model=128, n_layer=4, n_head=4)\n"
+            "p = predict(Setup(model=tuple(sorted(dataclasses.asdict(m).items())), batch_size=8, seq_len=128,"
+            " precision='bf16'))\n"
+            "print(p.peak - p.parts.get('baseline', 0), 'torch.distributed.tensor' in sys.modules)\n")
+
+    def plan():
+        out = subprocess.run([sys.executable, "-c", code], env=clean_env(HYDRATRAIN_CACHE=str(tmp_path)),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        peak, dtensor = out.stdout.split()
+        return int(peak), dtensor == "True"
+
+    first, second = plan(), plan()
+    assert first[1] and not second[1], (first, second)  # simulated, then read
+    assert first[0] == second[0] > 0
+    (tmp_path / PROFILE_CACHE).write_text("{not json")
+    monkeypatch.setenv("HYDRATRAIN_CACHE", str(tmp_path))
+    memsim.block_profile.cache_clear()
+    memsim.head_profile.cache_clear()
+    m = GPTConfig(vocab_size=512, max_seq_len=128, d_model=128, n_layer=4, n_head=4)
+    p = predict(Setup(model=tuple(sorted(dataclasses.asdict(m).items())), batch_size=8, seq_len=128, precision="bf16"))
+    assert p.peak - p.parts.get("baseline", 0) == first[0]
+    assert "entries" in (tmp_path / PROFILE_CACHE).read_text()  # rewritten
 
 
 # --------------------------------------------------------------------------------------- activation accounting
