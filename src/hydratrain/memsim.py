@@ -21,7 +21,6 @@ Costs: one block forward + backward is ~100 shadow ops, 10-50 ms; nothing depend
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -323,71 +322,11 @@ def _model_cfg(cfg_items: tuple):
     return GPTConfig(**dict(cfg_items))
 
 
-PROFILE_CACHE = "memsim_profiles.json"  # in the cache dir ($HYDRATRAIN_CACHE or ~/.cache/hydratrain)
-_PROFILE_CACHE_MAX = 512  # entries kept (the oldest are dropped)
-
-
-@lru_cache(maxsize=1)
-def _code_stamp() -> str:
-    """What a cached profile depends on besides its arguments: torch's version and the source of this module and
-    of the model (a change to either simulates again)."""
-    import hashlib
-    from pathlib import Path
-
-    from hydratrain.models import gpt
-
-    digest = hashlib.sha1(torch.__version__.encode())
-    for path in (__file__, gpt.__file__):
-        digest.update(Path(path).read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def _disk_cached(kind: str, args: tuple, simulate) -> StageProfile:
-    """``simulate()``, or its result cached on disk from an earlier process under ``kind``, ``args``, the rule
-    switch and :func:`_code_stamp`. A run's plan otherwise costs about 0.5 s at start-up on CPU, nearly all of it
-    the import of ``torch.distributed.tensor`` (with sympy) that torch makes at the first dispatch of a tensor
-    subclass. The file is replaced atomically; an unreadable or unwritable cache only means simulating again."""
-    import json
-    import os
-
-    from hydratrain.metrics import default_cache_dir
-
-    key = f"{kind} | {args!r} | rules={USE_RULES} | {_code_stamp()}"
-    path = default_cache_dir() / PROFILE_CACHE
-    try:
-        entries = json.loads(path.read_text()).get("entries", {})
-    except (OSError, ValueError, AttributeError):
-        entries = {}
-    if isinstance(entries, dict) and isinstance(entries.get(key), dict):
-        try:
-            return StageProfile(**entries[key])
-        except TypeError:
-            pass  # another layout: simulate again
-    profile = simulate()
-    if not isinstance(entries, dict):
-        entries = {}
-    entries[key] = dataclasses.asdict(profile)
-    entries = dict(list(entries.items())[-_PROFILE_CACHE_MAX:])
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"entries": entries}))
-        os.replace(tmp, path)
-    except OSError:
-        pass
-    return profile
-
-
 @lru_cache(maxsize=64)
 def block_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode, checkpointed: bool) -> StageProfile:
     """:class:`StageProfile` of one decoder block (``cfg_items``: the GPTConfig fields as sorted (key, value)
     pairs) on a ``(batch, seq, d_model)`` input; ``checkpointed``: wrapped in non-reentrant activation
-    checkpointing, as :mod:`hydratrain.parallel.ac_compile` does. Cached on disk (:func:`_disk_cached`)."""
-    return _disk_cached("block", (cfg_items, batch, seq, mode, checkpointed),
-                        lambda: _block_profile(cfg_items, batch, seq, mode, checkpointed))
-
-
-def _block_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode, checkpointed: bool) -> StageProfile:
+    checkpointing, as :mod:`hydratrain.parallel.ac_compile` does."""
     plain = _run_block(cfg_items, batch, seq, mode, grad=True)
     if not checkpointed:
         return plain
@@ -450,11 +389,7 @@ def _run_block(cfg_items: tuple, batch: int, seq: int, mode: Mode, grad: bool) -
 def head_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode) -> StageProfile:
     """:class:`StageProfile` of the head as the trainer runs it (``hydratrain.train.trainer.Trainer.loss_of``): final
     norm and ``lm_head`` inside the autocast region, then ``cross_entropy(logits.float(), targets)`` outside it;
-    the logits are dropped when the loss is returned. Its input is the last block's output. Cached on disk."""
-    return _disk_cached("head", (cfg_items, batch, seq, mode), lambda: _head_profile(cfg_items, batch, seq, mode))
-
-
-def _head_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode) -> StageProfile:
+    the logits are dropped when the loss is returned. Its input is the last block's output."""
     cfg = _model_cfg(cfg_items)
     device = mode.torch_device()
     tracker = Tracker()

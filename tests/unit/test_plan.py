@@ -158,40 +158,6 @@ def test_a_plan_is_fast_for_llama_8b_and_imports_no_dynamo():
     assert 10 * GiB < int(peak) < 80 * GiB, out.stdout  # 7.5B parameters over 8 ranks, bf16, AC
 
 
-def test_a_relaunch_reads_the_simulation_from_disk_and_skips_its_imports(tmp_path, monkeypatch):
-    """The block and head simulations are cached in $HYDRATRAIN_CACHE: a second process with the same setup gets the
-    same plan without dispatching a tensor subclass (which imports torch.distributed.tensor and sympy, ~0.5 s of a
-    CPU run's start-up); a corrupt cache file is simulated over."""
-    from hydratrain.memsim import PROFILE_CACHE
-
-    code = ("import sys, dataclasses, torch\n"
-            "from hydratrain.plan import Setup, predict\n"
-            "from hydratrain.models.gpt import GPTConfig\n"
-            "m = GPTConfig(vocab_size=512, max_seq_len=128, d_model=128, n_layer=4, n_head=4)\n"
-            "p = predict(Setup(model=tuple(sorted(dataclasses.asdict(m).items())), batch_size=8, seq_len=128,"
-            " precision='bf16'))\n"
-            "print(p.peak - p.parts.get('baseline', 0), 'torch.distributed.tensor' in sys.modules)\n")
-
-    def plan():
-        out = subprocess.run([sys.executable, "-c", code], env=clean_env(HYDRATRAIN_CACHE=str(tmp_path)),
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        peak, dtensor = out.stdout.split()
-        return int(peak), dtensor == "True"
-
-    first, second = plan(), plan()
-    assert first[1] and not second[1], (first, second)  # simulated, then read
-    assert first[0] == second[0] > 0
-    (tmp_path / PROFILE_CACHE).write_text("{not json")
-    monkeypatch.setenv("HYDRATRAIN_CACHE", str(tmp_path))
-    memsim.block_profile.cache_clear()
-    memsim.head_profile.cache_clear()
-    m = GPTConfig(vocab_size=512, max_seq_len=128, d_model=128, n_layer=4, n_head=4)
-    p = predict(Setup(model=tuple(sorted(dataclasses.asdict(m).items())), batch_size=8, seq_len=128, precision="bf16"))
-    assert p.peak - p.parts.get("baseline", 0) == first[0]
-    assert "entries" in (tmp_path / PROFILE_CACHE).read_text()  # rewritten
-
-
 # --------------------------------------------------------------------------------------- activation accounting
 class _Live(torch.utils._python_dispatch.TorchDispatchMode):
     """Live bytes of real CPU tensor storages and their peak (the same bookkeeping as memsim.Tracker)."""
