@@ -32,7 +32,7 @@
 # Printed per case and written to DIR/results.jsonl (one JSON object per case) and DIR/results.md (a table), with
 # DIR/env.json (torch, GPUs), DIR/logs/<case>.log and DIR/runs/<case>/ (run dirs). Exit status 0 when all passed.
 #
-# Env: PYTHON (default python), CASES, STEPS (steps per case), CASE_TIMEOUT (s per launch), MAX_NPROC (default 8),
+# Env: PYTHON (default python), CASES, STEPS (steps per case, >= 4), CASE_TIMEOUT (s per launch), MAX_NPROC (default 8),
 # PEAK_FLOPS (logger.peak_flops), HYDRATRAIN_CACHE (where the CPU peak and corpora are cached).
 set -uo pipefail
 
@@ -54,6 +54,14 @@ while (($#)); do
 done
 case "$DRY" in 0|""|false|no) DRY=0 ;; *) DRY=1 ;; esac
 [[ -n "${PEAK_FLOPS:-}" ]] && EXTRA+=("logger.peak_flops=$PEAK_FLOPS")
+KNOWN=" fsdp_bf16 fp16_scaler cpu_offload meta_llama_1b compile ac compile_ac ckpt_save ckpt_resume adamw8bit vs_hand "
+for c in ${CASES:+${CASES//,/ }}; do
+  if [[ "$KNOWN" != *" $c "* && ! "$c" =~ ^(fsdp_bf16|ckpt_save|ckpt_resume|hsdp)_x[0-9]+$ ]]; then
+    echo "bench/gpu.sh: CASES: unknown case '$c'; cases:$KNOWN(and fsdp_bf16_xR, ckpt_save_xR, ckpt_resume_xR," \
+      "hsdp_xR on R GPUs)" >&2
+    exit 2
+  fi
+done
 
 OUT="${OUT:-$ROOT/bench/out/gpu-$(date +%Y%m%d-%H%M%S)$( ((DRY)) && echo -dry)}"
 mkdir -p "$OUT/logs" "$OUT/runs" || exit 2
@@ -89,6 +97,10 @@ else
   LLAMA=(model=llama_1b data.seq_len=512 data.batch_size=2)
 fi
 HALF=$((STEPS / 2))
+if ! [[ "$STEPS" =~ ^[0-9]+$ ]] || ((STEPS < 4)); then
+  echo "bench/gpu.sh: STEPS=$STEPS: need at least 4 (the checkpoint cases save at STEPS/2 and resume to STEPS)" >&2
+  exit 2
+fi
 
 selected() {  # is case $1 in $CASES (comma-separated; empty = all)?
   [[ -z "${CASES:-}" ]] && return 0

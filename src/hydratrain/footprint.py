@@ -181,16 +181,17 @@ def fsdp_units(s: Setup) -> tuple[list[list[str]], list[str]]:
     if policy in ("auto", "transformer_block"):
         units = [[n for n in names if n.startswith(f"blocks.{i}.")] for i in range(m.n_layer)]
     elif policy == "size_based":
-        units = _size_based_units(m, s.min_num_params)
+        units = _size_based_units(m, s.min_num_params, s.activation_checkpointing)
     else:
         units = []
     taken = {n for u in units for n in u}
     return units, [n for n in names if n not in taken]
 
 
-def _size_based_units(m, min_num_params: int) -> list[list[str]]:
+def _size_based_units(m, min_num_params: int, checkpointed: bool = False) -> list[list[str]]:
     """The size rule of :func:`hydratrain.parallel.wrap_policy.shard_units` on a storage-less stand-in of the GPT
-    (the real constructor's initialisers would run Python meta kernels)."""
+    (the real constructor's initialisers would run Python meta kernels); ``checkpointed``: each block inside an
+    activation-checkpointing wrapper, into which ``shard_units`` merges any unit below it."""
     import torch
     from torch import nn
 
@@ -204,14 +205,20 @@ def _size_based_units(m, min_num_params: int) -> list[list[str]]:
 
     root = nn.Module()
     root.tok_emb = Leaf((m.vocab_size, m.d_model))
+    class Wrapper(nn.Module):  # what shard_units recognises a checkpoint wrapper by (checkpoint_wrapper's attribute)
+        def __init__(self, block):
+            super().__init__()
+            self._checkpoint_wrapped_module = block
+
     with torch.device("meta"):
-        root.blocks = nn.ModuleList(Block(m) for _ in range(m.n_layer))
+        blocks = [Block(m) for _ in range(m.n_layer)]
+    root.blocks = nn.ModuleList(Wrapper(b) if checkpointed else b for b in blocks)
     root.norm = Leaf((m.d_model,))
     root.lm_head = Leaf((m.vocab_size, m.d_model))
     if m.tie_embeddings:
         root.lm_head.weight = root.tok_emb.weight
     policy = type("Policy", (), {"name": "size_based", "min_num_params": min_num_params})()
-    name_of = {id(p): n for n, p in root.named_parameters()}
+    name_of = {id(p): n.replace("._checkpoint_wrapped_module", "") for n, p in root.named_parameters()}
     units, seen = [], set()
     for unit in shard_units(root, policy):
         own = [name_of[id(p)] for p in unit.parameters() if id(p) not in seen]

@@ -132,7 +132,7 @@ def budget_bytes(memory_gb: Optional[float], device, ranks_per_node: int, in_run
     address-space limit (``RLIMIT_AS``, its own), plus its own resident set when ``in_run`` (the ranks exist, so their
     memory is not "available"; a planning process's own resident set goes away with it)."""
     if memory_gb:
-        return int(memory_gb * GiB), "plan.memory_gb"
+        return max(1, int(memory_gb * GiB)), "plan.memory_gb"  # at least a byte: 1e-12 GiB is a budget, not a crash
     if device.type == "cuda":
         import torch
 
@@ -418,6 +418,9 @@ def _report(cfg) -> int:
     per_node = int(cfg.plan.ranks_per_node or (1 if cuda else world))  # CPU ranks share this node's RAM
     device = torch.device("cuda", 0) if cuda and torch.cuda.is_available() else torch.device("cuda" if cuda else "cpu")
     precision = Precision.resolve(cfg.precision, device).name
+    elsewhere = device.type == "cuda" and not torch.cuda.is_available()  # planning for GPUs this host does not have
+    if elsewhere and str(cfg.precision.name) == "auto":
+        precision = "bf16"  # what auto picks on GPUs with native bf16 (Ampere and newer); the plan says so below
     _run_imports()
     setup = setup_for(cfg, strategy, world_size=world, precision=precision,
                       vocab_size=planned_vocab_size(cfg, Paths.resolve(cfg, Path.cwd()).data), device=device.type,
@@ -425,8 +428,11 @@ def _report(cfg) -> int:
                       local_world_size=int(cfg.plan.ranks_per_node or world))
     plan = predict(setup)
     print("\n".join(plan.table()))
-    if device.type == "cuda" and not torch.cuda.is_available() and not cfg.plan.memory_gb:
-        print("budget: no CUDA device here to take it from; set plan.memory_gb")
+    if elsewhere and str(cfg.precision.name) == "auto":
+        print("precision=auto planned as bf16, what it picks on a GPU with native bf16 (Ampere and newer); "
+              "set precision=fp32 for an older GPU")
+    if elsewhere and not cfg.plan.memory_gb:
+        print("budget: no CUDA device here to take it from; set plan.memory_gb for a verdict (exit status 0: none)")
         return 0
     budget, source = budget_bytes(cfg.plan.memory_gb, device, per_node, in_run=False)
     fits = plan.peak <= budget

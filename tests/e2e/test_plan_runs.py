@@ -110,6 +110,10 @@ def test_the_cli_plans_a_launch_and_lists_what_fits(tmp_path):
     over = plan(*big, "plan.memory_gb=1")
     assert over.returncode == 1 and "changes that fit, cheapest first:" in over.stdout, over.stdout + over.stderr
     assert "activation_checkpointing=true" in over.stdout
+    tiny = plan(*big, "plan.memory_gb=1e-12")  # rounds to 0 bytes: still a verdict, not a ZeroDivisionError
+    assert tiny.returncode == 1 and "EXCEEDS" in tiny.stdout and "Traceback" not in tiny.stderr, tiny.stderr
+    auto = plan("model=gpt_small", "strategy=fsdp", "plan.world_size=8", "device=cuda")  # no GPU, no budget here
+    assert auto.returncode == 0 and "precision=bf16" in auto.stdout and "no CUDA device here" in auto.stdout
     bad = plan("plan.memory_gb=-1")
     assert bad.returncode == 2 and "plan.memory_gb=-1" in bad.stderr, bad.stderr
     typo = plan("plan.memory_gib=3")

@@ -111,6 +111,30 @@ def test_cpu_offload_on_a_gpu_warns_when_the_run_fits_without_it():
     assert offload_slow_path(offloaded.replace(cpu_offload=False), budget=2 * without) is None
 
 
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_planned_fsdp_units_are_the_ones_the_run_shards(checkpointed):
+    """The planner's units (footprint.fsdp_units) are shard_units' on the real model, also under activation
+    checkpointing, where size_based's per-layer units are merged into each block's wrapper (the planner had kept the
+    per-layer units: llama_8b on 8 ranks planned 24.9 GiB for a run of 16.0)."""
+    from hydratrain.footprint import fsdp_units
+    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+    from hydratrain.parallel.wrap_policy import shard_units
+
+    model = GPT(GPTConfig(**SMALL))
+    if checkpointed:
+        apply_activation_checkpointing(model)
+    name_of = {id(p): n.replace("._checkpoint_wrapped_module", "") for n, p in model.named_parameters()}
+    policy = type("Policy", (), {"name": "size_based", "min_num_params": 20_000})()
+    real = [[name_of[id(p)] for p in u.parameters()] for u in shard_units(model, policy)]
+    planned, _ = fsdp_units(setup(strategy="fsdp", world_size=2, wrap_policy="size_based", min_num_params=20_000,
+                                  activation_checkpointing=checkpointed))
+    assert planned == real
+    if checkpointed:  # one unit per block wrapper (the tied embedding stays with the root)
+        assert len(real) == SMALL["n_layer"]
+    else:  # the size rule alone takes sub-layers of each block
+        assert len(real) > SMALL["n_layer"]
+
+
 def test_large_vocabularies_make_the_logits_the_peak():
     plan = predict(setup(model={"vocab_size": 65536}, batch_size=16))
     assert plan.moment.startswith("backward of the head") or plan.moment.startswith("forward of the head")
