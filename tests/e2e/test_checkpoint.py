@@ -74,6 +74,7 @@ def from_run_a(run_a, tmp_path_factory, cache_dir) -> Sweep:
 
 
 # ------------------------------------------------------------------------------------------ exact resume
+@pytest.mark.slow  # 11 s: the default suite keeps the SIGTERM resume test (test_sigterm_on_one_rank_...)
 def test_exact_resume_after_sigkill(run_a, tmp_path):
     """Run B is SIGKILLed right after its step-10 save, relaunched with the same command, and matches run A
     bit for bit: every logged loss (steps 1-20) and the final weights."""
