@@ -305,7 +305,8 @@ def predict(s: Setup) -> Plan:
         root_reduce = root_grads + root_full * r + (root_full // W) * (r + (4 if r != 4 else 0))
         fsdp_note = (f"{c * 8}-bit parameters of the root and {'the block(s) in flight' if raf else 'every unit'} "
                      f"all-gathered, {c * 8}-bit unsharded gradients, {r * 8}-bit reduce-scatter input")
-        step_tmp = _step_temporaries(s, 4 * shard, 2 * 4 * max(v[1] for v in full.values())) * on_device
+        step_tmp, step_note = _step_temporaries(s, 4 * shard, 2 * 4 * max(v[1] for v in full.values()))
+        step_tmp *= on_device
         parts_static.update(parameters=params, optimizer=optim)
     else:
         params = 4 * n_params + buffers
@@ -320,7 +321,7 @@ def predict(s: Setup) -> Plan:
         notes["parameters"] = "fp32 master weights, a full replica" + (" (+ rotary tables)" if buffers else "")
         notes["gradients"] = "fp32"
         notes["optimizer"] = _optim_note(s)
-        step_tmp = _step_temporaries(s, 4 * n_params, 2 * 4 * max(_numel(v) for v in shapes.values()))
+        step_tmp, step_note = _step_temporaries(s, 4 * n_params, 2 * 4 * max(_numel(v) for v in shapes.values()))
         parts_static.update(parameters=params, optimizer=optim)
         if s.strategy == "ddp":
             parts_static["ddp buckets"] = 4 * n_params
@@ -372,7 +373,7 @@ def predict(s: Setup) -> Plan:
                         "working set of the block in flight"),
         "logits/loss": (f"B x T x vocab = {s.batch_size} x {s.seq_len} x {m.vocab_size}: logits, fp32 copy, "
                         "log-softmax, their gradients"),
-        "optimizer step": _step_note(s),
+        "optimizer step": step_note,
         "fsdp buffers": fsdp_note if s.shards else "",
         "batches": "token ids of this and the next micro-batch, int64",
         "baseline": "this process before the model: resident set (interpreter, torch, data)" if s.device == "cpu"
@@ -393,29 +394,24 @@ def predict(s: Setup) -> Plan:
     return Plan(s, sum(parts.values()), name, parts, notes, facts, n_params)
 
 
-def _cuda_step_impl(s: Setup) -> str:
-    """The AdamW implementation whose temporaries a CUDA step holds: ``optim.impl`` (auto resolves to fused, as
-    ``hydratrain.optim.adamw_impl`` does for CUDA parameters); torchao's 8-bit AdamW is counted as foreach."""
-    if s.optim == "adamw8bit":
-        return "foreach"
-    return "fused" if s.optim_impl in ("auto", "fused") else s.optim_impl
+def _step_temporaries(s: Setup, params_fp32: int, two_largest_fp32: int) -> tuple[int, str]:
+    """(bytes AdamW's step allocates beyond its state, what they are). CPU: two of the largest parameter (calibrated
+    on CPU for the per-tensor and fused kernels). CUDA: the implementation ``optim.impl`` names, ``auto`` being fused
+    where :data:`hydratrain.optim.FUSED_DEVICES` has the device (torchao's 8-bit AdamW counted as foreach): fused,
+    none (one in-place kernel: on an H200, llama_1b's optimizer-step peak was parameters + gradients + moments);
+    foreach, one fp32 copy of the parameters (``torch.optim.adam._multi_tensor_adam``); for_loop, two of the largest
+    parameter."""
+    from hydratrain.optim import FUSED_DEVICES
 
-
-def _step_temporaries(s: Setup, params_fp32: int, two_largest_fp32: int) -> int:
-    """Bytes AdamW's step allocates beyond its state: CPU, two of the largest parameter (calibrated on CPU for the
-    per-tensor and fused kernels); CUDA fused, none (one in-place kernel: measured on an H200, llama_1b, the optimizer
-    step's peak was parameters + gradients + moments); foreach, one fp32 copy of the parameters
-    (``torch.optim.adam._multi_tensor_adam``); for_loop, two of the largest parameter."""
+    per_tensor = (two_largest_fp32, "AdamW's temporaries (per tensor: two of the largest parameter)")
     if s.device != "cuda":
-        return two_largest_fp32
-    return {"fused": 0, "foreach": params_fp32}.get(_cuda_step_impl(s), two_largest_fp32)
-
-
-def _step_note(s: Setup) -> str:
-    if s.device != "cuda":
-        return "AdamW's temporaries (per tensor: two of the largest parameter)"
-    return {"fused": "", "foreach": "AdamW's temporaries (foreach: one fp32 copy of the parameters)"}.get(
-        _cuda_step_impl(s), "AdamW's temporaries (per tensor: two of the largest parameter)")
+        return per_tensor
+    impl = "foreach" if s.optim == "adamw8bit" else s.optim_impl
+    if impl == "fused" or (impl == "auto" and s.device in FUSED_DEVICES):
+        return 0, ""
+    if impl in ("foreach", "auto"):
+        return params_fp32, "AdamW's temporaries (foreach: one fp32 copy of the parameters)"
+    return per_tensor
 
 
 def _moment_bytes(numel: int, s: Setup) -> int:

@@ -255,16 +255,13 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
     if saved and model_config:
         import json
 
-        from hydratrain.checkpoint.manager import architecture_diff
+        from hydratrain.checkpoint.manager import check_architecture
 
         try:
-            arch = architecture_diff(json.loads(saved), model_config)
+            saved_model = json.loads(saved)
         except ValueError:
-            arch = []
-        if arch:
-            raise CheckpointError(f"{where}: written by another model architecture ({'; '.join(arch)}): its weights "
-                                  "would load without a shape error and compute something else; use its model "
-                                  "settings")
+            saved_model = None
+        check_architecture(saved_model, model_config, where)
     missing, unexpected = sorted(set(live) - set(shapes)), sorted(set(shapes) - set(live))
     if missing or unexpected:
         raise CheckpointError(f"{where}: keys differ from the model's (missing {missing[:5]}, unexpected "

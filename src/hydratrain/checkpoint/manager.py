@@ -188,6 +188,15 @@ def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[st
             if k in saved_model and value(saved_model, k) != value(model, k)]
 
 
+def check_architecture(saved_model: Optional[Mapping], model: Mapping, where: str) -> None:
+    """Raise :class:`CheckpointError` naming each :func:`architecture_diff` entry: weights ``where`` (a checkpoint
+    or a weights file) were written by another architecture of the same shapes."""
+    arch = architecture_diff(saved_model, model)
+    if arch:
+        raise CheckpointError(f"{where}: written by another model architecture ({'; '.join(arch)}): its weights "
+                              "would load without a shape error and compute something else; use its model settings")
+
+
 def config_diff(saved: Mapping, now: Mapping) -> list[str]:
     """``key: old -> new`` for every leaf that differs between two config containers (keys in either)."""
     a, b = _flat(saved), _flat(now)
@@ -308,11 +317,7 @@ class CheckpointManager:
         if "model" in self.components:
             shapes = {k: tuple(v.shape) for k, v in self.components["model"].state_dict().items()}
             check_model_shapes(md, shapes, ckpt, saved_config, dict(self.config))
-        arch = architecture_diff((saved_config or {}).get("model"), dict(self.config).get("model") or {})
-        if arch:
-            raise CheckpointError(f"{ckpt}: saved by another model architecture ({'; '.join(arch)}): its weights "
-                                  "would load without a shape error and compute something else; use the "
-                                  "checkpoint's model settings")
+        check_architecture((saved_config or {}).get("model"), dict(self.config).get("model") or {}, str(ckpt))
         rank_key = f"rank{self.rank}"
         targets = {name: obj.state_dict() for name, obj in self.components.items()}
         targets[rank_key] = {name: obj.state_dict() for name, obj in self.rank_components.items()}
