@@ -195,7 +195,6 @@ def test_resume_keeps_moments_and_steps_but_takes_the_configured_lr(compose, tmp
     batches = iter(job.trainer.train_batches)
     for _ in range(2):
         job.trainer.train_step(batches)
-        job.trainer._count(True)
     saved = job.checkpoints.save(2)
     moments = {k: v.clone() for k, v in job.trainer.optimizer.state_dict()["state"][0].items()}
 
@@ -207,6 +206,33 @@ def test_resume_keeps_moments_and_steps_but_takes_the_configured_lr(compose, tmp
     assert groups[0]["weight_decay"] == 0.05 and job2.trainer.progress.step == 2
     state = job2.trainer.optimizer.state_dict()["state"][0]
     assert all(torch.equal(state[k], v) for k, v in moments.items())
+
+
+@pytest.mark.parametrize("saved,resumed", [("foreach", "fused"), ("fused", "for_loop")])
+def test_resume_runs_the_configured_optimizer_implementation(compose, tmp_path, saved, resumed):
+    """optim.impl is this run's choice, not the checkpoint writer's: torch's load_state_dict would bring back the
+    saved foreach/fused flags (and a fused run would then step with another kernel than it was configured with, one
+    that cannot drop a non-finite update on the device). The moments and step counts still come from the checkpoint,
+    and the next update is the one an uninterrupted run makes (up to the kernels' rounding)."""
+    job = _job(compose, tmp_path / "a", f"optim.impl={saved}")
+    batches = iter(job.trainer.train_batches)
+    for _ in range(2):
+        job.trainer.train_step(batches)
+    saved_dir = job.checkpoints.save(2)
+    job.trainer.train_step(batches)
+    uninterrupted = {k: v.clone() for k, v in job.model.state_dict().items()}
+
+    job2 = _job(compose, tmp_path / "b", f"optim.impl={resumed}")
+    job2.checkpoints.load(saved_dir)
+    flags = {"for_loop": (False, False), "foreach": (True, False), "fused": (None, True)}[resumed]
+    assert all((bool(g["foreach"]), bool(g["fused"])) == tuple(map(bool, flags))
+               for g in job2.trainer.optimizer.param_groups)
+    assert all(float(s["step"]) == 2 for s in job2.trainer.optimizer.state.values())
+    batches2 = iter(job2.trainer.train_batches)
+    job2.trainer.train_step(batches2)
+    assert job2.trainer._guard_on_device == (resumed == "fused")
+    for k, v in job2.model.state_dict().items():
+        torch.testing.assert_close(v, uninterrupted[k], rtol=1e-5, atol=1e-6)
 
 
 def test_a_state_with_a_nan_is_never_saved_and_evicts_nothing(compose, tmp_path):

@@ -4,7 +4,9 @@
 - :class:`ModelState`, :class:`OptimizerState`: ``torch.distributed.checkpoint.state_dict`` (parameter names without
   DDP/FSDP/AC/compile prefixes; DTensor shards under FSDP), so a checkpoint loads into any strategy and world size.
   On load the optimizer keeps the saved moments and step counts but takes its hyper-parameters (lr, betas, eps,
-  weight decay) from this run's config: resuming with a new ``optim.lr`` means the new lr (fine-tuning intent).
+  weight decay) from this run's config: resuming with a new ``optim.lr`` means the new lr (fine-tuning intent). The
+  implementation (``optim.impl``: torch's ``foreach``/``fused`` flags) is this run's too, whatever the checkpoint's
+  writer used: it changes how the update is computed, not its result.
   Quantised moments (``optim=adamw8bit``: torchao's ``OptimState8bit``, which DCP cannot write) are saved
   dequantised to float32 and quantised again on load, so a checkpoint of either optimizer loads into the other, on
   any strategy and world size, and an 8-bit run resumes exactly (re-quantising dequantised codes gives the same
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
+IMPLEMENTATION = ("foreach", "fused", "capturable")  # torch.optim's choice of kernels: this run's, not the saved one
 
 
 def set_group_value(group: dict, key: str, value) -> None:
@@ -55,7 +58,7 @@ class OptimizerState:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
         self.configured = [{k: g[k].clone() if isinstance(g[k], torch.Tensor) else g[k]
-                            for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+                            for k in HYPERPARAMETERS + IMPLEMENTATION if k in g} for g in optimizer.param_groups]
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -81,6 +84,11 @@ class OptimizerState:
             # this optimizer's own values, and kinds (a checkpoint of torch's AdamW holds a float lr, torchao's a
             # tensor, and each optimizer refuses the other kind)
             group.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in configured.items()})
+            if group.get("fused") or group.get("capturable"):  # these kernels keep the step count on the device
+                for p in group["params"]:
+                    state = self.optimizer.state.get(p, {})
+                    if isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
