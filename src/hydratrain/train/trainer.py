@@ -5,12 +5,12 @@ One optimizer step = ``trainer.grad_accum_steps`` micro-batches of ``data.batch_
 ``grad_accum_steps * batch_size * seq_len * world_size`` tokens. Gradient sync runs only on the last micro-batch
 (the strategy's ``grad_sync``). Every rank constructs the :class:`Trainer` and calls every method together.
 
-Non-finite guard (``trainer.on_nonfinite``): the global gradient norm (identical on every rank: gradients are
-reduced before it is taken, so a non-finite loss on any rank shows in it) is checked before ``optimizer.step()``;
-this is the loop's one host synchronisation per step. ``stop`` raises :class:`~hydratrain.errors.DivergenceError`
-before the update (so the weights, and every checkpoint, stay finite); ``skip`` drops the update on every rank,
-counts it (``train/skipped_steps``) and stops after ``trainer.max_consecutive_nonfinite`` in a row. With fp16 the
-grad scaler skips such steps itself (and the same limit on consecutive skips applies).
+Non-finite guard (``trainer.on_nonfinite``, :mod:`hydratrain.train.nonfinite`): a step whose global gradient norm is
+not finite has its update dropped on the device (``stop``: that update and every one after it, until the next log
+step raises :class:`~hydratrain.errors.DivergenceError`; ``skip``: that update, counted, until
+``trainer.max_consecutive_nonfinite`` in a row). With a fused optimizer (``optim.impl=auto``'s choice on CPU and CUDA)
+the loop reads nothing from the device between log steps: the guard's counts are read where the loop synchronises
+anyway (a log step, an eval, a checkpoint save, the end).
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from hydratrain import timing
 from hydratrain.errors import DivergenceError
+from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
 
 log = logging.getLogger("hydratrain.trainer")
 
@@ -98,6 +99,8 @@ class Trainer:
         self.checkpoints, self.preemption, self.progress = checkpoints, preemption, progress
         self.max_steps, self.save_every, self.save_last = max_steps, save_every, save_last
         self.autocast = strategy.autocast(precision, device)
+        self.guard: Optional[NonFiniteGuard] = None  # made at the first step, after any resume
+        self._guard_on_device = False
 
     # ----------------------------------------------------------------------------------------------- steps
     def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -106,12 +109,17 @@ class Trainer:
             logits = self.model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
-    def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
-        """One optimizer step over ``grad_accum_steps`` micro-batches.
+    def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches; the non-finite guard drops its update when the
+        gradient norm is not finite (without a host synchronisation when the optimizer takes ``found_inf``).
 
-        Returns (mean loss over the micro-batches, a 0-d device tensor; pre-clipping global grad norm; the lr this
-        update used; whether the update was applied). Raises :class:`DivergenceError` per ``trainer.on_nonfinite``.
+        Returns (mean loss over the micro-batches, a 0-d device tensor; pre-clipping global grad norm, the same; the
+        lr this update used). Raises :class:`DivergenceError` per ``trainer.on_nonfinite`` when the guard is read.
         """
+        if self.guard is None:
+            self._guard_on_device = drops_updates_on_device(self.optimizer)
+            self.guard = NonFiniteGuard(self.tcfg.on_nonfinite, self.tcfg.max_consecutive_nonfinite, self.device,
+                                        self.scaler.is_enabled(), self.progress.consecutive_skipped)
         accum = self.tcfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
@@ -122,44 +130,40 @@ class Trainer:
                 loss = self.loss_of(x, y)
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach()
+        loss = total / accum
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm_(self.model, self.tcfg.grad_clip, self.device)
         lr = float(self.optimizer.param_groups[0]["lr"])  # a value: a tensor lr (torchao) is filled in place later
-        step = self.progress.step + 1
-        if not self.scaler.is_enabled() and not bool(torch.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
-            what = f"non-finite gradient norm ({grad_norm.item()}) at step {step} (loss {(total / accum).item():.4g})"
-            if str(self.tcfg.on_nonfinite) == "stop":
-                raise DivergenceError(f"{what}: stopped before the optimizer step (trainer.on_nonfinite=stop; "
-                                      "lower optim.lr, raise scheduler.warmup_steps, or set trainer.grad_clip)",
-                                      step, self._last_checkpoint())
-            log.warning("%s: update skipped on every rank (trainer.on_nonfinite=skip)", what)
-            applied = False
-        else:
-            scale = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
+        skip = self.guard.update(self.progress.step + 1, grad_norm, loss)
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)  # drops a non-finite update itself
             self.scaler.update()
-            applied = not self.scaler.get_scale() < scale  # the scale drops exactly when the step was skipped
+        elif self._guard_on_device:
+            self.optimizer.found_inf = skip  # as torch.amp.GradScaler hands it to a fused optimizer
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
+        else:
+            self.read_guard(self.progress.step + 1)  # this optimizer cannot drop an update on the device
+            if not bool(skip):
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return total / accum, grad_norm, lr, applied
+        self.progress.step += 1
+        return loss, grad_norm, lr
+
+    def read_guard(self, step: int, defer: bool = False) -> Optional[DivergenceError]:
+        """Bring the guard's counts into :attr:`progress` (a host synchronisation) after step ``step``; raises
+        :class:`DivergenceError` per ``trainer.on_nonfinite`` (returns it instead with ``defer``)."""
+        err = self.guard.read(self.progress, step, self._last_checkpoint) if self.guard is not None else None
+        if err is not None and not defer:
+            raise err
+        return err
 
     def _last_checkpoint(self) -> Optional[str]:
         latest = self.checkpoints.latest() if self.checkpoints is not None else None
         return str(latest) if latest is not None else None
-
-    def _count(self, applied: bool) -> None:
-        p = self.progress
-        p.step += 1
-        p.skipped_steps += int(not applied)
-        p.consecutive_skipped = 0 if applied else p.consecutive_skipped + 1
-
-    def _check_skips(self) -> None:
-        p = self.progress
-        if p.consecutive_skipped >= self.tcfg.max_consecutive_nonfinite:
-            raise DivergenceError(f"{p.consecutive_skipped} steps in a row up to step {p.step} had non-finite "
-                                  f"gradients and were skipped (trainer.max_consecutive_nonfinite="
-                                  f"{self.tcfg.max_consecutive_nonfinite})", p.step, self._last_checkpoint())
 
     # ------------------------------------------------------------------------------------------------- fit
     def fit(self) -> FitResult:
@@ -172,8 +176,7 @@ class Trainer:
         self.model.train()
         try:
             while self.progress.step < self.max_steps:
-                loss, grad_norm, lr, applied = self.train_step(batches)
-                self._count(applied)
+                loss, grad_norm, lr = self.train_step(batches)
                 step = self.progress.step
                 self.logger.step_done(step, loss)
                 if step == first:
@@ -183,6 +186,7 @@ class Trainer:
                     log.info("start-up: %s", timing.summary())
                 votes = None  # the ranks' preemption votes, reduced with the log line's values at a log step
                 if self.logger.due(step):
+                    diverged = self.read_guard(step, defer=True)  # this step synchronises anyway (its all-reduce)
                     extra = {}
                     if self.scaler.is_enabled():
                         extra["train/loss_scale"] = self.scaler.get_scale()
@@ -192,7 +196,8 @@ class Trainer:
                                                         vote=self.preemption.vote())
                     if step == 1:
                         self.progress.first_loss = train_loss
-                self._check_skips()
+                    if diverged is not None:
+                        raise diverged  # after the step's log line and scalars
                 if self._end_of_step(step, votes):
                     result.preempted = True
                     break
@@ -200,6 +205,7 @@ class Trainer:
             self.preemption.close()
             self.logger.close_bar()
             self.logger.tb.flush()  # what was logged before an error stays readable
+        self.read_guard(self.progress.step)
         result.steps, result.steps_this_launch = self.progress.step, self.progress.step - first + 1
         result.first_loss, result.skipped_steps = self.progress.first_loss, self.progress.skipped_steps
         result.train_loss = self.logger.last_loss
@@ -217,10 +223,12 @@ class Trainer:
         mean preemption vote when this was a log step, else None); True to stop now."""
         every_eval = self.tcfg.eval_every_n_steps
         if every_eval and step % every_eval == 0 and step < self.max_steps:
+            self.read_guard(step)
             self._eval_and_log(step)
         stop = self.preemption.should_stop(votes)
         due = self.save_every and step % self.save_every == 0
         if self.checkpoints is not None and (due or stop) and self.checkpoints.last_saved_step != step:
+            self.read_guard(step)  # before the progress it saves, and never a state the guard would stop at
             with self.logger.paused():
                 self.checkpoints.save(step)
         if stop:

@@ -1,0 +1,114 @@
+"""The non-finite guard (``trainer.on_nonfinite``): drop the update of a step whose global gradient norm is not
+finite, without reading the device every step.
+
+Each step, :meth:`NonFiniteGuard.update` turns that step's global gradient norm (a 0-d device tensor, the same on
+every rank: gradients are reduced before it is taken, so a non-finite loss on any rank shows in it) into a 0-d
+float32 *skip* flag on the device (1.0: drop this update) and keeps its counts on the device too. The update is
+dropped on the device by the optimizer itself: torch's fused optimizers take the flag as ``found_inf`` (the
+attribute ``torch.amp.GradScaler`` hands them; the kernel leaves parameters, moments and the step count untouched
+when it is non-zero), and with fp16 the grad scaler drops the step itself. Nothing is read on the host until
+:meth:`NonFiniteGuard.read`, which the trainer calls where it synchronises anyway: at a log step, before an eval or a
+checkpoint save, and at the end (every step for an optimizer without ``found_inf``: the for-loop or foreach AdamW,
+torchao's 8-bit AdamW).
+
+``stop``: from the first non-finite step on, every update is dropped, and the next :meth:`read` raises
+:class:`~hydratrain.errors.DivergenceError` naming that step, so the weights, the optimizer state and every checkpoint
+stay as they were after the last finite step (the step counter and the schedule may have run on to the read).
+``skip``: each such update is dropped, counted (``train/skipped_steps``), warned about at the read, and the read
+raises once ``trainer.max_consecutive_nonfinite`` steps in a row were skipped (with fp16 this limit is the only rule).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from hydratrain.errors import DivergenceError
+
+log = logging.getLogger("hydratrain.trainer")
+
+STOP_ADVICE = "lower optim.lr, raise scheduler.warmup_steps, or set trainer.grad_clip"
+
+
+def drops_updates_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` honours a ``found_inf`` flag on the device: torch's fused Adam, AdamW and SGD
+    declare it with ``_step_supports_amp_scaling`` (the contract ``torch.amp.GradScaler`` relies on), and every
+    parameter group must still be fused (a group's flags are what its step reads)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in optimizer.param_groups)
+
+
+class NonFiniteGuard:
+    """Per-step non-finite check with its counts on ``device``; see the module docstring.
+
+    Args:
+        policy: ``trainer.on_nonfinite``, ``stop`` or ``skip``.
+        max_consecutive: ``trainer.max_consecutive_nonfinite``: raise once this many steps in a row were skipped.
+        device: where the step's gradient norm lives.
+        scaler_skips: fp16's grad scaler drops non-finite updates itself (``policy`` then does not apply; the limit
+            on consecutive skips does).
+        consecutive: steps skipped in a row just before this launch (``TrainProgress.consecutive_skipped`` on resume).
+    """
+
+    def __init__(self, policy: str, max_consecutive: int, device: torch.device, scaler_skips: bool,
+                 consecutive: int = 0):
+        self.stop = str(policy) == "stop" and not scaler_skips
+        self.warn = not scaler_skips  # the scaler's skips are routine (the loss scale searching down), not news
+        self.max_consecutive = int(max_consecutive)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        self._consecutive = zero + consecutive
+        self._halted = torch.zeros((), dtype=torch.bool, device=device)
+        self._count = zero.clone()  # non-finite steps since the last read
+        self._first = zero.clone()  # step, grad norm and loss of the first of them (step 0: none)
+        self._first_norm, self._first_loss = zero.clone(), zero.clone()
+        self._last = zero.clone()  # step of the last of them
+        self._limit_step = zero.clone()  # first step since the last read at which the run of skips hit the limit
+
+    def update(self, step: int, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """Record optimizer step ``step`` (1-based) with its global ``grad_norm`` and mean ``loss`` (0-d device
+        tensors). Returns the skip flag: a 0-d float32 device tensor, 1.0 when this step's update must be dropped.
+        Only device ops: no host synchronisation."""
+        bad = ~torch.isfinite(grad_norm.detach())
+        skip = bad | self._halted if self.stop else bad
+        if self.stop:
+            self._halted = skip
+        first = bad & (self._first == 0)
+        self._first = torch.where(first, step, self._first)
+        self._first_norm = torch.where(first, grad_norm.detach().double(), self._first_norm)
+        self._first_loss = torch.where(first, loss.detach().double(), self._first_loss)
+        self._last = torch.where(bad, step, self._last)
+        self._count = self._count + bad
+        self._consecutive = torch.where(bad, self._consecutive + 1, 0.0)
+        hit = (self._consecutive >= self.max_consecutive) & (self._limit_step == 0)
+        self._limit_step = torch.where(hit, step, self._limit_step)
+        return skip.float()
+
+    def read(self, progress, step: int, last_checkpoint: Callable[[], Optional[str]]) -> Optional[DivergenceError]:
+        """Bring the counts to the host (one synchronisation) after optimizer step ``step``: add them to ``progress``
+        (a ``TrainProgress``: ``skipped_steps``, ``consecutive_skipped``) and warn about skipped updates. Returns the
+        :class:`DivergenceError` to raise (``stop`` after a non-finite step; ``max_consecutive`` skips in a row), else
+        None. ``last_checkpoint()`` names the newest checkpoint for the error."""
+        count, consecutive, first, norm, loss, last, limit_step = torch.stack(
+            [self._count, self._consecutive, self._first, self._first_norm, self._first_loss, self._last,
+             self._limit_step]).tolist()
+        for t in (self._count, self._first, self._last, self._limit_step):
+            t.zero_()
+        progress.skipped_steps += int(count)
+        progress.consecutive_skipped = int(consecutive)
+        if not count:
+            return None
+        first, last = int(first), int(last)
+        what = f"non-finite gradient norm ({norm}) at step {first} (loss {loss:.4g})"
+        if self.stop:
+            after = f", and every update after it up to step {step}," if step > first else ""
+            return DivergenceError(f"{what}: its update{after} was not applied (trainer.on_nonfinite=stop; "
+                                   f"{STOP_ADVICE})", first, last_checkpoint())
+        if self.warn:
+            more = f" and at {int(count) - 1} more step(s) up to step {last}" if count > 1 else ""
+            log.warning("%s%s: update skipped on every rank (trainer.on_nonfinite=skip)", what, more)
+        if limit_step:
+            return DivergenceError(f"{self.max_consecutive} steps in a row up to step {int(limit_step)} had "
+                                   f"non-finite gradients and were skipped (trainer.max_consecutive_nonfinite="
+                                   f"{self.max_consecutive})", int(limit_step), last_checkpoint())
+        return None

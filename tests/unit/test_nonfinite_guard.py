@@ -1,0 +1,107 @@
+"""The non-finite guard (``hydratrain.train.nonfinite``) drops a non-finite update on the device and is read only
+where the loop synchronises anyway: no ``.item()``/``bool()`` of a tensor between log steps (issue 9: no per-step
+host synchronisation), yet ``stop`` leaves the weights exactly where the last finite step left them and ``skip``
+counts every dropped update."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hydratrain.errors import DivergenceError
+
+RUN = ["trainer.max_steps=8", "trainer.log_every_n_steps=4", "trainer.eval_every_n_steps=0", "scheduler=constant",
+       "scheduler.warmup_steps=0"]
+LOG_STEPS = {1, 4, 8}  # steps that log (the final eval and save come after step 8)
+
+
+class HostReads(TorchDispatchMode):
+    """Records ``trainer.progress.step`` at every read of a tensor's value on the host (``.item()``, ``bool()``,
+    ``float()``, ``.tolist()`` all end in ``aten._local_scalar_dense``)."""
+
+    def __init__(self, trainer):
+        super().__init__()
+        self.trainer, self.at = trainer, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.at.add(self.trainer.progress.step)
+        return func(*args, **(kwargs or {}))
+
+
+def _poison(trainer, steps: set[int]) -> None:
+    """Make the loss (so the gradient norm) NaN at optimizer ``steps``, without reading anything on the host."""
+    loss_of = trainer.loss_of
+
+    def poisoned(x, y):
+        loss = loss_of(x, y)
+        return loss * float("nan") if trainer.progress.step + 1 in steps else loss
+
+    trainer.loss_of = poisoned
+
+
+def _params(job) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in job.model.state_dict().items()}
+
+
+def test_the_loop_reads_nothing_on_the_host_between_log_steps(make_job, tmp_path):
+    job = make_job(tmp_path, *RUN)
+    with HostReads(job.trainer) as reads:
+        job.trainer.fit()
+    assert reads.at and reads.at <= LOG_STEPS, sorted(reads.at)
+    assert job.trainer._guard_on_device  # optim.impl=auto is fused on CPU: it takes found_inf
+
+
+def test_stop_drops_the_update_on_the_device_and_raises_at_the_next_log_step(make_job, tmp_path):
+    one_step = make_job(tmp_path / "one", *RUN[1:], "trainer.max_steps=1")
+    one_step.trainer.fit()
+    job = make_job(tmp_path / "nan", *RUN)
+    _poison(job.trainer, {2})
+    with HostReads(job.trainer) as reads, pytest.raises(DivergenceError) as err:
+        job.trainer.fit()
+    assert reads.at <= LOG_STEPS, sorted(reads.at)
+    assert err.value.step == 2 and job.trainer.progress.step == 4
+    assert "non-finite gradient norm (nan) at step 2" in str(err.value)
+    assert "and every update after it up to step 4, was not applied (trainer.on_nonfinite=stop" in str(err.value)
+    # steps 2-4 changed nothing: the weights and moments are step 1's, bit for bit
+    assert all(torch.equal(v, _params(one_step)[k]) for k, v in _params(job).items())
+    state = job.trainer.optimizer.state_dict()["state"][0]
+    assert float(state["step"]) == 1
+    assert torch.equal(state["exp_avg"], one_step.trainer.optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+def test_skip_drops_each_nonfinite_update_counts_it_and_warns_at_the_log_step(make_job, tmp_path, caplog):
+    job = make_job(tmp_path, *RUN, "trainer.on_nonfinite=skip")
+    _poison(job.trainer, {2, 3, 6})
+    with caplog.at_level(logging.WARNING, "hydratrain.trainer"), HostReads(job.trainer) as reads:
+        result = job.trainer.fit()
+    assert reads.at <= LOG_STEPS, sorted(reads.at)
+    assert result.steps == 8 and result.skipped_steps == 3 and job.trainer.progress.consecutive_skipped == 0
+    assert float(job.trainer.optimizer.state_dict()["state"][0]["step"]) == 5  # 8 steps, 3 dropped
+    warnings = [r.getMessage() for r in caplog.records if "update skipped on every rank" in r.getMessage()]
+    assert len(warnings) == 2 and "at step 2 (loss nan) and at 1 more step(s) up to step 3" in warnings[0]
+    assert "at step 6 (loss nan):" in warnings[1]
+    assert all(torch.isfinite(v).all() for v in _params(job).values())
+
+
+def test_skip_stops_after_too_many_in_a_row_naming_the_step_the_limit_was_reached(make_job, tmp_path):
+    job = make_job(tmp_path, *RUN, "trainer.on_nonfinite=skip", "trainer.max_consecutive_nonfinite=2")
+    _poison(job.trainer, {2, 3, 5, 6, 7})
+    with pytest.raises(DivergenceError, match="2 steps in a row up to step 3 had non-finite gradients"):
+        job.trainer.fit()
+    assert job.trainer.progress.step == 4 and job.trainer.progress.skipped_steps == 2
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for_loop"])
+def test_an_optimizer_without_found_inf_is_guarded_on_the_host_every_step(make_job, tmp_path, impl):
+    """torch's foreach and for-loop AdamW cannot drop an update on the device: the guard is read every step, and
+    stop raises at the non-finite step itself, before its update."""
+    job = make_job(tmp_path, *RUN, f"optim.impl={impl}")
+    _poison(job.trainer, {3})
+    with pytest.raises(DivergenceError, match="at step 3 .*: its update was not applied"):
+        job.trainer.fit()
+    assert not job.trainer._guard_on_device
+    assert job.trainer.progress.step == 2
+    assert float(job.trainer.optimizer.state_dict()["state"][0]["step"]) == 2
