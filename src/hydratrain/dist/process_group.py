@@ -253,8 +253,9 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
     Each call makes a fresh group on its own key prefix of the ``MASTER_ADDR:MASTER_PORT`` store, so one process can
     run several jobs one after another (a Hydra sweep inside each rank). Yields the :class:`DistInfo` with its
     device. On success every rank meets at a barrier before the group is destroyed. On an exception the rank records
-    it for its peers (:class:`FailureWatch`), skips the barrier, and re-raises; if another rank had failed first, it
-    raises :class:`PeerFailedError` naming that failure instead.
+    it for its peers (:class:`FailureWatch`), skips the barrier, and re-raises; if another rank had failed first with
+    another error, it raises :class:`PeerFailedError` naming that failure instead. An error that every rank raises
+    alike (a divergence, read from the same global gradient norm on every rank) keeps its own exit status everywhere.
     """
     import torch
     import torch.distributed as dist
@@ -297,7 +298,7 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
             text = str(err).strip().splitlines()
             mine = f"rank {info.rank}: {type(err).__name__}" + (f": {text[0]}" if text else "")
             first = watch.report(mine)
-            if first != mine:
+            if first.partition(": ")[2] != mine.partition(": ")[2]:  # not the error every rank raised alike
                 failed_with = EXIT_PEER_FAILED
                 raise PeerFailedError(f"another rank failed first ({first}); this rank stopped with "
                                       f"{type(err).__name__}") from err
