@@ -54,6 +54,31 @@ def test_the_loop_reads_nothing_on_the_host_between_log_steps(make_job, tmp_path
     assert job.trainer._guard_on_device  # optim.impl=auto is fused on CPU: it takes found_inf
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ddp_and_fsdp_read_nothing_on_the_host_between_log_steps(compose, tmp_path, monkeypatch, strategy):
+    """The same on a one-rank process group: DDP's bucketed all-reduce, FSDP2's DTensor gradients, the global norm
+    over shards and fused AdamW dropping a poisoned step's update on DTensor shards, all without a host read."""
+    import torch.distributed as dist
+
+    from hydratrain.dist.process_group import process_group
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.run import build
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = compose(["+debug=fast", f"strategy={strategy}", "precision=fp32", "device=cpu", "logger.tensorboard=false",
+                   "logger.peak_flops=1e12", *RUN, "trainer.on_nonfinite=skip"])
+    strategy_ = build_strategy(cfg)
+    with process_group("cpu", strategy_.backend, True) as info:
+        assert dist.is_initialized()
+        job = build(cfg, strategy_, info, tmp_path, tmp_path)
+        _poison(job.trainer, {3})
+        with HostReads(job.trainer) as reads:
+            result = job.trainer.fit()
+    assert reads.at <= LOG_STEPS, sorted(reads.at)
+    assert job.trainer._guard_on_device and result.skipped_steps == 1 and result.steps == 8
+
+
 def test_stop_drops_the_update_on_the_device_and_raises_at_the_next_log_step(make_job, tmp_path):
     one_step = make_job(tmp_path / "one", *RUN[1:], "trainer.max_steps=1")
     one_step.trainer.fit()
