@@ -130,3 +130,16 @@ def test_an_optimizer_without_found_inf_is_guarded_on_the_host_every_step(make_j
     assert not job.trainer._guard_on_device
     assert job.trainer.progress.step == 2
     assert float(job.trainer.optimizer.state_dict()["state"][0]["step"]) == 2
+
+
+def test_only_a_fused_optimizer_on_the_guards_device_drops_updates_there():
+    from hydratrain.train.nonfinite import drops_updates_on_device
+
+    params = [torch.nn.Parameter(torch.zeros(2, 2))]
+    fused, foreach = torch.optim.AdamW(params, fused=True), torch.optim.AdamW(params, foreach=True)
+    assert drops_updates_on_device(fused, torch.device("cpu"))
+    assert not drops_updates_on_device(foreach, torch.device("cpu"))
+    # strategy.cpu_offload on CUDA: the update runs on the CPU while the flag is on the GPU
+    assert not drops_updates_on_device(fused, torch.device("cuda", 0))
+    fused.param_groups[0]["fused"] = None  # what an older checkpoint's groups said before the configured flags won
+    assert not drops_updates_on_device(fused, torch.device("cpu"))

@@ -9,7 +9,7 @@ attribute ``torch.amp.GradScaler`` hands them; the kernel leaves parameters, mom
 when it is non-zero), and with fp16 the grad scaler drops the step itself. Nothing is read on the host until
 :meth:`NonFiniteGuard.read`, which the trainer calls where it synchronises anyway: at a log step, before an eval or a
 checkpoint save, and at the end (every step for an optimizer without ``found_inf``: the for-loop or foreach AdamW,
-torchao's 8-bit AdamW).
+torchao's 8-bit AdamW; and with ``strategy.cpu_offload`` on CUDA, whose update runs on the CPU).
 
 ``stop``: from the first non-finite step on, every update is dropped, and the next :meth:`read` raises
 :class:`~hydratrain.errors.DivergenceError` naming that step, so the weights, the optimizer state and every checkpoint
@@ -31,12 +31,15 @@ log = logging.getLogger("hydratrain.trainer")
 STOP_ADVICE = "lower optim.lr, raise scheduler.warmup_steps, or set trainer.grad_clip"
 
 
-def drops_updates_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` honours a ``found_inf`` flag on the device: torch's fused Adam, AdamW and SGD
-    declare it with ``_step_supports_amp_scaling`` (the contract ``torch.amp.GradScaler`` relies on), and every
-    parameter group must still be fused (a group's flags are what its step reads)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-        g.get("fused") for g in optimizer.param_groups)
+def drops_updates_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether ``optimizer.step()`` can drop an update on ``device`` without the host: torch's fused Adam, AdamW and
+    SGD take a ``found_inf`` flag (declared by ``_step_supports_amp_scaling``, the contract ``torch.amp.GradScaler``
+    relies on), every parameter group must still be fused (a group's flags are what its step reads), and every
+    parameter must live on ``device``'s kind, where the flag is (with ``strategy.cpu_offload`` on CUDA the update
+    runs on the CPU, and a flag copied there without a synchronisation could be read before it arrives)."""
+    return (bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+            and all(g.get("fused") for g in optimizer.param_groups)
+            and all(p.device.type == device.type for g in optimizer.param_groups for p in g["params"]))
 
 
 class NonFiniteGuard:

@@ -117,7 +117,7 @@ class Trainer:
         lr this update used). Raises :class:`DivergenceError` per ``trainer.on_nonfinite`` when the guard is read.
         """
         if self.guard is None:
-            self._guard_on_device = drops_updates_on_device(self.optimizer)
+            self._guard_on_device = drops_updates_on_device(self.optimizer, self.device)
             self.guard = NonFiniteGuard(self.tcfg.on_nonfinite, self.tcfg.max_consecutive_nonfinite, self.device,
                                         self.scaler.is_enabled(), self.progress.consecutive_skipped)
         accum = self.tcfg.grad_accum_steps
