@@ -38,6 +38,9 @@ class HydratrainError(CompactHydraException):
 
     label = "error"
     exit_status = EXIT_ERROR
+    #: every rank raises this error together, from values reduced over all ranks (its text may still carry a
+    #: rank's own figures): a peer that recorded it first did not cause it (hydratrain.dist.process_group)
+    same_on_every_rank = False
 
 
 class ConfigError(HydratrainError, ValueError):
@@ -67,6 +70,7 @@ class DivergenceError(HydratrainError, RuntimeError):
 
     label = "diverged"
     exit_status = EXIT_DIVERGED
+    same_on_every_rank = True  # decided from the global gradient norm or the reduced eval loss
 
     def __init__(self, message: str, step: int, last_checkpoint: Optional[str] = None):
         self.step, self.last_checkpoint = step, last_checkpoint

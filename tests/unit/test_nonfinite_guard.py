@@ -143,3 +143,16 @@ def test_only_a_fused_optimizer_on_the_guards_device_drops_updates_there():
     assert not drops_updates_on_device(fused, torch.device("cuda", 0))
     fused.param_groups[0]["fused"] = None  # what an older checkpoint's groups said before the configured flags won
     assert not drops_updates_on_device(fused, torch.device("cpu"))
+
+
+def test_a_divergence_recorded_first_by_a_peer_is_this_ranks_own():
+    """Each rank's stop message names its own loss; the job's first recorded failure is still this rank's error."""
+    from hydratrain.dist.process_group import _same_failure
+
+    err = DivergenceError("non-finite gradient norm (nan) at step 2 (loss 1.446e+05): ...", 2)
+    mine = f"rank 0: DivergenceError: {err}"
+    assert _same_failure(f"rank 1: DivergenceError: {str(err).replace('1.446e+05', '1.449e+05')}", mine, err)
+    assert not _same_failure("rank 1: RuntimeError: injected fault", mine, err)
+    other = RuntimeError("CUDA error")
+    assert not _same_failure("rank 1: RuntimeError: CUDA error: device 1", "rank 0: RuntimeError: CUDA error", other)
+    assert _same_failure("rank 1: RuntimeError: CUDA error", "rank 0: RuntimeError: CUDA error", other)

@@ -236,6 +236,15 @@ def adopt_group(info: DistInfo, wanted: str) -> str:
     return name
 
 
+def _same_failure(first: str, mine: str, err: BaseException) -> bool:
+    """Whether the job's first recorded failure ``first`` (``rank R: Type: text``) is this rank's own error ``err``
+    (recorded as ``mine``): the same text, or the same type of an error every rank raises together
+    (``HydratrainError.same_on_every_rank``; e.g. each rank's divergence message names its own loss)."""
+    theirs, own = first.partition(": ")[2], mine.partition(": ")[2]
+    together = getattr(err, "same_on_every_rank", False) and theirs.partition(": ")[0] == type(err).__name__
+    return theirs == own or together
+
+
 def _exit_after(seconds: float, status: int) -> threading.Timer:
     """A daemon timer that ends the process with ``status`` after ``seconds`` (bounds a teardown that could hang)."""
     timer = threading.Timer(seconds, lambda: os._exit(status))
@@ -255,7 +264,8 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
     device. On success every rank meets at a barrier before the group is destroyed. On an exception the rank records
     it for its peers (:class:`FailureWatch`), skips the barrier, and re-raises; if another rank had failed first with
     another error, it raises :class:`PeerFailedError` naming that failure instead. An error that every rank raises
-    alike (a divergence, read from the same global gradient norm on every rank) keeps its own exit status everywhere.
+    alike (a divergence, decided from the same global gradient norm on every rank) keeps its own exit status
+    everywhere.
     """
     import torch
     import torch.distributed as dist
@@ -298,7 +308,7 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
             text = str(err).strip().splitlines()
             mine = f"rank {info.rank}: {type(err).__name__}" + (f": {text[0]}" if text else "")
             first = watch.report(mine)
-            if first.partition(": ")[2] != mine.partition(": ")[2]:  # not the error every rank raised alike
+            if not _same_failure(first, mine, err):
                 failed_with = EXIT_PEER_FAILED
                 raise PeerFailedError(f"another rank failed first ({first}); this rank stopped with "
                                       f"{type(err).__name__}") from err
