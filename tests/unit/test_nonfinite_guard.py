@@ -5,6 +5,7 @@ counts every dropped update."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -88,6 +89,7 @@ def test_stop_drops_the_update_on_the_device_and_raises_at_the_next_log_step(mak
         job.trainer.fit()
     assert reads.at <= LOG_STEPS, sorted(reads.at)
     assert err.value.step == 2 and job.trainer.progress.step == 4
+    assert job.trainer.progress.skipped_steps == 3  # steps 2, 3 and 4: every dropped update counts
     assert "non-finite gradient norm (nan) at step 2" in str(err.value)
     assert "and every update after it up to step 4, was not applied (trainer.on_nonfinite=stop" in str(err.value)
     # steps 2-4 changed nothing: the weights and moments are step 1's, bit for bit
@@ -109,6 +111,31 @@ def test_skip_drops_each_nonfinite_update_counts_it_and_warns_at_the_log_step(ma
     assert len(warnings) == 2 and "at step 2 (loss nan) and at 1 more step(s) up to step 3" in warnings[0]
     assert "at step 6 (loss nan):" in warnings[1]
     assert all(torch.isfinite(v).all() for v in _params(job).values())
+
+
+def test_skipped_steps_stay_out_of_the_logged_loss_and_of_the_checkpoint(make_job, tmp_path, caplog):
+    """A dropped step's loss (NaN) is left out of the logging window, so the window's train/loss is the mean of the
+    steps that trained, and a checkpoint saved between log steps holds no NaN (the save refuses any)."""
+    from hydratrain.checkpoint.io import read_all
+
+    job = make_job(tmp_path, *RUN, "trainer.on_nonfinite=skip", "checkpoint.every_n_steps=6")
+    _poison(job.trainer, {3, 4, 5})
+    with caplog.at_level(logging.INFO, "hydratrain.trainer"):
+        result = job.trainer.fit()
+    assert result.steps == 8 and result.skipped_steps == 3
+    lines = {int(m.split()[1].split("/")[0]): float(m.split()[3]) for m in
+             (r.getMessage() for r in caplog.records) if m.startswith("step ")}
+    assert sorted(lines) == [1, 4, 8] and all(math.isfinite(v) for v in lines.values()), lines
+    saved = read_all(tmp_path / "checkpoints" / "step_00000006")
+    assert all(torch.isfinite(v).all() for v in saved.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+
+def test_a_window_of_dropped_steps_logs_a_nan_loss(make_job, tmp_path, caplog):
+    job = make_job(tmp_path, *RUN, "trainer.on_nonfinite=skip")
+    _poison(job.trainer, {2, 3, 4})
+    with caplog.at_level(logging.INFO, "hydratrain.trainer"):
+        job.trainer.fit()
+    assert any(r.getMessage().startswith("step 4/8 loss nan") for r in caplog.records)
 
 
 def test_skip_stops_after_too_many_in_a_row_naming_the_step_the_limit_was_reached(make_job, tmp_path):
@@ -156,3 +183,20 @@ def test_a_divergence_recorded_first_by_a_peer_is_this_ranks_own():
     other = RuntimeError("CUDA error")
     assert not _same_failure("rank 1: RuntimeError: CUDA error: device 1", "rank 0: RuntimeError: CUDA error", other)
     assert _same_failure("rank 1: RuntimeError: CUDA error", "rank 0: RuntimeError: CUDA error", other)
+
+
+def test_a_divergence_after_a_resume_names_the_checkpoint_it_resumed_from(make_job, tmp_path):
+    """A run started from another run's checkpoint (checkpoint.resume_from) has none of its own yet: the checkpoint
+    it resumed from is the last good one."""
+    first = make_job(tmp_path / "a", *RUN)
+    batches = iter(first.trainer.train_batches)
+    for _ in range(2):
+        first.trainer.train_step(batches)
+    saved = first.checkpoints.save(2)
+    job = make_job(tmp_path / "b", *RUN)
+    job.checkpoints.load(saved)
+    _poison(job.trainer, {3})
+    with pytest.raises(DivergenceError) as err:
+        job.trainer.fit()
+    assert err.value.step == 3 and err.value.last_checkpoint == str(saved)
+    assert str(err.value).endswith(f"last good checkpoint: {saved}")

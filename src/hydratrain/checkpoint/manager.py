@@ -225,6 +225,7 @@ class CheckpointManager:
         self.attachments = dict(attachments or {})
         self.rank, self.world_size = rank_and_world()
         self.last_saved_step: Optional[int] = None
+        self.loaded_from: Optional[Path] = None  # the checkpoint this run resumed from (it may be another run's)
         if self.rank == 0 and self.root.is_dir():
             for stale in self.root.glob(TMP_PREFIX + "*"):
                 log.warning("removing %s, left by a save that did not finish", stale)
@@ -233,6 +234,10 @@ class CheckpointManager:
     def latest(self) -> Optional[Path]:
         """The newest complete checkpoint under ``root`` (None if there is none)."""
         return latest_checkpoint(self.root)
+
+    def last_good(self) -> Optional[Path]:
+        """What a failed run can go back to: the newest checkpoint under ``root``, else the one it resumed from."""
+        return self.latest() or self.loaded_from
 
     def _state(self) -> dict[str, Any]:
         state = {name: obj.state_dict() for name, obj in self.components.items()}
@@ -260,7 +265,7 @@ class CheckpointManager:
         if any_rank(bool(bad), self.device):
             raise DivergenceError(f"not saving step {step}: the state holds non-finite values"
                                   + (f" ({', '.join(bad[:3])} on rank {self.rank})" if bad else ""),
-                                  step, str(self.latest()) if self.latest() else None)
+                                  step, str(self.last_good()) if self.last_good() else None)
         final = self.root / step_dir_name(step)
         tmp = self.root / (TMP_PREFIX + final.name)
         if self.rank == 0:
@@ -346,6 +351,7 @@ class CheckpointManager:
                 obj.load_state_dict(mine[name])
         if self.root.resolve() == ckpt.parent.resolve():
             self.last_saved_step = step_of(ckpt)
+        self.loaded_from = ckpt
         if saved_config is not None:
             diff = [d for d in config_diff(saved_config, self.config) if not d.startswith("launcher.")]
             if diff:

@@ -62,7 +62,7 @@ class NonFiniteGuard:
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self._consecutive = zero + consecutive
         self._halted = torch.zeros((), dtype=torch.bool, device=device)
-        self._count = zero.clone()  # non-finite steps since the last read
+        self._count = zero.clone()  # updates dropped since the last read
         self._first = zero.clone()  # step, grad norm and loss of the first of them (step 0: none)
         self._first_norm, self._first_loss = zero.clone(), zero.clone()
         self._last = zero.clone()  # step of the last of them
@@ -81,7 +81,7 @@ class NonFiniteGuard:
         self._first_norm = torch.where(first, grad_norm.detach().double(), self._first_norm)
         self._first_loss = torch.where(first, loss.detach().double(), self._first_loss)
         self._last = torch.where(bad, step, self._last)
-        self._count = self._count + bad
+        self._count = self._count + skip
         self._consecutive = torch.where(bad, self._consecutive + 1, 0.0)
         hit = (self._consecutive >= self.max_consecutive) & (self._limit_step == 0)
         self._limit_step = torch.where(hit, step, self._limit_step)

@@ -3,7 +3,9 @@
 Each logged scalar means exactly this (README, "Logged metrics"):
 
 - ``train/loss``: mean over the steps of the logging window (since the previous log line) and over ranks of each
-  step's loss, itself the mean next-token cross-entropy (nats/token) over the step's micro-batches.
+  step's loss, itself the mean next-token cross-entropy (nats/token) over the step's micro-batches. A step whose
+  update was dropped (non-finite, ``train/skipped_steps``) is left out, as Megatron-LM leaves skipped iterations out
+  of its loss averages: its loss is usually NaN and would hide the other steps'; NaN when every step was dropped.
 - ``train/lr``: the learning rate the optimizer update of that step used.
 - ``train/grad_norm``: that step's global L2 gradient norm before clipping (all ranks and shards).
 - ``perf/tokens_per_sec``: tokens of all ranks over the wall time of the window's steps, eval and checkpoint time
@@ -54,7 +56,7 @@ class StepLogger:
         self.flops_per_token, self.peak = flops_per_token, peak_flops_total
         self.tb = TensorBoardLogger(run_dir / "tensorboard", tensorboard and is_main)
         self.window_loss = torch.zeros((), device=device)
-        self.window_steps = 0
+        self.window_steps = torch.zeros((), device=device)  # steps counted in window_loss (a device count: no sync)
         self._timed_s, self._tokens, self._t0, self._paused = 0.0, 0, time.perf_counter(), False
         self._data_s = 0.0  # time spent waiting for micro-batches in the current window
         self.rates: list[tuple[float, float, float]] = []  # (tokens/s, mfu, data wait share) of each timed window
@@ -76,7 +78,7 @@ class StepLogger:
     def load_state_dict(self, state: dict) -> None:
         if "window_steps" in state:
             self.window_loss = state["window_loss"].to(self.device)
-            self.window_steps = int(state["window_steps"])
+            self.window_steps = torch.full((), float(state["window_steps"]), device=self.device)
 
     # ---------------------------------------------------------------------------------------------- timing
     def start(self, step: int) -> None:
@@ -113,10 +115,16 @@ class StepLogger:
         self._data_s += seconds
 
     # ---------------------------------------------------------------------------------------------- steps
-    def step_done(self, step: int, loss: torch.Tensor) -> None:
-        """Add one optimizer step's mean loss (a 0-d device tensor; no host sync) to the window."""
-        self.window_loss += loss.detach()
-        self.window_steps += 1
+    def step_done(self, step: int, loss: torch.Tensor, skipped: Optional[torch.Tensor] = None) -> None:
+        """Add one optimizer step's mean loss (a 0-d device tensor; no host sync) to the window, unless ``skipped``
+        (the step's 0-d device flag, non-zero when its update was dropped) says otherwise."""
+        if skipped is None:
+            self.window_loss += loss.detach()
+            self.window_steps += 1
+        else:
+            kept = skipped == 0
+            self.window_loss += torch.where(kept, loss.detach(), 0.0)
+            self.window_steps += kept
         self._tokens += self.tokens_per_step
         if self._bar is not None:
             self._bar.update(1)
@@ -129,7 +137,7 @@ class StepLogger:
         """Reduce the window over ranks (every rank calls), log one line and the scalars, reset the window.
         ``timed``: report tokens/s and MFU for this window; ``vote``: this rank's value to average over ranks in the
         same all-reduce (the preemption flag). Returns (the window's mean train loss, the mean vote)."""
-        window = self.window_loss / max(self.window_steps, 1)
+        window = torch.where(self.window_steps > 0, self.window_loss / self.window_steps.clamp(min=1), math.nan)
         stats = all_reduce_mean(torch.stack([window, grad_norm.float(), window.new_tensor(vote)]))
         loss, norm, votes = stats.tolist()
         self.last_loss = loss
@@ -152,7 +160,7 @@ class StepLogger:
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         self.window_loss.zero_()
-        self.window_steps = 0
+        self.window_steps.zero_()
         self.drop_timing()
         return loss, votes
 

@@ -109,12 +109,13 @@ class Trainer:
             logits = self.model(x)
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
-    def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; the non-finite guard drops its update when the
         gradient norm is not finite (without a host synchronisation when the optimizer takes ``found_inf``).
 
         Returns (mean loss over the micro-batches, a 0-d device tensor; pre-clipping global grad norm, the same; the
-        lr this update used). Raises :class:`DivergenceError` per ``trainer.on_nonfinite`` when the guard is read.
+        lr this update used; the skip flag, a 0-d device tensor, non-zero when the update was dropped). Raises
+        :class:`DivergenceError` per ``trainer.on_nonfinite`` when the guard is read.
         """
         if self.guard is None:
             self._guard_on_device = drops_updates_on_device(self.optimizer, self.device)
@@ -151,7 +152,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.progress.step += 1
-        return loss, grad_norm, lr
+        return loss, grad_norm, lr, skip
 
     def read_guard(self, step: int, defer: bool = False) -> Optional[DivergenceError]:
         """Bring the guard's counts into :attr:`progress` (a host synchronisation) after step ``step``; raises
@@ -162,7 +163,7 @@ class Trainer:
         return err
 
     def _last_checkpoint(self) -> Optional[str]:
-        latest = self.checkpoints.latest() if self.checkpoints is not None else None
+        latest = self.checkpoints.last_good() if self.checkpoints is not None else None
         return str(latest) if latest is not None else None
 
     # ------------------------------------------------------------------------------------------------- fit
@@ -176,9 +177,9 @@ class Trainer:
         self.model.train()
         try:
             while self.progress.step < self.max_steps:
-                loss, grad_norm, lr = self.train_step(batches)
+                loss, grad_norm, lr, skipped = self.train_step(batches)
                 step = self.progress.step
-                self.logger.step_done(step, loss)
+                self.logger.step_done(step, loss, skipped)
                 if step == first:
                     self.logger.drop_timing()  # start-up (allocations, compile) stays out of tokens/s
                     timing.mark("first step")
