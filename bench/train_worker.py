@@ -277,8 +277,8 @@ def run_hydratrain(args) -> dict:
 
         train_peak = [0]
 
-        def step_done(step, loss):
-            original(step, loss)
+        def step_done(step, loss, *rest):
+            original(step, loss, *rest)
             sync(device)
             times.append(time.perf_counter())
             if args.memory:  # the training steps' peak (the final eval after fit loads torchmetrics)
