@@ -237,8 +237,8 @@ def _mode(s: Setup):
 
     compute = getattr(torch, PRECISION_DTYPE[s.precision])
     device = "cuda" if s.device == "cuda" and torch.cuda.is_available() else "cpu"
-    if s.shards:
-        return Mode(compute, None, device)
+    if s.shards:  # FSDP casts parameters: no autocast; from a CPU-only host, CUDA's fused rms_norm is modelled
+        return Mode(compute, None, device, fused_norms=s.device == "cuda" and device == "cpu")
     return Mode(torch.float32, None if compute == torch.float32 else compute, device)
 
 
