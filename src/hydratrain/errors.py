@@ -7,7 +7,7 @@
 | 2 | :class:`ConfigError`: a bad config value, found before any process group exists |
 | 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used; nothing was trained |
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
-| 5 | another rank of the job failed or died; this rank stopped (``distributed.failure_timeout_s``) |
+| 5 | another rank of the job failed or died; this rank stopped (``distributed.failure_timeout_s``), after the failed one |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
 | 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint: relaunch to resume |
 
@@ -38,9 +38,10 @@ class HydratrainError(CompactHydraException):
 
     label = "error"
     exit_status = EXIT_ERROR
-    #: every rank raises this error together, from values reduced over all ranks (its text may still carry a
-    #: rank's own figures): a peer that recorded it first did not cause it (hydratrain.dist.process_group)
-    same_on_every_rank = False
+    #: this rank found the error in its own state (its allocator, a config value, the gradient norm reduced over all
+    #: ranks): a peer's failure cannot cause it, so the rank keeps its exit status whichever rank recorded a failure
+    #: first (hydratrain.dist.process_group); otherwise only an error with the first failure's text does
+    own_failure = False
 
 
 class ConfigError(HydratrainError, ValueError):
@@ -48,6 +49,7 @@ class ConfigError(HydratrainError, ValueError):
 
     label = "config error"
     exit_status = EXIT_CONFIG
+    own_failure = True
 
     def __init__(self, key: str, value: Any, why: str):
         self.key, self.value, self.why = key, value, why
@@ -70,7 +72,7 @@ class DivergenceError(HydratrainError, RuntimeError):
 
     label = "diverged"
     exit_status = EXIT_DIVERGED
-    same_on_every_rank = True  # decided from the global gradient norm or the reduced eval loss
+    own_failure = True  # decided from the global gradient norm or the reduced eval loss, alike on every rank
 
     def __init__(self, message: str, step: int, last_checkpoint: Optional[str] = None):
         self.step, self.last_checkpoint = step, last_checkpoint
@@ -85,6 +87,7 @@ class OutOfMemoryError(HydratrainError, RuntimeError):
 
     label = "out of memory"
     exit_status = EXIT_OOM
+    own_failure = True  # an allocation failed here; when several ranks run out, each says so with status 6
 
 
 def _show(value: Any) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -65,6 +66,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
         if _in_multirun():
             raise  # Hydra records the job as failed and the sweep goes on
+        time.sleep(getattr(err, "linger_s", 0.0))  # a PeerFailedError: the rank that failed first leaves first
         raise SystemExit(err.exit_status) from None
     except Exception:
         log.exception("rank %d failed", env.rank if env else 0)

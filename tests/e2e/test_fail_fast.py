@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers import FAULTY, command, finish, free_port, log_of, results, run, spawn
-from hydratrain.errors import EXIT_PEER_FAILED
+from hydratrain.errors import EXIT_OOM, EXIT_PEER_FAILED
 
 RAISE_AT_3 = {"HT_FAULT": "raise", "HT_FAULT_STEP": "3", "HT_FAULT_RANK": "1"}
 SILENT_AT_3 = {"HT_FAULT": "stop", "HT_FAULT_STEP": "3", "HT_FAULT_RANK": "1"}
@@ -48,17 +48,42 @@ def test_a_divergence_every_rank_sees_alike_exits_as_a_divergence_on_every_rank(
         assert "every update after it up to step 5, was not applied" in log and "failed first" not in log
 
 
+def _spawn_ranks(args, env, port, n=2):
+    """The ranks of a job started as torchrun starts workers but without its agent, which would SIGTERM the other
+    ranks as soon as one has exited: each rank's own exit status is then seen."""
+    return [spawn(command(args, script=FAULTY),
+                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(n)]
+
+
+def test_ranks_that_run_out_of_memory_one_after_another_each_exit_6(tmp_path):
+    """Rank 1 runs out of memory at step 3 and records it first; rank 0 runs out 2 s later, while its failure
+    watch is waiting for rank 1 to leave. Rank 0's own out-of-memory error is not a consequence of rank 1's: it
+    exits 6 with its own message, not 5 ("another rank failed first")."""
+    env = {"HT_FAULT": "oom", "HT_FAULT_STEP": "3", "HT_FAULT_RANK": "all", "HT_FAULT_DELAY": "0:2"}
+    procs = _spawn_ranks(["strategy=ddp", *LONG, "distributed.failure_timeout_s=20", f"hydra.run.dir={tmp_path}"],
+                         env, free_port())
+    try:
+        r1, r0 = finish(procs[1], timeout=180), finish(procs[0], timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    assert (r0.returncode, r1.returncode) == (EXIT_OOM, EXIT_OOM), (r0.output[-3000:], r1.output[-2000:])
+    log0 = log_of(tmp_path, 0)
+    assert "hydratrain: out of memory: CUDA out of memory (injected on rank 0 at step 3)" in log0, log0[-2000:]
+    assert "failed first" not in log0 and "stopping rank" not in log0
+
+
 def test_a_silent_rank_is_found_by_its_heartbeat(tmp_path):
     """SIGSTOP on rank 1 (alive, sockets open, nothing said: what a dead peer behind NCCL looks like): rank 0, stuck
     in a collective, stops itself within failure_timeout_s with exit status 5 and says which rank went silent.
 
     The two ranks are started as torchrun starts workers but without its agent, which would need its 30 s SIGTERM
     grace to get rid of the stopped process: the test kills it as soon as rank 0 has exited."""
-    port = free_port()
-    procs = [spawn(command(["strategy=ddp", *LONG, "distributed.failure_timeout_s=10", f"hydra.run.dir={tmp_path}"],
-                           script=FAULTY),
-                   env={**SILENT_AT_3, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in (0, 1)]
+    procs = _spawn_ranks(["strategy=ddp", *LONG, "distributed.failure_timeout_s=10", f"hydra.run.dir={tmp_path}"],
+                         SILENT_AT_3, free_port())
     try:
         r0 = finish(procs[0], timeout=180)
         exited_at = time.time()

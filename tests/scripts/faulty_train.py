@@ -1,7 +1,9 @@
 """A train.py twin that injects one fault, for the fail-fast, resume and restart tests. Environment:
 
-- ``HT_FAULT``: ``raise`` (a RuntimeError, as a CUDA out-of-memory error would be), ``kill`` (SIGKILL itself) or
-  ``stop`` (SIGSTOP itself: alive, sockets open, silent, as a rank hung in a driver or dead behind NCCL looks).
+- ``HT_FAULT``: ``raise`` (a RuntimeError), ``oom`` (``torch.OutOfMemoryError``, as CUDA's allocator raises it),
+  ``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself: alive, sockets open, silent, as a rank hung in a driver or
+  dead behind NCCL looks).
+- ``HT_FAULT_DELAY``: ``RANK:SECONDS``: that rank sleeps before its fault (so another rank's is recorded first).
 - ``HT_FAULT_STEP``: the optimizer step; ``HT_FAULT_AT``: ``step`` (inside it, before its backward; default) or
   ``after_step`` (after the step's eval, checkpoint save and preemption check).
 - ``HT_FAULT_RANK``: the rank that fails, or ``all`` (default 1).
@@ -18,6 +20,7 @@ Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so te
 """
 import os
 import signal
+import time
 from pathlib import Path
 
 import hydra
@@ -59,10 +62,17 @@ def _inject() -> None:
         if os.environ.get("HT_FAULT_ONCE") == "1" and marker.exists():
             return
         marker.touch()
+        delay_rank, _, seconds = os.environ.get("HT_FAULT_DELAY", "").partition(":")
+        if delay_rank == rank:
+            time.sleep(float(seconds))
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        if kind == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {rank} at step {step})")
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
     if os.environ.get("HT_FAULT_AT", "step") == "step":

@@ -172,17 +172,22 @@ def test_only_a_fused_optimizer_on_the_guards_device_drops_updates_there():
     assert not drops_updates_on_device(fused, torch.device("cpu"))
 
 
-def test_a_divergence_recorded_first_by_a_peer_is_this_ranks_own():
-    """Each rank's stop message names its own loss; the job's first recorded failure is still this rank's error."""
-    from hydratrain.dist.process_group import _same_failure
+def test_an_error_a_peer_cannot_cause_is_this_ranks_own_whoever_recorded_first():
+    """Each rank's stop message names its own loss (or its own failed allocation): whichever rank recorded a failure
+    first, a divergence or an out-of-memory error keeps its exit status; a generic error only with the same text."""
+    from hydratrain.dist.process_group import _caused_by_peer
+    from hydratrain.errors import OutOfMemoryError
 
     err = DivergenceError("non-finite gradient norm (nan) at step 2 (loss 1.446e+05): ...", 2)
     mine = f"rank 0: DivergenceError: {err}"
-    assert _same_failure(f"rank 1: DivergenceError: {str(err).replace('1.446e+05', '1.449e+05')}", mine, err)
-    assert not _same_failure("rank 1: RuntimeError: injected fault", mine, err)
+    assert not _caused_by_peer(f"rank 1: DivergenceError: {str(err).replace('1.446e+05', '1.449e+05')}", mine, err)
+    assert not _caused_by_peer("rank 1: RuntimeError: injected fault", mine, err)
+    oom = OutOfMemoryError("you tried to allocate 16777216 bytes")
+    assert not _caused_by_peer("rank 1: OutOfMemoryError: you tried to allocate 8388608 bytes",
+                               f"rank 0: OutOfMemoryError: {oom}", oom)
     other = RuntimeError("CUDA error")
-    assert not _same_failure("rank 1: RuntimeError: CUDA error: device 1", "rank 0: RuntimeError: CUDA error", other)
-    assert _same_failure("rank 1: RuntimeError: CUDA error", "rank 0: RuntimeError: CUDA error", other)
+    assert _caused_by_peer("rank 1: RuntimeError: CUDA error: device 1", "rank 0: RuntimeError: CUDA error", other)
+    assert not _caused_by_peer("rank 1: RuntimeError: CUDA error", "rank 0: RuntimeError: CUDA error", other)
 
 
 def test_a_divergence_after_a_resume_names_the_checkpoint_it_resumed_from(make_job, tmp_path):

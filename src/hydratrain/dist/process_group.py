@@ -40,10 +40,15 @@ _GROUPS_MADE = 0  # process groups created in this process (a sweep inside each 
 
 
 class PeerFailedError(HydratrainError):
-    """Another rank of this job failed first; this rank stops (exit status 5)."""
+    """Another rank of this job failed first; this rank stops (exit status 5) after ``linger_s`` seconds, so that the
+    rank which failed leaves first (torchrun reports the first worker to exit as the root cause)."""
 
     label = "stopped"
     exit_status = EXIT_PEER_FAILED
+
+    def __init__(self, message: str, linger_s: float = 0.0):
+        self.linger_s = linger_s
+        super().__init__(message)
 
 
 def _store_client(timeout_s: float):
@@ -140,7 +145,7 @@ class FailureWatch:
 
         self.rank, self.world_size, self.poll_s = rank, world_size, poll_s
         self.stale_s = max(3 * poll_s, failure_timeout_s / 2)  # detection + exit fit in failure_timeout_s
-        self.grace_s = 3.0  # after a peer reported its failure, before this rank exits
+        self.linger_s = min(3.0, self.stale_s)  # after a peer recorded its failure, before this rank exits
         self.prefix = prefix + "/watch"
         self._timeout_s = failure_timeout_s
         self._main_store = PrefixStore(self.prefix, base_store())
@@ -186,9 +191,10 @@ class FailureWatch:
                 if store.check(["failed"]):
                     failure = store.get("failed").decode()
                     if failure and not self._stop.is_set():
-                        # let the failed rank leave first (its launcher then reports it as the root cause)
-                        self._stop.wait(min(self.grace_s, self.stale_s))
-                        self._die(failure)
+                        # let the failed rank leave first (its launcher then reports it as the root cause); if this
+                        # rank's main thread raises meanwhile, it decides this rank's exit status, not this thread
+                        if not self._stop.wait(self.linger_s):
+                            self._die(failure)
                         return
                 seen = store.get(f"hb/{neighbour}").decode() if store.check([f"hb/{neighbour}"]) else None
                 store_ok = now
@@ -236,13 +242,12 @@ def adopt_group(info: DistInfo, wanted: str) -> str:
     return name
 
 
-def _same_failure(first: str, mine: str, err: BaseException) -> bool:
-    """Whether the job's first recorded failure ``first`` (``rank R: Type: text``) is this rank's own error ``err``
-    (recorded as ``mine``): the same text, or the same type of an error every rank raises together
-    (``HydratrainError.same_on_every_rank``; e.g. each rank's divergence message names its own loss)."""
-    theirs, own = first.partition(": ")[2], mine.partition(": ")[2]
-    together = getattr(err, "same_on_every_rank", False) and theirs.partition(": ")[0] == type(err).__name__
-    return theirs == own or together
+def _caused_by_peer(first: str, mine: str, err: BaseException) -> bool:
+    """Whether this rank's error ``err`` (recorded as ``mine``, ``rank R: Type: text``) is taken for a consequence
+    of the job's first recorded failure ``first``: not when it is that failure, or has its text, or is an error a
+    peer cannot cause (``HydratrainError.own_failure``: an out-of-memory, a divergence, a config error)."""
+    return not (first == mine or getattr(err, "own_failure", False)
+                or first.partition(": ")[2] == mine.partition(": ")[2])
 
 
 def _exit_after(seconds: float, status: int) -> threading.Timer:
@@ -263,9 +268,11 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
     run several jobs one after another (a Hydra sweep inside each rank). Yields the :class:`DistInfo` with its
     device. On success every rank meets at a barrier before the group is destroyed. On an exception the rank records
     it for its peers (:class:`FailureWatch`), skips the barrier, and re-raises; if another rank had failed first with
-    another error, it raises :class:`PeerFailedError` naming that failure instead. An error that every rank raises
-    alike (a divergence, decided from the same global gradient norm on every rank) keeps its own exit status
-    everywhere.
+    another error, it raises :class:`PeerFailedError` naming that failure instead. An error a peer cannot cause
+    (``HydratrainError.own_failure``: an out-of-memory, a divergence) keeps its own exit status on every rank that
+    raises it. A rank stopping for a peer's failure lingers ``FailureWatch.linger_s`` (<= 3 s) before it exits (here
+    :func:`hydratrain.run.main`, after logging why) so that the rank which failed leaves first: torchrun reports the
+    first worker to exit as the root cause.
     """
     import torch
     import torch.distributed as dist
@@ -308,10 +315,10 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
             text = str(err).strip().splitlines()
             mine = f"rank {info.rank}: {type(err).__name__}" + (f": {text[0]}" if text else "")
             first = watch.report(mine)
-            if not _same_failure(first, mine, err):
+            if _caused_by_peer(first, mine, err):
                 failed_with = EXIT_PEER_FAILED
                 raise PeerFailedError(f"another rank failed first ({first}); this rank stopped with "
-                                      f"{type(err).__name__}") from err
+                                      f"{type(err).__name__}", watch.linger_s) from err
         raise
     finally:
         if watch is not None:
