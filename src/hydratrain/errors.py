@@ -7,7 +7,7 @@
 | 2 | :class:`ConfigError`: a bad config value, found before any process group exists |
 | 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used; nothing was trained |
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
-| 5 | another rank of the job failed or died; this rank stopped (``distributed.failure_timeout_s``), after the failed one |
+| 5 | another rank failed or died; this rank stopped after it (``distributed.failure_timeout_s``) |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
 | 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint: relaunch to resume |
 

@@ -293,8 +293,11 @@ def plan_run(cfg, strategy, info, precision, vocab_size: int) -> Optional[RunPla
 
 def is_out_of_memory(err: BaseException) -> bool:
     """Whether ``err`` is an allocation failure: CUDA's ``torch.OutOfMemoryError``, the CPU allocator's
-    ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory"), ``std::bad_alloc``, or Python's MemoryError."""
+    ``RuntimeError`` ("DefaultCPUAllocator: can't allocate memory"), ``std::bad_alloc``, Python's MemoryError, or a
+    lazy import whose shared library could not be mapped ("failed to map segment from shared object")."""
     if isinstance(err, MemoryError):
+        return True
+    if isinstance(err, ImportError) and ("failed to map segment" in str(err) or "Cannot allocate memory" in str(err)):
         return True
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(err, getattr(torch, "OutOfMemoryError", ())):

@@ -76,6 +76,26 @@ def test_ranks_that_run_out_of_memory_one_after_another_each_exit_6(tmp_path):
     assert "failed first" not in log0 and "stopping rank" not in log0
 
 
+def test_a_killed_rank_is_named_by_the_survivor_which_exits_5(tmp_path):
+    """SIGKILL on rank 1 (what the kernel's OOM killer does): rank 0's collective fails at once with gloo's
+    "Connection reset by peer"; rank 0 must not report that symptom as its own failure (exit 1, a traceback) but
+    find the rank whose heartbeat stopped and exit 5 naming it."""
+    kill = {"HT_FAULT": "kill", "HT_FAULT_STEP": "3", "HT_FAULT_RANK": "1"}
+    procs = _spawn_ranks(["strategy=ddp", *LONG, "distributed.failure_timeout_s=20", f"hydra.run.dir={tmp_path}"],
+                         kill, free_port())
+    try:
+        r0 = finish(procs[0], timeout=180)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    log0 = log_of(tmp_path, 0)
+    assert r0.returncode == EXIT_PEER_FAILED and "Traceback" not in r0.output, r0.output[-3000:]
+    assert "another rank failed first (rank 1 stopped responding" in log0, log0[-2000:]
+    assert "rank 0 failed" not in log0
+
+
 def test_a_silent_rank_is_found_by_its_heartbeat(tmp_path):
     """SIGSTOP on rank 1 (alive, sockets open, nothing said: what a dead peer behind NCCL looks like): rank 0, stuck
     in a collective, stops itself within failure_timeout_s with exit status 5 and says which rank went silent.

@@ -190,6 +190,19 @@ def test_an_error_a_peer_cannot_cause_is_this_ranks_own_whoever_recorded_first()
     assert not _caused_by_peer("rank 1: RuntimeError: CUDA error", "rank 0: RuntimeError: CUDA error", other)
 
 
+def test_a_collective_that_lost_its_peer_is_a_symptom_not_this_ranks_failure():
+    from hydratrain.dist.process_group import lost_a_peer
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:59012: Connection reset by peer.")
+    assert lost_a_peer(gloo) and lost_a_peer(torch.distributed.DistNetworkError("store: connection refused"))
+    try:  # wrapped, as a checkpoint save re-raises it
+        raise RuntimeError("checkpoint save failed") from gloo
+    except RuntimeError as wrapped:
+        assert lost_a_peer(wrapped)
+    assert not lost_a_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not lost_a_peer(ValueError("connection reset by peer"))  # only the collective's RuntimeError
+
+
 def test_a_divergence_after_a_resume_names_the_checkpoint_it_resumed_from(make_job, tmp_path):
     """A run started from another run's checkpoint (checkpoint.resume_from) has none of its own yet: the checkpoint
     it resumed from is the last good one."""

@@ -132,8 +132,8 @@ class FailureWatch:
     """A daemon thread that ends this process when another rank of the job failed or died.
 
     Keys live under the job's store prefix: ``failed`` (the first failure's one-line message, set with
-    ``compare_set`` so the first one wins) and ``hb/<rank>`` (a heartbeat counter, ``done`` after a clean finish).
-    Every ``poll_s`` seconds each rank bumps its heartbeat, checks ``failed`` and watches one neighbour's heartbeat
+    ``compare_set`` so the first one wins) and ``hb/<rank>`` (a heartbeat: the wall-clock time of its last beat, ``done``
+    after a clean finish). Every ``poll_s`` seconds each rank beats, checks ``failed`` and watches one neighbour's heartbeat
     (``rank + 1 mod world_size``, so every rank is watched by exactly one other, O(1) store traffic per rank). A
     neighbour silent for ``stale_s`` seconds (its process is gone, or hung with its GIL held) is reported as failed.
     Seeing a failure, the thread logs it and calls ``os._exit(5)``: the main thread may be blocked inside a C++
@@ -149,29 +149,73 @@ class FailureWatch:
         self.prefix = prefix + "/watch"
         self._timeout_s = failure_timeout_s
         self._main_store = PrefixStore(self.prefix, base_store())
-        self._stop = threading.Event()
+        self._stop, self._torn_down = threading.Event(), threading.Event()
+        self._exit_bound: Optional[tuple] = None
         self._thread = threading.Thread(target=self._run, name="hydratrain-failure-watch", daemon=True)
 
     def start(self) -> "FailureWatch":
-        self._main_store.set(f"hb/{self.rank}", "0")
+        self._main_store.set(f"hb/{self.rank}", f"{time.time():.3f}")
         self._thread.start()
         return self
 
     def report(self, message: str) -> str:
-        """Record ``message`` as the job's failure unless one is recorded already; returns the first failure."""
+        """Record ``message`` as the job's failure unless one is recorded already; returns the first failure (a
+        line saying the store is gone when it is: the rank hosting it, or the launcher, ended first)."""
         try:
             return self._main_store.compare_set("failed", "", message).decode() or message
-        except Exception:  # the store is gone (its host died): nothing to tell anyone
-            return message
+        except Exception as err:
+            return _store_gone(err)
 
-    def stop(self, done: bool) -> None:
+    def find_failure(self) -> tuple:
+        """After a collective failed on this rank (a peer's connection closed; :func:`lost_a_peer`): the job's
+        first failure, recorded by a peer within ``2.5 * poll_s`` seconds, else, of the ranks whose heartbeat stood
+        still over that time (killed: the kernel's OOM killer sends SIGKILL), the one silent the longest (its
+        launcher may have stopped the others since), recorded as the failure. Returns
+        (the failure, whether the failed rank may still be running). Reads every rank's heartbeat: O(world_size),
+        on this failure path only."""
+        try:
+            before, deadline = self._beats(), time.monotonic() + 2.5 * self.poll_s
+            while time.monotonic() < deadline:
+                if self._main_store.check(["failed"]):
+                    failure = self._main_store.get("failed").decode()
+                    if failure:
+                        return failure, True
+                time.sleep(0.1)
+            after = self._beats()
+        except Exception as err:
+            return _store_gone(err), False
+        silent = [r for r, beat in after.items() if r != self.rank and beat == before.get(r) and beat != "done"]
+        if silent:
+            first = min(silent, key=lambda r: float(after[r]))
+            what = (f"rank {first} stopped responding (no heartbeat for {time.time() - float(after[first]):.1f} s: "
+                    "killed, out of memory, or hung)")
+        else:
+            what = "a peer closed its connection in a collective"
+        return self.report(what), not silent
+
+    def _beats(self) -> dict:
+        keys = [f"hb/{r}" for r in range(self.world_size)]
+        return {r: self._main_store.get(k).decode() for r, k in enumerate(keys) if self._main_store.check([k])}
+
+    def stop(self, done: bool, exit_bound: Optional[tuple] = None) -> None:
         """Stop the thread; ``done``: mark this rank finished (so its silence is not taken for a failure) once the
-        thread has stopped beating. A failed rank does not wait for the thread: it should exit before its peers."""
+        thread has stopped beating. A failed rank does not wait for the thread: it should exit before its peers.
+        ``exit_bound`` (seconds, status): the thread then ends the process with that status unless
+        :meth:`torn_down` is called within that time (a teardown after a failure can hang on a peer; the thread
+        exists already: under an exhausted address space a new one cannot be started)."""
+        self._exit_bound = exit_bound
         self._stop.set()
         if done:
             self._thread.join(timeout=5 * self.poll_s)
             with contextlib.suppress(Exception):
                 self._main_store.set(f"hb/{self.rank}", "done")
+
+    def torn_down(self) -> None:
+        self._torn_down.set()
+
+    def _stopped(self) -> None:
+        if self._exit_bound is not None and not self._torn_down.wait(self._exit_bound[0]):
+            os._exit(self._exit_bound[1])
 
     def _run(self) -> None:
         from torch.distributed import PrefixStore
@@ -182,12 +226,11 @@ class FailureWatch:
             self._die(f"cannot reach the job's store ({type(err).__name__}: {err})")
             return
         neighbour = (self.rank + 1) % self.world_size
-        beat, last_seen, last_change, store_ok = 0, None, time.monotonic(), time.monotonic()
+        last_seen, last_change, store_ok = None, time.monotonic(), time.monotonic()
         while not self._stop.wait(self.poll_s):
             now = time.monotonic()
             try:
-                beat += 1
-                store.set(f"hb/{self.rank}", str(beat))
+                store.set(f"hb/{self.rank}", f"{time.time():.3f}")
                 if store.check(["failed"]):
                     failure = store.get("failed").decode()
                     if failure and not self._stop.is_set():
@@ -195,6 +238,7 @@ class FailureWatch:
                         # rank's main thread raises meanwhile, it decides this rank's exit status, not this thread
                         if not self._stop.wait(self.linger_s):
                             self._die(failure)
+                        self._stopped()
                         return
                 seen = store.get(f"hb/{neighbour}").decode() if store.check([f"hb/{neighbour}"]) else None
                 store_ok = now
@@ -213,6 +257,7 @@ class FailureWatch:
                     store.compare_set("failed", "", message)
                 self._die(message)
                 return
+        self._stopped()
 
     def _die(self, failure: str) -> None:
         log.error("stopping rank %d (exit status %d): %s", self.rank, EXIT_PEER_FAILED, failure)
@@ -250,12 +295,30 @@ def _caused_by_peer(first: str, mine: str, err: BaseException) -> bool:
                 or first.partition(": ")[2] == mine.partition(": ")[2])
 
 
-def _exit_after(seconds: float, status: int) -> threading.Timer:
-    """A daemon timer that ends the process with ``status`` after ``seconds`` (bounds a teardown that could hang)."""
-    timer = threading.Timer(seconds, lambda: os._exit(status))
-    timer.daemon = True
-    timer.start()
-    return timer
+def _store_gone(err: BaseException) -> str:
+    return (f"the job's store is gone ({type(err).__name__}): the rank hosting it (rank 0) or the launcher ended "
+            "first")
+
+
+# what gloo's TCP transport and NCCL say when a peer's end of a collective went away
+_LOST_PEER = ("connection reset by peer", "connection closed by peer", "communicator was aborted",
+              "remote process exited")
+
+
+def lost_a_peer(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) is a collective failing because a peer went away:
+    ``torch.distributed.DistNetworkError``, or a RuntimeError carrying gloo's or NCCL's message for it ("Connection
+    reset by peer", "Connection closed by peer", ...). Such an error is this rank's symptom, not its failure."""
+    import torch.distributed as dist
+
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, getattr(dist, "DistNetworkError", ())) or (
+                isinstance(err, RuntimeError) and any(m in str(err).lower() for m in _LOST_PEER)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 @contextlib.contextmanager
@@ -314,6 +377,12 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
         if watch is not None and not isinstance(err, (KeyboardInterrupt, PeerFailedError)):
             text = str(err).strip().splitlines()
             mine = f"rank {info.rank}: {type(err).__name__}" + (f": {text[0]}" if text else "")
+            if lost_a_peer(err):  # learn which rank failed before blaming this one
+                log.error("a collective failed on rank %d (%s); finding the rank that failed", info.rank, mine)
+                failed_with = EXIT_PEER_FAILED
+                first, running = watch.find_failure()
+                raise PeerFailedError(f"another rank failed first ({first}); this rank lost it in a collective",
+                                      watch.linger_s if running else 0.0) from err
             first = watch.report(mine)
             if _caused_by_peer(first, mine, err):
                 failed_with = EXIT_PEER_FAILED
@@ -321,14 +390,15 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
                                       f"{type(err).__name__}", watch.linger_s) from err
         raise
     finally:
-        if watch is not None:
-            watch.stop(done=failed_with is None)
+        if watch is not None:  # after a failure its thread bounds the teardown, which could hang on a peer
+            watch.stop(done=failed_with is None,
+                       exit_bound=None if failed_with is None else (failure_timeout_s, failed_with))
         if dist.is_available() and dist.is_initialized():
             if failed_with is None:
                 dist.barrier()  # no rank tears down while a peer is still in a collective
                 if not adopted:
                     dist.destroy_process_group()
-            elif not adopted:  # no barrier: the peers may sit in another collective; bound a teardown that could hang
-                timer = _exit_after(failure_timeout_s, failed_with)
+            elif not adopted:  # no barrier: the peers may sit in another collective
                 dist.destroy_process_group()
-                timer.cancel()
+        if watch is not None:
+            watch.torn_down()
