@@ -109,13 +109,16 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def lr_factor(step: int, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr for optimizer step ``step`` (0-based) under schedule ``name``."""
+    """Multiplier of the peak lr for optimizer step ``step`` (0-based) under schedule ``name``: a linear warm-up
+    reaching 1.0 at step ``warmup_steps - 1``, then (``warmup_cosine``) a cosine decay from that peak (step 0 without
+    warm-up) to exactly ``min_lr_ratio`` at the last step, ``total_steps - 1`` (SGDR's cosine annealing,
+    Loshchilov & Hutter 2017, without restarts)."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
     if name == "constant":
         return 1.0
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
+    peak = max(warmup_steps - 1, 0)
+    progress = min(1.0, (step - peak) / max(1, total_steps - 1 - peak))
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 

@@ -90,6 +90,19 @@ def test_logged_lr_loss_and_grad_norm_mean_what_the_readme_says(cli, tmp_path):
     assert min(tb_scalars(tmp_path / "every", "train/grad_norm").values()) > 0.1  # not the clipped 1e-6
 
 
+def test_warmup_cosine_peaks_at_the_end_of_warmup_and_ends_at_min_lr_on_the_last_step():
+    """The update of the last step uses min_lr_ratio exactly (the conf says so), the decay starts right after the
+    warm-up's peak, and without warm-up the first step uses the peak."""
+    from hydratrain.optim import lr_factor
+
+    used = [lr_factor(s, "warmup_cosine", 4, 10, 0.1) for s in range(10)]  # step s + 1's update uses factor s
+    assert used[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0]) and used[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(used[3:], used[4:]))  # strictly decaying after the peak
+    no_warmup = [lr_factor(s, "warmup_cosine", 0, 5, 0.1) for s in range(5)]
+    assert no_warmup[0] == 1.0 and no_warmup[-1] == pytest.approx(0.1)
+    assert lr_factor(0, "warmup_cosine", 0, 1, 0.1) == 1.0  # a one-step run: no division by zero
+
+
 # ---------------------------------------------------------------------- resuming with new hyper-parameters
 def test_resume_with_a_new_lr_trains_with_it_and_records_it(cli, tmp_path):
     common = ["strategy=single", "scheduler=constant", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=0"]
