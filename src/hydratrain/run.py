@@ -223,6 +223,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
 
         init_from_file(job.model, resolve_path(cfg.model.init_from, Paths.resolve(cfg, launch).model),
                        asdict(job.raw.cfg))
+    job.checkpoints.supersede_after(progress.step)
     timing.mark("resume / init_from")
     result = job.trainer.fit()
     log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,

@@ -5,6 +5,7 @@ with new hyper-parameters, a checkpoint of another model size refused in one lin
 hydra.job.chdir. (Multi-rank runs: tests/e2e/.)"""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -118,6 +119,30 @@ def test_resume_with_a_new_lr_trains_with_it_and_records_it(cli, tmp_path):
     cli([*common, "optim.lr=2e-3", "trainer.max_steps=8", "checkpoint.every_n_steps=2"], tmp_path / "a").ok()
     assert tb_scalars(tmp_path / "a", "train/lr")[5] == pytest.approx(2e-3)
     assert results(tmp_path / "a")["hparams"]["optim.lr"] == 2e-3
+
+
+def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(cli, tmp_path):
+    """Resuming a run dir from its step-2 checkpoint (auto_resume off) while steps 4 and 6 of the abandoned line are
+    there: those are moved to checkpoints/superseded-*/, so keep_last keeps this launch's checkpoints (it deleted
+    the one just saved, as older than step 6) and a relaunch auto-resumes from this launch's, not the old line's."""
+    from hydratrain.checkpoint.manager import list_checkpoints
+
+    common = ["strategy=single", "scheduler=constant", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=2"]
+    cli([*common, "trainer.max_steps=6", "checkpoint.keep_last=0"], tmp_path).ok()
+    r = cli([*common, "trainer.max_steps=5", "checkpoint.keep_last=1", "checkpoint.auto_resume=false",
+             f"checkpoint.resume_from={ckpt_of(tmp_path, 2)}"], tmp_path).ok()
+    assert "moved to" in r.output and "step_00000004, step_00000006" in r.output, r.output[-2000:]
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [4]  # this launch's, keep_last=1
+    aside = list((tmp_path / "checkpoints").glob("superseded-*"))
+    assert [s for s, _ in list_checkpoints(aside[0])] == [4, 6]  # the old line's, not deleted
+
+
+def test_a_resave_killed_between_its_renames_keeps_the_old_checkpoint(make_job, tmp_path):
+    job = make_job(tmp_path)
+    saved = job.checkpoints.save(1)
+    os.replace(saved, saved.parent / f".tmp-old-{saved.name}")  # where a re-save of step 1 was killed
+    again = make_job(tmp_path)  # the next launch's manager
+    assert again.checkpoints.latest() == saved
 
 
 def test_loading_a_checkpoint_of_another_model_size_is_one_line(cli, tmp_path):

@@ -228,8 +228,33 @@ class CheckpointManager:
         self.loaded_from: Optional[Path] = None  # the checkpoint this run resumed from (it may be another run's)
         if self.rank == 0 and self.root.is_dir():
             for stale in self.root.glob(TMP_PREFIX + "*"):
+                replaced = self.root / stale.name[len(TMP_PREFIX + "old-"):]
+                if stale.name.startswith(TMP_PREFIX + "old-") and not replaced.exists():
+                    os.replace(stale, replaced)  # killed between the two renames of a re-save: the old one is good
+                    log.warning("restored %s, set aside by a save that did not finish", replaced)
+                    continue
                 log.warning("removing %s, left by a save that did not finish", stale)
                 shutil.rmtree(stale, ignore_errors=True)
+
+    def supersede_after(self, step: int) -> None:
+        """Move the complete checkpoints under ``root`` of steps after ``step`` (where this launch starts: the
+        step it resumed at, 0 for a fresh start) to ``root/superseded-<time>/``. They belong to a line of training
+        this launch replaces (it resumed from an earlier checkpoint with ``checkpoint.resume_from``, or started
+        afresh with ``checkpoint.auto_resume=false``); left in place they would outrank this launch's own
+        checkpoints, which ``checkpoint.keep_last`` would then delete as older, and a relaunch would auto-resume
+        from them. Nothing is deleted. Rank 0 moves them; every rank calls (a barrier follows)."""
+        if self.rank == 0:
+            later = [path for s, path in list_checkpoints(self.root) if s > step]
+            if later:
+                aside = self.root / time.strftime("superseded-%Y%m%d-%H%M%S")
+                aside.mkdir(exist_ok=True)
+                for path in later:
+                    os.replace(path, aside / path.name)
+                _fsync_dir(self.root)
+                log.warning("this launch starts at step %d, so the run dir's checkpoints of later steps (%s) belong to "
+                            "the training it replaces: moved to %s, where auto-resume and checkpoint.keep_last do "
+                            "not see them", step, ", ".join(p.name for p in later), aside)
+        barrier()
 
     def latest(self) -> Optional[Path]:
         """The newest complete checkpoint under ``root`` (None if there is none)."""
