@@ -520,7 +520,7 @@ class CheckpointConfig:
     auto_resume: bool = True  # start from the latest complete checkpoint in this run dir, if there is one
     resume_from: Optional[str] = None  # a step_XXXXXXXX dir, or a checkpoints/run dir (its latest); used when the
     #                                    run dir has no checkpoint of its own; relative to the launch dir
-    restore_data_position: bool = True  # false: start the saved epoch over when its order cannot be kept
+    restore_data_position: bool = True  # false: start the saved epoch over from its first sample
     save_on_sigterm: bool = True  # on SIGTERM (SIGUSR2 under submitit): save, exit with preempt_exit_code
     preempt_exit_code: int = 75  # exit status after a SIGTERM save (EX_TEMPFAIL: relaunch to resume)
 
