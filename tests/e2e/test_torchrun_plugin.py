@@ -84,6 +84,10 @@ def _task(cfg):
     """The test app's task: fails as ``cfg.fail`` says, else returns where it ran."""
     if cfg.fail == "raise":
         raise ValueError("boom (test)")
+    if cfg.fail == "oom":
+        from hydratrain.errors import OutOfMemoryError
+
+        raise OutOfMemoryError("injected (test)")
     if cfg.fail == "kill":  # rank 1 dies; rank 0 waits as if in a collective with it, until the agent stops it
         if os.environ["RANK"] == "1":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -116,27 +120,31 @@ def test_each_job_gets_its_own_settings_from_its_config(hydra_sweep_runner, tmp_
 def test_failed_jobs_are_returned_and_reported_to_callbacks_and_the_sweep_goes_on(hydra_sweep_runner, tmp_path,
                                                                                    monkeypatch):
     """Job 1 fails the app's check, job 2's check tries to change its config, job 3's task raises on both ranks,
-    job 4's rank 1 dies; jobs 0 and 5 complete. Failed jobs reach ``on_job_end`` in the launcher process once each,
-    with the reason; 1 and 2 never start a worker; the basic sweeper raises the first failure at the end."""
+    job 4's rank 1 dies, job 5's ranks run out of memory (a hydratrain error: the worker exits with its status, 6,
+    not 1 with torch's traceback); jobs 0 and 6 complete. Failed jobs reach ``on_job_end`` in the launcher process
+    once each, with the reason; 1 and 2 never start a worker; the basic sweeper raises the first failure at the
+    end."""
     monkeypatch.setenv("TEST_MARKS", str(tmp_path))
     with pytest.raises(ValueError, match="fail=check: rejected by the app's job check"):
-        with _sweep(hydra_sweep_runner, tmp_path, ["n=2", "fail=none,check,mutate,raise,kill,none"]):
+        with _sweep(hydra_sweep_runner, tmp_path, ["n=2", "fail=none,check,mutate,raise,kill,oom,none"]):
             pass
     ran = {p.name for p in tmp_path.glob("ran_*")}
-    assert ran == {f"ran_job{j}_rank{r}" for j in (0, 5) for r in (0, 1)}, ran
+    assert ran == {f"ran_job{j}_rank{r}" for j in (0, 6) for r in (0, 1)}, ran
     records = [json.loads(line) for line in (tmp_path / "sweep" / "callbacks.jsonl").read_text().splitlines()]
     here = [r for r in records if r["pid"] == os.getpid()]
-    assert [r["num"] for r in here] == [1, 2, 3, 4], here
+    assert [r["num"] for r in here] == [1, 2, 3, 4, 5], here
     assert all(r["status"] == "FAILED" and r["config_num"] == r["num"] and r["output_dir_exists"] for r in here)
-    assert [r["output_dir"] for r in here] == [str(tmp_path / "sweep" / str(n)) for n in (1, 2, 3, 4)]
+    assert [r["output_dir"] for r in here] == [str(tmp_path / "sweep" / str(n)) for n in (1, 2, 3, 4, 5)]
     errors = [r["error"] for r in here]
     assert errors[0] == "ValueError: fail=check: rejected by the app's job check"
     assert errors[1].startswith("ReadonlyConfigError: Cannot change read-only config container")
     assert errors[2].startswith("LaunchError: job #3: rank ") and "ValueError: boom (test)" in errors[2]
     assert errors[3].startswith("LaunchError: job #4: rank 1 failed") and "SIGKILL" in errors[3]
+    assert errors[4].startswith("LaunchError: job #5: rank ") and errors[4].endswith(
+        "OutOfMemoryError: injected (test) (exit status 6)"), errors[4]
     # workers ran the callback themselves for the jobs they ran to the end of run_job (0, 3, 5 on both ranks)
     in_workers = sorted((r["num"], r["rank"], r["status"]) for r in records if r["pid"] != os.getpid())
-    assert in_workers == [(n, rank, s) for n, s in ((0, "COMPLETED"), (3, "FAILED"), (5, "COMPLETED"))
+    assert in_workers == [(n, rank, s) for n, s in ((0, "COMPLETED"), (3, "FAILED"), (5, "FAILED"), (6, "COMPLETED"))
                           for rank in ("0", "1")]
 
 

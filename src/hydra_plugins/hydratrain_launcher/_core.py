@@ -22,6 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -31,8 +32,9 @@ from .config import TorchrunLauncherConf
 log = logging.getLogger(__name__)
 
 
-class LaunchError(RuntimeError):
-    """A job's workers could not be started or did not finish (rendezvous failure, a worker that failed)."""
+class LaunchError(CompactHydraException, RuntimeError):
+    """A job's workers could not be started or did not finish (rendezvous failure, a worker that failed). Compact:
+    when the sweeper raises it at the end of a sweep, Hydra prints its one line, not a traceback."""
 
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
@@ -124,7 +126,8 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
         if isinstance(message, dict):  # the error file's {"message": ..., "extraInfo": ...}
             message = message.get("message", "")
         if failure.error_file_data and str(message).strip():  # the worker's exception, written by @record
-            why = str(message).strip().splitlines()[0]
+            why = str(message).strip().splitlines()[0] + (f" (exit status {failure.exitcode})"
+                                                          if failure.exitcode > 1 else "")
         error: BaseException = LaunchError(f"job #{num}: rank {rank} failed (after {conf.max_restarts} restart(s) "
                                            f"allowed): {why}")
     except SignalException:
@@ -219,7 +222,11 @@ def _one_line(err: BaseException) -> str:
 def _worker(payload: bytes) -> bytes:
     """Entry point of every worker: run the Hydra job on this rank. A failed task's exception is re-raised, so the
     agent sees the failure (and restarts the workers when ``max_restarts`` allows) and ``@record`` hands it to the
-    launcher. Returns ``(global rank, JobReturn)``, cloudpickled (the task's return value may be a closure)."""
+    launcher; an error with an exit status (``hydratrain.errors``: its one line is on the console and in the log
+    already) is recorded for the launcher and ends the worker with that status, without torch's multiprocessing
+    traceback. Returns ``(global rank, JobReturn)``, cloudpickled (the task's return value may be a closure)."""
+    import sys
+
     import cloudpickle
 
     hydra_context, sweep_config, task_function, singleton_state = cloudpickle.loads(payload)
@@ -228,7 +235,14 @@ def _worker(payload: bytes) -> bytes:
     ret = run_job(hydra_context=hydra_context, task_function=task_function, config=sweep_config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
     if ret.status == JobStatus.FAILED:
-        raise ret._return_value
+        err = ret._return_value
+        status = getattr(err, "exit_status", None)
+        if isinstance(status, int) and status > 0:
+            from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+            get_error_handler().record_exception(err)  # the launcher's one line names it
+            sys.exit(status)
+        raise err
     try:
         return cloudpickle.dumps((int(os.environ.get("RANK", "0")), ret))
     except Exception as err:
