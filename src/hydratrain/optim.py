@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -122,13 +123,26 @@ def lr_factor(step: int, name: str, warmup_steps: int, total_steps: int, min_lr_
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@dataclass
+class Schedule:
+    """:func:`lr_factor` of one run as a callable for ``LambdaLR``; ``total_steps`` may be re-targeted on a resume
+    (``trainer.max_epochs`` on another batch geometry, see ``hydratrain.run``)."""
+
+    name: str
+    warmup_steps: int
+    total_steps: int
+    min_lr_ratio: float
+
+    def __call__(self, step: int) -> float:
+        return lr_factor(step, self.name, self.warmup_steps, self.total_steps, self.min_lr_ratio)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg, total_steps: int):
-    """``torch.optim.lr_scheduler.LambdaLR`` applying :func:`lr_factor`; step it once per optimizer step (the update
-    of optimizer step ``s``, 1-based, uses factor ``s - 1``)."""
-    name, warmup = str(scheduler_cfg.name), scheduler_cfg.warmup_steps
-    min_ratio = scheduler_cfg.get("min_lr_ratio", 1.0)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, name, warmup, total_steps, min_ratio))
+    """``torch.optim.lr_scheduler.LambdaLR`` applying :func:`lr_factor` (a :class:`Schedule`); step it once per
+    optimizer step (the update of optimizer step ``s``, 1-based, uses factor ``s - 1``)."""
+    schedule = Schedule(str(scheduler_cfg.name), scheduler_cfg.warmup_steps, total_steps,
+                        scheduler_cfg.get("min_lr_ratio", 1.0))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def total_steps(trainer_cfg, batches_per_epoch: int) -> int:

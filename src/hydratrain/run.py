@@ -78,6 +78,33 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     return result
 
 
+def _keep_the_epoch_limit(job: "Job") -> None:
+    """``trainer.max_epochs`` limits samples, not steps: after a resume on another ``data.batch_size``,
+    ``trainer.grad_accum_steps`` or world size, the steps left are the micro-batches left to the limit from the
+    restored data position, at this run's geometry. Re-targets the trainer, the step logger and the lr schedule
+    (its length, at the restored step) when that differs from what the config alone gave."""
+    from hydratrain.checkpoint.stateful import SchedulerState
+
+    cfg, trainer = job.cfg.trainer, job.trainer
+    batches = trainer.train_batches
+    epoch, _ = batches.position()
+    left = (batches.batches_left_in_epoch() + (cfg.max_epochs - epoch - 1) * batches.batches_per_epoch
+            if epoch < cfg.max_epochs else 0)
+    steps = trainer.progress.step + left // cfg.grad_accum_steps
+    if cfg.max_steps is not None:
+        steps = min(steps, cfg.max_steps)
+    if steps == trainer.max_steps:
+        return
+    log.warning("trainer.max_epochs=%d from the restored data position (epoch %d) at this run's batch geometry: "
+                "%d optimizer steps in all, not the %d the config alone gives; the lr schedule is re-targeted to "
+                "%d steps", cfg.max_epochs, epoch, steps, trainer.max_steps, steps)
+    trainer.max_steps = job.step_logger.max_steps = steps
+    state = SchedulerState(trainer.scheduler)
+    for schedule in trainer.scheduler.lr_lambdas:
+        schedule.total_steps = steps
+    state.load_state_dict(state.state_dict())  # the groups' lr at the restored step, on the new schedule
+
+
 def _in_multirun() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -210,6 +237,8 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     progress = job.trainer.progress
     if resume is not None:
         job.checkpoints.load(resume)
+        if cfg.trainer.max_epochs is not None:
+            _keep_the_epoch_limit(job)
         if cfg.model.init_from:
             log.info("model.init_from=%s not used: resuming from %s", cfg.model.init_from, resume)
         if progress.step >= job.trainer.max_steps:

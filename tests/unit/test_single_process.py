@@ -121,6 +121,21 @@ def test_resume_with_a_new_lr_trains_with_it_and_records_it(cli, tmp_path):
     assert results(tmp_path / "a")["hparams"]["optim.lr"] == 2e-3
 
 
+def test_an_epoch_limit_holds_across_a_resume_on_another_batch_size(cli, tmp_path):
+    """44 training samples, trainer.max_epochs=2: 22 steps at batch 4. Stopped at step 5 (20 samples) and resumed at
+    batch 8, the run trains to the end of epoch 2 (8 micro-batches of 8: 3 left in epoch 0, 5 in epoch 1; step 13),
+    not to 2 epochs' worth of batch-8 steps counted from scratch (10 steps: 60 samples, 1.4 epochs), and the lr
+    schedule ends on its last step."""
+    common = ["strategy=single", "data.synthetic_tokens=3000", "trainer.max_epochs=2", "scheduler.warmup_steps=2",
+              "trainer.eval_every_n_steps=0", "trainer.log_every_n_steps=1", "checkpoint.every_n_steps=5"]
+    cli([*common, "trainer.max_steps=5"], tmp_path).ok()
+    r = cli([*common, "trainer.max_steps=null", "data.batch_size=8"], tmp_path).ok()
+    assert "13 optimizer steps in all, not the 10 the config alone gives" in r.output, r.output[-2000:]
+    assert results(tmp_path)["steps"] == 13
+    lr = tb_scalars(tmp_path, "train/lr")
+    assert lr[13] == pytest.approx(min(lr.values()))  # min_lr_ratio on the last step of the re-targeted schedule
+
+
 def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(cli, tmp_path):
     """Resuming a run dir from its step-2 checkpoint (auto_resume off) while steps 4 and 6 of the abandoned line are
     there: those are moved to checkpoints/superseded-*/, so keep_last keeps this launch's checkpoints (it deleted
