@@ -240,6 +240,13 @@ class ShardedBatches:
         total = max(0, self.epoch_samples - self.state.start_sample) // (self.batch_size * self.world_size)
         return max(0, total - self.state.batch_in_epoch)
 
+    def batches_left(self, until_epoch: int) -> int:
+        """Micro-batches per rank from the current position to the end of epoch ``until_epoch - 1`` (0-based)."""
+        epoch = self.state.epoch
+        if epoch >= until_epoch:
+            return 0
+        return self.batches_left_in_epoch() + (until_epoch - epoch - 1) * self.batches_per_epoch
+
     def position(self) -> tuple[int, int]:
         """(epoch, samples of its global order consumed by all ranks together)."""
         s = self.state

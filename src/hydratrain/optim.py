@@ -145,12 +145,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg, total_steps
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def total_steps(trainer_cfg, batches_per_epoch: int) -> int:
-    """Optimizer steps the run takes: ``trainer.max_steps`` capped by ``trainer.max_epochs`` worth of micro-batches
-    (``batches_per_epoch`` per rank, ``trainer.grad_accum_steps`` per step)."""
+def total_steps(trainer_cfg, batches, done: int = 0) -> int:
+    """Optimizer steps the run takes in all: ``trainer.max_steps`` capped by ``trainer.max_epochs``, counted as
+    ``done`` steps already taken plus the micro-batches ``batches`` (a ``hydratrain.data.ShardedBatches``) has left
+    before that epoch ends from its current position, ``trainer.grad_accum_steps`` per step. From a fresh position
+    that is ``max_epochs * batches_per_epoch // grad_accum_steps``; after a resume on another batch size,
+    accumulation or world size it still ends the run at the end of that epoch."""
     steps = []
     if trainer_cfg.max_steps is not None:
         steps.append(trainer_cfg.max_steps)
     if trainer_cfg.max_epochs is not None:
-        steps.append(trainer_cfg.max_epochs * batches_per_epoch // trainer_cfg.grad_accum_steps)
+        steps.append(done + batches.batches_left(trainer_cfg.max_epochs) // trainer_cfg.grad_accum_steps)
     return max(0, min(steps))

@@ -80,24 +80,20 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
 
 def _keep_the_epoch_limit(job: "Job") -> None:
     """``trainer.max_epochs`` limits samples, not steps: after a resume on another ``data.batch_size``,
-    ``trainer.grad_accum_steps`` or world size, the steps left are the micro-batches left to the limit from the
-    restored data position, at this run's geometry. Re-targets the trainer, the step logger and the lr schedule
-    (its length, at the restored step) when that differs from what the config alone gave."""
+    ``trainer.grad_accum_steps`` or world size, :func:`hydratrain.optim.total_steps` from the restored data position
+    differs from the config's own count. Re-targets the trainer, the step logger and the lr schedule (its length, at
+    the restored step) when it does."""
     from hydratrain.checkpoint.stateful import SchedulerState
+    from hydratrain.optim import total_steps
 
-    cfg, trainer = job.cfg.trainer, job.trainer
-    batches = trainer.train_batches
-    epoch, _ = batches.position()
-    left = (batches.batches_left_in_epoch() + (cfg.max_epochs - epoch - 1) * batches.batches_per_epoch
-            if epoch < cfg.max_epochs else 0)
-    steps = trainer.progress.step + left // cfg.grad_accum_steps
-    if cfg.max_steps is not None:
-        steps = min(steps, cfg.max_steps)
+    trainer = job.trainer
+    steps = total_steps(job.cfg.trainer, trainer.train_batches, done=trainer.progress.step)
     if steps == trainer.max_steps:
         return
     log.warning("trainer.max_epochs=%d from the restored data position (epoch %d) at this run's batch geometry: "
                 "%d optimizer steps in all, not the %d the config alone gives; the lr schedule is re-targeted to "
-                "%d steps", cfg.max_epochs, epoch, steps, trainer.max_steps, steps)
+                "%d steps", job.cfg.trainer.max_epochs, trainer.train_batches.position()[0], steps,
+                trainer.max_steps, steps)
     trainer.max_steps = job.step_logger.max_steps = steps
     state = SchedulerState(trainer.scheduler)
     for schedule in trainer.scheduler.lr_lambdas:
@@ -183,7 +179,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     optimizer = build_optimizer(model, cfg.optim)
     optimizer_state = OptimizerState(model, optimizer)  # the configured hyper-parameters, before the scheduler
     timing.mark("optimizer")
-    max_steps = total_steps(cfg.trainer, train_batches.batches_per_epoch)
+    max_steps = total_steps(cfg.trainer, train_batches)
     if max_steps == 0:
         raise ConfigError("trainer.max_epochs", cfg.trainer.max_epochs,
                           f"gives 0 optimizer steps: an epoch has {train_batches.batches_per_epoch} micro-batches per "
