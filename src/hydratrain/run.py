@@ -39,11 +39,12 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain.dist.env import dist_info, quiet_console
     from hydratrain.dist.process_group import process_group
     from hydratrain.dist.run_dir import launch_dir, run_dir_of
+    from hydratrain.dist.run_lock import hold_run_dir
     from hydratrain.parallel.strategy import build_strategy
     from hydratrain.plan import OutOfMemoryGuard
 
     timing.mark("imports")
-    env = None
+    env = lock = None
     quiet_console()
     OmegaConf.set_readonly(cfg, True)
     try:
@@ -52,6 +53,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
         check_environment(cfg, env.world_size, launch, env.local_world_size)
+        lock = hold_run_dir(run_dir, env, "hydra.sweep.dir" if _in_multirun() else "hydra.run.dir")
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed
@@ -73,6 +75,9 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         if _in_multirun():
             raise
         raise SystemExit(EXIT_ERROR) from None
+    finally:
+        if lock is not None:
+            lock.release()
     if result.preempted:
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result

@@ -21,6 +21,7 @@ def test_single_process_run_with_epochs_and_grad_accumulation(cli, tmp_path):
     # 19000 train tokens / 64 = 296 samples -> 74 micro-batches of 4 -> 37 steps of 2
     assert res["steps"] == 37 and res["hparams"]["world_size"] == 1
     assert "process group" not in log_of(tmp_path)
+    assert not (tmp_path / "hydratrain.lock").exists()  # released at the end (hydratrain.dist.run_lock)
 
 
 def test_text_files_relative_paths_resolve_against_the_launch_dir(cli, tmp_path, monkeypatch):

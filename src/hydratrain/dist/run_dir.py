@@ -56,8 +56,20 @@ def run_stamp() -> str:
 
 
 def output_subdir() -> Optional[str]:
-    """``.hydra`` on rank 0 and ``None`` (Hydra then writes no config copy) on the other ranks."""
-    return ".hydra" if env_rank() == 0 else None
+    """``.hydra`` on rank 0 and ``None`` (Hydra then writes no config copy) on the other ranks, and on rank 0 too
+    when another live job holds the run dir (:mod:`hydratrain.dist.run_lock`; this job then stops with exit status
+    2, and the running job's ``.hydra/`` stays its own)."""
+    if env_rank() != 0:
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydratrain.dist.run_lock import held_by_another
+
+    try:
+        output_dir = HydraConfig.get().runtime.output_dir
+    except Exception:  # resolved before Hydra set up the job (--cfg hydra, a launcher's process)
+        return ".hydra"
+    return None if output_dir and held_by_another(Path(output_dir)) else ".hydra"
 
 
 def register_resolvers() -> None:

@@ -1,0 +1,221 @@
+"""One job per run dir: rank 0 holds ``<run dir>/hydratrain.lock`` while its job runs.
+
+Two jobs writing one run dir at once (a resume command started while the run still goes, a script that reuses
+``hydra.run.dir``) would set aside and prune each other's checkpoints and mix their TensorBoard files and logs. So
+the second job stops with exit status 2 before it reads or writes a checkpoint, naming the holder::
+
+    hydratrain: config error: hydra.run.dir='runs/a': in use by another job (host n1, pid 4242, launch
+    torchelastic:..., started 2026-12-01 06:10:03, alive 3 s ago); wait for it to end, or use another hydra.run.dir
+
+The lock file holds its holder as JSON (host, pid, launch, started); the holder refreshes its mtime every
+:data:`HEARTBEAT_S` seconds. A lock found in place is the job's own or left behind, and taken over with a warning,
+when
+
+- it carries this launch's identity (:func:`launch_identity`): ranks that torchrun's agent restarted
+  (``--max-restarts``), a requeued SLURM job;
+- its holder ran on this host and that pid is gone (a job killed with SIGKILL);
+- its heartbeat is older than :data:`STALE_S` seconds (a holder on another host that died).
+
+Hydra opens its log files in the run dir before the job starts: the refused job's lines are appended to the running
+job's logs. Its config copy (``.hydra/``) is not written (:func:`hydratrain.dist.run_dir.output_subdir`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "hydratrain.lock"
+HEARTBEAT_S = 10.0  # the holder touches the lock this often (seconds)
+STALE_S = 120.0  # a lock untouched this long (seconds) has no live holder, wherever it ran
+
+
+def launch_identity() -> str:
+    """What all processes of one launch, and only they, share, including processes a launcher restarts:
+    ``slurm:<job id>.<step id>``, ``torchelastic:<run id>@<MASTER_ADDR>:<MASTER_PORT>``, ``submitit-local:<job
+    id>``, ``<MASTER_ADDR>:<MASTER_PORT>`` (other multi-rank launches), else ``pid:<host>:<pid>``."""
+    env = os.environ
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm:{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 'batch')}"
+    master = f"{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"torchelastic:{env['TORCHELASTIC_RUN_ID']}@{master}"
+    if env.get("SUBMITIT_LOCAL_JOB_ID"):
+        return f"submitit-local:{env['SUBMITIT_LOCAL_JOB_ID']}"
+    if int(env.get("WORLD_SIZE", "1") or 1) > 1 and master != ":":
+        return master
+    return f"pid:{socket.gethostname()}:{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int], bool] = _pid_alive) -> Optional[str]:
+    """Why the lock of ``holder`` (its JSON; ``{}`` when unreadable) untouched for ``age_s`` seconds is no longer
+    held, for the job ``me``; None when a live job holds it."""
+    if holder.get("launch") == me["launch"]:
+        return f"it is this launch's own ({me['launch']}), left by an earlier attempt"
+    if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not pid_alive(holder["pid"]):
+        return f"its holder, pid {holder['pid']} on this host, is not running"
+    if age_s > STALE_S:
+        return f"its holder has not refreshed it for {age_s:.0f} s (> {STALE_S:.0f} s)"
+    return None
+
+
+def _describe(holder: dict, age_s: float) -> str:
+    if not holder:
+        return f"an unreadable lock, refreshed {age_s:.0f} s ago"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+    return (f"host {holder.get('host')}, pid {holder.get('pid')}, launch {holder.get('launch')}, started {started}, "
+            f"alive {age_s:.0f} s ago")
+
+
+class RunDirBusy(Exception):
+    """The run dir's lock is held by a live job; ``str(err)`` says by whom."""
+
+
+class RunDirLock:
+    """The lock file of one run dir, held by this process (rank 0) from :meth:`acquire` to :meth:`release`."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "launch": launch_identity(),
+                   "started": time.time()}
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def acquire(self) -> "RunDirLock":
+        """Create the lock (atomically: ``O_CREAT | O_EXCL``), taking over one :func:`left_behind`, and start the
+        heartbeat thread. Raises :class:`RunDirBusy` when a live job holds it, OSError when the run dir is not
+        writable."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._take_over_or_raise()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.me, f)
+            self._start_heartbeat()
+            return self
+        raise RunDirBusy(f"{self.path} changed hands 5 times while this job tried to take it")
+
+    def _take_over_or_raise(self) -> None:
+        text, age = self._read()
+        if text is None:  # gone meanwhile: try again
+            return
+        try:
+            holder = json.loads(text)
+        except ValueError:
+            holder = {}
+            if age < 5:  # a holder that has just created it and not written it yet
+                raise RunDirBusy(f"in use by another job ({_describe(holder, age)})") from None
+        why = left_behind(holder, self.me, age)
+        if why is None:
+            raise RunDirBusy(f"in use by another job ({_describe(holder, age)})")
+        aside = self.path.with_name(f"{LOCK_NAME}.left-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:  # another job took it over first
+            return
+        if aside.read_text() != text:  # not the lock judged above: a job took it over in between; give it back
+            os.rename(aside, self.path)
+            raise RunDirBusy("in use by another job, which took over a lock left behind at the same time")
+        aside.unlink()
+        log.warning("taking over %s (%s): %s", self.path, _describe(holder, age), why)
+
+    def _read(self):
+        try:
+            age = time.time() - self.path.stat().st_mtime
+            return self.path.read_text(), max(age, 0.0)
+        except FileNotFoundError:
+            return None, 0.0
+
+    def _start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(HEARTBEAT_S):
+                try:
+                    os.utime(self.path)
+                except OSError:  # removed by hand: the job goes on without it
+                    pass
+
+        self._thread = threading.Thread(target=beat, name="hydratrain-run-dir-lock", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock if it is still this job's (idempotent)."""
+        self._stop.set()
+        text, _ = self._read()
+        if text is not None:
+            try:
+                ours = json.loads(text) == self.me
+            except ValueError:
+                ours = False
+            if ours:
+                self.path.unlink(missing_ok=True)
+
+
+def held_by_another(run_dir: Path) -> bool:
+    """True when a live job other than this launch holds ``run_dir``'s lock (reads it, takes nothing)."""
+    lock = RunDirLock(run_dir)
+    text, age = lock._read()
+    if text is None:
+        return False
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        return age < 5
+    return left_behind(holder, lock.me, age) is None
+
+
+def hold_run_dir(run_dir: Path, info, key: str) -> Optional[RunDirLock]:
+    """Rank 0 takes ``run_dir``'s lock and every rank learns the outcome through the launch's store, so that all
+    ranks raise the same error. Returns the lock on rank 0, None elsewhere.
+
+    Raises :class:`~hydratrain.errors.ConfigError` (``key``, the run dir's config key: ``hydra.run.dir`` or
+    ``hydra.sweep.dir``) on every rank when another live job holds it; call before any process group exists.
+    """
+    from hydratrain.errors import ConfigError
+
+    lock, busy = None, ""
+    if info.rank == 0:
+        try:
+            lock = RunDirLock(run_dir).acquire()
+        except RunDirBusy as err:
+            busy = f"{err}; wait for it to end, or use another {key}"
+        except OSError as err:
+            busy = f"cannot create the lock file {err.filename}: {err.strerror}"
+    if info.world_size > 1 and os.environ.get("MASTER_ADDR"):
+        from hydratrain.dist.process_group import base_store
+
+        store_key = (f"hydratrain/run_dir_lock/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+                     f"{Path(run_dir).resolve()}")
+        store = base_store()
+        if info.rank == 0:
+            store.set(store_key, busy or "ok")
+            # rank 0 may host the store: when it is about to leave, it waits (<= 30 s) for the others to read it
+            deadline = time.monotonic() + 30
+            while busy and store.add(store_key + "/read", 0) < info.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        else:
+            answer = store.get(store_key).decode()
+            store.add(store_key + "/read", 1)
+            busy = "" if answer == "ok" else answer
+    if busy:
+        raise ConfigError(key, str(run_dir), busy)
+    return lock

@@ -1,0 +1,46 @@
+"""Two jobs in one run dir: while a run goes on, a second launch into its run dir (2 ranks) stops on every rank with
+exit status 2 and leaves the first run's checkpoints alone; once the first run is killed (SIGKILL: no clean-up), the
+next launch takes its lock over and trains."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import command, finish, free_port, log_of, run, spawn
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_second_launch_into_a_running_jobs_run_dir_stops_and_a_killed_jobs_lock_is_taken_over(tmp_path):
+    lock = tmp_path / "hydratrain.lock"
+    first = spawn(command(["strategy=single", "trainer.max_steps=100000", "checkpoint.every_n_steps=5",
+                           f"hydra.run.dir={tmp_path}"]))
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("checkpoints/step_*")) and time.monotonic() < deadline:
+            assert first.poll() is None, first.communicate()[0][-3000:]
+            time.sleep(0.5)
+        assert lock.exists()
+        port = free_port()
+        second = [spawn(command(["strategy=ddp", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}"]),
+                        env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(2)]
+        r0, r1 = finish(second[0], timeout=120), finish(second[1], timeout=60)
+        assert (r0.returncode, r1.returncode) == (2, 2), (r0.output[-3000:], r1.output[-3000:])
+        assert f"in use by another job (host {os.uname().nodename}, pid {first.pid}" in r0.output, r0.output[-3000:]
+        assert "config error" not in r1.output  # one line, from rank 0
+        assert first.poll() is None  # the first run goes on, its checkpoints where it left them
+        assert "superseded" not in log_of(tmp_path, 0)
+        assert "max_steps: 100000" in (tmp_path / ".hydra" / "config.yaml").read_text()  # still the first's
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.communicate()
+    assert lock.exists()  # SIGKILL: left behind
+    third = run(["strategy=single", "trainer.max_steps=2", "checkpoint.auto_resume=false",
+                 "trainer.eval_every_n_steps=0"], tmp_path, timeout=120)
+    assert third.returncode == 0, third.output[-3000:]
+    assert f"its holder, pid {first.pid} on this host, is not running" in third.output
+    assert not lock.exists()

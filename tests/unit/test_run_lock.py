@@ -1,0 +1,109 @@
+"""One job per run dir (hydratrain.dist.run_lock): a second job finds the lock held and stops with exit status 2
+before it touches the run dir's checkpoints; a lock left by a dead job, or by an earlier attempt of this launch, is
+taken over."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hydratrain.dist import run_lock
+from hydratrain.dist.run_lock import LOCK_NAME, RunDirBusy, RunDirLock, launch_identity, left_behind
+
+
+def _dead_pid() -> int:
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+
+
+def _write_lock(run_dir, age_s: float = 0.0, **holder):
+    path = run_dir / LOCK_NAME
+    path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "launch": "pid:elsewhere:1",
+                                "started": time.time() - age_s, **holder}))
+    os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return path
+
+
+def test_a_held_run_dir_refuses_a_second_job_until_the_first_releases_it(tmp_path, monkeypatch):
+    first = RunDirLock(tmp_path).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # another launch, on this host, while the holder (this pid) lives
+    second = RunDirLock(tmp_path)
+    with pytest.raises(RunDirBusy, match=f"in use by another job .*pid {os.getpid()}, launch pid:"):
+        second.acquire()
+    first.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+    second.acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["launch"] == "slurm:77.batch"
+    first.release()  # not its lock any more: left alone
+    assert (tmp_path / LOCK_NAME).exists()
+    second.release()
+
+
+def test_which_locks_are_left_behind():
+    me = {"host": "n1", "pid": 10, "launch": "torchelastic:abc@n1:29500"}
+    alive, dead = (lambda pid: True), (lambda pid: False)
+    assert left_behind({"host": "n2", "pid": 5, "launch": "x"}, me, 3.0, alive) is None
+    assert left_behind({"host": "n1", "pid": 5, "launch": "x"}, me, 3.0, alive) is None
+    assert "not running" in left_behind({"host": "n1", "pid": 5, "launch": "x"}, me, 3.0, dead)
+    assert left_behind({"host": "n2", "pid": 5, "launch": "x"}, me, 3.0, dead) is None  # another host's pid
+    assert "has not refreshed it for 121 s" in left_behind({"host": "n2", "pid": 5, "launch": "x"}, me, 121.0, alive)
+    assert "this launch's own" in left_behind({"host": "n2", "pid": 5, "launch": me["launch"]}, me, 0.0, alive)
+
+
+@pytest.mark.parametrize("holder, age_s, why", [
+    ({"pid": "dead"}, 0.0, "is not running"),  # killed with SIGKILL on this host
+    ({"host": "other-node"}, 300.0, "has not refreshed it for 300 s"),  # died on another host
+    ({"host": "other-node", "launch": "same"}, 0.0, "this launch's own"),  # torchrun restarted this launch's ranks
+])
+def test_a_lock_left_behind_is_taken_over_with_a_warning(tmp_path, caplog, holder, age_s, why):
+    holder = {**holder, **({"pid": _dead_pid()} if holder.get("pid") == "dead" else {})}
+    if holder.get("launch") == "same":
+        holder["launch"] = launch_identity()
+    _write_lock(tmp_path, age_s, **holder)
+    with caplog.at_level(logging.WARNING, logger="hydratrain.dist.run_lock"):
+        lock = RunDirLock(tmp_path).acquire()
+    assert why in caplog.text and json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_NAME]
+    lock.release()
+
+
+def test_the_holder_keeps_its_lock_fresh(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_lock, "HEARTBEAT_S", 0.05)
+    lock = RunDirLock(tmp_path).acquire()
+    os.utime(lock.path, (time.time() - 500, time.time() - 500))
+    time.sleep(0.3)
+    assert time.time() - lock.path.stat().st_mtime < 5
+    lock.release()
+
+
+def test_launch_identity_is_shared_by_the_ranks_of_one_launch_and_its_restarts(monkeypatch):
+    for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "SUBMITIT_LOCAL_JOB_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert launch_identity() == f"pid:{socket.gethostname()}:{os.getpid()}"
+    monkeypatch.setenv("MASTER_ADDR", "n1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert launch_identity() == "torchelastic:abc@n1:29500"
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert launch_identity() == "slurm:123.0"
+
+
+def test_a_run_in_a_run_dir_another_job_holds_stops_with_status_2_and_touches_nothing(cli, tmp_path):
+    held = _write_lock(tmp_path)  # the job that started this process: alive, on this host, another launch
+    before = held.read_text()
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("the running job's config\n")
+    run = cli(["trainer.max_steps=2"], tmp_path)
+    assert run.returncode == 2, run.output
+    assert "hydratrain: config error: hydra.run.dir=" in run.err and "in use by another job" in run.err
+    assert f"pid {os.getppid()}" in run.err and "use another hydra.run.dir" in run.err
+    assert held.read_text() == before
+    assert (tmp_path / ".hydra" / "config.yaml").read_text() == "the running job's config\n"
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "tensorboard").exists()
