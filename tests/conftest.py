@@ -76,6 +76,7 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
     monkeypatch.setenv("HYDRATRAIN_CACHE", str(cache_dir))
     monkeypatch.delenv("HYDRATRAIN_STAMP", raising=False)
     monkeypatch.setattr(run_dir_module, "_STAMP", None)
+    monkeypatch.setattr(run_dir_module, "_UNIQUE_DIRS", {})
     root = logging.getLogger()
     saved_handlers, saved_level = list(root.handlers), root.level
     saved_levels = {name: lg.level for name, lg in logging.root.manager.loggerDict.items()

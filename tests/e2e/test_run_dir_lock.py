@@ -44,3 +44,16 @@ def test_a_second_launch_into_a_running_jobs_run_dir_stops_and_a_killed_jobs_loc
     assert third.returncode == 0, third.output[-3000:]
     assert f"its holder, pid {first.pid} on this host, is not running" in third.output
     assert not lock.exists()
+
+
+def test_launches_started_together_without_a_run_dir_each_get_their_own(tmp_path):
+    """A shell loop of ``python train.py ... &`` (or a SLURM job array): started in the same second, in the same
+    place, each launch gets its own default run dir (``<time>``, ``<time>-1``, ...) and trains."""
+    procs = [spawn(command(["strategy=single", "trainer.max_steps=2", "trainer.eval_every_n_steps=0",
+                            f"trainer.seed={seed}", f"paths.output_dir={tmp_path}"])) for seed in range(3)]
+    for proc in procs:
+        assert finish(proc, timeout=180).returncode == 0
+    dirs = sorted(p.parent for p in tmp_path.glob("outputs/*/*/results.json"))
+    assert len(dirs) == 3, list(tmp_path.rglob("*"))
+    seeds = {(d / ".hydra" / "config.yaml").read_text().split("seed: ")[1].split()[0] for d in dirs}
+    assert seeds == {"0", "1", "2"}

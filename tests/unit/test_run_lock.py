@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -107,3 +108,27 @@ def test_a_run_in_a_run_dir_another_job_holds_stops_with_status_2_and_touches_no
     assert held.read_text() == before
     assert (tmp_path / ".hydra" / "config.yaml").read_text() == "the running job's config\n"
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "tensorboard").exists()
+
+
+def test_launches_in_the_same_second_get_their_own_default_run_dirs(tmp_path, monkeypatch):
+    from hydratrain.dist import run_dir
+
+    for key in ("HYDRATRAIN_STAMP", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(run_dir, "time", SimpleNamespace(strftime=lambda fmt: "2026-12-01/06-00-00"))
+
+    def launch(stamp_from_launcher=None):
+        monkeypatch.setattr(run_dir, "_STAMP", None)
+        monkeypatch.setattr(run_dir, "_UNIQUE_DIRS", {})
+        monkeypatch.delenv("HYDRATRAIN_STAMP", raising=False)
+        if stamp_from_launcher:
+            monkeypatch.setenv("HYDRATRAIN_STAMP", stamp_from_launcher)
+        return run_dir.unique_dir(str(tmp_path), "outputs")
+
+    first, second, third = launch(), launch(), launch()
+    base = f"{tmp_path}/outputs/2026-12-01/06-00-00"
+    assert (first, second, third) == (base, f"{base}-1", f"{base}-2")
+    assert os.environ["HYDRATRAIN_STAMP"] == "2026-12-01/06-00-00-2"  # what the processes it starts inherit
+    assert launch("2026-12-01/06-00-00-1") == second  # a process a launcher started: the launcher's dir
+    assert sorted(p.name for p in (tmp_path / "outputs" / "2026-12-01").iterdir()) == [
+        "06-00-00", "06-00-00-1", "06-00-00-2"]

@@ -1,7 +1,8 @@
 """One run dir for all ranks, and the launch dir every user-given path is relative to.
 
 - :func:`run_stamp`: the ``YYYY-MM-DD/HH-MM-SS`` stamp all ranks of a launch agree on (Hydra resolver
-  ``${hydratrain.stamp:}`` in ``conf/train.yaml``'s ``hydra.run.dir`` / ``hydra.sweep.dir``).
+  ``${hydratrain.stamp:}``), and :func:`unique_dir`, the default ``hydra.run.dir`` / ``hydra.sweep.dir`` built on
+  it, which no other launch shares (``${hydratrain.unique_dir:BASE,KIND}`` in ``conf/train.yaml``).
 - :func:`launch_dir` / :func:`resolve_path`: the directory the command was started from (Hydra's
   ``hydra.runtime.cwd``), whatever ``hydra.job.chdir``, the launcher or the sweep; every path key (``data.paths``,
   ``model.init_from``, ``checkpoint.resume_from``, ``data.cache_dir``) resolves against it.
@@ -18,6 +19,7 @@ from hydratrain.dist.env import env_rank
 
 STAMP_ENV = "HYDRATRAIN_STAMP"  # a launcher's stamp, inherited by the processes it starts
 _STAMP: Optional[str] = None
+_INHERITED = False  # the stamp came from $HYDRATRAIN_STAMP (a launcher's), not from this process's clock
 
 
 def run_stamp() -> str:
@@ -34,18 +36,17 @@ def run_stamp() -> str:
 
     The stamp is exported as ``$HYDRATRAIN_STAMP`` so processes this one starts (launcher workers) agree with it.
     """
-    global _STAMP
+    global _STAMP, _INHERITED
     if _STAMP is None:
         from hydratrain.dist.env import dist_info
 
+        _INHERITED = bool(os.environ.get(STAMP_ENV))
         mine = os.environ.get(STAMP_ENV) or time.strftime("%Y-%m-%d/%H-%M-%S")
         if dist_info().world_size > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
             from hydratrain.dist.process_group import base_store
 
             store = base_store()
-            launch_id = next((os.environ[k] for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SUBMITIT_LOCAL_JOB_ID")
-                              if k in os.environ), "none")
-            key = "hydratrain/run_stamp/" + launch_id
+            key = "hydratrain/run_stamp/" + _launch_key()
             _STAMP = store.compare_set(key, "", mine).decode()
             if _STAMP == "":  # very old stores return the expected value when they set the key
                 _STAMP = store.get(key).decode()
@@ -53,6 +54,66 @@ def run_stamp() -> str:
             _STAMP = mine
         os.environ[STAMP_ENV] = _STAMP
     return _STAMP
+
+
+_UNIQUE_DIRS: dict = {}  # (base, kind, stamp) -> the dir this launch uses
+
+
+def unique_dir(base: str, kind: str) -> str:
+    """``<base>/<kind>/<stamp>`` (:func:`run_stamp`), or ``<stamp>-1``, ``-2``, ... when a launch that started in the
+    same second already has that dir: the Hydra resolver ``${hydratrain.unique_dir:BASE,KIND}`` behind the default
+    ``hydra.run.dir`` (``KIND=outputs``) and ``hydra.sweep.dir`` (``multirun``).
+
+    The launch's first process reserves the dir by creating it (``mkdir`` fails when it exists, so two launches
+    cannot both get one) and exports the stamp with its suffix (``$HYDRATRAIN_STAMP``): the processes it starts
+    inherit the stamp and reserve nothing. With several ranks and no inherited stamp (torchrun, SLURM tasks), rank 0
+    reserves and the others read its choice from the launch's store; ranks that torchrun's agent restarts read it
+    back, so they keep their run dir.
+    """
+    global _STAMP
+    stamp = run_stamp()
+    key = (base, kind, stamp)
+    if key not in _UNIQUE_DIRS:
+        from hydratrain.paths import join
+
+        if _INHERITED:
+            chosen = stamp
+        elif dist_world_size() > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+            from hydratrain.dist.process_group import base_store
+
+            store = base_store()
+            store_key = f"hydratrain/unique_dir/{_launch_key()}/{kind}"
+            if env_rank() == 0 and not store.check([store_key]):
+                store.set(store_key, _reserve(join(base, kind), stamp))
+            chosen = store.get(store_key).decode()
+        else:
+            chosen = _reserve(join(base, kind), stamp)
+        _STAMP = chosen
+        os.environ[STAMP_ENV] = chosen
+        _UNIQUE_DIRS[key] = _UNIQUE_DIRS[(base, kind, chosen)] = join(base, f"{kind}/{chosen}")
+    return _UNIQUE_DIRS[key]
+
+
+def _reserve(parent: str, stamp: str) -> str:
+    """The first of ``stamp``, ``stamp-1``, ``stamp-2``, ... whose dir under ``parent`` this call creates."""
+    for n in range(10_000):
+        candidate = stamp if n == 0 else f"{stamp}-{n}"
+        try:
+            os.makedirs(os.path.join(parent, candidate), exist_ok=False)
+            return candidate
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{parent}/{stamp}-N: 10000 dirs of this second exist")
+
+
+def dist_world_size() -> int:
+    raw = os.environ.get("WORLD_SIZE", "")
+    return int(raw) if raw.isdigit() else 1
+
+
+def _launch_key() -> str:
+    return next((os.environ[k] for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SUBMITIT_LOCAL_JOB_ID")
+                 if k in os.environ), "none")
 
 
 def output_subdir() -> Optional[str]:
@@ -73,13 +134,14 @@ def output_subdir() -> Optional[str]:
 
 
 def register_resolvers() -> None:
-    """Register ``${hydratrain.stamp:}``, ``${hydratrain.output_subdir:}``, ``${hydratrain.rank:}`` and
-    ``${hydratrain.path:BASE,REST}`` (:func:`hydratrain.paths.join`) (idempotent)."""
+    """Register ``${hydratrain.stamp:}``, ``${hydratrain.unique_dir:BASE,KIND}``, ``${hydratrain.output_subdir:}``,
+    ``${hydratrain.rank:}`` and ``${hydratrain.path:BASE,REST}`` (:func:`hydratrain.paths.join`) (idempotent)."""
     from omegaconf import OmegaConf
 
     from hydratrain.paths import join
 
-    for name, fn in (("hydratrain.stamp", run_stamp), ("hydratrain.output_subdir", output_subdir),
+    for name, fn in (("hydratrain.stamp", run_stamp), ("hydratrain.unique_dir", unique_dir),
+                     ("hydratrain.output_subdir", output_subdir),
                      ("hydratrain.rank", env_rank), ("hydratrain.path", join)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=False)
