@@ -55,6 +55,10 @@ def test_which_locks_are_left_behind():
     assert left_behind({"host": "n2", "pid": 5, "launch": "x"}, me, 3.0, dead) is None  # another host's pid
     assert "has not refreshed it for 121 s" in left_behind({"host": "n2", "pid": 5, "launch": "x"}, me, 121.0, alive)
     assert "this launch's own" in left_behind({"host": "n2", "pid": 5, "launch": me["launch"]}, me, 0.0, alive)
+    assert "is not running" in left_behind({"host": "n1", "pid": 5, "launch": me["launch"]}, me, 0.0, dead)
+    # two processes of one SLURM allocation (one launch identity) on one host: the live one holds it
+    assert left_behind({"host": "n1", "pid": 5, "launch": me["launch"]}, me, 3.0, alive) is None
+    assert "has not refreshed" in left_behind({"host": "n1", "pid": 5, "launch": "x"}, me, 121.0, alive)  # pid reused
 
 
 @pytest.mark.parametrize("holder, age_s, why", [

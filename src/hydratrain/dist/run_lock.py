@@ -11,9 +11,9 @@ The lock file holds its holder as JSON (host, pid, launch, started); the holder 
 :data:`HEARTBEAT_S` seconds. A lock found in place is the job's own or left behind, and taken over with a warning,
 when
 
-- it carries this launch's identity (:func:`launch_identity`): ranks that torchrun's agent restarted
-  (``--max-restarts``), a requeued SLURM job;
 - its holder ran on this host and that pid is gone (a job killed with SIGKILL);
+- it carries this launch's identity (:func:`launch_identity`) and no live process of this host holds it: ranks that
+  torchrun's agent restarted (``--max-restarts``), a requeued SLURM job;
 - its heartbeat is older than :data:`STALE_S` seconds (a holder on another host that died).
 
 Hydra opens its log files in the run dir before the job starts: the refused job's lines are appended to the running
@@ -67,10 +67,14 @@ def _pid_alive(pid: int) -> bool:
 def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int], bool] = _pid_alive) -> Optional[str]:
     """Why the lock of ``holder`` (its JSON; ``{}`` when unreadable) untouched for ``age_s`` seconds is no longer
     held, for the job ``me``; None when a live job holds it."""
+    pid = holder.get("pid")
+    if holder.get("host") == me["host"] and isinstance(pid, int) and pid != me["pid"]:
+        if not pid_alive(pid):
+            return f"its holder, pid {pid} on this host, is not running"
+        if age_s <= STALE_S:  # a live process here, even of this launch (two jobs of one SLURM allocation)
+            return None
     if holder.get("launch") == me["launch"]:
         return f"it is this launch's own ({me['launch']}), left by an earlier attempt"
-    if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) and not pid_alive(holder["pid"]):
-        return f"its holder, pid {holder['pid']} on this host, is not running"
     if age_s > STALE_S:
         return f"its holder has not refreshed it for {age_s:.0f} s (> {STALE_S:.0f} s)"
     return None
