@@ -128,9 +128,9 @@ def output_subdir() -> Optional[str]:
 
     try:
         output_dir = HydraConfig.get().runtime.output_dir
-    except Exception:  # resolved before Hydra set up the job (--cfg hydra, a launcher's process)
-        return ".hydra"
-    return None if output_dir and held_by_another(Path(output_dir)) else ".hydra"
+        return None if output_dir and held_by_another(Path(output_dir)) else ".hydra"
+    except Exception:  # resolved before Hydra set up the job (--cfg hydra, a launcher's process), a bad $WORLD_SIZE
+        return ".hydra"  # (the job's own checks name it)
 
 
 def register_resolvers() -> None:

@@ -49,7 +49,7 @@ def launch_identity() -> str:
         return f"torchelastic:{env['TORCHELASTIC_RUN_ID']}@{master}"
     if env.get("SUBMITIT_LOCAL_JOB_ID"):
         return f"submitit-local:{env['SUBMITIT_LOCAL_JOB_ID']}"
-    if int(env.get("WORLD_SIZE", "1") or 1) > 1 and master != ":":
+    if env.get("WORLD_SIZE", "").isdigit() and int(env["WORLD_SIZE"]) > 1 and master != ":":
         return master
     return f"pid:{socket.gethostname()}:{os.getpid()}"
 
