@@ -350,3 +350,43 @@ def test_grouped_query_attention_gives_the_same_result_with_kv_heads_expanded(mo
     ref = model(x)
     monkeypatch.setattr(gpt, "expand_kv_heads", lambda q: True)  # the CUDA fp32 path
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- the hparams table
+def test_a_swept_key_is_one_typed_column_in_the_hparams_table(compose, tmp_path):
+    """Two jobs of a sweep over trainer.max_steps=null,100 and activation_checkpointing=true,false: TensorBoard gets
+    a number or no cell (never the string "null" beside numbers) and bools as bools (not 1.0/0.0), and no run writes
+    an experiment summary that would type every column from its own values alone; results.json keeps null."""
+    from hydra.core.hydra_config import HydraConfig
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+    from tensorboard.plugins.hparams import metadata as hp
+
+    from hydratrain.metrics import TensorBoardLogger
+    from hydratrain.train.outputs import hparams_of
+
+    rows = {}
+    for job, (steps, ac) in {"0": ("null", "true"), "1": ("100", "false")}.items():
+        cfg = compose(["trainer.max_epochs=1", f"trainer.max_steps={steps}", f"activation_checkpointing={ac}"],
+                      return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            rows[job] = hparams_of(cfg, 1, "fp32")
+        finally:
+            HydraConfig.instance().cfg = None
+        tb = TensorBoardLogger(tmp_path / job / "tensorboard", enabled=True)
+        tb.hparams(rows[job], {"eval_loss": 1.5}, step=3)
+        tb.close()
+    assert rows["0"]["trainer.max_steps"] is None and rows["1"]["trainer.max_steps"] == 100
+    mux = EventMultiplexer()
+    mux.AddRunsFromDirectory(str(tmp_path))
+    mux.Reload()
+    content = mux.PluginRunToTagToContent("hparams")
+    assert sorted(content) == ["0/tensorboard", "1/tensorboard"]
+    assert not any(hp.EXPERIMENT_TAG in tags for tags in content.values())
+    start = {run.split("/")[0]: hp.parse_session_start_info_plugin_data(tags[hp.SESSION_START_INFO_TAG]).hparams
+             for run, tags in content.items()}
+    assert "trainer.max_steps" not in start["0"] and start["1"]["trainer.max_steps"].number_value == 100
+    assert start["0"]["activation_checkpointing"].WhichOneof("kind") == "bool_value"
+    assert [start[j]["activation_checkpointing"].bool_value for j in "01"] == [True, False]
+    assert start["0"]["optim.lr"].WhichOneof("kind") == "number_value"
+    assert start["0"]["strategy.name"].WhichOneof("kind") == "string_value"

@@ -31,7 +31,9 @@ def _plain(value):
 def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     """The flat hyper-parameters written once per run to TensorBoard's hparams table and results.json: a fixed set,
     the resolved precision, the world size, and every command-line override of this Hydra job (so any swept key is
-    a column), with the config's typed value (``optim.lr`` -> 0.001) or the chosen option (``strategy`` -> ddp)."""
+    a column), with the config's typed value (``optim.lr`` -> 0.001, ``activation_checkpointing`` -> True, a null
+    -> None) or the chosen option (``strategy`` -> ddp). None stays None (null in results.json, a blank cell in
+    TensorBoard), so a key swept over null and numbers is one number column, not numbers beside a string "null"."""
     out = {k: _plain(OmegaConf.select(cfg, k)) for k in HPARAM_KEYS}
     out["precision.resolved"] = precision_name
     out["world_size"] = world_size
@@ -42,9 +44,9 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
             key, sep, value = str(item).partition("=")
             key = key.lstrip("+")
             if sep and not key.startswith(("hydra.", "~")):
-                typed = _plain(OmegaConf.select(cfg, key, default=None))
-                out[key] = typed if isinstance(typed, (int, float, str, bool)) else value
-    return {k: ("null" if v is None else v) for k, v in out.items()}
+                typed = _plain(OmegaConf.select(cfg, key, default=value))
+                out[key] = typed if typed is None or isinstance(typed, (int, float, str, bool)) else value
+    return out
 
 
 def model_config_json(raw: torch.nn.Module) -> str:
