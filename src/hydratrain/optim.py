@@ -157,3 +157,25 @@ def total_steps(trainer_cfg, batches, done: int = 0) -> int:
     if trainer_cfg.max_epochs is not None:
         steps.append(done + batches.batches_left(trainer_cfg.max_epochs) // trainer_cfg.grad_accum_steps)
     return max(0, min(steps))
+
+
+def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int) -> None:
+    """Log one warning line each when the run's length is not what its keys suggest: ``trainer.max_steps`` ends it
+    before ``trainer.max_epochs`` does (both set), or ``scheduler.warmup_steps`` is not shorter than the ``steps``
+    optimizer steps it takes (:func:`total_steps`), so the lr reaches ``optim.lr`` only at the last step or never
+    and ``warmup_cosine`` never decays. ``batches`` is the run's ``hydratrain.data.ShardedBatches``."""
+    if trainer_cfg.max_steps is not None and trainer_cfg.max_epochs is not None:
+        accum = trainer_cfg.grad_accum_steps
+        epoch_steps = batches.batches_left(trainer_cfg.max_epochs) // accum
+        if trainer_cfg.max_steps < epoch_steps:
+            log.warning("trainer.max_steps=%d ends the run before trainer.max_epochs=%d would (at %d optimizer "
+                        "steps): it stops after %.3g epochs; set trainer.max_steps=null to train every epoch",
+                        trainer_cfg.max_steps, trainer_cfg.max_epochs, epoch_steps,
+                        trainer_cfg.max_steps * accum / batches.batches_per_epoch)
+    warmup = scheduler_cfg.warmup_steps
+    if warmup and warmup >= steps:
+        reach = ("reaches optim.lr only at the last step" if warmup == steps
+                 else f"never reaches optim.lr (it ends at {steps / warmup:.0%} of it)")
+        decay = ", and warmup_cosine never decays" if str(scheduler_cfg.name) == "warmup_cosine" else ""
+        log.warning("scheduler.warmup_steps=%d is not shorter than the %d optimizer steps this run takes "
+                    "(trainer.max_steps / max_epochs): the lr %s%s", warmup, steps, reach, decay)

@@ -146,7 +146,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     from hydratrain.dist.env import under_submitit
     from hydratrain.errors import ConfigError
     from hydratrain.metrics import peak_flops, reset_peak_memory
-    from hydratrain.optim import build_optimizer, build_scheduler, total_steps
+    from hydratrain.optim import build_optimizer, build_scheduler, total_steps, warn_run_length
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.strategy import build_model
     from hydratrain.paths import Paths
@@ -189,6 +189,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         raise ConfigError("trainer.max_epochs", cfg.trainer.max_epochs,
                           f"gives 0 optimizer steps: an epoch has {train_batches.batches_per_epoch} micro-batches per "
                           f"rank, fewer than trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}")
+    warn_run_length(cfg.trainer, cfg.scheduler, train_batches, max_steps)
     scheduler = build_scheduler(optimizer, cfg.scheduler, max_steps)
     scaler = precision.grad_scaler(device)
     progress = TrainProgress()

@@ -390,3 +390,27 @@ def test_a_swept_key_is_one_typed_column_in_the_hparams_table(compose, tmp_path)
     assert [start[j]["activation_checkpointing"].bool_value for j in "01"] == [True, False]
     assert start["0"]["optim.lr"].WhichOneof("kind") == "number_value"
     assert start["0"]["strategy.name"].WhichOneof("kind") == "string_value"
+
+
+# ---------------------------------------------------------------------------------------------- the run length
+@pytest.mark.parametrize("overrides, expected", [
+    (["trainer.max_epochs=1", "trainer.grad_accum_steps=2", "scheduler.warmup_steps=2"],
+     ["trainer.max_steps=10 ends the run before trainer.max_epochs=1 would (at 3710 optimizer steps): it stops "
+      "after 0.0027 epochs"]),
+    (["scheduler.warmup_steps=10"],
+     ["scheduler.warmup_steps=10 is not shorter than the 10 optimizer steps this run takes (trainer.max_steps / "
+      "max_epochs): the lr reaches optim.lr only at the last step, and warmup_cosine never decays"]),
+    (["scheduler=constant", "scheduler.warmup_steps=40"],
+     ["scheduler.warmup_steps=40 is not shorter than the 10 optimizer steps this run takes (trainer.max_steps / "
+      "max_epochs): the lr never reaches optim.lr (it ends at 25% of it)"]),
+    (["scheduler.warmup_steps=9"], []),
+])
+def test_a_run_length_the_keys_do_not_suggest_is_one_warning_line(make_job, tmp_path, caplog, overrides, expected):
+    """max_steps cutting max_epochs short, and a warm-up as long as the run or longer, each say so once at start,
+    naming both keys' numbers; a run whose keys agree says nothing."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, "hydratrain.optim"):
+        make_job(tmp_path, *overrides)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hydratrain.optim"]
+    assert len(lines) == len(expected) and all(line.startswith(e) for line, e in zip(lines, expected)), lines
