@@ -197,13 +197,13 @@ def trained_tokenizer(files: Sequence[Path], root: Path, val_fraction: float, vo
     return load_tokenizer(out / "tokenizer.json")
 
 
-def _batches(segments: Sequence[Segment]) -> Iterator[list[tuple[str, bool]]]:
+def _batches(segments: Sequence[Segment], replaced: dict[Path, list]) -> Iterator[list[tuple[str, bool]]]:
     """``(text piece, ends its segment)`` pairs in batches of about :data:`BATCH_BYTES`; an empty segment yields
-    one empty piece (so its separator is still written)."""
+    one empty piece (so its separator is still written). ``replaced[path]``: ``[bytes, lines]`` made U+FFFD."""
     batch, size = [], 0
     for path, start, stop in segments:
         prev = None
-        for piece in read_pieces(path, start, stop):
+        for piece in read_pieces(path, start, stop, replaced=replaced.setdefault(path, [0, 0])):
             if prev is not None:
                 batch.append((prev, False))
                 size += len(prev)
@@ -222,7 +222,9 @@ def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, to
     """Tokenize ``files`` (split by file, see :func:`split_segments`) with ``tokenizer`` into
     ``<cache_dir>/tok-<key>/{train,val}.bin`` (headerless, ``tokenizer.dtype``; the tokenizer's separator after
     each file) plus ``meta.json`` and a copy of tokenizer.json. Returns that dir; built once per key (files'
-    names, sizes, mtimes, val_fraction, the tokenizer's hash), with a tqdm bar in bytes when ``progress``."""
+    names, sizes, mtimes, val_fraction, the tokenizer's hash), with a tqdm bar in bytes when ``progress``.
+    ``meta.json``'s ``replaced`` maps each file (relative to ``root``) with bytes that are not UTF-8 to ``[bytes,
+    lines]`` that became U+FFFD (see :func:`warn_replaced`)."""
     from tqdm.auto import tqdm
 
     splits = split_segments(files, root, val_fraction)
@@ -238,11 +240,11 @@ def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, to
                     for f, start, stop in seg)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing into {out}",
                    disable=None if progress else True)  # None: only on a terminal
-        t0, counts = time.perf_counter(), {}
+        t0, counts, replaced = time.perf_counter(), {}, {}
         for split, segments in splits.items():
             tmp, n = out / f"{split}.bin.tmp{os.getpid()}", 0
             with open(tmp, "wb") as fh:
-                for batch in _batches(segments):
+                for batch in _batches(segments, replaced):
                     for ids, (text, ends) in zip(tokenizer.encode_batch([t for t, _ in batch]), batch):
                         fh.write(np.asarray(ids, dtype=dtype).tobytes() + (sep if ends else b""))
                         n += len(ids) + (len(sep_ids) if ends else 0)
@@ -253,13 +255,29 @@ def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, to
         seconds = time.perf_counter() - t0
         tokenizer.save(out)
         meta = {"root": str(root), "tokenizer": tokenizer.sha, "vocab_size": tokenizer.vocab_size,
-                "dtype": dtype.name, "bytes": total, "seconds": round(seconds, 3), "splits": counts}
+                "dtype": dtype.name, "bytes": total, "seconds": round(seconds, 3), "splits": counts,
+                "replaced": {relative_name(f, root): r for f, r in replaced.items() if r[0]}}
         tmp = out / f"meta.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps(meta, indent=1))
         os.replace(tmp, out / "meta.json")
         log.info("tokenized %.1f MB into %d tokens in %.1f s (%.2f MB/s): %s", total / 1e6,
                  sum(c["tokens"] for c in counts.values()), seconds, total / 1e6 / max(seconds, 1e-9), out)
     return out
+
+
+def warn_replaced(data_cfg, root: Path, replaced: dict[str, list], shown: int = 3) -> None:
+    """One warning line when the corpus had bytes that are not UTF-8 (``replaced``: ``{file relative to root:
+    [bytes, lines]}``, from a token cache's meta.json): how many, on how many lines, in which files (the first
+    ``shown`` by bytes), all trained and tokenized as U+FFFD."""
+    if not replaced:
+        return
+    worst = sorted(replaced.items(), key=lambda kv: -kv[1][0])
+    where = ", ".join(f"{root / name} ({b} bytes on {n} lines)" for name, (b, n) in worst[:shown])
+    more = f" and {len(worst) - shown} more file(s)" if len(worst) > shown else ""
+    key = "data.paths" if data_cfg.name == "tokenized_text" else f"data={data_cfg.name}"
+    log.warning("%s: %d bytes on %d lines of %d file(s) are not UTF-8 and were read as U+FFFD (the replacement "
+                "character): %s%s", key, sum(b for b, _ in replaced.values()), sum(n for _, n in replaced.values()),
+                len(replaced), where, more)
 
 
 def files_of(splits: dict[str, list[Segment]]) -> list[Segment]:
@@ -352,6 +370,12 @@ def load_token_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: boo
     log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens, vocab %d)", data_cfg.name, out,
              meta["splits"]["train"]["files"], meta["splits"]["train"]["tokens"], meta["splits"]["val"]["files"],
              meta["splits"]["val"]["tokens"], tokenizer.vocab_size)
+    warn_replaced(data_cfg, root, meta.get("replaced", {}))
+    if not getattr(data_cfg, "tokenizer", None) and tokenizer.vocab_size < data_cfg.vocab_size:
+        log.warning("data.vocab_size=%d: the BPE trained on the training split has %d tokens, not %d: its text "
+                    "ran out of byte pairs to merge (more text, or a data.vocab_size <= %d, gives what is asked); "
+                    "the model's vocab is %d (%s)", data_cfg.vocab_size, tokenizer.vocab_size, data_cfg.vocab_size,
+                    tokenizer.vocab_size, vocab_size, tokenizer.path)
     return splits
 
 

@@ -101,12 +101,29 @@ def padded_vocab_size(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
 
 
-def read_pieces(path: Path, start: int = 0, stop: Optional[int] = None,
-                piece_bytes: int = PIECE_BYTES) -> Iterator[str]:
+def undecodable(chunk: bytes, text: str) -> tuple[int, int]:
+    """``(bytes, lines)`` of ``chunk`` that are not UTF-8, where ``text`` is ``chunk.decode("utf-8",
+    errors="replace")``: each undecodable run of 1-3 bytes became one U+FFFD (3 bytes in UTF-8) and the rest
+    round-trips, so the byte count is exact; a U+FFFD the file itself holds is not counted."""
+    marks = text.count("\ufffd") - chunk.count("\ufffd".encode())
+    if not marks:
+        return 0, 0
+    lines = 0
+    for line in chunk.split(b"\n"):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError:
+            lines += 1
+    return len(chunk) - len(text.encode("utf-8")) + 3 * marks, lines
+
+
+def read_pieces(path: Path, start: int = 0, stop: Optional[int] = None, piece_bytes: int = PIECE_BYTES,
+                replaced: Optional[list] = None) -> Iterator[str]:
     """The text of bytes ``[start, stop)`` of ``path`` in pieces of about ``piece_bytes`` bytes, each extended to the
     end of its line (a line longer than ``piece_bytes`` is cut at a character boundary), so a file of any size
     streams through bounded memory and the pieces do not depend on anything but the file. UTF-8; undecodable bytes
-    become U+FFFD; line ends are kept as they are. ``start`` must be at a character boundary."""
+    become U+FFFD (``replaced``, a ``[bytes, lines]`` list, is added their count, see :func:`undecodable`); line
+    ends are kept as they are. ``start`` must be at a character boundary."""
     with open(path, "rb") as fh:
         fh.seek(start)
         pos = start
@@ -120,7 +137,12 @@ def read_pieces(path: Path, start: int = 0, stop: Optional[int] = None,
                 while (room is None or pos + len(chunk) < stop) and 0x80 <= (fh.peek(1)[:1] or b"\0")[0] < 0xC0:
                     chunk += fh.read(1)  # finish a UTF-8 character cut by the length limit
             pos += len(chunk)
-            yield chunk.decode("utf-8", errors="replace")
+            text = chunk.decode("utf-8", errors="replace")
+            if replaced is not None:
+                n_bytes, lines = undecodable(chunk, text)
+                replaced[0] += n_bytes
+                replaced[1] += lines
+            yield text
 
 
 def line_cut(path: Path, fraction: float) -> int:

@@ -25,7 +25,7 @@ from hydratrain.tokenized import (
     tokenizer_for,
     vocab_size_for,
 )
-from hydratrain.tokenizer import EOT, load_tokenizer, padded_vocab_size, read_pieces, train_bpe
+from hydratrain.tokenizer import EOT, load_tokenizer, padded_vocab_size, read_pieces, train_bpe, undecodable
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ("def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -382,3 +382,30 @@ def test_a_large_vocab_tokenizer_gives_uint32_files(tmp_path):
     splits = load_splits(cfg, vocab_size_for(cfg, tok, None), tmp_path, progress=False)
     assert vocab_size_for(cfg, tok, None) == 70_016 and splits["train"].dtype == np.uint32
     assert list(splits["train"][:5]) == [70_000, 2, 3, 4, 68_001] and max_token_id(splits["val"], None) == 70_000
+
+
+def test_undecodable_bytes_and_a_smaller_vocab_than_asked_are_each_one_warning(tmp_path, caplog):
+    """Latin-1 bytes in a file are read as U+FFFD and a corpus too small for data.vocab_size gives a smaller BPE:
+    each says so in one warning line (how many bytes on how many lines of which file; the size asked and had), on
+    the run that builds the cache and on the ones that reuse it."""
+    import logging
+
+    make_texts(tmp_path, n=4)
+    bad = tmp_path / "docs" / "part01.txt"
+    bad.write_bytes(bad.read_bytes() + "caf\u00e9 ok\nna\u00efve \u00fcber\n".encode("latin-1", "replace")
+                    + "keep \ufffd\n".encode())  # 3 Latin-1 bytes on 2 lines; a real U+FFFD is not counted
+    cfg = data_cfg(name="tokenized_text", paths=["docs/*.txt"], vocab_size=5000, val_fraction=0.3, cache_dir="c")
+    tok = tokenizer_for(cfg, tmp_path)
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "hydratrain.tokenized"):
+            load_splits(cfg, 5000, tmp_path, progress=False)
+        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert lines == [
+            f"data.paths: 3 bytes on 2 lines of 1 file(s) are not UTF-8 and were read as U+FFFD (the replacement "
+            f"character): {bad} (3 bytes on 2 lines)",
+            f"data.vocab_size=5000: the BPE trained on the training split has {tok.vocab_size} tokens, not 5000: its "
+            f"text ran out of byte pairs to merge (more text, or a data.vocab_size <= {tok.vocab_size}, gives what "
+            f"is asked); the model's vocab is 5000 ({tok.path})"]
+    cut = b"a\xe6\x97b\n\xff\n\xef\xbf\xbd\n\xf0\x9f\x98"  # cut 3- and 4-byte characters, a stray byte, a real U+FFFD
+    assert undecodable(cut, cut.decode("utf-8", errors="replace")) == (6, 3)
