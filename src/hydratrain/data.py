@@ -426,10 +426,10 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
 
     Local rank 0 builds missing caches first while the node's other ranks wait at a barrier. ``info`` is the
     :class:`~hydratrain.dist.env.DistInfo` (with its device). Raises :class:`~hydratrain.errors.ConfigError` when a
-    split is too small for ``data.seq_len`` x ``data.batch_size`` x world size, or holds an id >= ``vocab_size``.
+    split is too small for ``data.seq_len`` x ``data.batch_size`` x world size (naming its files, see
+    :func:`split_error`), or holds an id >= ``vocab_size``.
     """
     from hydratrain.dist.collectives import barrier
-    from hydratrain.errors import ConfigError
 
     kwargs = dict(data_cfg=cfg.data, vocab_size=vocab_size, launch_dir=launch_dir,
                   progress=progress and info.is_main, cache_dir=cache_dir)
@@ -443,11 +443,37 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
                                info.world_size, seed=cfg.trainer.seed, device=info.device,
                                strict_position=cfg.checkpoint.restore_data_position)
     except ValueError as err:
-        raise ConfigError("data", cfg.data.name, f"train split ({len(splits['train'])} tokens): {err}") from None
+        raise split_error(cfg.data, launch_dir, "train", len(splits["train"]), err) from None
     try:
         evals = EvalBatches(TokenDataset(splits["val"], cfg.data.seq_len, vocab_size, "the val split"),
                             cfg.trainer.eval_samples,
                             cfg.data.batch_size, info.rank, info.world_size, device=info.device)
     except ValueError as err:
-        raise ConfigError("data", cfg.data.name, f"val split ({len(splits['val'])} tokens): {err}") from None
+        raise split_error(cfg.data, launch_dir, "val", len(splits["val"]), err) from None
     return train, evals
+
+
+def split_error(data_cfg, launch_dir: Path, split: str, tokens: int, err: Exception, shown: int = 5):
+    """The :class:`~hydratrain.errors.ConfigError` for ``split`` ("train" or "val", ``tokens`` long) being too short
+    (``err``), naming where its tokens come from: ``data.train_path`` / ``data.val_path`` and the file for
+    token_bin; ``data.paths`` and the split's files (the first ``shown``; ``(empty)`` after a file of 0 bytes) for
+    text_files and tokenized_text; ``data`` and its name for the built-in corpora."""
+    from hydratrain.errors import ConfigError
+
+    key, value, source = "data", data_cfg.name, ""
+    if data_cfg.name == "token_bin":
+        key, value = f"data.{split}_path", getattr(data_cfg, f"{split}_path")
+        source = f" from {launch_dir / Path(value).expanduser()}"
+    elif data_cfg.name in ("text_files", "tokenized_text"):
+        key, value = "data.paths", list(data_cfg.paths)
+        files = expand_paths(value, launch_dir)
+        if len(files) == 1:
+            share = 1 - data_cfg.val_fraction if split == "train" else data_cfg.val_fraction
+            source = f" from the {'first' if split == 'train' else 'last'} {share:.0%} of {files[0]}"
+        else:
+            part = split_files(files, Path(os.path.commonpath([str(f.parent) for f in files])),
+                               data_cfg.val_fraction)[split]
+            named = [f"{f}{' (empty)' if f.stat().st_size == 0 else ''}" for f in part[:shown]]
+            more = f" and {len(part) - shown} more" if len(part) > shown else ""
+            source = f" from {', '.join(named)}{more}"
+    return ConfigError(key, value, f"{split} split ({tokens} tokens){source}: {err}")

@@ -91,3 +91,31 @@ def test_synthetic_stream_is_deterministic_and_in_vocab():
     a, b = synthetic_stream(5000, 256), synthetic_stream(5000, 256)
     assert np.array_equal(a, b) and len(a) == 5000 and a.max() < 256
     assert synthetic_stream(5000, 32000).dtype == np.uint16
+
+
+@pytest.mark.parametrize("empty", ["val", "train"])
+def test_a_split_too_short_names_its_key_and_files(compose, tmp_path, empty):
+    """Two text files, one empty: the split it lands in is a one-line error naming data.paths and that file (the
+    last file goes to val when the hash leaves val empty); a short token_bin file names data.val_path and its path."""
+    from hydratrain.data import build_data
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.errors import ConfigError
+
+    (tmp_path / "d").mkdir()
+    full, hollow = ("a.txt", "b.txt") if empty == "val" else ("b.txt", "a.txt")
+    (tmp_path / "d" / full).write_text("hello world\n" * 300)
+    (tmp_path / "d" / hollow).write_text("")
+    info = DistInfo(device=torch.device("cpu"))
+    cfg = compose(["+debug=fast", "data=text_files", "data.paths=[d/*.txt]"])
+    with pytest.raises(ConfigError) as err:
+        build_data(cfg, info, tmp_path, False, 256, cache_dir=tmp_path / "cache")
+    assert str(err.value).startswith(f"data.paths=['d/*.txt']: {empty} split (2 tokens) from "
+                                     f"{tmp_path / 'd' / hollow} (empty): the split has ")
+    if empty == "val":
+        np.arange(3000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+        np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
+        cfg = compose(["+debug=fast", "data=token_bin", "data.train_path=train.bin", "data.val_path=val.bin",
+                       "model.vocab_size=3000"])
+        with pytest.raises(ConfigError, match=rf"^data.val_path='val.bin': val split \(10 tokens\) from "
+                                              rf"{tmp_path / 'val.bin'}: the split has no sample"):
+            build_data(cfg, info, tmp_path, False, 3000, cache_dir=tmp_path / "cache")
