@@ -51,16 +51,21 @@ def stdlib_files() -> tuple[Path, list[Path]]:
 
 
 def expand_paths(patterns: Sequence[str], base_dir: Path) -> list[Path]:
-    """Files matching ``patterns`` (globs, ``**`` allowed), relative ones resolved against ``base_dir``; sorted.
+    """Files matching ``patterns`` (globs, ``**`` allowed; ``~`` expanded as for the other path keys), relative ones
+    resolved against ``base_dir``; sorted.
 
-    Raises FileNotFoundError naming ``data.paths`` and the pattern when a pattern matches no file.
+    Raises FileNotFoundError naming ``data.paths`` and the pattern when a pattern matches no file, and where it
+    looked: ``base_dir`` for a relative pattern, the (expanded) pattern itself for an absolute one.
     """
     files: set[Path] = set()
     for pattern in patterns:
-        full = pattern if os.path.isabs(pattern) else str(base_dir / pattern)
+        full = os.path.expanduser(pattern)
+        absolute = os.path.isabs(full)
+        full = full if absolute else str(base_dir / full)
         matched = [Path(p) for p in glob.glob(full, recursive=True) if os.path.isfile(p)]
         if not matched:
-            raise FileNotFoundError(f"data.paths: {pattern!r} matches no file (looked in {base_dir})")
+            where = f"looked for the absolute pattern {full}" if absolute else f"looked in {base_dir}"
+            raise FileNotFoundError(f"data.paths: {pattern!r} matches no file ({where})")
         files.update(p.resolve() for p in matched)
     return sorted(files)
 

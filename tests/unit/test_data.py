@@ -119,3 +119,26 @@ def test_a_split_too_short_names_its_key_and_files(compose, tmp_path, empty):
         with pytest.raises(ConfigError, match=rf"^data.val_path='val.bin': val split \(10 tokens\) from "
                                               rf"{tmp_path / 'val.bin'}: the split has no sample"):
             build_data(cfg, info, tmp_path, False, 3000, cache_dir=tmp_path / "cache")
+
+
+def test_a_pattern_matching_nothing_says_where_it_looked(compose, tmp_path, monkeypatch):
+    """A relative pattern looked in the base dir; an absolute one (or one under ~) looked for itself, not in the launch
+    dir; the same for checkpoint.resume_from / model.init_from at the job check."""
+    from hydratrain.config.validate import check_environment
+    from hydratrain.errors import ConfigError
+
+    (tmp_path / "home" / "notes").mkdir(parents=True)
+    (tmp_path / "home" / "notes" / "a.md").write_text("x\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    launch = tmp_path / "launch"
+    assert expand_paths(["~/notes/*.md"], launch) == [tmp_path / "home" / "notes" / "a.md"]
+    for pattern, where in [("b/*.txt", f"looked in {launch}"),
+                           (f"{tmp_path}/nowhere/*.txt", f"looked for the absolute pattern {tmp_path}/nowhere/*.txt"),
+                           ("~/other/*.md", f"looked for the absolute pattern {tmp_path}/home/other/*.md")]:
+        with pytest.raises(FileNotFoundError) as err:
+            expand_paths([pattern], launch)
+        assert str(err.value) == f"data.paths: {pattern!r} matches no file ({where})"
+    cfg = compose(["+debug=fast", "strategy=single", "device=cpu", f"checkpoint.resume_from={tmp_path}/ckpt/step_1"])
+    with pytest.raises(ConfigError, match=rf"^checkpoint.resume_from='{tmp_path}/ckpt/step_1': no such path "
+                                          rf"\(looked for {tmp_path}/ckpt/step_1\)$"):
+        check_environment(cfg, 1, launch)

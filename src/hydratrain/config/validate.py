@@ -260,4 +260,6 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
                             ("checkpoint.resume_from", launch_dir, "the launch dir")):
         value = _get(cfg, key)
         if value and not resolve_path(value, base).exists():
-            raise ConfigError(key, value, f"no such path (relative paths resolve against {what} {base})")
+            where = (f"looked for {resolve_path(value, base)}" if Path(value).expanduser().is_absolute()
+                     else f"relative paths resolve against {what} {base}")
+            raise ConfigError(key, value, f"no such path ({where})")
