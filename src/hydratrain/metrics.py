@@ -435,32 +435,18 @@ class TensorBoardLogger:
 
         Each value keeps its type, so a key swept over runs is one column of one type: bool -> a bool cell (torch's
         ``hparams()`` would write 1.0/0.0), int/float -> a number, str -> a string, None -> no cell (blank in the
-        table, as TensorBoard shows a value a run does not have), anything else -> its ``str``. No experiment
+        table, as TensorBoard shows a value a run does not have), anything else -> its ``str``; written as
+        TensorBoard's own session summary (``tensorboard.plugins.hparams.summary_v2.hparams_pb``). No experiment
         summary is written: TensorBoard's hparams plugin then types each column from every run's values (mixed types
         read as strings) instead of taking one arbitrary run's column list and types for the whole table.
         """
         if not self.writer:
             return
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.plugins.hparams import metadata as hp
-        from tensorboard.plugins.hparams.api_pb2 import Status
-        from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData, SessionEndInfo, SessionStartInfo
+        from tensorboard.plugins.hparams.summary_v2 import hparams_pb
 
-        start = SessionStartInfo(start_time_secs=time.time())
-        for key, value in hparams.items():
-            if value is None:
-                continue
-            if isinstance(value, bool):
-                start.hparams[key].bool_value = value
-            elif isinstance(value, (int, float)):
-                start.hparams[key].number_value = value
-            else:
-                start.hparams[key].string_value = value if isinstance(value, str) else str(value)
-        end = SessionEndInfo(status=Status.STATUS_SUCCESS, end_time_secs=time.time())
-        for tag, data in ((hp.SESSION_START_INFO_TAG, HParamsPluginData(session_start_info=start)),
-                          (hp.SESSION_END_INFO_TAG, HParamsPluginData(session_end_info=end))):
-            meta = hp.create_summary_metadata(data)
-            self.writer.file_writer.add_summary(Summary(value=[Summary.Value(tag=tag, metadata=meta)]))
+        typed = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in hparams.items()
+                 if v is not None}
+        self.writer.file_writer.add_summary(hparams_pb(typed, start_time_secs=time.time()))
         self.scalars({f"hparam/{k}": v for k, v in metrics.items()}, step)
 
     def flush(self) -> None:
