@@ -57,3 +57,17 @@ def test_launches_started_together_without_a_run_dir_each_get_their_own(tmp_path
     assert len(dirs) == 3, list(tmp_path.rglob("*"))
     seeds = {(d / ".hydra" / "config.yaml").read_text().split("seed: ")[1].split()[0] for d in dirs}
     assert seeds == {"0", "1", "2"}
+
+
+def test_ranks_that_resolve_different_run_dirs_stop_before_training(tmp_path):
+    """``hydra.run.dir`` built from a per-process value (``${now:%f}``; here the rank, to be deterministic): each rank
+    would write its shards into its own dir and exit 0 with no whole checkpoint. Every rank stops with status 2."""
+    port = free_port()
+    ranks = [spawn(command(["strategy=ddp", "trainer.max_steps=3", "checkpoint.every_n_steps=3",
+                            f"hydra.run.dir={tmp_path}/r${{hydratrain.rank:}}"]),
+                   env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(2)]
+    r0, r1 = finish(ranks[0], timeout=120), finish(ranks[1], timeout=60)
+    assert (r0.returncode, r1.returncode) == (2, 2), (r0.output[-3000:], r1.output[-3000:])
+    assert f"the ranks resolved different run dirs (rank 0: {tmp_path}/r0; rank 1: {tmp_path}/r1)" in r0.output
+    assert not list(tmp_path.glob("r*/checkpoints"))

@@ -187,39 +187,61 @@ def held_by_another(run_dir: Path) -> bool:
     return left_behind(holder, lock.me, age) is None
 
 
+_HOLDS = 0  # run dirs this process has held (a sweep inside each rank holds one per job, in the same order)
+
+
 def hold_run_dir(run_dir: Path, info, key: str) -> Optional[RunDirLock]:
-    """Rank 0 takes ``run_dir``'s lock and every rank learns the outcome through the launch's store, so that all
-    ranks raise the same error. Returns the lock on rank 0, None elsewhere.
+    """Rank 0 takes ``run_dir``'s lock; through the launch's store every rank learns the outcome and checks that it
+    resolved the same run dir as rank 0, so that all ranks raise the same error. Returns the lock on rank 0, None
+    elsewhere. Call before any process group exists.
 
     Raises :class:`~hydratrain.errors.ConfigError` (``key``, the run dir's config key: ``hydra.run.dir`` or
-    ``hydra.sweep.dir``) on every rank when another live job holds it; call before any process group exists.
+    ``hydra.sweep.dir``) on every rank when another live job holds the run dir, or when the ranks resolved different
+    run dirs (a per-process value such as ``${now:...}`` in ``hydra.run.dir``: each rank would write its own shards
+    into its own dir, and no checkpoint would be whole).
     """
+    global _HOLDS
     from hydratrain.errors import ConfigError
 
-    lock, busy = None, ""
+    lock, problem = None, ""
     if info.rank == 0:
         try:
             lock = RunDirLock(run_dir).acquire()
         except RunDirBusy as err:
-            busy = f"{err}; wait for it to end, or use another {key}"
+            problem = f"{err}; wait for it to end, or use another {key}"
         except OSError as err:
-            busy = f"cannot create the lock file {err.filename}: {err.strerror}"
+            problem = f"cannot create the lock file {err.filename}: {err.strerror}"
     if info.world_size > 1 and os.environ.get("MASTER_ADDR"):
         from hydratrain.dist.process_group import base_store
 
-        store_key = (f"hydratrain/run_dir_lock/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-                     f"{Path(run_dir).resolve()}")
         store = base_store()
+        store_key = f"hydratrain/run_dir/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/hold{_HOLDS}"
+        mine = str(Path(run_dir).resolve())
         if info.rank == 0:
-            store.set(store_key, busy or "ok")
-            # rank 0 may host the store: when it is about to leave, it waits (<= 30 s) for the others to read it
-            deadline = time.monotonic() + 30
-            while busy and store.add(store_key + "/read", 0) < info.world_size - 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            store.set(store_key, json.dumps({"problem": problem, "run_dir": mine}))
+            # every rank reports (<= 60 s): rank 0 learns of a rank in another dir, and may host the store
+            deadline = time.monotonic() + 60
+            while store.add(store_key + "/read", 0) < info.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not problem and store.add(store_key + "/elsewhere", 0) > 0:
+                problem = _split(mine, store.get(store_key + "/elsewhere_example").decode(), key)
         else:
-            answer = store.get(store_key).decode()
+            answer = json.loads(store.get(store_key))
+            problem = answer["problem"]
+            if answer["run_dir"] != mine:
+                store.set(store_key + "/elsewhere_example", f"rank {info.rank}: {mine}")
+                store.add(store_key + "/elsewhere", 1)
+                problem = problem or _split(answer["run_dir"], f"rank {info.rank}: {mine}", key)
             store.add(store_key + "/read", 1)
-            busy = "" if answer == "ok" else answer
-    if busy:
-        raise ConfigError(key, str(run_dir), busy)
+    _HOLDS += 1
+    if problem:
+        if lock is not None:
+            lock.release()
+        raise ConfigError(key, str(run_dir), problem)
     return lock
+
+
+def _split(rank0_dir: str, other: str, key: str) -> str:
+    return (f"the ranks resolved different run dirs (rank 0: {rank0_dir}; {other}): a value that differs between "
+            f"processes, such as ${{now:...}}, is in {key}; build it from ${{hydratrain.stamp:}}, which every rank "
+            "of a launch agrees on, or give a fixed path")
