@@ -55,6 +55,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         check_environment(cfg, env.world_size, launch, env.local_world_size)
         lock = hold_run_dir(run_dir, env, "hydra.sweep.dir" if _in_multirun() else "hydra.run.dir")
         resume = find_resume(cfg.checkpoint, run_dir, launch)
+        if resume is not None and _in_multirun() and resume.parent == run_dir / "checkpoints":
+            _refuse_another_trial(cfg, resume, run_dir)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed
         timing.mark("checks")
@@ -104,6 +106,27 @@ def _keep_the_epoch_limit(job: "Job") -> None:
     for schedule in trainer.scheduler.lr_lambdas:
         schedule.total_steps = steps
     state.load_state_dict(state.state_dict())  # the groups' lr at the restored step, on the new schedule
+
+
+def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
+    """A sweep job about to auto-resume from its own run dir's checkpoint: when its overrides give another trial
+    than the one that wrote it (a sweep re-run into the same ``hydra.sweep.dir`` with other values: job N would
+    continue, or only evaluate, job N of the old sweep, and report its figures under the new values), raise
+    :class:`~hydratrain.errors.ConfigError` naming the keys. A relaunch of the same trial (preempted, or with a
+    longer ``trainer.max_steps``) resumes."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydratrain.checkpoint.manager import other_trial
+    from hydratrain.errors import ConfigError
+
+    hydra_cfg = HydraConfig.get()
+    differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                          list(hydra_cfg.overrides.task))
+    if differs:
+        raise ConfigError("hydra.sweep.dir", hydra_cfg.sweep.dir,
+                          f"job {hydra_cfg.job.num}'s run dir {run_dir} holds a checkpoint of another trial "
+                          f"({resume.name}; {', '.join(differs)}): sweep into a new hydra.sweep.dir, or add "
+                          "checkpoint.auto_resume=false to start every trial over")
 
 
 def _in_multirun() -> bool:

@@ -93,6 +93,22 @@ def test_truncated_shard_stops_the_run_with_one_line(saved, tmp_path, cli):
     assert "step 1/" not in r.output
 
 
+def test_a_truncated_latest_checkpoint_names_the_previous_one_and_resume_from_is_said_to_lose(saved, caplog):
+    """Auto-resume in a run dir whose newest checkpoint is unusable: the error says how to resume from the one
+    before. A checkpoint.resume_from that the run dir's own checkpoint wins over is said, not silently dropped."""
+    from omegaconf import OmegaConf
+
+    shard = ckpt_of(saved, 20) / "__0_0.distcp"
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size // 2)
+    ccfg = OmegaConf.create({"auto_resume": True, "resume_from": "elsewhere/step_00000005"})
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"; to resume from the previous checkpoint instead: checkpoint.auto_resume=false "
+            f"checkpoint.resume_from={ckpt_of(saved, 10)} (later ones are then set aside)")):
+        find_resume(ccfg, saved, saved)
+    assert "checkpoint.resume_from=elsewhere/step_00000005 not used: this run dir has its own checkpoint" in caplog.text
+
+
 def test_corrupt_bytes_are_named(saved, tmp_path):
     ckpt = tmp_path / "step_00000010"
     shutil.copytree(ckpt_of(saved, 10), ckpt)

@@ -96,3 +96,22 @@ def test_submitit_gpu_task_mismatch_fails_before_submitting(cli, tmp_path):
     assert r.returncode != 0
     assert "config error: launcher.tasks_per_node=1: must equal launcher.gpus_per_node=2" in r.output
     assert not (tmp_path / "s" / ".submitit").exists()
+
+
+def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_other_ones(cli, tmp_path):
+    """Job N of a sweep auto-resumes from its run dir (a preempted sweep, relaunched; here with a longer run). A
+    sweep with other values in the same hydra.sweep.dir used to resume job N of the old sweep, find nothing to train
+    and report the old figures under the new values (2 of 2 jobs); now each such job fails with one line."""
+    sweep = tmp_path / "sweep"
+    common = ["-m", "strategy=single", "checkpoint.save_last=true", "trainer.eval_every_n_steps=0",
+              f"hydra.sweep.dir={sweep}"]
+    assert cli([*common, "trainer.max_steps=3", "optim.lr=1e-3,3e-3"]).returncode == 0
+    longer = cli([*common, "trainer.max_steps=5", "optim.lr=1e-3,3e-3"])
+    assert longer.returncode == 0 and [results(sweep / j)["steps"] for j in "01"] == [5, 5], longer.output[-3000:]
+    assert longer.output.count("resumed from") == 2
+    other = cli([*common, "trainer.max_steps=5", "optim.lr=2e-2,5e-2"])
+    rows = report_rows(sweep)
+    assert [r["status"] for r in rows] == ["FAILED", "FAILED"], (rows, other.output[-3000:])
+    assert rows[0]["error"].startswith(f"ConfigError: hydra.sweep.dir='{sweep}': job 0's run dir {sweep}/0 holds "
+                                       "a checkpoint of another trial (step_00000005; optim.lr: 0.001 -> 0.02)")
+    assert "checkpoint.auto_resume=false" in rows[1]["error"]

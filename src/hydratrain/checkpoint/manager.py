@@ -26,7 +26,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -405,17 +405,61 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
     """The checkpoint this run starts from, checked for completeness: the latest complete one in
     ``<run_dir>/checkpoints`` (auto-resume, when ``checkpoint.auto_resume``), else ``checkpoint.resume_from``
     (relative to ``launch_dir``), else None. A run dir's own checkpoint wins over ``resume_from`` so that a
-    relaunch of a preempted run continues where it stopped.
+    relaunch of a preempted run continues where it stopped (logged when both are there).
 
-    Raises :class:`CheckpointError` when the chosen checkpoint is incomplete, truncated or unreadable.
+    Raises :class:`CheckpointError` when the chosen checkpoint is incomplete, truncated or unreadable; for the run
+    dir's own latest checkpoint the message names the previous complete one and how to resume from it.
     """
+    from hydratrain.checkpoint.io import verify
     from hydratrain.dist.run_dir import resolve_path
 
-    ckpt = latest_checkpoint(Path(run_dir) / "checkpoints") if ccfg.auto_resume else None
-    if ckpt is None and ccfg.resume_from:
+    own = list_checkpoints(Path(run_dir) / "checkpoints") if ccfg.auto_resume else []
+    if own:
+        ckpt = own[-1][1]
+        if ccfg.resume_from:
+            log.warning("checkpoint.resume_from=%s not used: this run dir has its own checkpoint %s, which auto-resume "
+                        "prefers (add checkpoint.auto_resume=false to start from resume_from instead)",
+                        ccfg.resume_from, ckpt)
+        try:
+            verify(ckpt)
+        except CheckpointError as err:
+            if len(own) < 2:
+                raise
+            raise CheckpointError(f"{err}; to resume from the previous checkpoint instead: "
+                                  f"checkpoint.auto_resume=false checkpoint.resume_from={own[-2][1]} (later ones are "
+                                  "then set aside)") from None
+        return ckpt
+    if ccfg.resume_from:
         ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir))
-    if ckpt is not None:
-        from hydratrain.checkpoint.io import verify
-
         verify(ckpt)
-    return ckpt
+        return ckpt
+    return None
+
+
+#: keys a relaunched sweep job may change and still continue its trial (run length, logging, checkpointing, where
+#: and how it runs); any other overridden key that differs from its checkpoint's makes it another trial
+TRIAL_NEUTRAL = ("checkpoint.", "logger.", "distributed.", "plan.", "launcher.", "paths.", "device",
+                 "trainer.max_steps", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.eval_every_n_steps",
+                 "trainer.progress_bar", "trainer.save_weights", "trainer.sample_tokens")
+
+
+def other_trial(ckpt: Path, config: Mapping, overrides: Sequence[str]) -> list[str]:
+    """``key: old -> new`` for each of a job's command-line ``overrides`` (Hydra's ``hydra.overrides.task``; group
+    choices compare their whole subtree) whose value in ``config`` (the job's config as a plain container) differs
+    from the one ``ckpt`` was written with, leaving out :data:`TRIAL_NEUTRAL` keys. Empty when ``ckpt`` has no
+    readable ``config.yaml``."""
+    saved = CheckpointManager._saved_config(ckpt)
+    if saved is None:
+        return []
+    old, new = _flat(saved), _flat(config)
+    keys = set()
+    for item in overrides:
+        key = str(item).partition("=")[0].lstrip("+")
+        if key and not key.startswith(("hydra.", "~")) and not key.startswith(TRIAL_NEUTRAL):
+            keys.add(key)
+    out = []
+    for key in sorted(keys):
+        leaves = sorted(k for k in set(old) | set(new) if k == key or k.startswith(key + "."))
+        out += [f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in leaves
+                if not k.startswith(TRIAL_NEUTRAL) and old.get(k, "<absent>") != new.get(k, "<absent>")]
+    return out
