@@ -42,6 +42,18 @@ def test_model_values_that_cannot_train_are_config_errors(compose, override, key
     assert err.value.key == key
 
 
+@pytest.mark.parametrize("override, line", [
+    ("trainer.max_steps=${oc.env:HT_UNSET_VARIABLE}", "trainer.max_steps='${oc.env:HT_UNSET_VARIABLE}': cannot be "
+     "resolved: KeyError raised while resolving interpolation: \"Environment variable 'HT_UNSET_VARIABLE' not found\""),
+    ("optim.lr=${nope.key}", "optim.lr='${nope.key}': cannot be resolved: Interpolation key 'nope.key' not found"),
+])
+def test_an_interpolation_that_does_not_resolve_is_one_line(cli, tmp_path, override, line):
+    """It used to be OmegaConf's 80-line traceback from the first read of the key, with exit status 1."""
+    r = cli([*SHORT, override], tmp_path)
+    assert r.returncode == 2 and f"hydratrain: config error: {line}" in r.err.splitlines(), r.output[-3000:]
+    assert "Traceback" not in r.output
+
+
 def test_a_token_id_beyond_the_vocabulary_is_a_config_error_at_its_batch():
     from hydratrain.data import TokenDataset
 

@@ -61,8 +61,26 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
             _check_known_keys(child, where)
 
 
+def _check_resolves(cfg: DictConfig) -> None:
+    """Every interpolation resolves (``${oc.env:VAR}`` of an unset variable, ``${a.key}`` that does not exist): a
+    :class:`ConfigError` naming the key and its unresolved text, not OmegaConf's traceback from the first read."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        key = str(getattr(err, "full_key", "") or "")
+        raw: Any = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split(".") if key else []:
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError(key or "<config>", raw, f"cannot be resolved: {why}") from None
+
+
 def validate(cfg: DictConfig) -> None:
-    """Check values that the schema's types cannot. Raises :class:`ConfigError` on the first bad key."""
+    """Check values that the schema's types cannot. Raises :class:`ConfigError` on the first bad key (an
+    interpolation that does not resolve, first)."""
+    _check_resolves(cfg)
     _check_known_keys(cfg)
     _check_option_nodes(cfg)
 
