@@ -109,6 +109,23 @@ def test_a_truncated_latest_checkpoint_names_the_previous_one_and_resume_from_is
     assert "checkpoint.resume_from=elsewhere/step_00000005 not used: this run dir has its own checkpoint" in caplog.text
 
 
+def test_another_data_order_is_refused_naming_the_config_keys_that_changed_it(saved, tmp_path, cli):
+    r = cli(["strategy=single", "trainer.max_steps=12", "data.synthetic_tokens=300000",
+             f"checkpoint.resume_from={ckpt_of(saved, 10)}"], tmp_path / "run")
+    assert r.returncode == EXIT_CHECKPOINT, r.output[-3000:]
+    line = next(ln for ln in r.err.splitlines() if "checkpoint error" in ln)
+    assert "cannot restore the data position (data (train split size, in samples) was" in line, line
+    assert line.endswith("(the config differs: data.synthetic_tokens: 2000000 -> 300000)"), line
+
+
+def test_a_checkpoint_without_its_config_says_what_is_not_checked(saved, make_job, tmp_path, caplog):
+    ckpt = tmp_path / "step_00000010"
+    shutil.copytree(ckpt_of(saved, 10), ckpt)
+    (ckpt / "config.yaml").write_text(": not yaml [")
+    make_job(tmp_path / "run").checkpoints.load(ckpt)
+    assert f"{ckpt} has no readable config.yaml: the model architecture and the config" in caplog.text
+
+
 def test_corrupt_bytes_are_named(saved, tmp_path):
     ckpt = tmp_path / "step_00000010"
     shutil.copytree(ckpt_of(saved, 10), ckpt)

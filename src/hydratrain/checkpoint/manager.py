@@ -184,7 +184,7 @@ def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[st
     def value(cfg: Mapping, key: str) -> Any:
         return (cfg.get(key) or cfg.get("n_head")) if key == "n_kv_head" else cfg.get(key)  # null = n_head
 
-    return [f"model.{k}: {saved_model.get(k)!r} -> {model.get(k)!r}" for k in ARCHITECTURE_KEYS
+    return [f"model.{k}: {value(saved_model, k)!r} -> {value(model, k)!r}" for k in ARCHITECTURE_KEYS
             if k in saved_model and value(saved_model, k) != value(model, k)]
 
 
@@ -193,8 +193,9 @@ def check_architecture(saved_model: Optional[Mapping], model: Mapping, where: st
     or a weights file) were written by another architecture of the same shapes."""
     arch = architecture_diff(saved_model, model)
     if arch:
-        raise CheckpointError(f"{where}: written by another model architecture ({'; '.join(arch)}): its weights "
-                              "would load without a shape error and compute something else; use its model settings")
+        raise CheckpointError(f"{where}: written by another model architecture ({'; '.join(arch)}): use its model "
+                              "settings (weights of other shapes do not load; of the same shapes, they would load and "
+                              "compute something else)")
 
 
 def config_diff(saved: Mapping, now: Mapping) -> list[str]:
@@ -344,6 +345,9 @@ class CheckpointManager:
         md = verify(ckpt)
         stored = set(md.state_dict_metadata)
         saved_config = self._saved_config(ckpt)
+        if saved_config is None:
+            log.warning("%s has no readable config.yaml: the model architecture and the config it was saved with are "
+                        "not checked against this run's (only tensor shapes are)", ckpt)
         if "model" in self.components:
             shapes = {k: tuple(v.shape) for k, v in self.components["model"].state_dict().items()}
             check_model_shapes(md, shapes, ckpt, saved_config, dict(self.config))
@@ -367,7 +371,10 @@ class CheckpointManager:
             try:
                 obj.load_state_dict(loadable[name])
             except CheckpointError as err:
-                raise CheckpointError(f"{ckpt}: {err}") from None
+                related = [d for d in config_diff(saved_config or {}, self.config) if saved_config is not None
+                           and d.startswith((f"{name}.", "trainer.seed"))]
+                also = f" (the config differs: {'; '.join(related)})" if related else ""
+                raise CheckpointError(f"{ckpt}: {err}{also}") from None
         mine = loadable.get(rank_key, {})
         if not mine.get("rng"):
             log.warning("%s has no RNG state for rank %d: keeping this rank's seeded RNG", ckpt, self.rank)
