@@ -178,3 +178,10 @@ def test_size_based_policy_never_picks_a_container_without_forward():
     units = shard_units(model, OmegaConf.create({"name": "size_based", "min_num_params": 60_000}))
     assert units == [m for b in model.blocks for m in (b.attn, b.mlp)]
     assert not any(isinstance(u, nn.ModuleList) for u in units)
+
+
+def test_help_says_what_hydratrain_is_and_which_groups_are_choices(cli):
+    r = cli(["--help"])
+    assert r.returncode == 0, r.output[-2000:]
+    assert r.out.startswith("hydratrain: distributed PyTorch training configured by Hydra")
+    assert "the schema/* groups are the typed schemas behind" in r.out and "strategy: ddp, fsdp, hsdp, single" in r.out
