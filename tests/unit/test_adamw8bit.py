@@ -76,3 +76,66 @@ def test_env_report_lists_the_optimizers():
 
     line = next(x for x in report() if x.startswith("optimizers:"))
     assert "adamw8bit (torchao" in line
+
+
+def _trained(job, steps: int) -> list[float]:
+    batches = iter(job.trainer.train_batches)
+    return [float(job.trainer.train_step(batches)[0]) for _ in range(steps)]
+
+
+def _moments(job) -> dict[str, tuple[float, torch.Tensor]]:
+    """{parameter name: (step count, exp_avg as float32)} of ``job``'s optimizer (8-bit moments dequantised)."""
+    from hydratrain.checkpoint.stateful import _dequantised, _quantised
+
+    names = {id(p): n for n, p in job.raw.named_parameters()}
+    return {names[id(p)]: (float(s["step"]), _dequantised(s["exp_avg"]) if _quantised(s["exp_avg"])
+                           else s["exp_avg"].clone()) for p, s in job.trainer.optimizer.state.items()}
+
+
+def test_a_checkpoint_resumes_under_the_other_optimizer_both_ways(make_job, tmp_path):
+    """torchao's AdamW8bit keeps lr and initial_lr in its param_groups as 0-d tensors, so its checkpoints store them
+    as tensors where torch's AdamW stores floats; DCP refused to read a stored tensor into a float ("Invalid checkpoint
+    metadata for optim.param_groups.0.lr, expected BytesStorageMetadata"). Each way, the other optimizer's
+    checkpoint loads with its moments and step counts, keeps this run's kinds, and trains on."""
+    from hydratrain.checkpoint.stateful import _quantised
+
+    ckpt = ("checkpoint.every_n_steps=100", "checkpoint.keep_last=0")
+    low = make_job(tmp_path / "low", "optim=adamw8bit", *ckpt)
+    assert isinstance(low.trainer.optimizer.param_groups[0]["lr"], torch.Tensor)
+    _trained(low, 3)
+    saved_low = _moments(low)
+    assert any(_quantised(s["exp_avg"]) for s in low.trainer.optimizer.state.values())
+    path = low.checkpoints.save(3)
+
+    full = make_job(tmp_path / "full", "optim=adamw", *ckpt)
+    full.checkpoints.load(path)
+    opt = full.trainer.optimizer
+    assert full.trainer.progress.step == 3
+    for group in opt.param_groups:
+        assert type(group["lr"]) is float and type(group["initial_lr"]) is float
+        assert group["lr"] == pytest.approx(full.trainer.scheduler.get_last_lr()[0])
+    loaded = _moments(full)
+    assert loaded.keys() == saved_low.keys()
+    for name, (step, m) in loaded.items():
+        assert step == 3 and torch.equal(m, saved_low[name][1]) and m.abs().sum() > 0, name
+    losses = _trained(full, 2)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    saved_full = _moments(full)
+    assert {s for s, _ in saved_full.values()} == {5.0}
+    path = full.checkpoints.save(5)
+
+    back = make_job(tmp_path / "back", "optim=adamw8bit", *ckpt)
+    back.checkpoints.load(path)
+    opt = back.trainer.optimizer
+    assert back.trainer.progress.step == 5
+    for group in opt.param_groups:
+        assert isinstance(group["lr"], torch.Tensor) and isinstance(group["initial_lr"], torch.Tensor)
+    assert any(_quantised(s["exp_avg"]) for s in opt.state.values())
+    loaded = _moments(back)
+    assert loaded.keys() == saved_full.keys()
+    for name, (step, m) in loaded.items():  # equal within 8-bit precision
+        saved_m = saved_full[name][1]
+        assert step == 5 and (m - saved_m).abs().max() <= saved_m.abs().max() / 64 and m.abs().sum() > 0, name
+    losses = _trained(back, 1)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert {s for s, _ in _moments(back).values()} == {6.0}

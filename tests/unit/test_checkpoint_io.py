@@ -65,6 +65,44 @@ def test_save_is_atomic_and_pruned(make_job, tmp_path, monkeypatch):
     assert_same_tensors(fresh.model.state_dict(), weights, "weights loaded from step 4")
 
 
+class _Holder:
+    """A Stateful component holding ``state`` as given."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+def test_a_value_loads_as_a_tensor_or_a_number_as_this_run_holds_it(tmp_path):
+    """Whether a value is a 0-d tensor or a number is its writer's choice (torchao's AdamW8bit keeps lr as a
+    tensor, torch's AdamW a float): a checkpoint loads either way round, each value in this run's kind."""
+    from hydratrain.checkpoint.manager import CheckpointManager
+
+    def manager(state: dict) -> CheckpointManager:
+        return CheckpointManager(tmp_path / "checkpoints", {"opt": _Holder(state)}, {}, {}, 0, torch.device("cpu"))
+
+    saved = {"groups": [{"lr": torch.tensor(0.5), "momentum": 0.25, "n": torch.tensor(3), "flag": True,
+                         "name": "g0"}]}
+    ckpt = manager(saved).save(1)
+    md = read_metadata(ckpt).state_dict_metadata
+    assert type(md["opt.groups.0.lr"]).__name__ == "TensorStorageMetadata"
+    assert type(md["opt.groups.0.momentum"]).__name__ == "BytesStorageMetadata"
+    live = manager({"groups": [{"lr": 0.1, "momentum": torch.tensor(0.0, dtype=torch.float64), "n": 0,
+                                "flag": torch.tensor(False), "name": "x"}]})
+    live.load(ckpt)
+    group = live.components["opt"].state["groups"][0]
+    assert type(group["lr"]) is float and group["lr"] == 0.5
+    assert type(group["n"]) is int and group["n"] == 3
+    assert group["momentum"].dtype == torch.float64 and group["momentum"].item() == 0.25
+    assert group["flag"].dtype == torch.bool and bool(group["flag"])
+    assert group["name"] == "g0"
+
+
 def test_incomplete_checkpoint_is_never_picked(saved, tmp_path):
     root = tmp_path / "run" / "checkpoints"
     shutil.copytree(ckpt_of(saved, 10), root / "step_00000010")

@@ -119,14 +119,63 @@ def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _keep_stored(tree: dict, stored: set) -> dict:
-    """``tree`` without the entries the checkpoint does not hold (torch versions add scheduler keys, a CPU run saved
-    no CUDA RNG, a run on more ranks than saved has no RNG state for the new ranks), in DCP's own flat layout."""
+def _load_template(tree: dict, stored: Mapping) -> tuple[dict, dict]:
+    """``tree`` made a template for ``dcp.load`` from a checkpoint whose entries are ``stored`` (its metadata's
+    ``state_dict_metadata``: flat DCP key -> storage metadata), in DCP's own flat layout, and the entries whose kind
+    it changed.
+
+    Entries the checkpoint does not hold are left out (torch versions add scheduler keys, a CPU run saved no CUDA
+    RNG, a run on more ranks than saved has no RNG state for the new ranks). Each other entry takes the kind the
+    checkpoint stored it as, where this run's differs: DCP reads a tensor only into a tensor ("expected
+    BytesStorageMetadata but found TensorStorageMetadata" otherwise) and a pickled value only as one. The kind of
+    a value is the writer's choice, not the state's: torchao's AdamW8bit keeps ``lr`` and ``initial_lr`` in its
+    param_groups as 0-d tensors, torch's AdamW as floats, so a checkpoint of one optimizer holds the other kind.
+    A stored tensor is read into an empty tensor of its saved size and dtype, a stored pickle into ``None``.
+
+    Returns ``(template, changed)``: ``changed`` maps the flat key of each entry whose kind was changed to its path
+    in ``template`` and this run's value, for :func:`_restore_kinds`.
+    """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     flat, paths = flatten_state_dict(tree)
-    kept = {k: v for k, v in flat.items() if k in stored}
-    return unflatten_state_dict(kept, {k: paths[k] for k in kept})
+    kept, changed = {}, {}
+    for key, value in flat.items():
+        if key not in stored:
+            continue
+        md = stored[key]
+        if isinstance(md, TensorStorageMetadata) and not isinstance(value, torch.Tensor):
+            kept[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        elif isinstance(md, BytesStorageMetadata) and isinstance(value, torch.Tensor):
+            kept[key] = None
+        else:
+            kept[key] = value
+            continue
+        changed[key] = (paths[key], value)
+    return unflatten_state_dict(kept, {k: paths[k] for k in kept}), changed
+
+
+def _restore_kinds(loaded: dict, changed: Mapping) -> None:
+    """Put each entry of ``loaded`` that :func:`_load_template` read in the checkpoint's kind back in this run's
+    (``changed``: flat key -> (path, this run's value)), in place: a loaded one-value tensor becomes a number of this
+    run's type, a loaded number a tensor of this run's dtype, device and shape. Anything else stays as loaded."""
+    from torch.distributed.checkpoint._traverse import get_element, set_element
+
+    for path, live in changed.values():
+        set_element(loaded, path, _of_kind(get_element(loaded, path), live))
+
+
+def _of_kind(value: Any, like: Any) -> Any:
+    """``value`` in the kind (tensor or number) of ``like`` where one converts into the other without loss of
+    meaning, else ``value``."""
+    if isinstance(like, torch.Tensor):
+        if isinstance(value, (bool, int, float)) and like.numel() == 1:
+            return torch.full_like(like, value)
+        return value
+    if isinstance(like, (bool, int, float)) and isinstance(value, torch.Tensor) and value.numel() == 1:
+        number = value.item()  # read into _load_template's plain tensor, never a DTensor
+        return type(like)(number) if type(like)(number) == number else number
+    return value
 
 
 def _has(stored: set, name: str) -> bool:
@@ -359,8 +408,9 @@ class CheckpointManager:
         format_1 = not _has(stored, "checkpoint.format_version")
         if format_1:
             targets = _as_format_1(targets, rank_key)
-        loadable = _keep_stored(targets, stored)
+        loadable, changed = _load_template(targets, md.state_dict_metadata)
         load_dcp(loadable, ckpt)
+        _restore_kinds(loadable, changed)
         if format_1:
             loadable = _from_format_1(loadable, rank_key, self.components)
         for name, obj in self.components.items():

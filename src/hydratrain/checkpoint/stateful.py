@@ -10,7 +10,8 @@
   Quantised moments (``optim=adamw8bit``: torchao's ``OptimState8bit``, which DCP cannot write) are saved
   dequantised to float32 and quantised again on load, so a checkpoint of either optimizer loads into the other, on
   any strategy and world size, and an 8-bit run resumes exactly (re-quantising dequantised codes gives the same
-  codes).
+  codes). torchao keeps ``lr``/``initial_lr`` as 0-d tensors where torch's AdamW has floats; the checkpoint manager
+  reads each entry in the kind it was stored in and hands it over in this run's kind (``manager._load_template``).
 - :class:`SchedulerState`: keeps the saved step count; the schedule and peak lr come from this run's config.
 - :class:`RNGState`: this process's torch (CPU and CUDA), numpy and python RNG states.
 """
