@@ -92,6 +92,7 @@ def _moments(job) -> dict[str, tuple[float, torch.Tensor]]:
                            else s["exp_avg"].clone()) for p, s in job.trainer.optimizer.state.items()}
 
 
+@pytest.mark.slow  # 9 s; tests/e2e/test_adamw8bit_runs.py covers adamw8bit -> adamw on 2 ranks as well
 def test_a_checkpoint_resumes_under_the_other_optimizer_both_ways(make_job, tmp_path):
     """torchao's AdamW8bit keeps lr and initial_lr in its param_groups as 0-d tensors, so its checkpoints store them
     as tensors where torch's AdamW stores floats; DCP refused to read a stored tensor into a float ("Invalid checkpoint
