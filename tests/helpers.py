@@ -205,6 +205,48 @@ def tb_all(run_dir: Path) -> dict[str, dict[int, float]]:
     return out
 
 
+def tb_as_loaded(run_dir: Path) -> dict[str, list[tuple[int, Optional[float]]]]:
+    """``{tag: [(step, value), ...]}`` of ``<run_dir>/tensorboard`` as the TensorBoard server loads it (its
+    ``plugin_event_accumulator.EventAccumulator``: all points kept, stale events purged by ``SessionLog.START`` in
+    every tag; the legacy ``event_accumulator`` purges scalars alike but never text or hparams tensors): scalars with
+    their value, other summaries (text, the hparams session) with None. Unlike :func:`tb_all`, a step logged twice
+    shows twice."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["tensors"]:
+        scalar = acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars"
+        out[tag] = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto)) if scalar else None)
+                    for e in acc.Tensors(tag)]
+    return out
+
+
+def assert_tb_clean(run_dir: Path) -> dict[str, list[tuple[int, Optional[float]]]]:
+    """Every tag of ``<run_dir>/tensorboard`` has strictly increasing steps (no step twice, none going back) and every
+    scalar is finite, as the TensorBoard server loads the dir (:func:`tb_as_loaded`) and, for scalars, as the legacy
+    ``event_accumulator.EventAccumulator`` does. Returns :func:`tb_as_loaded`'s points."""
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    points = tb_as_loaded(run_dir)
+    assert points, f"no TensorBoard events in {run_dir}"
+    legacy = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"scalars": 0})
+    legacy.Reload()
+    scalars = {f"{tag} (legacy reader)": [(e.step, e.value) for e in legacy.Scalars(tag)]
+               for tag in legacy.Tags()["scalars"]}
+    for tag, pts in {**points, **scalars}.items():
+        steps = [s for s, _ in pts]
+        assert all(a < b for a, b in zip(steps, steps[1:])), f"{tag}: steps {steps}"
+    bad = {t: pts for t, pts in {**points, **scalars}.items()
+           if not all(v is None or math.isfinite(v) for _, v in pts)}
+    assert not bad, f"non-finite scalars: {bad}"
+    return points
+
+
 def tb_scalars(run_dir: Path, tag: str = "train/loss") -> dict[int, float]:
     """``{step: value}`` of ``tag`` (see :func:`tb_all`)."""
     return tb_all(run_dir).get(tag, {})

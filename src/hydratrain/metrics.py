@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Union
+from typing import Callable, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -399,10 +399,16 @@ class TensorBoardLogger:
 
     The ``SummaryWriter`` (and the tensorboard import, ~0.1 s) is made at the first write, after the first optimizer
     step, so it is not on the path to it.
+
+    Earlier launches into the same run dir left their event files in ``log_dir``; TensorBoard reads them all as one
+    run, in file order. Where this launch logs steps they already cover, :meth:`purge_from` has TensorBoard drop
+    theirs, so no step shows twice.
     """
 
     def __init__(self, log_dir: Path, enabled: bool):
         self.log_dir, self.enabled, self._writer = log_dir, enabled, None
+        self._purge_step: Optional[int] = None  # written first into this launch's event file (purge_from)
+        self._carried: dict[str, float] = {}  # earlier scalars at _purge_step logged again after the purge
 
     @property
     def writer(self):
@@ -410,20 +416,67 @@ class TensorBoardLogger:
         if self._writer is None and self.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.log_dir))
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self._purge_step)
+            carried, self._carried = self._carried, {}
+            for tag, value in carried.items():
+                self._writer.add_scalar(tag, value, self._purge_step)
         return self._writer
+
+    def has_earlier_events(self) -> bool:
+        """Whether ``log_dir`` holds event files of earlier launches (ask before this logger's first write)."""
+        return self.enabled and self._writer is None and any(Path(self.log_dir).glob("events.out.tfevents.*"))
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         if self.writer:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
 
-    def purge_after(self, step: int) -> None:
-        """Mark the events of steps after ``step`` stale (TensorBoard drops them when it loads the run)."""
-        if self.writer:
-            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    def purge_from(self, step: int, keep: Optional[Callable[[str], bool]] = None) -> None:
+        """Have TensorBoard drop every event of earlier launches at ``step`` and after, whatever its tag: a
+        ``SessionLog.START`` event at ``step``, as ``SummaryWriter(purge_step=step)`` writes, first in this launch's
+        event file (made at its first write: a launch that logs nothing drops nothing). ``keep``: the tags whose
+        earlier point at exactly ``step`` (as TensorBoard loads ``log_dir`` now) is logged again right after it, so
+        it survives (reads the earlier events, once).
 
-            self.writer.file_writer.add_event(Event(step=step + 1, session_log=SessionLog(status=SessionLog.START)))
+        TensorBoard's readers: ``event_accumulator`` and the server's ``plugin_event_accumulator`` purge at a START
+        (the latter at every START but a run's first, the start of its first session; its scalars, text and hparams
+        alike, the former scalars only); the Rust data server drops, per tag, the points at and after each step
+        that comes again, whatever the START events."""
+        if not self.enabled:
+            return
+        carried = self._points_at(step, keep) if keep is not None else {}
+        if self._writer is None:
+            self._purge_step, self._carried = step, carried
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        self._writer.file_writer.add_event(Event(step=step, session_log=SessionLog(status=SessionLog.START)))
+        self.scalars(carried, step)
+
+    def _points_at(self, step: int, keep: Callable[[str], bool]) -> dict[str, float]:
+        """``{tag: value}`` of the scalars of tags ``keep`` accepts at ``step`` in ``log_dir``, as TensorBoard loads
+        it (earlier purges applied)."""
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        quiet = logging.getLogger("tensorboard")
+        level = quiet.level
+        quiet.setLevel(max(level, logging.WARNING))  # not a line per event file read
+        try:
+            acc = EventAccumulator(str(self.log_dir), size_guidance={"scalars": 0})
+            acc.Reload()
+        except Exception as e:  # unreadable events lose a point, not the run
+            log.warning("could not read the TensorBoard events in %s (%s): their scalars of step %d are dropped",
+                        self.log_dir, e, step)
+            return {}
+        finally:
+            quiet.setLevel(level)
+        out = {}
+        for tag in acc.Tags()["scalars"]:
+            if keep(tag):
+                at = [e.value for e in acc.Scalars(tag) if e.step == step]
+                if at:
+                    out[tag] = at[-1]
+        return out
 
     def text(self, tag: str, text: str, step: int) -> None:
         if self.writer:
@@ -439,6 +492,10 @@ class TensorBoardLogger:
         TensorBoard's own session summary (``tensorboard.plugins.hparams.summary_v2.hparams_pb``). No experiment
         summary is written: TensorBoard's hparams plugin then types each column from every run's values (mixed types
         read as strings) instead of taking one arbitrary run's column list and types for the whole table.
+
+        The session and the metrics are logged at ``step`` (the run's last), so a later launch that logs that step
+        again (:meth:`purge_from`) replaces them instead of adding a second session. A non-finite metric (MFU of a
+        GPU with no known peak) is left out: no cell rather than NaN.
         """
         if not self.writer:
             return
@@ -446,8 +503,8 @@ class TensorBoardLogger:
 
         typed = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in hparams.items()
                  if v is not None}
-        self.writer.file_writer.add_summary(hparams_pb(typed, start_time_secs=time.time()))
-        self.scalars({f"hparam/{k}": v for k, v in metrics.items()}, step)
+        self.writer.file_writer.add_summary(hparams_pb(typed, start_time_secs=time.time()), step)
+        self.scalars({f"hparam/{k}": v for k, v in metrics.items() if v is not None and math.isfinite(v)}, step)
 
     def flush(self) -> None:
         if self._writer:

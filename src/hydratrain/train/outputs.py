@@ -128,31 +128,59 @@ def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, a
     return "token ids: " + " ".join(map(str, ids))
 
 
-def write_results(run_dir: Path, result, hparams: dict) -> Path:
-    """``<run_dir>/results.json``: the FitResult fields and the hparams (non-finite figures as null), atomically.
+def results_payload(result, hparams: dict, previous: Optional[Path] = None) -> tuple[dict, list[str]]:
+    """(what ``results.json`` holds: the FitResult fields and the hparams, non-finite figures as null; the keys taken
+    from ``previous``).
 
-    A launch that trained no step (relaunched after the run had finished, e.g. a requeue) keeps the training figures
-    of the results.json already there (train loss, tokens/s, MFU, ...) where it has none of its own, so nothing
-    measured before is lost."""
+    A launch that trained no step (relaunched after the run had finished, e.g. a requeue) keeps the figures of the
+    ``previous`` results.json (train loss, tokens/s, MFU, ...) where it has none of its own, and the larger peak
+    memory, so nothing measured before is lost and no NaN takes its place."""
     payload = {**result.__dict__, "hparams": hparams}
     payload = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in payload.items()}
-    previous = run_dir / "results.json"
-    if getattr(result, "steps_this_launch", 1) == 0 and previous.exists():
+    carried: list[str] = []
+    if getattr(result, "steps_this_launch", 1) == 0 and previous is not None and previous.exists():
         try:
             before = json.loads(previous.read_text())
         except (OSError, ValueError):
             before = {}
-        payload = {**payload, **{k: v for k, v in before.items() if payload.get(k) is None and v is not None}}
+        carried = [k for k, v in before.items() if k in payload and payload[k] is None and v is not None]
+        payload.update({k: before[k] for k in carried})
+        if isinstance(before.get("peak_memory_bytes"), int):
+            payload["peak_memory_bytes"] = max(payload["peak_memory_bytes"], before["peak_memory_bytes"])
+    return payload, carried
+
+
+def write_results(run_dir: Path, payload: dict) -> Path:
+    """``<run_dir>/results.json`` holding ``payload`` (:func:`results_payload`), atomically."""
     tmp = run_dir / f".results.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(payload, indent=1, default=str, allow_nan=False))
     os.replace(tmp, run_dir / "results.json")
     return run_dir / "results.json"
 
 
+def done_line(payload: dict, carried: list[str]) -> str:
+    """The run's last log line, from :func:`results_payload`'s figures; a figure the run has not (null) is left out."""
+    p = payload
+    line = f"done: step {p['steps']} ({p['steps_this_launch']} steps in this launch, {p['seconds']:.1f} s)"
+    parts = []
+    if p.get("train_loss") is not None:
+        parts.append(f"train loss {p['train_loss']:.4f}"
+                     + (f" (step 1: {p['first_loss']:.4f})" if p.get("first_loss") is not None else ""))
+    for key, fmt in (("eval_loss", "eval loss {:.4f}"), ("eval_perplexity", "perplexity {:.2f}"),
+                     ("tokens_per_sec", "{:.0f} tokens/s"), ("mfu", "mfu {:.2%}")):
+        if p.get(key) is not None:
+            parts.append(fmt.format(p[key]))
+    parts.append(f"peak memory {p['peak_memory_bytes'] / 1e6:.1f} MB, skipped steps {p['skipped_steps']}")
+    line += "; " + ", ".join(parts)
+    if carried:
+        line += f" ({', '.join(carried)} from results.json: no step trained in this launch)"
+    return line
+
+
 def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, tb,
                   tokenizer=None) -> None:
     """Weights (with the tokenizer next to them), sample, hparams row and results.json of a finished run (every rank
-    calls), then close ``tb``."""
+    calls), then close ``tb``. The hparams metrics are the figures results.json gets (:func:`results_payload`)."""
     if cfg.trainer.save_weights:
         path = save_weights(model, run_dir / "model.safetensors", info.is_main,
                             {"model_config": model_config_json(raw)})
@@ -165,15 +193,11 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
         log.info("sample:\n%s", text)
         tb.text("sample", text, result.steps)
     hparams = hparams_of(cfg, info.world_size, precision.name)
-    metrics = {"train_loss": result.train_loss, "eval_loss": result.eval_loss,
-               "eval_perplexity": result.eval_perplexity, "tokens_per_sec": result.tokens_per_sec, "mfu": result.mfu,
-               "peak_memory_bytes": float(result.peak_memory_bytes)}
+    payload, carried = results_payload(result, hparams, run_dir / "results.json" if info.is_main else None)
+    metrics = {k: payload[k] for k in ("train_loss", "eval_loss", "eval_perplexity", "tokens_per_sec", "mfu")}
+    metrics["peak_memory_bytes"] = float(payload["peak_memory_bytes"])
     tb.hparams(hparams, metrics, result.steps)
     tb.close()
     if info.is_main:
-        write_results(run_dir, result, hparams)
-    log.info("done: step %d (%d steps in this launch, %.1f s); train loss %.4f (step 1: %.4f), eval loss %.4f, "
-             "perplexity %.2f, %.0f tokens/s, mfu %.2f%%, peak memory %.1f MB, skipped steps %d", result.steps,
-             result.steps_this_launch, result.seconds, result.train_loss, result.first_loss, result.eval_loss,
-             result.eval_perplexity, result.tokens_per_sec, 100 * result.mfu, result.peak_memory_bytes / 1e6,
-             result.skipped_steps)
+        write_results(run_dir, payload)
+    log.info(done_line(payload, carried))

@@ -9,7 +9,8 @@ Each logged scalar means exactly this (README, "Logged metrics"):
 - ``train/lr``: the learning rate the optimizer update of that step used.
 - ``train/grad_norm``: that step's global L2 gradient norm before clipping (all ranks and shards).
 - ``perf/tokens_per_sec``: tokens of all ranks over the wall time of the window's steps, eval and checkpoint time
-  excluded (:meth:`StepLogger.paused`); ``perf/mfu``: the same as a fraction of the peak (``hydratrain.metrics``).
+  excluded (:meth:`StepLogger.paused`); ``perf/mfu``: the same as a fraction of the peak (``hydratrain.metrics``;
+  not logged when the peak is not known).
 - ``perf/data_wait``: the share of that time rank 0 spent waiting for its next micro-batch (the loader works one
   batch ahead, so this stays near 0).
 - ``mem/peak``: this rank's peak memory so far in bytes (``hydratrain.metrics.peak_memory_bytes``).
@@ -34,6 +35,8 @@ from hydratrain.dist.collectives import all_reduce_mean
 from hydratrain.metrics import TensorBoardLogger, peak_memory_bytes
 
 log = logging.getLogger("hydratrain.trainer")
+
+LINE_TAGS = ("train/", "perf/", "mem/")  # prefixes of the scalars a log line writes (:meth:`StepLogger.log`)
 
 
 class StepLogger:
@@ -82,14 +85,41 @@ class StepLogger:
 
     # ---------------------------------------------------------------------------------------------- timing
     def start(self, step: int) -> None:
-        """Training starts (or resumes) after ``step``: the bar starts there, the clock starts now. On a resume,
-        TensorBoard is told to drop what earlier launches logged after ``step`` (they are logged again now): a
-        ``SessionLog.START`` event at ``step + 1``, as ``SummaryWriter(purge_step=...)`` writes."""
+        """Training starts (or resumes) after ``step``: the bar starts there, the clock starts now.
+
+        This launch's TensorBoard events begin with a ``SessionLog.START`` (:meth:`TensorBoardLogger.purge_from`, as
+        ``SummaryWriter(purge_step=...)`` writes) at the first step it logs, so TensorBoard drops what earlier
+        launches into this run dir logged at the steps logged again now, and no step shows twice or goes back:
+
+        - a resume: after ``step``;
+        - a fresh start (``step`` 0: no checkpoint yet, or ``checkpoint.auto_resume=false``): everything; this
+          launch's curves replace theirs;
+        - nothing left to train (``step >= max_steps``, a finished run requeued): ``step`` and after, where this
+          launch writes its eval and end-of-run records again; the scalars of the log line of ``step``
+          (:data:`LINE_TAGS`) are logged again as the launch that trained it logged them.
+
+        The first launch writes one too: TensorBoard's server takes the first START of a run for the start of its
+        first session and purges only at later ones.
+        """
         if self._bar is not None:
             self._bar.reset(total=self.max_steps)
             self._bar.update(step)
-        if step > 0:
-            self.tb.purge_after(step)
+        earlier = self.tb.has_earlier_events()
+        if step == 0:
+            self.tb.purge_from(0)
+            if earlier:
+                log.warning("%s holds TensorBoard events of an earlier launch; this one starts afresh at step 0, so "
+                            "TensorBoard drops them and shows this launch's curves instead", self.tb.log_dir)
+        elif step < self.max_steps:
+            self.tb.purge_from(step + 1)
+            if earlier:
+                log.info("TensorBoard drops what earlier launches logged in %s after step %d (logged again now)",
+                         self.tb.log_dir, step)
+        else:
+            self.tb.purge_from(step, keep=(lambda tag: tag.startswith(LINE_TAGS)) if earlier else None)
+            if earlier:
+                log.info("nothing to train: this launch's eval and end-of-run records of step %d replace the earlier "
+                         "ones in %s (the scalars of that step's log line are kept)", step, self.tb.log_dir)
         self._t0 = time.perf_counter()
 
     @contextlib.contextmanager
@@ -150,8 +180,11 @@ class StepLogger:
             mfu = tps * self.flops_per_token / self.peak if self.peak > 0 else math.nan
             wait = self._data_s / max(seconds, 1e-9)
             self.rates.append((tps, mfu, wait))
-            scalars.update({"perf/tokens_per_sec": tps, "perf/mfu": mfu, "perf/data_wait": wait})
-            msg += f" tokens/s {tps:,.0f}" + (f" mfu {mfu:.2%}" if math.isfinite(mfu) else "")
+            scalars.update({"perf/tokens_per_sec": tps, "perf/data_wait": wait})
+            msg += f" tokens/s {tps:,.0f}"
+            if math.isfinite(mfu):  # no peak FLOP/s known: no MFU, rather than NaN
+                scalars["perf/mfu"] = mfu
+                msg += f" mfu {mfu:.2%}"
         for key, value in (extra or {}).items():
             scalars[key] = value
             msg += f" {key.split('/')[-1]} {value:g}"
