@@ -136,3 +136,15 @@ def test_launches_in_the_same_second_get_their_own_default_run_dirs(tmp_path, mo
     assert launch("2026-12-01/06-00-00-1") == second  # a process a launcher started: the launcher's dir
     assert sorted(p.name for p in (tmp_path / "outputs" / "2026-12-01").iterdir()) == [
         "06-00-00", "06-00-00-1", "06-00-00-2"]
+
+
+def test_a_zombie_holder_is_not_running_and_a_lock_of_json_that_is_no_object_is_unreadable(tmp_path):
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while run_lock._pid_alive(zombie.pid) and time.monotonic() < deadline:  # exits; not reaped yet: a zombie
+        time.sleep(0.05)
+    assert not run_lock._pid_alive(zombie.pid) and run_lock._pid_alive(os.getpid())
+    zombie.wait()
+    (tmp_path / LOCK_NAME).write_text("[1, 2]")
+    os.utime(tmp_path / LOCK_NAME, (time.time() - 300, time.time() - 300))
+    RunDirLock(tmp_path).acquire().release()  # an unreadable lock untouched for 300 s: taken over, no traceback

@@ -67,7 +67,11 @@ def _check_resolves(cfg: DictConfig) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        OmegaConf.to_container(cfg, resolve=True)
+        for name in cfg:  # not Hydra's own node (its run dir resolver reserves a dir)
+            if name != "hydra":
+                node = cfg[name]
+                if OmegaConf.is_config(node):
+                    OmegaConf.to_container(node, resolve=True)
     except OmegaConfBaseException as err:
         key = str(getattr(err, "full_key", "") or "")
         raw: Any = OmegaConf.to_container(cfg, resolve=False)

@@ -55,13 +55,17 @@ def launch_identity() -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host; a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
         return True
-    return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux)
+        return True
 
 
 def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int], bool] = _pid_alive) -> Optional[str]:
@@ -125,6 +129,7 @@ class RunDirLock:
             return
         try:
             holder = json.loads(text)
+            holder = holder if isinstance(holder, dict) else {}
         except ValueError:
             holder = {}
             if age < 5:  # a holder that has just created it and not written it yet
@@ -184,7 +189,7 @@ def held_by_another(run_dir: Path) -> bool:
         holder = json.loads(text)
     except ValueError:
         return age < 5
-    return left_behind(holder, lock.me, age) is None
+    return left_behind(holder if isinstance(holder, dict) else {}, lock.me, age) is None
 
 
 _HOLDS = 0  # run dirs this process has held (a sweep inside each rank holds one per job, in the same order)
