@@ -98,6 +98,7 @@ def test_submitit_gpu_task_mismatch_fails_before_submitting(cli, tmp_path):
     assert not (tmp_path / "s" / ".submitit").exists()
 
 
+@pytest.mark.slow  # several in-process runs; keeps the default suite near 4 minutes
 def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_other_ones(cli, tmp_path):
     """Job N of a sweep auto-resumes from its run dir (a preempted sweep, relaunched; here with a longer run). A
     sweep with other values in the same hydra.sweep.dir used to resume job N of the old sweep, find nothing to train

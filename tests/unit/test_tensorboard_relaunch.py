@@ -18,6 +18,7 @@ def _steps(points, tag):
     return [s for s, _ in points[tag]]
 
 
+@pytest.mark.slow  # several in-process runs; keeps the default suite near 4 minutes
 def test_a_fresh_start_over_earlier_events_replaces_their_curves(cli, tmp_path, monkeypatch):
     """The first launch dies after step 4 (its eval at 3 logged), before its first checkpoint (5): the relaunch starts
     afresh, and its curves replace the dead launch's from step 0 on instead of going back to step 1 beside them.
