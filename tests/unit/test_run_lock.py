@@ -148,3 +148,18 @@ def test_a_zombie_holder_is_not_running_and_a_lock_of_json_that_is_no_object_is_
     (tmp_path / LOCK_NAME).write_text("[1, 2]")
     os.utime(tmp_path / LOCK_NAME, (time.time() - 300, time.time() - 300))
     RunDirLock(tmp_path).acquire().release()  # an unreadable lock untouched for 300 s: taken over, no traceback
+
+
+def test_a_rank_that_ends_itself_for_a_failed_peer_leaves_no_lock(tmp_path, monkeypatch):
+    """The failure watch ends its rank with os._exit (no finally runs): the lock goes first, so the next launch
+    needs no take-over (and, from another host, no 120 s wait)."""
+    from hydratrain.dist import process_group
+
+    lock = RunDirLock(tmp_path).acquire()
+    exits = []
+    monkeypatch.setattr(process_group.os, "_exit", exits.append)
+    process_group.FailureWatch._die(SimpleNamespace(rank=0), "rank 1 stopped responding")
+    assert exits == [process_group.EXIT_PEER_FAILED]
+    assert not (tmp_path / LOCK_NAME).exists()
+    assert not run_lock._HELD
+    lock.release()  # idempotent

@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Iterator, Optional
 
 from hydratrain.dist.env import DistInfo, dist_info
+from hydratrain.dist.run_lock import RunDirLock
 from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
 
 log = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ class FailureWatch:
 
     def _stopped(self) -> None:
         if self._exit_bound is not None and not self._torn_down.wait(self._exit_bound[0]):
+            RunDirLock.release_held()
             os._exit(self._exit_bound[1])
 
     def _run(self) -> None:
@@ -265,6 +267,7 @@ class FailureWatch:
             with contextlib.suppress(Exception):
                 handler.flush()
         sys.stderr.flush()
+        RunDirLock.release_held()  # os._exit runs no finally: the next launch should not find this job's lock
         os._exit(EXIT_PEER_FAILED)
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 log = logging.getLogger(__name__)
+_HELD: list = []  # the RunDirLocks this process holds now
 
 LOCK_NAME = "hydratrain.lock"
 HEARTBEAT_S = 10.0  # the holder touches the lock this often (seconds)
@@ -106,6 +107,13 @@ class RunDirLock:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
+    @staticmethod
+    def release_held() -> None:
+        """Release every lock this process holds: for a path that ends it with ``os._exit`` (a rank that saw a
+        peer fail), where no ``finally`` runs."""
+        for lock in list(_HELD):
+            lock.release()
+
     def acquire(self) -> "RunDirLock":
         """Create the lock (atomically: ``O_CREAT | O_EXCL``), taking over one :func:`left_behind`, and start the
         heartbeat thread. Raises :class:`RunDirBusy` when a live job holds it, OSError when the run dir is not
@@ -119,6 +127,7 @@ class RunDirLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(self.me, f)
+            _HELD.append(self)
             self._start_heartbeat()
             return self
         raise RunDirBusy(f"{self.path} changed hands 5 times while this job tried to take it")
@@ -169,6 +178,8 @@ class RunDirLock:
     def release(self) -> None:
         """Stop the heartbeat and remove the lock if it is still this job's (idempotent)."""
         self._stop.set()
+        if self in _HELD:
+            _HELD.remove(self)
         text, _ = self._read()
         if text is not None:
             try:
