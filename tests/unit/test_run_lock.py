@@ -163,3 +163,23 @@ def test_a_rank_that_ends_itself_for_a_failed_peer_leaves_no_lock(tmp_path, monk
     assert not (tmp_path / LOCK_NAME).exists()
     assert not run_lock._HELD
     lock.release()  # idempotent
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_run_dir_that_cannot_be_created_is_one_config_line(cli, tmp_path, multirun):
+    """paths.output_dir under a file (or read-only, or missing on a node): exit status 2 with one line naming the
+    key and the dir, not the resolver's traceback."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    run = cli([*(["-m"] if multirun else []), f"paths.output_dir={blocker}", "trainer.max_steps=1"])
+    assert run.returncode == 2, run.output
+    line = f"hydratrain: config error: paths.output_dir='{blocker}': cannot create the run dir {blocker}/"
+    assert line in run.err and "Not a directory" in run.err, run.err
+    assert "Traceback" not in run.output and len(run.err.strip().splitlines()) == 1, run.err
+
+
+def test_printing_the_resolved_config_reserves_no_run_dir(cli, tmp_path):
+    run = cli(["--cfg", "all", "--resolve", f"paths.output_dir={tmp_path}"])
+    assert run.returncode == 0, run.output
+    assert f"dir: {tmp_path}/outputs/" in run.out and f"dir: {tmp_path}/multirun/" in run.out
+    assert list(tmp_path.iterdir()) == []

@@ -11,11 +11,15 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional, Union
 
 from hydratrain.dist.env import env_rank
+from hydratrain.errors import EXIT_CONFIG, ConfigError
+
+_FAILED = "\0failed"  # rank 0's answer in the store when it could not create the run dir
 
 STAMP_ENV = "HYDRATRAIN_STAMP"  # a launcher's stamp, inherited by the processes it starts
 _STAMP: Optional[str] = None
@@ -76,7 +80,7 @@ def unique_dir(base: str, kind: str) -> str:
     if key not in _UNIQUE_DIRS:
         from hydratrain.paths import join
 
-        if _INHERITED:
+        if _INHERITED or _only_prints():
             chosen = stamp
         elif dist_world_size() > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
             from hydratrain.dist.process_group import base_store
@@ -84,18 +88,33 @@ def unique_dir(base: str, kind: str) -> str:
             store = base_store()
             store_key = f"hydratrain/unique_dir/{_launch_key()}/{kind}"
             if env_rank() == 0 and not store.check([store_key]):
-                store.set(store_key, _reserve(join(base, kind), stamp))
+                try:
+                    store.set(store_key, _reserve(base, join(base, kind), stamp))
+                except SystemExit:
+                    store.set(store_key, _FAILED)  # the other ranks leave too, without a second message
+                    raise
             chosen = store.get(store_key).decode()
+            if chosen == _FAILED:
+                raise SystemExit(EXIT_CONFIG)
         else:
-            chosen = _reserve(join(base, kind), stamp)
+            chosen = _reserve(base, join(base, kind), stamp)
         _STAMP = chosen
         os.environ[STAMP_ENV] = chosen
         _UNIQUE_DIRS[key] = _UNIQUE_DIRS[(base, kind, chosen)] = join(base, f"{kind}/{chosen}")
     return _UNIQUE_DIRS[key]
 
 
-def _reserve(parent: str, stamp: str) -> str:
-    """The first of ``stamp``, ``stamp-1``, ``stamp-2``, ... whose dir under ``parent`` this call creates."""
+def _only_prints() -> bool:
+    """Whether Hydra's command line asks to print (``--cfg all --resolve``, ``--info``, ``--help``), not to run:
+    then no run dir is reserved (created)."""
+    return any(a in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") or a.startswith(("--cfg=", "--info="))
+               for a in sys.argv[1:])
+
+
+def _reserve(base: str, parent: str, stamp: str) -> str:
+    """The first of ``stamp``, ``stamp-1``, ``stamp-2``, ... whose dir under ``parent`` this call creates. When it
+    cannot create one (a read-only or missing ``base``, ``paths.output_dir``), prints the one-line config error and
+    raises SystemExit(2)."""
     for n in range(10_000):
         candidate = stamp if n == 0 else f"{stamp}-{n}"
         try:
@@ -103,6 +122,12 @@ def _reserve(parent: str, stamp: str) -> str:
             return candidate
         except FileExistsError:
             continue
+        except OSError as err:  # SystemExit, not an exception: OmegaConf would wrap one into a traceback
+            problem = ConfigError("paths.output_dir", base,
+                                  f"cannot create the run dir {os.path.join(parent, candidate)}: {err.strerror}; "
+                                  "give a writable paths.output_dir (or hydra.run.dir / hydra.sweep.dir)")
+            print(f"hydratrain: {problem.label}: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_CONFIG) from None
     raise FileExistsError(f"{parent}/{stamp}-N: 10000 dirs of this second exist")
 
 
