@@ -89,7 +89,7 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
             entries[script] = _entry_point(script)
         flags, rest, it = [], [], iter(args)
         for a in it:  # Hydra's flags (-m, --cfg job, --info plugins) first, as its argparse wants
-            if a in ("-m", "--multirun"):
+            if a in ("-m", "--multirun", "--resolve"):
                 flags.append(a)
             elif a in _FLAGS_WITH_VALUE:
                 flags += [a, next(it)]
