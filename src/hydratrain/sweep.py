@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -24,13 +25,33 @@ COLUMNS = ["job", "overrides", "status", "steps", "train_loss", "eval_loss", "to
            "mfu", "seconds", "error"]
 
 
+MULTIRUN_MARK = ".hydratrain_multirun.json"  # in the sweep dir: the multirun that writes it now ({"id", "started"})
+
+
+def mark_multirun(sweep_dir: Path) -> str:
+    """Record in ``sweep_dir`` that a new multirun starts there (at its start, once, in the launching process);
+    returns its id. The report then lists this multirun's jobs only: a re-run into an existing sweep dir with fewer
+    or other jobs does not report (or fail on) the jobs of an earlier one."""
+    import uuid
+
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    mark = {"id": uuid.uuid4().hex, "started": time.time()}
+    tmp = sweep_dir / f"{MULTIRUN_MARK}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(mark))
+    os.replace(tmp, sweep_dir / MULTIRUN_MARK)
+    return mark["id"]
+
+
 def write_job_status(job_dir: Path, num: int, overrides: List[str], status: str, error: str = "",
-                     seconds: float = math.nan) -> None:
-    """Write ``<job_dir>/status.json``: job number, overrides, ``COMPLETED``/``FAILED``, a one-line error and the
-    job's seconds (NaN or None: unknown, stored as null)."""
+                     seconds: float = math.nan, multirun: Optional[str] = None, results_current: bool = True) -> None:
+    """Write ``<job_dir>/status.json``: job number, overrides, ``COMPLETED``/``FAILED``, a one-line error, the
+    job's seconds (NaN or None: unknown, stored as null), the id of the multirun it belongs to (:func:`mark_multirun`)
+    and whether the dir's ``results.json`` is this job's (False: one left by an earlier job in this dir, which the
+    report does not show)."""
     if seconds is not None and not math.isfinite(seconds):
         seconds = None
-    payload = {"num": num, "overrides": list(overrides), "status": status, "error": error, "seconds": seconds}
+    payload = {"num": num, "overrides": list(overrides), "status": status, "error": error, "seconds": seconds,
+               "multirun": multirun, "results_current": results_current}
     tmp = job_dir / f".status.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(payload, indent=1))
     os.replace(tmp, job_dir / "status.json")
@@ -59,8 +80,13 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
     rows = []
     job_dirs = {p.parent for name in ("status.json", "results.json") for p in sweep_dir.rglob(name)}
     job_dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
+    mark = _read_json(sweep_dir / MULTIRUN_MARK)
     for job_dir in sorted(d for d in job_dirs if d != sweep_dir and ".submitit" not in d.parts):
         status, results = _read_json(job_dir / "status.json"), _read_json(job_dir / "results.json")
+        if mark and not _of_multirun(job_dir, status, mark):
+            continue
+        if status and not status.get("results_current", True):
+            results = {}
         overrides = status.get("overrides") or _overrides_yaml(job_dir) or []
         if status.get("status"):
             state = status["status"]
@@ -84,6 +110,18 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
     for r in rows:
         del r["_num"]
     return rows
+
+
+def _of_multirun(job_dir: Path, status: dict, mark: dict) -> bool:
+    """Whether ``job_dir`` is a job of the multirun ``mark``: its status says so, or (running, no status yet of this
+    multirun) Hydra wrote its ``.hydra/overrides.yaml`` since that multirun started."""
+    if status.get("multirun") == mark.get("id"):
+        return True
+    try:
+        return (job_dir / ".hydra" / "overrides.yaml").stat().st_mtime >= mark.get("started", 0) and (
+            not status or (job_dir / "status.json").stat().st_mtime < mark.get("started", 0))
+    except OSError:
+        return False
 
 
 def _finite(value: Any) -> Any:
@@ -142,6 +180,11 @@ class SweepReportCallback(Callback):
                 validate_launcher(config.launcher)
             except ConfigError as err:
                 raise SystemExit(f"hydratrain: config error: {err}") from None
+        if _is_rank0() and ("launcher" not in config or config.launcher.get("node_rank", 0) == 0):
+            mark_multirun(Path(str(config.hydra.sweep.dir)))
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._job_started = time.time()
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -155,10 +198,18 @@ class SweepReportCallback(Callback):
         error = ""
         if job_return.status.name == "FAILED":
             error = f"{type(job_return._return_value).__name__}: {job_return._return_value}".splitlines()[0]
+        sweep_dir = Path(hc.sweep.dir)
         results = _read_json(job_dir / "results.json")
+        started = getattr(self, "_job_started", None)  # None: the launcher's process, for a job its workers failed
+        try:
+            current = bool(results) and (job_return.status.name == "COMPLETED" if started is None else
+                                         (job_dir / "results.json").stat().st_mtime >= started)
+        except OSError:
+            current = False
         write_job_status(job_dir, hc.job.num, list(hc.overrides.task), job_return.status.name, error,
-                         results.get("seconds", math.nan))
-        write_sweep_report(Path(hc.sweep.dir))
+                         results.get("seconds", math.nan) if current else math.nan,
+                         _read_json(sweep_dir / MULTIRUN_MARK).get("id"), current)
+        write_sweep_report(sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):

@@ -116,3 +116,9 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
     assert rows[0]["error"].startswith(f"ConfigError: hydra.sweep.dir='{sweep}': job 0's run dir {sweep}/0 holds "
                                        "a checkpoint of another trial (step_00000005; optim.lr: 0.001 -> 0.02)")
     assert "checkpoint.auto_resume=false" in rows[1]["error"]
+    assert [r["train_loss"] for r in rows] == ["", ""]  # not the old trial's figures under the new values
+    dropped = cli([*common[:-1], f"hydra.sweep.dir={tmp_path / 'n1'}", "trainer.max_steps=3", "model.n_layer=1"])
+    assert dropped.returncode == 0, dropped.output[-3000:]
+    again = cli([*common[:-1], f"hydra.sweep.dir={tmp_path / 'n1'}", "trainer.max_steps=3"])  # override dropped
+    assert "another trial (step_00000003; model.n_layer: 1 -> 2)" in report_rows(tmp_path / "n1")[0]["error"], \
+        again.output[-3000:]

@@ -501,22 +501,22 @@ TRIAL_NEUTRAL = ("checkpoint.", "logger.", "distributed.", "plan.", "launcher.",
 
 
 def other_trial(ckpt: Path, config: Mapping, overrides: Sequence[str]) -> list[str]:
-    """``key: old -> new`` for each of a job's command-line ``overrides`` (Hydra's ``hydra.overrides.task``; group
-    choices compare their whole subtree) whose value in ``config`` (the job's config as a plain container) differs
-    from the one ``ckpt`` was written with, leaving out :data:`TRIAL_NEUTRAL` keys. Empty when ``ckpt`` has no
-    readable ``config.yaml``."""
+    """``key: old -> new`` for each config leaf whose value in ``config`` (the job's config as a plain container)
+    differs from the one ``ckpt`` was written with, leaving out :data:`TRIAL_NEUTRAL` keys: an override dropped
+    since then counts as much as a changed one. A leaf that only one of the two configs has (a key another
+    hydratrain version added) counts only under one of the job's command-line ``overrides`` (Hydra's
+    ``hydra.overrides.task``; a group choice covers its whole subtree). Empty when ``ckpt`` has no readable
+    ``config.yaml``."""
     saved = CheckpointManager._saved_config(ckpt)
     if saved is None:
         return []
     old, new = _flat(saved), _flat(config)
-    keys = set()
-    for item in overrides:
-        key = str(item).partition("=")[0].lstrip("+")
-        if key and not key.startswith(("hydra.", "~")) and not key.startswith(TRIAL_NEUTRAL):
-            keys.add(key)
+    named = {str(item).partition("=")[0].lstrip("+~") for item in overrides}
     out = []
-    for key in sorted(keys):
-        leaves = sorted(k for k in set(old) | set(new) if k == key or k.startswith(key + "."))
-        out += [f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in leaves
-                if not k.startswith(TRIAL_NEUTRAL) and old.get(k, "<absent>") != new.get(k, "<absent>")]
+    for k in sorted(set(old) | set(new)):
+        if k.startswith(TRIAL_NEUTRAL) or old.get(k, "<absent>") == new.get(k, "<absent>"):
+            continue
+        if (k not in old or k not in new) and not any(k == n or k.startswith(n + ".") for n in named):
+            continue
+        out.append(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}")
     return out

@@ -1,0 +1,44 @@
+"""The sweep report (hydratrain.sweep) lists the jobs of the multirun that wrote it last, not those an earlier
+multirun left in the same sweep dir, and never shows a results.json that the job did not write."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from hydratrain.sweep import mark_multirun, sweep_rows, write_job_status
+
+
+def _job(sweep, num, lr, results=None, status=True, multirun=None, results_current=True, age_s=0.0):
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(f"- optim.lr={lr}\n")
+    if results is not None:
+        (job / "results.json").write_text(json.dumps({"steps": 2, "train_loss": results, "seconds": 1.0}))
+    if status:
+        write_job_status(job, num, [f"optim.lr={lr}"], "COMPLETED" if results_current else "FAILED",
+                         multirun=multirun, results_current=results_current)
+    for path in job.rglob("*"):
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return job
+
+
+def test_a_sweep_run_again_into_its_dir_reports_its_own_jobs_only(tmp_path):
+    for num, lr in enumerate((1e-3, 2e-3, 3e-3)):  # an earlier multirun of 3 jobs (written before marks existed)
+        _job(tmp_path, num, lr, results=5.0 + num, age_s=60)
+    assert [r["job"] for r in sweep_rows(tmp_path)] == ["0", "1", "2"]  # no mark: every job dir
+    run_id = mark_multirun(tmp_path)
+    for num in (0, 1):  # this multirun's 2 jobs rewrite dirs 0 and 1
+        shutil.rmtree(tmp_path / str(num))
+    _job(tmp_path, 0, 5e-3, results=4.0, multirun=run_id)
+    _job(tmp_path, 1, 6e-3, status=False)  # still running: Hydra wrote its overrides, no status yet
+    rows = sweep_rows(tmp_path)
+    assert [(r["job"], r["status"], r["train_loss"]) for r in rows] == [("0", "COMPLETED", 4.0), ("1", "RUNNING", "")]
+
+
+def test_a_failed_job_does_not_show_the_figures_an_earlier_job_left_in_its_dir(tmp_path):
+    run_id = mark_multirun(tmp_path)
+    _job(tmp_path, 0, 5e-3, results=4.0, multirun=run_id, results_current=False)
+    (row,) = sweep_rows(tmp_path)
+    assert (row["status"], row["steps"], row["train_loss"], row["seconds"]) == ("FAILED", "", "", "")
