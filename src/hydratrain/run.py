@@ -70,7 +70,10 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
         if _in_multirun():
             raise  # Hydra records the job as failed and the sweep goes on
-        time.sleep(getattr(err, "linger_s", 0.0))  # a PeerFailedError: the rank that failed first leaves first
+        # a PeerFailedError: the rank that failed first leaves first; a config error (alike on every rank): rank 0,
+        # which printed it, leaves first, so that torchrun reports it as the root cause (exit status 2)
+        shared = err.exit_status == EXIT_CONFIG and env is not None and env.rank != 0
+        time.sleep(getattr(err, "linger_s", 0.0) or (2.0 if shared else 0.0))
         raise SystemExit(err.exit_status) from None
     except Exception:
         log.exception("rank %d failed", env.rank if env else 0)

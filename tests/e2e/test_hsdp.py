@@ -4,6 +4,7 @@ shard_size that does not divide the world size."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -82,3 +83,6 @@ def test_shard_size_that_does_not_divide_the_world_size_is_a_config_error(tmp_pa
     assert lines == ["hydratrain: config error: strategy.shard_size=3: must divide the world size 2; allowed: 1, 2"], \
         r.output[-3000:]
     assert "process group:" not in r.output
+    # rank 0, which printed the line, exits first: torchrun names it as the root cause, with status 2
+    root = r.output.split("Root Cause", 1)[-1]
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: 2 ", root), r.output[-3000:]
