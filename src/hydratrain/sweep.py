@@ -159,6 +159,34 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
+def _hopeless(hc: Any, err: BaseException, rows: List[dict]) -> str:
+    """Why a search that goes on after failed trials (a sweeper with ``max_failure_rate`` > 0, such as the Optuna
+    preset, run in this process by Hydra's basic launcher) should stop now, after trial ``err`` failed; '' when it
+    should go on. It stops when no trial has completed and either the error is one that no sampled value
+    (``hydra.sweeper.params``) causes (a config or checkpoint error naming another key: every trial would fail
+    alike), or this was the last of ``n_trials`` (else Optuna ends in ``ValueError: No trials are completed yet``)."""
+    from hydratrain.errors import ConfigError, HydratrainError
+
+    sweeper = hc.get("sweeper") or {}
+    if not sweeper.get("max_failure_rate") or "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
+        return ""
+    if any(r["status"] == "COMPLETED" for r in rows):
+        return ""
+    sampled = [str(k) for k in (sweeper.get("params") or {})]
+    message = f"{getattr(err, 'label', type(err).__name__)}: {err}".splitlines()[0]
+    key = getattr(err, "key", None)
+    if isinstance(err, HydratrainError) and (
+            (isinstance(err, ConfigError) and not any(key == p or str(key).startswith(p + ".") or
+                                                      p.startswith(f"{key}.") for p in sampled))
+            or err.exit_status == 3):  # a checkpoint error: the checkpoint, not the trial's values
+        return (f"{message}; no sampled value ({', '.join(sampled) or 'none'}) causes it, so every trial would fail "
+                "alike")
+    n_trials = sweeper.get("n_trials")
+    if isinstance(n_trials, int) and hc.job.num >= n_trials - 1:
+        return f"all {len(rows)} trials failed; the last: {message}"
+    return ""
+
+
 def _is_rank0() -> bool:
     from hydratrain.dist.env import env_rank
 
@@ -210,6 +238,11 @@ class SweepReportCallback(Callback):
                          results.get("seconds", math.nan) if current else math.nan,
                          _read_json(sweep_dir / MULTIRUN_MARK).get("id"), current)
         write_sweep_report(sweep_dir)
+        if job_return.status.name == "FAILED":
+            why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir))
+            if why:
+                raise SystemExit(f"hydratrain: sweep stopped after job {hc.job.num}: {why} (see "
+                                 f"{sweep_dir / 'sweep_report.md'})")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):

@@ -67,6 +67,26 @@ def test_optuna_local_search_goes_on_past_failed_trials(cli, tmp_path, monkeypat
     check_optuna_search(r.returncode, r.output, sweep, 5, {3: "raise"}, ["ConfigError", "FloatingPointError"])
 
 
+@pytest.mark.slow  # three in-process trials and Optuna's import: about 10 s
+def test_optuna_search_that_cannot_succeed_stops_with_one_line(cli, tmp_path):
+    """An error no sampled value causes (a data path that matches no file) would fail every trial alike: the search
+    stops after the first. Trials that all fail for their sampled values (every lr diverges) end with one line, not
+    Optuna's `ValueError: No trials are completed yet` traceback."""
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    sweep = tmp_path / "bad_path"
+    r = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=3", f"data.paths=[{tmp_path}/nope.txt]",
+             "data=text_files", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 1 and [row["status"] for row in report_rows(sweep)] == ["FAILED"], r.output[-3000:]
+    assert (f"hydratrain: sweep stopped after job 0: config error: data.paths=['{tmp_path}/nope.txt']: "
+            in r.output) and "no sampled value (optim.lr, optim.weight_decay) causes it" in r.output
+    sweep = tmp_path / "diverging"
+    r = cli(["-m", "+hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "optim.lr=interval(1e4,1e5)",
+             "scheduler=constant", "scheduler.warmup_steps=0", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 1 and [row["status"] for row in report_rows(sweep)] == ["FAILED", "FAILED"]
+    assert "hydratrain: sweep stopped after job 1: all 2 trials failed; the last: diverged: " in r.output
+    assert "ValueError: No trials are completed yet" not in r.output, r.output[-3000:]
+
+
 # ------------------------------------------------------------------ launcher errors before any worker starts
 def test_port_that_cannot_be_had_is_a_clear_error_not_a_hang(cli, tmp_path):
     with socket.socket() as busy:
