@@ -53,7 +53,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
         check_environment(cfg, env.world_size, launch, env.local_world_size)
-        lock = hold_run_dir(run_dir, env, "hydra.sweep.dir" if _in_multirun() else "hydra.run.dir")
+        lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir))
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         if resume is not None and _in_multirun() and resume.parent == run_dir / "checkpoints":
             _refuse_another_trial(cfg, resume, run_dir)
@@ -130,6 +130,17 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
                           f"job {hydra_cfg.job.num}'s run dir {run_dir} holds a checkpoint of another trial "
                           f"({resume.name}; {', '.join(differs)}): sweep into a new hydra.sweep.dir, or add "
                           "checkpoint.auto_resume=false to start every trial over")
+
+
+def _run_dir_key(run_dir: Path) -> tuple:
+    """(config key, its value[, which dir below it]) that place ``run_dir``: ``hydra.run.dir``, or in a sweep
+    ``hydra.sweep.dir`` and the job's run dir."""
+    if not _in_multirun():
+        return "hydra.run.dir", str(run_dir)
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    return "hydra.sweep.dir", str(hc.sweep.dir), f"job {hc.job.num}'s run dir {run_dir}"
 
 
 def _in_multirun() -> bool:

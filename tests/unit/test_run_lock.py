@@ -183,3 +183,12 @@ def test_printing_the_resolved_config_reserves_no_run_dir(cli, tmp_path):
     assert run.returncode == 0, run.output
     assert f"dir: {tmp_path}/outputs/" in run.out and f"dir: {tmp_path}/multirun/" in run.out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_job_whose_run_dir_is_held_names_the_sweep_dir_and_the_job(cli, tmp_path):
+    (tmp_path / "0").mkdir()
+    _write_lock(tmp_path / "0")
+    run = cli(["-m", "trainer.max_steps=1", f"hydra.sweep.dir={tmp_path}"])
+    assert run.returncode != 0
+    assert (f"hydratrain: config error: hydra.sweep.dir='{tmp_path}': job 0's run dir {tmp_path}/0: in use by "
+            "another job") in run.err, run.output[-3000:]

@@ -206,14 +206,15 @@ def held_by_another(run_dir: Path) -> bool:
 _HOLDS = 0  # run dirs this process has held (a sweep inside each rank holds one per job, in the same order)
 
 
-def hold_run_dir(run_dir: Path, info, key: str) -> Optional[RunDirLock]:
+def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None,
+                 which: str = "") -> Optional[RunDirLock]:
     """Rank 0 takes ``run_dir``'s lock; through the launch's store every rank learns the outcome and checks that it
     resolved the same run dir as rank 0, so that all ranks raise the same error. Returns the lock on rank 0, None
     elsewhere. Call before any process group exists.
 
     Raises :class:`~hydratrain.errors.ConfigError` (``key``, the run dir's config key: ``hydra.run.dir`` or
-    ``hydra.sweep.dir``) on every rank when another live job holds the run dir, or when the ranks resolved different
-    run dirs (a per-process value such as ``${now:...}`` in ``hydra.run.dir``: each rank would write its own shards
+    ``hydra.sweep.dir``; ``value``, its value, default ``run_dir``; ``which``: the run dir below it, for a sweep's job) on every rank when
+    another live job holds the run dir, or when the ranks resolved different run dirs (a per-process value such as ``${now:...}`` in ``hydra.run.dir``: each rank would write its own shards
     into its own dir, and no checkpoint would be whole).
     """
     global _HOLDS
@@ -253,7 +254,7 @@ def hold_run_dir(run_dir: Path, info, key: str) -> Optional[RunDirLock]:
     if problem:
         if lock is not None:
             lock.release()
-        raise ConfigError(key, str(run_dir), problem)
+        raise ConfigError(key, value if value is not None else str(run_dir), f"{which}: {problem}" if which else problem)
     return lock
 
 
