@@ -124,13 +124,34 @@ def max_token_id(tokens: np.ndarray, sample: Optional[int] = SAMPLE_TOKENS) -> i
     return max(int(tokens[s:s + width].max()) for s in starts)
 
 
+def _headerless(tokens: np.ndarray) -> bool:
+    """Whether ``tokens`` (a memmap of :func:`open_token_bin`) has no llm.c header, which would give its dtype."""
+    return getattr(tokens, "offset", 0) == 0
+
+
 def check_token_ids(tokens: np.ndarray, vocab_size: int, key: str, path: Path,
                     sample: Optional[int] = SAMPLE_TOKENS) -> None:
     """Raise :class:`ConfigError` naming ``model.vocab_size`` and ``key`` when an id in ``tokens`` (a sample of
-    them, see :func:`max_token_id`) is not below ``vocab_size``."""
+    them, see :func:`max_token_id`) is not below ``vocab_size``; naming ``data.dtype`` instead when a headerless
+    file was read with the other width: uint32 ids too large that read as uint16 fit, or uint16 ids whose every
+    second one (the high halves of little-endian uint32 ids) is 0 or 1 while the others are not (a uint32 file read as
+    uint16 would otherwise train silently on ids interleaved with zeros)."""
+    if tokens.dtype.itemsize == 2 and _headerless(tokens) and len(tokens) >= 64:
+        head = np.asarray(tokens[:min(len(tokens), SAMPLE_TOKENS)])
+        head = head[:len(head) // 2 * 2]
+        if int(head[1::2].max()) <= 1 and np.count_nonzero(head[0::2] > 1) > head.size // 4:
+            raise ConfigError("data.dtype", "uint16", f"{key}={path} read as uint16 has every second id 0 or 1 (in "
+                              f"its first {head.size} tokens), the high halves of uint32 ids: it holds uint32 "
+                              "tokens; allowed: uint32")
     top = max_token_id(tokens, sample)
     if top >= vocab_size:
         where = "all" if sample is None or len(tokens) <= sample else f"a sample of {sample}"
+        if tokens.dtype.itemsize == 4 and _headerless(tokens):
+            as16 = np.asarray(tokens[:SAMPLE_TOKENS // 2]).view(np.dtype("<u2"))
+            if as16.size and int(as16.max()) < vocab_size:
+                raise ConfigError("data.dtype", "uint32", f"{key}={path} read as uint32 holds token id {top} (not "
+                                  f"below model.vocab_size={vocab_size}), but read as uint16 every id of its first "
+                                  f"{as16.size} is: it holds uint16 tokens; allowed: uint16 (or null)")
         raise ConfigError("model.vocab_size", vocab_size, f"{key}={path} holds token id {top} (in {where} of its "
                           f"{len(tokens)} tokens); allowed: model.vocab_size > {top}")
 

@@ -409,3 +409,18 @@ def test_undecodable_bytes_and_a_smaller_vocab_than_asked_are_each_one_warning(t
             f"is asked); the model's vocab is 5000 ({tok.path})"]
     cut = b"a\xe6\x97b\n\xff\n\xef\xbf\xbd\n\xf0\x9f\x98"  # cut 3- and 4-byte characters, a stray byte, a real U+FFFD
     assert undecodable(cut, cut.decode("utf-8", errors="replace")) == (6, 3)
+
+
+@pytest.mark.parametrize("stored, read", [("uint16", "uint32"), ("uint32", "uint16")])
+def test_a_token_file_read_with_the_other_dtype_names_data_dtype(tmp_path, stored, read):
+    """uint16 tokens read as uint32 used to blame model.vocab_size (and ask for a vocab above 65 million); uint32
+    tokens read as uint16 trained silently on ids interleaved with zeros."""
+    ids = np.random.default_rng(0).integers(2, 1000, 5000)
+    for split in ("train", "val"):
+        ids.astype(stored).tofile(tmp_path / f"{split}.bin")
+    cfg = data_cfg(name="token_bin", train_path="train.bin", val_path="val.bin", dtype=read)
+    with pytest.raises(ConfigError, match=rf"^data.dtype='{read}': data.train_path=.*train.bin read as {read} .*: it "
+                                          rf"holds {stored} tokens; allowed: {stored}"):
+        load_splits(cfg, 1000, tmp_path, progress=False)
+    cfg = data_cfg(name="token_bin", train_path="train.bin", val_path="val.bin", dtype=stored)
+    assert int(load_splits(cfg, 1000, tmp_path, progress=False)["train"][:5000].max()) == int(ids.max())
