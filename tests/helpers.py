@@ -205,8 +205,8 @@ def tb_all(run_dir: Path) -> dict[str, dict[int, float]]:
     return out
 
 
-def tb_as_loaded(run_dir: Path) -> dict[str, list[tuple[int, Optional[float]]]]:
-    """``{tag: [(step, value), ...]}`` of ``<run_dir>/tensorboard`` as the TensorBoard server loads it (its
+def tb_as_loaded(run_dir: Path, run: str = "tensorboard") -> dict[str, list[tuple[int, Optional[float]]]]:
+    """``{tag: [(step, value), ...]}`` of ``<run_dir>/<run>`` as the TensorBoard server loads it (its
     ``plugin_event_accumulator.EventAccumulator``: all points kept, stale events purged by ``SessionLog.START`` in
     every tag; the legacy ``event_accumulator`` purges scalars alike but never text or hparams tensors): scalars with
     their value, other summaries (text, the hparams session) with None. Unlike :func:`tb_all`, a step logged twice
@@ -214,7 +214,7 @@ def tb_as_loaded(run_dir: Path) -> dict[str, list[tuple[int, Optional[float]]]]:
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    acc = EventAccumulator(str(Path(run_dir) / "tensorboard"), size_guidance={"tensors": 0})
+    acc = EventAccumulator(str(Path(run_dir) / run), size_guidance={"tensors": 0})
     acc.Reload()
     out = {}
     for tag in acc.Tags()["tensors"]:
@@ -245,6 +245,14 @@ def assert_tb_clean(run_dir: Path) -> dict[str, list[tuple[int, Optional[float]]
            if not all(v is None or math.isfinite(v) for _, v in pts)}
     assert not bad, f"non-finite scalars: {bad}"
     return points
+
+
+def hparams_row(run_dir: Path) -> dict[str, list[tuple[int, Optional[float]]]]:
+    """The run dir's one hparams row (``tensorboard/hparams/<time>``, the only dir there) as TensorBoard loads it
+    (:func:`tb_as_loaded`): the session and the ``hparam/*`` scalars."""
+    rows = sorted((Path(run_dir) / "tensorboard" / "hparams").iterdir())
+    assert len(rows) == 1, rows
+    return tb_as_loaded(run_dir, f"tensorboard/hparams/{rows[0].name}")
 
 
 def tb_scalars(run_dir: Path, tag: str = "train/loss") -> dict[int, float]:

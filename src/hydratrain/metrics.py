@@ -394,8 +394,10 @@ class Throughput:
 class TensorBoardLogger:
     """Rank 0's ``SummaryWriter`` at ``<run_dir>/tensorboard``; on other ranks (or when disabled) every call is a no-op.
 
-    Hparams are written once, into the same event file as the scalars (``SummaryWriter.add_hparams`` would make a
-    time-stamped sub-directory per call), so a sweep reads as one table with one row per run.
+    The hparams row (:meth:`hparams`) goes to a run of its own, ``hparams/<launch>`` below ``log_dir``, which replaces
+    the one an earlier launch into this run dir wrote: TensorBoard keeps the first session it reads in a run, so a
+    row in the scalars' run would show the first launch's values forever. A sweep still reads as one table, one row
+    per job.
 
     The ``SummaryWriter`` (and the tensorboard import, ~0.1 s) is made at the first write, after the first optimizer
     step, so it is not on the path to it.
@@ -482,29 +484,48 @@ class TensorBoardLogger:
         if self.writer:
             self.writer.add_text(tag, text, step)
 
-    def hparams(self, hparams: Mapping[str, object], metrics: Mapping[str, float], step: int) -> None:
+    def hparams(self, hparams: Mapping[str, object], metrics: Mapping[str, float], step: int) -> Optional[Path]:
         """One hparams row (a TensorBoard session): ``hparams`` (flat) against final ``metrics`` (scalars
-        ``hparam/*``).
+        ``hparam/*``), written at ``step`` (the run's last) into ``<log_dir>/hparams/<time>``, a TensorBoard run of
+        its own; the rows of earlier launches into this run dir (the other dirs there) are removed once it is
+        written, so the table has one row per run dir, with the values of the launch that wrote it last (a
+        TensorBoard server started before may show the earlier row too until it restarts). Returns the row's dir.
 
         Each value keeps its type, so a key swept over runs is one column of one type: bool -> a bool cell (torch's
         ``hparams()`` would write 1.0/0.0), int/float -> a number, str -> a string, None -> no cell (blank in the
         table, as TensorBoard shows a value a run does not have), anything else -> its ``str``; written as
         TensorBoard's own session summary (``tensorboard.plugins.hparams.summary_v2.hparams_pb``). No experiment
         summary is written: TensorBoard's hparams plugin then types each column from every run's values (mixed types
-        read as strings) instead of taking one arbitrary run's column list and types for the whole table.
-
-        The session and the metrics are logged at ``step`` (the run's last), so a later launch that logs that step
-        again (:meth:`purge_from`) replaces them instead of adding a second session. A non-finite metric (MFU of a
-        GPU with no known peak) is left out: no cell rather than NaN.
+        read as strings) instead of taking one arbitrary run's column list and types for the whole table. A
+        non-finite metric (MFU of a GPU with no known peak) is left out: no cell rather than NaN.
         """
-        if not self.writer:
-            return
-        from tensorboard.plugins.hparams.summary_v2 import hparams_pb
+        if not self.enabled:
+            return None
+        import shutil
 
+        from tensorboard.plugins.hparams.summary_v2 import hparams_pb
+        from torch.utils.tensorboard import SummaryWriter
+
+        root = Path(self.log_dir) / "hparams"
+        row = root / time.strftime("%Y-%m-%d_%H-%M-%S")
+        n = 0
+        while row.exists():
+            n += 1
+            row = root / f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{n}"
         typed = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in hparams.items()
                  if v is not None}
-        self.writer.file_writer.add_summary(hparams_pb(typed, start_time_secs=time.time()), step)
-        self.scalars({f"hparam/{k}": v for k, v in metrics.items() if v is not None and math.isfinite(v)}, step)
+        writer = SummaryWriter(log_dir=str(row))
+        try:
+            writer.file_writer.add_summary(hparams_pb(typed, start_time_secs=time.time()), step)
+            for k, v in metrics.items():
+                if v is not None and math.isfinite(v):
+                    writer.add_scalar(f"hparam/{k}", v, step)
+        finally:
+            writer.close()
+        for earlier in root.iterdir():
+            if earlier != row and earlier.is_dir():
+                shutil.rmtree(earlier, ignore_errors=True)
+        return row
 
     def flush(self) -> None:
         if self._writer:

@@ -381,7 +381,7 @@ def test_a_swept_key_is_one_typed_column_in_the_hparams_table(compose, tmp_path)
     mux.AddRunsFromDirectory(str(tmp_path))
     mux.Reload()
     content = mux.PluginRunToTagToContent("hparams")
-    assert sorted(content) == ["0/tensorboard", "1/tensorboard"]
+    assert sorted(run.split("/hparams/")[0] for run in content) == ["0/tensorboard", "1/tensorboard"], content
     assert not any(hp.EXPERIMENT_TAG in tags for tags in content.values())
     start = {run.split("/")[0]: hp.parse_session_start_info_plugin_data(tags[hp.SESSION_START_INFO_TAG]).hparams
              for run, tags in content.items()}

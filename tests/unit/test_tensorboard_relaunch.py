@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from helpers import assert_tb_clean, results, tb_as_loaded
+from helpers import assert_tb_clean, hparams_row, hparams_runs, results, tb_as_loaded
 
 
 def _steps(points, tag):
@@ -49,8 +49,10 @@ def test_a_fresh_start_over_earlier_events_replaces_their_curves(cli, tmp_path, 
     points = assert_tb_clean(tmp_path)
     assert _steps(points, "train/loss") == [1, 2, 3, 4]
     assert [lr for _, lr in points["train/lr"]] == pytest.approx([2e-3] * 4)
-    assert _steps(points, "eval/loss") == [3, 4] and _steps(points, "hparam/eval_loss") == [4]
-    assert _steps(points, "_hparams_/session_start_info") == [4]
+    row = hparams_row(tmp_path)  # the one row, this launch's: the first launch's values are gone
+    assert _steps(points, "eval/loss") == [3, 4] and _steps(row, "hparam/eval_loss") == [4]
+    assert _steps(row, "_hparams_/session_start_info") == [4]
+    assert row["hparam/train_loss"][0][1] == pytest.approx(results(tmp_path)["train_loss"])
 
 
 def test_relaunching_a_finished_run_adds_no_points_and_no_nan(cli, tmp_path):
@@ -70,8 +72,9 @@ def test_relaunching_a_finished_run_adds_no_points_and_no_nan(cli, tmp_path):
             if not tag.startswith(("eval/", "hparam/", "_hparams_/")):
                 assert after[tag] == before[tag], tag  # the training launch's points, the step-5 one included
         assert _steps(after, "eval/loss") == [5] and after["eval/loss"][0][1] == pytest.approx(first["eval_loss"])
-        hparams = {tag: pts[-1][1] for tag, pts in after.items() if tag.startswith("hparam/")}
-        assert all(_steps(after, tag) == [5] for tag in hparams)
+        row = hparams_row(tmp_path)
+        hparams = {tag: pts[-1][1] for tag, pts in row.items() if tag.startswith("hparam/")}
+        assert all(_steps(row, tag) == [5] for tag in row)
         assert hparams["hparam/train_loss"] == pytest.approx(first["train_loss"])
         assert hparams["hparam/tokens_per_sec"] == pytest.approx(first["tokens_per_sec"], rel=1e-6)
         res = results(tmp_path)
@@ -90,8 +93,9 @@ def test_a_resume_of_a_finished_run_writes_its_end_of_run_records_once(cli, tmp_
     cli(common, tmp_path).ok()
     points = assert_tb_clean(tmp_path)
     assert _steps(points, "train/loss") == [1, 2, 3, 4, 5, 6]
-    ends = [t for t in points if t.startswith(("hparam/", "_hparams_/", "sample"))]
-    assert len(ends) > 3 and all(_steps(points, t) == [6] for t in ends), {t: points[t] for t in ends}
+    ends = {t: pts for t, pts in {**points, **hparams_row(tmp_path)}.items()
+            if t.startswith(("hparam/", "_hparams_/", "sample"))}
+    assert len(ends) > 3 and all(_steps(ends, t) == [6] for t in ends), ends
 
 
 def test_a_window_without_a_known_peak_logs_no_nan_mfu(tmp_path):
@@ -108,3 +112,19 @@ def test_a_window_without_a_known_peak_logs_no_nan_mfu(tmp_path):
     logger.tb.close()
     points = assert_tb_clean(tmp_path)
     assert _steps(points, "perf/tokens_per_sec") == [2] and "perf/mfu" not in points
+
+
+def test_the_hparams_row_of_an_extended_run_has_the_values_of_its_last_launch(cli, tmp_path):
+    """A run extended with another lr: TensorBoard keeps the first session it reads in a run, so a row written
+    beside the scalars showed the first launch's lr and max_steps next to the last launch's loss. The row is a run of
+    its own, replaced by each launch: as TensorBoard's hparams plugin reads the run dir, one row, the last launch's."""
+    from tensorboard.plugins.hparams import metadata as hp
+
+    common = ["strategy=single", "trainer.eval_every_n_steps=0"]
+    cli([*common, "trainer.max_steps=4", "optim.lr=2e-3", "checkpoint.save_last=true"], tmp_path).ok()
+    cli([*common, "trainer.max_steps=6", "optim.lr=1e-2"], tmp_path).ok()
+    (session,) = hparams_runs(tmp_path).values()
+    values = hp.parse_session_start_info_plugin_data(session).hparams
+    assert (values["optim.lr"].number_value, values["trainer.max_steps"].number_value) == (1e-2, 6)
+    row = hparams_row(tmp_path)
+    assert row["hparam/train_loss"] == [(6, pytest.approx(results(tmp_path)["train_loss"]))]
