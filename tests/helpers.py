@@ -54,8 +54,7 @@ SHARED_RUNS = {
     # the old-format checkpoint fixture resumed for 2 steps (its model and data)
     "ckpt_v1": ["strategy=fsdp", "precision=fp32", "model.d_model=32", "model.n_layer=1", "model.n_head=2",
                 "data.synthetic_tokens=100000", "trainer.max_steps=5", "checkpoint.every_n_steps=0",
-                "trainer.log_every_n_steps=1", "scheduler.warmup_steps=20",  # the fixture's (debug=fast's then)
-                f"checkpoint.resume_from={FIXTURE_V1}"],
+                "trainer.log_every_n_steps=1", f"checkpoint.resume_from={FIXTURE_V1}"],
 }
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "HYDRATRAIN_STAMP")

@@ -54,8 +54,9 @@ def test_two_rank_run_trains_and_logs(two_rank_run, strategy, precision, wrap, n
 
 def test_tensorboard_events_hold_scalars_and_one_hparams_row(two_rank_run):
     run_dir = two_rank_run("fsdp_fp32")  # 12 steps, eval every 3
-    events = list(run_dir.rglob("events.out.tfevents.*"))
-    assert len(events) == 1 and events[0].parent == run_dir / "tensorboard"  # no stray sub-directories
+    events = sorted(run_dir.rglob("events.out.tfevents.*"), key=lambda p: len(p.parts))
+    (row,) = (run_dir / "tensorboard" / "hparams").iterdir()  # the hparams row: a run of its own
+    assert [e.parent for e in events] == [run_dir / "tensorboard", row]  # no other sub-directories
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(events[0]), size_guidance={"scalars": 0})
@@ -69,9 +70,12 @@ def test_tensorboard_events_hold_scalars_and_one_hparams_row(two_rank_run):
     ppl = dict(scalars["eval/perplexity"])
     for step, loss in scalars["eval/loss"]:
         assert abs(ppl[step] - math.exp(loss)) < 1e-2 * ppl[step]
-    plugins = acc.PluginTagToContent("hparams")
+    hparams = EventAccumulator(str(row), size_guidance={"scalars": 0})
+    hparams.Reload()
+    plugins = hparams.PluginTagToContent("hparams")
     assert "_hparams_/session_start_info" in plugins and "_hparams_/experiment" not in plugins  # typed from all runs
-    assert "hparam/eval_loss" in scalars
+    ((step, value),) = [(e.step, e.value) for e in hparams.Scalars("hparam/eval_loss")]
+    assert step == 12 and value == pytest.approx(scalars["eval/loss"][-1][1], rel=1e-6)
 
 
 def test_fsdp_ddp_and_grad_accumulation_give_the_same_fp32_trajectory(two_rank_run):
