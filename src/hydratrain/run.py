@@ -34,7 +34,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     timing.begin()
     import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
 
-    from hydratrain.checkpoint.manager import find_resume
+    from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves
     from hydratrain.config.validate import check_environment, validate
     from hydratrain.dist.env import dist_info, quiet_console
     from hydratrain.dist.process_group import process_group
@@ -53,7 +53,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
         check_environment(cfg, env.world_size, launch, env.local_world_size)
-        lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir))
+        lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir),
+                            prepare=lambda: recover_unfinished_saves(run_dir / "checkpoints"))
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         if resume is not None and _in_multirun() and resume.parent == run_dir / "checkpoints":
             _refuse_another_trial(cfg, resume, run_dir)

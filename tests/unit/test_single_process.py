@@ -153,12 +153,18 @@ def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(cli, tmp_
     assert [s for s, _ in list_checkpoints(aside[0])] == [4, 6]  # the old line's, not deleted
 
 
-def test_a_resave_killed_between_its_renames_keeps_the_old_checkpoint(make_job, tmp_path):
-    job = make_job(tmp_path)
-    saved = job.checkpoints.save(1)
-    os.replace(saved, saved.parent / f".tmp-old-{saved.name}")  # where a re-save of step 1 was killed
-    again = make_job(tmp_path)  # the next launch's manager
-    assert again.checkpoints.latest() == saved
+def test_a_resave_killed_between_its_renames_resumes_from_the_old_checkpoint(cli, tmp_path):
+    """A re-save of step 4 killed between its two renames leaves step 4 as .tmp-old-step_00000004: the next launch
+    puts it back before it chooses where to resume, and resumes there (it used to choose first, start from step 2,
+    and set the restored step 4 aside as a later checkpoint)."""
+    common = ["strategy=single", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=2"]
+    cli([*common, "trainer.max_steps=4"], tmp_path).ok()
+    saved = ckpt_of(tmp_path, 4)
+    os.replace(saved, saved.parent / f".tmp-old-{saved.name}")
+    r = cli([*common, "trainer.max_steps=6"], tmp_path).ok()
+    assert f"restored {saved}, set aside by a save that did not finish" in r.output
+    assert f"resumed from {saved}" in r.output and "superseded" not in r.output, r.output[-3000:]
+    assert not list((tmp_path / "checkpoints").glob("superseded-*"))
 
 
 def test_loading_a_checkpoint_of_another_model_size_is_one_line(cli, tmp_path):

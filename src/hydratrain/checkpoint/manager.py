@@ -70,6 +70,23 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def recover_unfinished_saves(root: Path) -> None:
+    """Undo what a save killed midway left under ``root`` (one process, rank 0, before any rank chooses a checkpoint
+    to resume from): a ``.tmp-old-step_*`` whose replacement never arrived is put back as ``step_*`` (it is the
+    complete checkpoint of that step); other ``.tmp-*`` dirs (unfinished new checkpoints) are removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for stale in root.glob(TMP_PREFIX + "*"):
+        replaced = root / stale.name[len(TMP_PREFIX + "old-"):]
+        if stale.name.startswith(TMP_PREFIX + "old-") and not replaced.exists():
+            os.replace(stale, replaced)  # killed between the two renames of a re-save: the old one is good
+            log.warning("restored %s, set aside by a save that did not finish", replaced)
+            continue
+        log.warning("removing %s, left by a save that did not finish", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def latest_checkpoint(root: Path) -> Optional[Path]:
     """The complete checkpoint with the highest step under ``root``, or None."""
     found = list_checkpoints(root)
@@ -276,15 +293,8 @@ class CheckpointManager:
         self.rank, self.world_size = rank_and_world()
         self.last_saved_step: Optional[int] = None
         self.loaded_from: Optional[Path] = None  # the checkpoint this run resumed from (it may be another run's)
-        if self.rank == 0 and self.root.is_dir():
-            for stale in self.root.glob(TMP_PREFIX + "*"):
-                replaced = self.root / stale.name[len(TMP_PREFIX + "old-"):]
-                if stale.name.startswith(TMP_PREFIX + "old-") and not replaced.exists():
-                    os.replace(stale, replaced)  # killed between the two renames of a re-save: the old one is good
-                    log.warning("restored %s, set aside by a save that did not finish", replaced)
-                    continue
-                log.warning("removing %s, left by a save that did not finish", stale)
-                shutil.rmtree(stale, ignore_errors=True)
+        if self.rank == 0:
+            recover_unfinished_saves(self.root)  # done already when run.main chose the checkpoint (idempotent)
 
     def supersede_after(self, step: int) -> None:
         """Move the complete checkpoints under ``root`` of steps after ``step`` (where this launch starts: the

@@ -206,11 +206,12 @@ def held_by_another(run_dir: Path) -> bool:
 _HOLDS = 0  # run dirs this process has held (a sweep inside each rank holds one per job, in the same order)
 
 
-def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None,
-                 which: str = "") -> Optional[RunDirLock]:
+def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, which: str = "",
+                 prepare: Optional[Callable[[], None]] = None) -> Optional[RunDirLock]:
     """Rank 0 takes ``run_dir``'s lock; through the launch's store every rank learns the outcome and checks that it
     resolved the same run dir as rank 0, so that all ranks raise the same error. Returns the lock on rank 0, None
-    elsewhere. Call before any process group exists.
+    elsewhere. ``prepare``: what rank 0 does to the run dir once it holds it, before the other ranks go on (they
+    read the run dir after it). Call before any process group exists.
 
     Raises :class:`~hydratrain.errors.ConfigError` (``key``, the run dir's config key: ``hydra.run.dir`` or
     ``hydra.sweep.dir``; ``value``, its value, default ``run_dir``; ``which``: the run dir below it, for a sweep's job) on every rank when
@@ -224,6 +225,8 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None,
     if info.rank == 0:
         try:
             lock = RunDirLock(run_dir).acquire()
+            if prepare is not None:
+                prepare()
         except RunDirBusy as err:
             problem = f"{err}; wait for it to end, or use another {key}"
         except OSError as err:
