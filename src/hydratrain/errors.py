@@ -63,6 +63,11 @@ class CheckpointError(HydratrainError, RuntimeError):
     exit_status = EXIT_CHECKPOINT
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files are damaged (a shard missing, truncated or corrupt, unreadable metadata): an earlier
+    checkpoint of the same run may still be good."""
+
+
 class DivergenceError(HydratrainError, RuntimeError):
     """Training produced a non-finite loss or gradient norm (see ``trainer.on_nonfinite``).
 

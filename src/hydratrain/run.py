@@ -261,10 +261,10 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
 
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
     from hydratrain import timing
-    from hydratrain.checkpoint.manager import step_of
+    from hydratrain.checkpoint.manager import step_of, with_previous
     from hydratrain.dist.collectives import max_over_ranks, same_on_all_ranks
     from hydratrain.dist.run_dir import resolve_path
-    from hydratrain.errors import CheckpointError
+    from hydratrain.errors import CheckpointError, DamagedCheckpointError
     from hydratrain.metrics import peak_memory_bytes
     from hydratrain.optim import state_bytes
     from hydratrain.paths import Paths
@@ -276,7 +276,10 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                               "dir on a filesystem every node shares?")
     progress = job.trainer.progress
     if resume is not None:
-        job.checkpoints.load(resume)
+        try:
+            job.checkpoints.load(resume)
+        except DamagedCheckpointError as err:  # found while reading (corrupt bytes), not by find_resume's checks
+            raise with_previous(err, resume) if resume.parent == run_dir / "checkpoints" else err from None
         if cfg.trainer.max_epochs is not None:
             _keep_the_epoch_limit(job)
         if cfg.model.init_from:

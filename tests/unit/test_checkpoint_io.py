@@ -147,6 +147,19 @@ def test_a_truncated_latest_checkpoint_names_the_previous_one_and_resume_from_is
     assert "checkpoint.resume_from=elsewhere/step_00000005 not used: this run dir has its own checkpoint" in caplog.text
 
 
+def test_a_corrupt_latest_checkpoint_names_the_previous_one(saved, cli):
+    """Shard bytes overwritten in place (the size still right, so the start-up checks pass): the load finds the
+    corruption, and the one line says how to resume from the previous checkpoint, as for a truncated shard."""
+    shard = ckpt_of(saved, 20) / "__0_0.distcp"
+    shard.write_bytes(bytes(range(256)) * (shard.stat().st_size // 256) + b"\0" * (shard.stat().st_size % 256))
+    r = cli(["strategy=single", "trainer.max_steps=30"], saved)
+    assert r.returncode == EXIT_CHECKPOINT, r.output[-3000:]
+    (line,) = [ln for ln in r.err.splitlines() if "checkpoint error" in ln]
+    assert line.startswith(f"hydratrain: checkpoint error: {shard}: bytes ") and "are corrupt" in line, line
+    assert line.endswith(f"; to resume from the previous checkpoint instead: checkpoint.auto_resume=false "
+                         f"checkpoint.resume_from={ckpt_of(saved, 10)} (later ones are then set aside)"), line
+
+
 def test_another_data_order_is_refused_naming_the_config_keys_that_changed_it(saved, tmp_path, cli):
     r = cli(["strategy=single", "trainer.max_steps=12", "data.synthetic_tokens=300000",
              f"checkpoint.resume_from={ckpt_of(saved, 10)}"], tmp_path / "run")

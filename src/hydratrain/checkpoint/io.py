@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from hydratrain.checkpoint import METADATA
 from hydratrain.dist.collectives import rank_and_world
-from hydratrain.errors import CheckpointError
+from hydratrain.errors import CheckpointError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,11 @@ def read_metadata(ckpt: Path) -> Metadata:
         with open(path, "rb") as fh:
             md = _MetadataUnpickler(fh).load()
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing, so {ckpt} is not a complete checkpoint") from None
+        raise DamagedCheckpointError(f"{path}: missing, so {ckpt} is not a complete checkpoint") from None
     except Exception as err:  # truncated (EOFError), not a pickle, or a disallowed global
-        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from None
+        raise DamagedCheckpointError(f"{path}: unreadable checkpoint metadata ({type(err).__name__}: {err})") from None
     if not isinstance(md, Metadata):
-        raise CheckpointError(f"{path}: holds a {type(md).__name__}, not DCP checkpoint metadata")
+        raise DamagedCheckpointError(f"{path}: holds a {type(md).__name__}, not DCP checkpoint metadata")
     return md
 
 
@@ -94,9 +94,9 @@ def verify(ckpt: Path) -> Metadata:
     for rel, size in sorted(need.items()):
         f = ckpt / rel
         if not f.is_file():
-            raise CheckpointError(f"{f}: missing shard file of checkpoint {ckpt}")
+            raise DamagedCheckpointError(f"{f}: missing shard file of checkpoint {ckpt}")
         if f.stat().st_size < size:
-            raise CheckpointError(f"{f}: truncated ({f.stat().st_size} bytes, the checkpoint metadata needs "
+            raise DamagedCheckpointError(f"{f}: truncated ({f.stat().st_size} bytes, the checkpoint metadata needs "
                                   f"{size}); not loading {ckpt}")
     return md
 
@@ -154,7 +154,7 @@ def load_dcp(state: dict, ckpt: Path) -> None:
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
         where = find_corrupt_entry(ckpt)
         if where:
-            raise CheckpointError(where + f"; not loading {ckpt}") from err
+            raise DamagedCheckpointError(where + f"; not loading {ckpt}") from err
         cause = root_cause(err)
         lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
         raise CheckpointError(f"{ckpt}: loading failed ({type(cause).__name__}: {lines[-1] if lines else ''})") \

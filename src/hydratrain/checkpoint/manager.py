@@ -32,7 +32,7 @@ import torch
 
 from hydratrain.checkpoint import METADATA
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
-from hydratrain.errors import CheckpointError, DivergenceError
+from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError
 
 log = logging.getLogger(__name__)
 
@@ -468,6 +468,17 @@ class CheckpointManager:
             return None
 
 
+def with_previous(err: DamagedCheckpointError, ckpt: Path) -> DamagedCheckpointError:
+    """``err`` about ``ckpt`` (damaged), with how to resume from the complete checkpoint before it in its dir instead,
+    when there is one."""
+    earlier = [path for step, path in list_checkpoints(Path(ckpt).parent) if step < (step_of(ckpt) or 0)]
+    if not earlier:
+        return err
+    return DamagedCheckpointError(f"{err}; to resume from the previous checkpoint instead: "
+                                  f"checkpoint.auto_resume=false checkpoint.resume_from={earlier[-1]} (later ones are "
+                                  "then set aside)")
+
+
 def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
     """The checkpoint this run starts from, checked for completeness: the latest complete one in
     ``<run_dir>/checkpoints`` (auto-resume, when ``checkpoint.auto_resume``), else ``checkpoint.resume_from``
@@ -489,12 +500,8 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
                         ccfg.resume_from, ckpt)
         try:
             verify(ckpt)
-        except CheckpointError as err:
-            if len(own) < 2:
-                raise
-            raise CheckpointError(f"{err}; to resume from the previous checkpoint instead: "
-                                  f"checkpoint.auto_resume=false checkpoint.resume_from={own[-2][1]} (later ones are "
-                                  "then set aside)") from None
+        except DamagedCheckpointError as err:
+            raise with_previous(err, ckpt) from None
         return ckpt
     if ccfg.resume_from:
         ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir))
