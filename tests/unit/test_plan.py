@@ -13,7 +13,7 @@ import torch
 from helpers import clean_env
 from hydratrain import memsim
 from hydratrain.models.gpt import GPT, GPTConfig
-from hydratrain.plan import GiB, Setup, param_shapes, predict, suggestions
+from hydratrain.plan import GiB, Setup, error_margin, param_shapes, predict, suggestions
 
 SMALL = dict(d_model=128, n_layer=4, n_head=4, max_seq_len=128, vocab_size=512)
 
@@ -153,6 +153,17 @@ def test_suggestions_fit_the_budget_by_the_planners_own_numbers():
     changes = [" ".join(f.changes) for f in fixes]
     assert any("data.batch_size=" in c and "trainer.grad_accum_steps=" in c for c in changes), changes
     assert suggestions(s, peak * 2) and all(f.plan.peak <= peak * 2 for f in suggestions(s, peak * 2))
+    # with a margin for the planner's error (x2 on a CPU with glibc's default malloc), only what fits with it
+    kept = suggestions(s, budget, margin=2.0)
+    assert all(f.plan.peak * 2.0 <= budget for f in kept) and len(kept) <= len(fixes)
+    assert error_margin("cuda") == 1.15
+
+
+def test_the_error_margin_follows_the_cpu_allocator(monkeypatch):
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert error_margin("cpu") == 2.0
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert error_margin("cpu") == 1.15
 
 
 def test_suggestions_combine_changes_when_one_is_not_enough():
