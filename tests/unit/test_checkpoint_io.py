@@ -274,3 +274,14 @@ def test_config_checks(compose):
     cfg = compose(["checkpoint.resume_from=/nonexistent/x"])
     with pytest.raises(CheckpointError, match="/nonexistent/x: no such checkpoint dir"):
         find_resume(cfg.checkpoint, Path("/nonexistent/run"), Path("/"))
+
+
+def test_a_step_dir_without_metadata_is_warned_about_once(tmp_path, caplog):
+    """Such a dir (a copy that lost its .metadata) is skipped; every save lists the checkpoints again, and used to
+    repeat the warning each time."""
+    from hydratrain.checkpoint.manager import list_checkpoints
+
+    (tmp_path / "step_00000003").mkdir()
+    for _ in range(3):
+        assert list_checkpoints(tmp_path) == []
+    assert caplog.text.count("is not a complete checkpoint") == 1

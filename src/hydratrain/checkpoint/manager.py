@@ -65,9 +65,13 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
             continue
         if (p / METADATA).is_file():
             out.append((step, p))
-        else:
+        elif p not in _WARNED_INCOMPLETE:  # once: the dir is listed again at every save
+            _WARNED_INCOMPLETE.add(p)
             log.warning("ignoring %s: no %s, so it is not a complete checkpoint", p, METADATA)
     return sorted(out)
+
+
+_WARNED_INCOMPLETE: set = set()
 
 
 def recover_unfinished_saves(root: Path) -> None:
