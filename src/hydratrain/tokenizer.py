@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -174,13 +175,36 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path, progress: b
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer)
+    tok.train_from_iterator(bounded_words(texts), trainer)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f"{out_path.name}.tmp{os.getpid()}")
     tok.save(str(tmp))
     os.replace(tmp, out_path)
     return load_tokenizer(out_path)
+
+
+MAX_WORD = 1000  # characters of a whitespace-free run that BPE training sees as one piece (see bounded_words)
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_WORD + 1))
+
+
+def bounded_words(texts: Iterable[str], limit: int = MAX_WORD) -> Iterator[str]:
+    """``texts`` for BPE training, with every whitespace-free run longer than ``limit`` characters (a base64 blob, a
+    minified file) handed over in pieces of ``limit``: the trainer's time grows faster than linearly in the length of
+    one pre-token (a 100 KB run took 5 s, a 3 MB one more than 300 s). Merges inside such runs are all it loses;
+    text without them passes unchanged."""
+    for text in texts:
+        if len(text) <= limit or _LONG_RUN.search(text) is None:
+            yield text
+            continue
+        pos = 0
+        for m in _LONG_RUN.finditer(text):
+            if m.start() > pos:
+                yield text[pos:m.start()]
+            yield from (text[i:min(i + limit, m.end())] for i in range(m.start(), m.end(), limit))
+            pos = m.end()
+        if pos < len(text):
+            yield text[pos:]
 
 
 def copy_atomic(src: Path, dst: Path) -> Path:

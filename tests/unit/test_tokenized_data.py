@@ -424,3 +424,18 @@ def test_a_token_file_read_with_the_other_dtype_names_data_dtype(tmp_path, store
         load_splits(cfg, 1000, tmp_path, progress=False)
     cfg = data_cfg(name="token_bin", train_path="train.bin", val_path="val.bin", dtype=stored)
     assert int(load_splits(cfg, 1000, tmp_path, progress=False)["train"][:5000].max()) == int(ids.max())
+
+
+def test_bpe_training_is_bounded_on_a_huge_run_without_whitespace(tmp_path):
+    """A 400 KB run of one letter (a blob in a text corpus) is one pre-token, on which BPE training took seconds per
+    100 KB and minutes for megabytes; it is handed to the trainer in pieces of MAX_WORD characters. Text without
+    such runs passes unchanged."""
+    from hydratrain.tokenizer import MAX_WORD, bounded_words, train_bpe
+
+    normal = ["def f(x):\n    return x\n", "word " * 5000]
+    assert list(bounded_words(normal)) == normal
+    pieces = list(bounded_words(["head " + "a" * (2 * MAX_WORD + 5) + " tail"]))
+    assert pieces == ["head ", "a" * MAX_WORD, "a" * MAX_WORD, "aaaaa", " tail"]
+    t0 = time.perf_counter()
+    tok = train_bpe(["some words here\n" * 500, "a" * 400_000, "more words\n" * 500], 300, tmp_path / "t.json")
+    assert time.perf_counter() - t0 < 20 and tok.vocab_size > 257
