@@ -39,7 +39,10 @@ def report() -> list[str]:
     lines.append(f"precisions: {', '.join(precisions)}")
     lines.append(f"optimizers: adamw, {_lowbit()}")
     lines.append("launchers: local, torchrun, " + ", ".join(f"{name} ({_installed(pkg, extra)})" for name, pkg, extra in
-                                                            (("slurm", "submitit", "slurm"), ("ray", "ray", "ray"))))
+                                                            (("slurm and submitit_local", "submitit", "slurm"),
+                                                             ("ray", "ray", "ray"))))
+    optuna = _installed("hydra-optuna-sweeper", "optuna")
+    lines.append(f"sweepers: basic, optuna for +hparams_search=lr_optuna ({optuna})")
     lines.append(memory_budget_line(cuda))
     return lines
 

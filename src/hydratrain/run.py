@@ -71,6 +71,12 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
         if _in_multirun():
             raise  # Hydra records the job as failed and the sweep goes on
+        if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
+            from hydratrain.dist.run_dir import discard_if_unused
+
+            # a default run dir this launch made for a run that never started (one process: with several, the others
+            # may still be writing their logs there)
+            discard_if_unused(run_dir_of())
         # a PeerFailedError: the rank that failed first leaves first; a config error (alike on every rank): rank 0,
         # which printed it, leaves first, so that torchrun reports it as the root cause (exit status 2)
         shared = err.exit_status == EXIT_CONFIG and env is not None and env.rank != 0
@@ -131,6 +137,11 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
                           f"job {hydra_cfg.job.num}'s run dir {run_dir} holds a checkpoint of another trial "
                           f"({resume.name}; {', '.join(differs)}): sweep into a new hydra.sweep.dir, or add "
                           "checkpoint.auto_resume=false to start every trial over")
+
+
+def _refused_by_lock(err: HydratrainError) -> bool:
+    """A config error about the run dir itself (held by another job): that dir is not this launch's to remove."""
+    return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir")
 
 
 def _run_dir_key(run_dir: Path) -> tuple:

@@ -192,3 +192,14 @@ def test_a_sweep_job_whose_run_dir_is_held_names_the_sweep_dir_and_the_job(cli, 
     assert run.returncode != 0
     assert (f"hydratrain: config error: hydra.sweep.dir='{tmp_path}': job 0's run dir {tmp_path}/0: in use by "
             "another job") in run.err, run.output[-3000:]
+
+
+def test_a_config_error_leaves_no_default_run_dir_behind(cli, tmp_path):
+    """A typo on the command line stops the run before it starts: the run dir this launch made for it (only its
+    .hydra/ and log in it) goes too. A run dir given by the user stays."""
+    run = cli(["optim.lr=-1", f"paths.output_dir={tmp_path}"])
+    assert run.returncode == 2 and "hydratrain: config error: optim.lr=-1.0" in run.err, run.output[-3000:]
+    assert not (tmp_path / "outputs").exists()
+    given = tmp_path / "given"
+    assert cli(["optim.lr=-1"], given).returncode == 2
+    assert (given / ".hydra").is_dir()

@@ -46,6 +46,7 @@ def test_env_report(capsys):
     out = capsys.readouterr().out
     assert "torch 2." in out and "cuda available:" in out and "backends: gloo" in out
     assert "strategies: single, ddp, fsdp" in out and "precisions: fp32" in out
+    assert "launchers: local, torchrun, slurm and submitit_local (" in out and "sweepers: basic, optuna for" in out
 
 
 # ------------------------------------------------------------------------------------------ divergence

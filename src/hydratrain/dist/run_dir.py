@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -101,7 +102,35 @@ def unique_dir(base: str, kind: str) -> str:
         _STAMP = chosen
         os.environ[STAMP_ENV] = chosen
         _UNIQUE_DIRS[key] = _UNIQUE_DIRS[(base, kind, chosen)] = join(base, f"{kind}/{chosen}")
+        if not _INHERITED and not _only_prints():
+            _RESERVED.add(os.path.abspath(_UNIQUE_DIRS[key]))
     return _UNIQUE_DIRS[key]
+
+
+_RESERVED: set = set()  # run dirs this launch created for itself (absolute paths)
+_LEFT_BY_A_REFUSED_START = (".hydra", "hydratrain.lock")  # and train_rank<R>.log
+
+
+def discard_if_unused(run_dir: Path) -> bool:
+    """Remove ``run_dir`` when this launch created it (:func:`unique_dir`) and it holds only what Hydra and the
+    start wrote before a config error stopped the run (``.hydra/``, ``train_rank<R>.log``, the lock): a typo on the
+    command line should not leave a run dir behind. Returns whether it was removed; anything else in it keeps it."""
+    import shutil
+
+    path = Path(run_dir)
+    if os.path.abspath(path) not in _RESERVED or not path.is_dir():
+        return False
+    if any(p.name not in _LEFT_BY_A_REFUSED_START and not re.fullmatch(r"train_rank\d+\.log", p.name)
+           for p in path.iterdir()):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    _RESERVED.discard(os.path.abspath(path))
+    for parent in (path.parent, path.parent.parent):  # <date>/ and outputs/, when nothing else is there
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+    return True
 
 
 def _only_prints() -> bool:
