@@ -8,6 +8,7 @@ objects (:class:`~hydratrain.parallel.precision.Precision`).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -77,9 +78,10 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             # a default run dir this launch made for a run that never started (one process: with several, the others
             # may still be writing their logs there)
             discard_if_unused(run_dir_of())
-        # a PeerFailedError: the rank that failed first leaves first; a config error (alike on every rank): rank 0,
-        # which printed it, leaves first, so that torchrun reports it as the root cause (exit status 2)
-        shared = err.exit_status == EXIT_CONFIG and env is not None and env.rank != 0
+        # a PeerFailedError: the rank that failed first leaves first; a config error (alike on every rank): under
+        # torchrun, rank 0, which printed it, leaves first, so that the agent reports it as the root cause (status 2)
+        shared = (err.exit_status == EXIT_CONFIG and env is not None and env.rank != 0
+                  and "TORCHELASTIC_RUN_ID" in os.environ)
         time.sleep(getattr(err, "linger_s", 0.0) or (2.0 if shared else 0.0))
         raise SystemExit(err.exit_status) from None
     except Exception:
