@@ -285,3 +285,19 @@ def test_a_step_dir_without_metadata_is_warned_about_once(tmp_path, caplog):
     for _ in range(3):
         assert list_checkpoints(tmp_path) == []
     assert caplog.text.count("is not a complete checkpoint") == 1
+
+
+def test_a_fresh_start_does_not_import_the_checkpoint_reader(tmp_path):
+    """Choosing where to start is a directory listing: ``torch.distributed.checkpoint`` (about 0.1-1 s to import, the
+    rest shared with what the optimizer imports) waits for the first save or a real resume."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from omegaconf import OmegaConf\n"
+            "from hydratrain.checkpoint.manager import find_resume\n"
+            "ccfg = OmegaConf.create({'auto_resume': True, 'resume_from': None})\n"
+            f"assert find_resume(ccfg, Path({str(tmp_path)!r}), Path('.')) is None\n"
+            "print('torch.distributed.checkpoint' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

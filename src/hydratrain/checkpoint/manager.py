@@ -492,7 +492,6 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
     Raises :class:`CheckpointError` when the chosen checkpoint is incomplete, truncated or unreadable; for the run
     dir's own latest checkpoint the message names the previous complete one and how to resume from it.
     """
-    from hydratrain.checkpoint.io import verify
     from hydratrain.dist.run_dir import resolve_path
 
     own = list_checkpoints(Path(run_dir) / "checkpoints") if ccfg.auto_resume else []
@@ -502,12 +501,16 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
             log.warning("checkpoint.resume_from=%s not used: this run dir has its own checkpoint %s, which auto-resume "
                         "prefers (add checkpoint.auto_resume=false to start from resume_from instead)",
                         ccfg.resume_from, ckpt)
+        from hydratrain.checkpoint.io import verify  # imports torch.distributed.checkpoint (~1 s): only when needed
+
         try:
             verify(ckpt)
         except DamagedCheckpointError as err:
             raise with_previous(err, ckpt) from None
         return ckpt
     if ccfg.resume_from:
+        from hydratrain.checkpoint.io import verify
+
         ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir))
         verify(ckpt)
         return ckpt
