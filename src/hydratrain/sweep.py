@@ -159,16 +159,18 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def _hopeless(hc: Any, err: BaseException, rows: List[dict]) -> str:
+def _hopeless(hc: Any, err: BaseException, rows: List[dict], launching: bool) -> str:
     """Why a search that goes on after failed trials (a sweeper with ``max_failure_rate`` > 0, such as the Optuna
-    preset, run in this process by Hydra's basic launcher) should stop now, after trial ``err`` failed; '' when it
-    should go on. It stops when no trial has completed and either the error is one that no sampled value
-    (``hydra.sweeper.params``) causes (a config or checkpoint error naming another key: every trial would fail
-    alike), or this was the last of ``n_trials`` (else Optuna ends in ``ValueError: No trials are completed yet``)."""
+    preset) should stop now, after trial ``err`` failed; '' when it should go on. Only the process that runs the
+    sweeper decides (``launching``: Hydra's basic launcher runs the jobs in it; hydratrain's torchrun and ray
+    launchers report a failed job there, not from its workers). It stops when no trial has completed and either the
+    error is one that no sampled value (``hydra.sweeper.params``) causes (a config or checkpoint error naming another
+    key: every trial would fail alike), or this was the last of ``n_trials`` (else Optuna ends in ``ValueError: No
+    trials are completed yet``)."""
     from hydratrain.errors import ConfigError, HydratrainError
 
     sweeper = hc.get("sweeper") or {}
-    if not sweeper.get("max_failure_rate") or "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
+    if not sweeper.get("max_failure_rate") or not (launching or "BasicLauncher" in str(hc.launcher.get("_target_"))):
         return ""
     if any(r["status"] == "COMPLETED" for r in rows):
         return ""
@@ -239,7 +241,7 @@ class SweepReportCallback(Callback):
                          _read_json(sweep_dir / MULTIRUN_MARK).get("id"), current)
         write_sweep_report(sweep_dir)
         if job_return.status.name == "FAILED":
-            why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir))
+            why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir), launching=started is None)
             if why:
                 raise SystemExit(f"hydratrain: sweep stopped after job {hc.job.num}: {why} (see "
                                  f"{sweep_dir / 'sweep_report.md'})")

@@ -67,7 +67,7 @@ def test_optuna_local_search_goes_on_past_failed_trials(cli, tmp_path, monkeypat
     check_optuna_search(r.returncode, r.output, sweep, 5, {3: "raise"}, ["ConfigError", "FloatingPointError"])
 
 
-@pytest.mark.slow  # three in-process trials and Optuna's import: about 10 s
+@pytest.mark.slow  # four in-process trials, two under the torchrun launcher, and Optuna's import: about 25 s
 def test_optuna_search_that_cannot_succeed_stops_with_one_line(cli, tmp_path):
     """An error no sampled value causes (a data path that matches no file) would fail every trial alike: the search
     stops after the first. Trials that all fail for their sampled values (every lr diverges) end with one line, not
@@ -85,6 +85,15 @@ def test_optuna_search_that_cannot_succeed_stops_with_one_line(cli, tmp_path):
     assert r.returncode == 1 and [row["status"] for row in report_rows(sweep)] == ["FAILED", "FAILED"]
     assert "hydratrain: sweep stopped after job 1: all 2 trials failed; the last: diverged: " in r.output
     assert "ValueError: No trials are completed yet" not in r.output, r.output[-3000:]
+    # the same under the torchrun launcher, which learns of a failed trial in its own process, not from a worker
+    sweep = tmp_path / "diverging_torchrun"
+    r = cli(["-m", "+hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "optim.lr=interval(1e4,1e5)",
+             "scheduler=constant", "scheduler.warmup_steps=0", "trainer.max_steps=3", "launcher=torchrun",
+             "launcher.nproc_per_node=1", "strategy=ddp", f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 1 and [row["status"] for row in report_rows(sweep)] == ["FAILED", "FAILED"]
+    assert "hydratrain: sweep stopped after job 1: all 2 trials failed; the last: LaunchError: job #1: rank 0 " \
+           "failed" in r.output, r.output[-3000:]
+    assert "ValueError: No trials are completed yet" not in r.output
 
 
 # ------------------------------------------------------------------ launcher errors before any worker starts
