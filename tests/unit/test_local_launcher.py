@@ -146,6 +146,9 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
                                        "a checkpoint of another trial (step_00000005; optim.lr: 0.001 -> 0.02)")
     assert "checkpoint.auto_resume=false" in rows[1]["error"]
     assert [r["train_loss"] for r in rows] == ["", ""]  # not the old trial's figures under the new values
+    # the refused jobs leave the old trials' record of their config alone (Hydra writes .hydra/ before the task runs)
+    assert [(sweep / j / ".hydra" / "overrides.yaml").read_text().count(lr) for j, lr in
+            (("0", "optim.lr=0.001"), ("1", "optim.lr=0.003"))] == [1, 1]
     dropped = cli([*common[:-1], f"hydra.sweep.dir={tmp_path / 'n1'}", "trainer.max_steps=3", "model.n_layer=1"])
     assert dropped.returncode == 0, dropped.output[-3000:]
     again = cli([*common[:-1], f"hydra.sweep.dir={tmp_path / 'n1'}", "trainer.max_steps=3"])  # override dropped

@@ -15,7 +15,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from hydratrain.dist.env import env_rank
 from hydratrain.errors import EXIT_CONFIG, ConfigError
@@ -170,10 +170,12 @@ def _launch_key() -> str:
                  if k in os.environ), "none")
 
 
-def output_subdir() -> Optional[str]:
+def output_subdir(*, _root_: Any = None) -> Optional[str]:
     """``.hydra`` on rank 0 and ``None`` (Hydra then writes no config copy) on the other ranks, and on rank 0 too
-    when another live job holds the run dir (:mod:`hydratrain.dist.run_lock`; this job then stops with exit status
-    2, and the running job's ``.hydra/`` stays its own)."""
+    when the job will stop before training (exit status 2) and the run dir's ``.hydra/`` belongs to another run:
+    another live job holds the run dir (:mod:`hydratrain.dist.run_lock`), or, in a sweep run again into its
+    ``hydra.sweep.dir``, the job's run dir holds a checkpoint of another trial
+    (:func:`hydratrain.checkpoint.manager.other_trial`). ``_root_``: the whole config (OmegaConf passes it)."""
     if env_rank() != 0:
         return None
     from hydra.core.hydra_config import HydraConfig
@@ -182,9 +184,33 @@ def output_subdir() -> Optional[str]:
 
     try:
         output_dir = HydraConfig.get().runtime.output_dir
-        return None if output_dir and held_by_another(Path(output_dir)) else ".hydra"
+        if output_dir and (held_by_another(Path(output_dir)) or _of_another_trial(Path(output_dir), _root_)):
+            return None
     except Exception:  # resolved before Hydra set up the job (--cfg hydra, a launcher's process), a bad $WORLD_SIZE
-        return ".hydra"  # (the job's own checks name it)
+        pass  # (the job's own checks name it)
+    return ".hydra"
+
+
+def _of_another_trial(run_dir: Path, root: Any) -> bool:
+    """Whether this sweep job's ``run_dir`` holds a latest checkpoint that another trial wrote (the job then stops:
+    ``hydratrain.run``), judged on ``root``, the job's whole config."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    hydra_cfg = HydraConfig.get()
+    if root is None or hydra_cfg.mode != RunMode.MULTIRUN or not (run_dir / "checkpoints").is_dir():
+        return False
+    if not OmegaConf.select(root, "checkpoint.auto_resume", default=True):
+        return False
+    from hydratrain.checkpoint.manager import list_checkpoints, other_trial
+
+    own = list_checkpoints(run_dir / "checkpoints")
+    if not own:
+        return False
+    task = OmegaConf.masked_copy(root, [k for k in root if k != "hydra"])
+    return bool(other_trial(own[-1][1], OmegaConf.to_container(task, resolve=True, enum_to_str=True),
+                            list(hydra_cfg.overrides.task)))
 
 
 def register_resolvers() -> None:
