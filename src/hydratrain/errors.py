@@ -9,7 +9,9 @@
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
 | 5 | another rank failed or died; this rank stopped after it (``distributed.failure_timeout_s``) |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
-| 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint: relaunch to resume |
+| 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint, or during start-up before any step
+  (:class:`PreemptedError`): relaunch to resume |
+| 130 | stopped by Ctrl-C (SIGINT) without saving (``hydratrain.run``) |
 
 Importing this module imports nothing heavy (no torch).
 """
@@ -102,3 +104,17 @@ def _show(value: Any) -> str:
     if isinstance(value, Enum):
         value = value.value
     return repr(value)
+
+
+class PreemptedError(HydratrainError):
+    """A preemption signal (SIGTERM; SIGUSR2 under submitit) arrived before training started: nothing was trained in
+    this launch, so nothing is saved; a relaunch starts from the checkpoint this one would have loaded. The exit
+    status is ``checkpoint.preempt_exit_code`` (default 75), as for a preemption during training."""
+
+    label = "preempted"
+    exit_status = EXIT_PREEMPTED
+    own_failure = True  # the signal came to this rank
+
+    def __init__(self, message: str, exit_status: int = EXIT_PREEMPTED):
+        self.exit_status = exit_status
+        super().__init__(message)

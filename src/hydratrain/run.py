@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, HydratrainError
+from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, HydratrainError, PreemptedError
 
 log = logging.getLogger("hydratrain")
 
@@ -36,8 +36,9 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
 
     from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves
+    from hydratrain.checkpoint.preemption import end_startup, guard_startup
     from hydratrain.config.validate import check_environment, validate
-    from hydratrain.dist.env import dist_info, quiet_console
+    from hydratrain.dist.env import dist_info, quiet_console, under_submitit
     from hydratrain.dist.process_group import process_group
     from hydratrain.dist.run_dir import launch_dir, run_dir_of
     from hydratrain.dist.run_lock import hold_run_dir
@@ -51,6 +52,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     try:
         env = dist_info()
         validate(cfg)
+        guard_startup(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())
+        _watch_interrupts()
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
         check_environment(cfg, env.world_size, launch, env.local_world_size)
@@ -67,9 +70,13 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except HydratrainError as err:
+        if _SIGINT["received"]:  # e.g. a peer's end, which the same Ctrl-C caused
+            _stop_interrupted(env)
         if env is None or env.rank == 0 or err.exit_status != EXIT_CONFIG:  # the same config error on every rank
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
+        if _in_multirun() and isinstance(err, PreemptedError):
+            _end_the_sweep(err.exit_status, f"{err.label}: {err}")
         if _in_multirun():
             raise  # Hydra records the job as failed and the sweep goes on
         if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
@@ -84,17 +91,86 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                   and "TORCHELASTIC_RUN_ID" in os.environ)
         time.sleep(getattr(err, "linger_s", 0.0) or (2.0 if shared else 0.0))
         raise SystemExit(err.exit_status) from None
-    except Exception:
+    except BaseException as err:
+        if isinstance(err, SystemExit) or not (isinstance(err, Exception) or _interrupted(err)):
+            raise
+        if _interrupted(err):  # this rank's Ctrl-C, or a peer's end that it caused in a collective here
+            _stop_interrupted(env)
         log.exception("rank %d failed", env.rank if env else 0)
         if _in_multirun():
             raise
         raise SystemExit(EXIT_ERROR) from None
     finally:
+        end_startup()
+        _watch_interrupts(False)
         if lock is not None:
             lock.release()
     if result.preempted:
+        if _in_multirun():
+            _end_the_sweep(cfg.checkpoint.preempt_exit_code, "preempted: stopped by a preemption signal after saving "
+                           "a checkpoint; relaunch the same command to resume")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
+
+
+#: exit status after Ctrl-C (128 + SIGINT, as a shell reports a process that SIGINT ended)
+EXIT_INTERRUPTED = 130
+_SIGINT = {"received": False, "previous": None}
+
+
+def _watch_interrupts(on: bool = True) -> None:
+    """While a run is on, note a SIGINT before Python raises KeyboardInterrupt for it, so that an error it causes
+    first (a collective a peer left because of the same Ctrl-C) still reads as the interruption. Leaves a handler
+    other than Python's default alone."""
+    import signal
+
+    try:
+        if on and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            _SIGINT.update(received=False, previous=signal.signal(signal.SIGINT, _on_sigint))
+        elif not on and _SIGINT["previous"] is not None:
+            signal.signal(signal.SIGINT, _SIGINT["previous"])
+            _SIGINT["previous"] = None
+    except ValueError:  # not the main thread
+        pass
+
+
+def _on_sigint(signum, frame) -> None:
+    _SIGINT["received"] = True
+    raise KeyboardInterrupt
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Ctrl-C ended ``err``'s work: a KeyboardInterrupt, DCP's CheckpointException around one, or any error after
+    this rank received SIGINT."""
+    if _SIGINT["received"] or isinstance(err, KeyboardInterrupt):
+        return True
+    if getattr(err, "failures", None) is None:
+        return False
+    from hydratrain.checkpoint.io import root_cause
+
+    return isinstance(root_cause(err), KeyboardInterrupt)
+
+
+def _stop_interrupted(env) -> None:
+    """One line (rank 0), exit status :data:`EXIT_INTERRUPTED`; in a sweep the whole sweep stops."""
+    why = ("interrupted (SIGINT, Ctrl-C): stopped without saving (a checkpoint save it cut short is discarded at the "
+           "next start); relaunch the same command to resume from the latest checkpoint")
+    if env is None or env.rank == 0:
+        print(f"hydratrain: {why}", file=sys.stderr, flush=True)
+    log.error("hydratrain: %s", why, extra={"file_only": True})
+    if _in_multirun():
+        _end_the_sweep(EXIT_INTERRUPTED, why)
+    raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def _end_the_sweep(status: int, why: str) -> None:
+    """A job that ends its whole multirun (a preemption signal, Ctrl-C): record it in the sweep report, which Hydra's
+    ``on_job_end`` would not do, and exit with ``status`` (SystemExit passes through Hydra; a relaunch of the same
+    command runs this job again)."""
+    from hydratrain.sweep import record_stopped_job
+
+    record_stopped_job(why)
+    raise SystemExit(status) from None
 
 
 def _keep_the_epoch_limit(job: "Job") -> None:

@@ -258,3 +258,21 @@ class SweepReportCallback(Callback):
             first = failed[0]
             raise SystemExit(f"hydratrain: {len(failed)} sweep job(s) failed (see {sweep_dir / 'sweep_report.md'}); "
                              f"first: job {first['job']} ({first['overrides']}): {first['error']}")
+
+
+def record_stopped_job(why: str) -> None:
+    """Record this multirun job as FAILED with ``why`` in its ``status.json`` and refresh the sweep report (rank 0 of
+    node 0), for a job that ends the whole sweep (a preemption signal, Ctrl-C) before Hydra's ``on_job_end`` runs.
+    Its dir's ``results.json``, if any, is an earlier launch's. Does nothing outside a multirun."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not _is_rank0() or not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    sweep_dir = Path(hc.runtime.cwd, hc.sweep.dir)  # relative to the launch dir (the cwd may be the job dir)
+    write_job_status(Path(hc.runtime.output_dir), hc.job.num, list(hc.overrides.task), "FAILED", why, math.nan,
+                     _read_json(sweep_dir / MULTIRUN_MARK).get("id"), results_current=False)
+    write_sweep_report(sweep_dir)

@@ -126,9 +126,12 @@ def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_ends_the_sweep(tmp_path):
-    """SIGINT to the launching process while job 0 trains: its workers are stopped, job 1 never starts, the sweep
-    exits non-zero at once instead of recording job 0 as failed and going on."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_launching_process_ends_the_sweep(tmp_path, sig):
+    """Ctrl-C or SIGTERM to the launching process while job 0 trains: the agent passes it on to the workers (which
+    save on SIGTERM), job 1 never starts, and the sweep ends at once with one line, status 130 or
+    checkpoint.preempt_exit_code (it ended with torch's SignalException traceback and status 1, so a batch script
+    could not tell a preemption), job 0 recorded as stopped. The same command resumes the sweep."""
     sweep = tmp_path / "s"
     proc = start(["-m", "launcher=torchrun", "launcher.nproc_per_node=1", "strategy=ddp", "trainer.max_steps=100000",
                   "trainer.eval_every_n_steps=0", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
@@ -136,12 +139,16 @@ def test_ctrl_c_ends_the_sweep(tmp_path):
     while not (sweep / "0" / "tensorboard").exists():  # job 0's rank 0 is training
         assert proc.poll() is None and time.time() < deadline, finish(proc, 10).output[-3000:]
         time.sleep(0.5)
-    os.kill(proc.pid, signal.SIGINT)
+    os.kill(proc.pid, sig)
     t0 = time.time()
     r = finish(proc, 90)
-    assert r.returncode != 0 and time.time() - t0 < 60, r.output[-3000:]
-    assert not (sweep / "1").exists()
-    assert not (sweep / "0" / "status.json").exists()  # interrupted, not a failed job
+    assert r.returncode == (130 if sig == signal.SIGINT else 75) and time.time() - t0 < 60, r.output[-3000:]
+    assert f"TorchrunLauncher: sweep stopped: job #0: stopped by {sig.name}" in r.output
+    assert "SignalException" not in r.output and not (sweep / "1").exists()
+    (row,) = report_rows(sweep)
+    assert row["status"] == "FAILED" and f"stopped by {sig.name}" in row["error"], row
+    if sig == signal.SIGTERM:
+        assert list((sweep / "0" / "checkpoints").glob("step_*")), "the workers did not save on SIGTERM"
     gone_by = time.time() + 15  # a worker stopped by the launcher may take seconds to exit on a loaded machine
     while time.time() < gone_by:
         try:

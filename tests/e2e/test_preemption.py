@@ -1,5 +1,7 @@
 """Preemption under SLURM through submitit: the time-limit signal is SIGUSR2 to rank 0; every rank saves, then
-submitit's own handler requeues the job (rank 0), and every rank exits with checkpoint.preempt_exit_code."""
+submitit's own handler requeues the job (rank 0), and every rank exits with checkpoint.preempt_exit_code. A
+preemption signal during start-up, and Ctrl-C in a run and in a sweep: one line, a documented status, nothing held.
+(SIGTERM during training: tests/e2e/test_checkpoint.py; to the torchrun launcher: tests/e2e/test_launchers.py.)"""
 from __future__ import annotations
 
 import os
@@ -7,7 +9,7 @@ import re
 import signal
 import time
 
-from helpers import FAULTY, finish, log_of, start
+from helpers import FAULTY, finish, log_of, report_rows, start
 from hydratrain.checkpoint.manager import latest_checkpoint
 
 
@@ -50,3 +52,44 @@ def test_sigusr2_under_submitit_saves_on_every_rank_then_requeues(tmp_path):
         assert f"stopping at step {step} after a preemption signal" in log_of(run_dir, rank)
     assert "SIGUSR2 received" in log_of(run_dir, 0)
     assert sorted(p.name for p in markers.iterdir()) == ["requeued_rank0"]  # submitit's handler ran once, rank 0
+
+
+def _wait_for(path, proc, what: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.time() < deadline, f"{what}: {finish(proc, 10).output[-3000:]}"
+        time.sleep(0.2)
+
+
+def test_sigterm_during_start_up_ends_the_launch_at_once_with_the_preempt_status(tmp_path):
+    """A SIGTERM while the run still starts (here while it builds its data, which HT_FAULT=sleep holds for 120 s):
+    nothing was trained, so it exits at once with one line and checkpoint.preempt_exit_code and releases its run dir.
+    It used to die of the signal (status 143) with nothing said and its lock left behind."""
+    run_dir = tmp_path / "run"
+    proc = start(["strategy=single", "checkpoint.preempt_exit_code=76"], run_dir, script=FAULTY,
+                 env={"HT_FAULT": "sleep", "HT_FAULT_AT": "startup", "HT_FAULT_RANK": "all"})
+    _wait_for(run_dir / "fault_rank0_startup", proc, "the run did not reach its data")
+    os.kill(proc.pid, signal.SIGTERM)
+    r = finish(proc, timeout=60)
+    assert r.returncode == 76 and r.seconds < 100, r.output[-3000:]
+    assert ("hydratrain: preempted: SIGTERM during start-up, before this launch's first step: nothing trained, "
+            "nothing to save; relaunch the same command to resume") in r.output
+    assert "Traceback" not in r.output
+    assert not (run_dir / "hydratrain.lock").exists()
+
+
+def test_ctrl_c_ends_a_run_and_its_sweep_with_one_line_and_status_130(tmp_path):
+    """SIGINT to an in-process sweep while job 0 trains: one line (it was a 75-line traceback, 130 lines in a sweep),
+    exit status 130, job 1 never starts, and the report records job 0 as stopped by the interrupt."""
+    sweep = tmp_path / "s"
+    proc = start(["-m", "strategy=single", "trainer.max_steps=100000", "trainer.eval_every_n_steps=0",
+                  "checkpoint.every_n_steps=2", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    _wait_for(sweep / "0" / "checkpoints" / "step_00000004", proc, "job 0 did not save step 4")
+    os.kill(proc.pid, signal.SIGINT)
+    r = finish(proc, timeout=60)
+    assert r.returncode == 130, r.output[-3000:]
+    assert r.output.count("hydratrain: interrupted (SIGINT, Ctrl-C): stopped without saving") == 1
+    assert "Traceback" not in r.output and not (sweep / "1").exists()
+    (row,) = report_rows(sweep)
+    assert row["status"] == "FAILED" and row["error"].startswith("interrupted (SIGINT, Ctrl-C)"), row
+    assert not (sweep / "0" / "hydratrain.lock").exists()

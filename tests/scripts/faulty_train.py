@@ -4,8 +4,10 @@
   ``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself: alive, sockets open, silent, as a rank hung in a driver or
   dead behind NCCL looks).
 - ``HT_FAULT_DELAY``: ``RANK:SECONDS``: that rank sleeps before its fault (so another rank's is recorded first).
-- ``HT_FAULT_STEP``: the optimizer step; ``HT_FAULT_AT``: ``step`` (inside it, before its backward; default) or
-  ``after_step`` (after the step's eval, checkpoint save and preemption check).
+- ``HT_FAULT_STEP``: the optimizer step; ``HT_FAULT_AT``: ``step`` (inside it, before its backward; default),
+  ``after_step`` (after the step's eval, checkpoint save and preemption check) or ``startup`` (while the data is
+  built, before any step; with ``HT_FAULT=sleep`` the rank touches ``fault_rank<R>_startup`` and sleeps 120 s there,
+  as a long start-up would).
 - ``HT_FAULT_RANK``: the rank that fails, or ``all`` (default 1).
 - ``HT_FAULT_ATTEMPT``: only on this elastic restart attempt (``TORCHELASTIC_RESTART_COUNT``; default 0).
 - ``HT_FAULT_ONCE=1``: only while the marker below does not exist yet (launchers without an attempt count: Ray).
@@ -75,7 +77,21 @@ def _inject() -> None:
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected on rank {rank} at step {step})")
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
-    if os.environ.get("HT_FAULT_AT", "step") == "step":
+    if os.environ.get("HT_FAULT_AT") == "startup":
+        import hydratrain.data as data
+
+        original_build_data = data.build_data  # hydratrain.run.build imports it by name when it runs
+
+        def build_data(*args, **kwargs):
+            (run_dir_of() / f"fault_rank{rank}_startup").touch()
+            if kind == "sleep":
+                time.sleep(120)
+            else:
+                fault()
+            return original_build_data(*args, **kwargs)
+
+        data.build_data = build_data
+    elif os.environ.get("HT_FAULT_AT", "step") == "step":
         original = trainer.Trainer.train_step
 
         def train_step(self, batches):

@@ -91,7 +91,9 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
     Failures (bad settings, the app's check raising, a port that cannot be had, a rendezvous timeout, a worker that
     failed after ``max_restarts``) come back as a FAILED JobReturn whose ``return_value`` raises: the check's own
     exception, :class:`LauncherConfigError`, or :class:`LaunchError` with a one-line reason. Ctrl-C / SIGTERM to
-    this process (torch's ``SignalException``) propagates: the agent has stopped the workers and the sweep ends.
+    this process (torch's ``SignalException``) ends the sweep: once the agent has passed the signal on to the workers
+    and they are gone, the job is reported FAILED to the callbacks and this process exits with one line and
+    ``preempt_exit_code`` (SIGTERM), 130 (SIGINT) or 128 + the signal.
     """
     import cloudpickle
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -130,8 +132,8 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
                                                           if failure.exitcode > 1 else "")
         error: BaseException = LaunchError(f"job #{num}: rank {rank} failed (after {conf.max_restarts} restart(s) "
                                            f"allowed): {why}")
-    except SignalException:
-        raise
+    except SignalException as err:
+        _stop_the_sweep(launcher, sweep_config, num, conf, err.sigval)
     except Exception as err:  # the check's own error, bad settings, a port, a rendezvous error: report, don't hang
         error = err
         if "Rendezvous" in type(err).__name__ and conf is not None:
@@ -143,6 +145,24 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, ret)
     return ret
+
+
+def _stop_the_sweep(launcher, sweep_config: DictConfig, num: int, conf: Optional[TorchrunLauncherConf],
+                    signum: int) -> None:
+    """A signal to this process stopped job ``num`` (the agent passed it on to the workers, which are gone now):
+    report the job FAILED to the callbacks (node 0), print one line and exit (SystemExit) with
+    ``conf.preempt_exit_code`` for SIGTERM, 130 for SIGINT, else 128 + ``signum``."""
+    import signal
+    import sys
+
+    name = signal.Signals(signum).name
+    status = ((conf.preempt_exit_code if conf is not None else 75) if signum == signal.SIGTERM else 128 + signum)
+    error = LaunchError(f"job #{num}: stopped by {name}, which the agent passed on to the job's workers; run the same "
+                        "command again to resume the sweep (each job continues from its own run dir)")
+    if conf is None or conf.node_rank == 0:
+        _job_end_callbacks(launcher, sweep_config, _failed_return(sweep_config, error))
+    print(f"TorchrunLauncher: sweep stopped: {error} (exit status {status})", file=sys.stderr, flush=True)
+    raise SystemExit(status) from None
 
 
 def _run_job_check(path: str, sweep_config: DictConfig) -> None:

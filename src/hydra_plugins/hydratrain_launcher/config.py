@@ -30,6 +30,9 @@ class TorchrunLauncherConf:
     start_method: str = "spawn"  # how the agent starts workers: spawn | forkserver | fork
     # --- per sweep
     stop_on_failure: bool = False  # true: a failed job ends the sweep; false: record it and run the next job
+    # exit status of the sweep when SIGTERM stops it (SIGINT: 130, other signals 128 + the signal): the agent passes
+    # the signal on to the job's workers and waits for them (an app that saves on SIGTERM has saved by then)
+    preempt_exit_code: int = 75
     # Dotted path of the app's check ``f(cfg)``, called in the launcher process on each job's config (as the task
     # function would get it, read-only) before any worker starts; an exception fails that job. null: no check.
     job_check: Optional[str] = None

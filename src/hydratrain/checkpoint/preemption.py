@@ -18,6 +18,45 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+_STARTUP: dict[int, object] = {}  # signal -> its handler before guard_startup's, while the guard is on
+_STARTUP_EXIT = [75]
+
+
+def guard_startup(enabled: bool, exit_code: int, under_submitit: bool = False) -> None:
+    """Until training can stop cleanly (:class:`Preemption` takes over, or :func:`end_startup`), a preemption signal
+    (SIGTERM; SIGUSR2 under submitit) ends the launch at once: :class:`~hydratrain.errors.PreemptedError` is raised
+    where the main thread is (reading data, building the model, loading a checkpoint), so ``hydratrain.run`` prints
+    one line, releases the run dir and exits with ``exit_code``. Nothing was trained in this launch, so there is
+    nothing to save, and a SLURM grace period is not spent on start-up. Under submitit, SIGUSR2 goes to submitit's
+    own handler, which requeues the job. ``enabled``: ``checkpoint.save_on_sigterm`` (false keeps the defaults)."""
+    if not enabled or _STARTUP:
+        return
+    _STARTUP_EXIT[0] = exit_code
+    for sig in [signal.SIGTERM] + ([signal.SIGUSR2] if under_submitit else []):
+        try:
+            _STARTUP[sig] = signal.signal(sig, _startup_signal)
+        except ValueError:  # not the main thread
+            pass
+
+
+def end_startup() -> None:
+    """Restore the handlers :func:`guard_startup` replaced (idempotent)."""
+    while _STARTUP:
+        sig, previous = _STARTUP.popitem()
+        signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def _startup_signal(signum, frame) -> None:
+    from hydratrain.errors import PreemptedError
+
+    previous = _STARTUP.get(signum)
+    end_startup()  # a second signal gets the previous handler
+    if signum == signal.SIGUSR2 and callable(previous):
+        previous(signum, frame)  # submitit: requeue (rank 0) and sys.exit
+    raise PreemptedError(f"{signal.Signals(signum).name} during start-up, before this launch's first step: nothing "
+                         "trained, nothing to save; relaunch the same command to resume", _STARTUP_EXIT[0])
+
+
 class Preemption:
     """Installs the handlers (when ``enabled``), agrees on stopping, and restores the handlers in :meth:`close`.
 
@@ -33,6 +72,7 @@ class Preemption:
         self.stopped = False
         self._previous: dict[int, object] = {}
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        end_startup()
         if not enabled:
             return
         signals = [signal.SIGTERM] + ([signal.SIGUSR2] if under_submitit else [])
