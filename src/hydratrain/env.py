@@ -2,8 +2,9 @@
 
 Prints the torch version, CUDA availability and device count, the distributed backends compiled in, whether bf16 is
 native, which ``strategy=`` and ``precision=`` options this machine supports, whether ``optim=adamw8bit`` can run
-(torchao, and a C++ compiler for its ``torch.compile`` on CPU), which launcher extras are installed, and the per-rank
-memory budget the memory planner (``hydratrain.plan``) would use.
+(torchao, and a C++ compiler for its ``torch.compile`` on CPU), which launcher extras are installed (and, for
+``launcher=slurm``, whether SLURM's ``sbatch`` and ``srun`` are on PATH), and the per-rank memory budget the memory
+planner (``hydratrain.plan``) would use.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def report() -> list[str]:
     import torch
     import torch.distributed as dist
 
+    from hydratrain.config.validate import missing_slurm_commands
     from hydratrain.parallel.precision import cpu_has_native_bf16
 
     cuda = torch.cuda.is_available()
@@ -38,9 +40,11 @@ def report() -> list[str]:
                   f"auto (-> {'bf16' if bf16_fast else 'fp32'})"]
     lines.append(f"precisions: {', '.join(precisions)}")
     lines.append(f"optimizers: adamw, {_lowbit()}")
-    lines.append("launchers: local, torchrun, " + ", ".join(f"{name} ({_installed(pkg, extra)})" for name, pkg, extra in
-                                                            (("slurm and submitit_local", "submitit", "slurm"),
-                                                             ("ray", "ray", "ray"))))
+    submitit = _installed("submitit", "slurm")
+    missing = missing_slurm_commands()
+    slurm = f"; needs SLURM's {' and '.join(missing)}, missing here" if missing else ""
+    lines.append(f"launchers: local, torchrun, slurm ({submitit}{slurm}), submitit_local ({submitit}), "
+                 f"ray ({_installed('ray', 'ray')})")
     optuna = _installed("hydra-optuna-sweeper", "optuna")
     lines.append(f"sweepers: basic, optuna for +hparams_search=lr_optuna ({optuna})")
     lines.append(memory_budget_line(cuda))

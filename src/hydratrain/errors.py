@@ -17,6 +17,7 @@ Importing this module imports nothing heavy (no torch).
 """
 from __future__ import annotations
 
+import copyreg
 from typing import Any, Optional
 
 from hydra.errors import CompactHydraException
@@ -44,6 +45,12 @@ class HydratrainError(CompactHydraException):
     #: ranks): a peer's failure cannot cause it, so the rank keeps its exit status whichever rank recorded a failure
     #: first (hydratrain.dist.process_group); otherwise only an error with the first failure's text does
     own_failure = False
+
+    def __reduce__(self):
+        """Pickle as the message and the attributes, not the constructor's arguments: a launcher that runs the job
+        elsewhere (submitit, Ray) pickles its exception back, and a subclass's ``__init__`` (``ConfigError(key,
+        value, why)``) cannot be called again with the formatted message alone."""
+        return copyreg.__newobj__, (type(self), *self.args), self.__dict__
 
 
 class ConfigError(HydratrainError, ValueError):

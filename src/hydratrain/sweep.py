@@ -196,18 +196,18 @@ def _is_rank0() -> bool:
 
 
 class SweepReportCallback(Callback):
-    """Hydra callback: on multirun start, check the ``launcher`` keys (a SLURM GPU/task mismatch fails before
-    anything is submitted); after each job (rank 0, or the launcher process for a job whose workers failed), record
-    its status and refresh the report; at multirun end, refresh it, log where it is, and exit with status 1 when
-    any job failed (a sweeper that tolerates failed trials, like the Optuna preset, otherwise exits 0). Does nothing
-    in single runs."""
+    """Hydra callback: on multirun start, check the ``launcher`` keys (a SLURM GPU/task mismatch, or no ``sbatch``
+    here, fails before anything is submitted); after each job (rank 0, or the launcher process for a job whose
+    workers failed), record its status and refresh the report; at multirun end, refresh it, log where it is, and exit
+    with status 1 when any job failed (a sweeper that tolerates failed trials, like the Optuna preset, otherwise exits
+    0). Does nothing in single runs."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydratrain.config import ConfigError, validate_launcher
 
         if "launcher" in config:
             try:
-                validate_launcher(config.launcher)
+                validate_launcher(config.launcher, submitting=True)
             except ConfigError as err:
                 raise SystemExit(f"hydratrain: config error: {err}") from None
         if _is_rank0() and ("launcher" not in config or config.launcher.get("node_rank", 0) == 0):

@@ -59,11 +59,13 @@ def test_same_weights_and_eval_loss_whatever_the_build_and_layout(reference_prob
 
 # -------------------------------------------------------------------------------- console, option effects
 def test_only_rank_0_prints_and_ddp_reduces_in_the_configured_dtype(shared_sweep):
-    """Read from the session's shared 2-rank sweep: its console has each job's lines once (rank 0's), each rank's
-    log file keeps its own; the job that all-reduces DDP gradients in bfloat16 differs from the fp32 one (step 1's
-    gradient norm is taken before any update: same model, seed and first batch) by bf16 rounding only."""
+    """Read from the session's shared 2-rank sweep: its console has each job's lines once (rank 0's), Hydra's own
+    lines too ("Launching N jobs locally", "#N : ..."), each rank's log file keeps its own; the job that all-reduces
+    DDP gradients in bfloat16 differs from the fp32 one (step 1's gradient norm is taken before any update: same
+    model, seed and first batch) by bf16 rounding only."""
     out, jobs = shared_sweep.result.output, len(SHARED_RUNS)
     assert out.count("process group: backend=gloo") == jobs, out[-3000:]
+    assert out.count("[HYDRA] Launching") == 1 and len(re.findall(r"\[HYDRA\]\s+#\d+ : ", out)) == jobs, out[:3000]
     assert len(re.findall(r"precision=\w+ \(compute \w+, reduce \w+", out)) == jobs, out[-3000:]
     run_dir = shared_sweep.job("ddp_fp32_reduce_bf16")
     assert "world_size=2 rank=1" in log_of(run_dir, 1)  # each rank's log file keeps its lines

@@ -246,6 +246,17 @@ def test_submitit_local_runs_the_default_config_as_two_tasks_of_one_run(tmp_path
     assert report_rows(sweep)[0]["status"] == "COMPLETED"
 
 
+@pytest.mark.slow  # ~10 s: one job that stops in its checks
+def test_submitit_local_job_error_reaches_the_console_as_its_one_line(tmp_path):
+    """submitit pickles the job's exception back to the launching process: the ConfigError's own line is printed,
+    not a TypeError from unpickling it."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    r = run(["launcher=submitit_local", "strategy=ddp", "trainer.max_steps=3", "optim.lr=-1",
+             f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=300)
+    assert r.returncode != 0 and "optim.lr=-1.0: must be finite and > 0" in r.output, r.output[-3000:]
+    assert "TypeError" not in r.output and "Traceback" not in r.output, r.output[-3000:]
+
+
 # ------------------------------------------------------------------------------------------------ optuna
 @pytest.mark.slow  # 4 trials x 2 ranks (~20 s); the local search (in-process) and the basic sweeper's torchrun jobs
 # cover its parts in the default selection

@@ -24,6 +24,24 @@ def test_bad_launcher_config_is_one_line_error_naming_the_key(compose, overrides
     assert err.value.key == key and "\n" not in str(err.value)
 
 
+def test_slurm_needs_sbatch_and_srun_only_where_it_submits(compose, tmp_path, monkeypatch):
+    """The process that submits needs SLURM's commands on PATH; a job's own checks (on a compute node) do not."""
+    from hydratrain.config import validate_launcher
+
+    cfg = compose(["launcher=slurm", "launcher.gpus_per_node=2"], return_hydra_config=True)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        validate_launcher(cfg.launcher, submitting=True)
+    assert err.value.key == "launcher" and "sbatch and srun are not on PATH" in str(err.value)
+    assert "submitit_local" in str(err.value) and "\n" not in str(err.value)
+    validate_launcher(cfg.launcher)  # a job's check
+    for name in ("sbatch", "srun"):  # a machine with SLURM (fakes that are never run)
+        (tmp_path / name).write_text("#!/bin/sh\nexit 1\n")
+        (tmp_path / name).chmod(0o755)
+    validate_launcher(cfg.launcher, submitting=True)
+    validate_launcher(compose(["launcher=submitit_local"]).launcher, submitting=True)
+
+
 def test_presets_select_the_hydra_launcher_and_multirun(compose):
     for name, target in [("torchrun", "hydratrain_launcher.torchrun_launcher.TorchrunLauncher"),
                          ("slurm", "hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),

@@ -1,6 +1,7 @@
 """train.py's command line in this process where no worker process is the point: the default config under the local
 launcher, local sweeps and Optuna searches whose failed jobs are reported while the sweep goes on, and launcher errors
-found before any worker starts (a port that cannot be had, submitit's GPU/task mismatch, stop_on_failure)."""
+found before any worker starts (a port that cannot be had, submitit's GPU/task mismatch, SLURM missing,
+stop_on_failure)."""
 from __future__ import annotations
 
 import socket
@@ -125,6 +126,18 @@ def test_submitit_gpu_task_mismatch_fails_before_submitting(cli, tmp_path):
     assert r.returncode != 0
     assert "config error: launcher.tasks_per_node=1: must equal launcher.gpus_per_node=2" in r.output
     assert not (tmp_path / "s" / ".submitit").exists()
+
+
+def test_slurm_without_sbatch_fails_before_submitting(cli, tmp_path, monkeypatch):
+    """launcher=slurm on a machine without SLURM: one line naming the key and what to use instead, not submitit's
+    traceback ('Could not detect "srun"')."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no srun
+    r = cli(["launcher=slurm", "strategy=ddp", "launcher.gpus_per_node=2", f"hydra.sweep.dir={tmp_path / 's'}"])
+    assert r.returncode != 0 and "Traceback" not in r.output, r.output[-3000:]
+    assert "hydratrain: config error: launcher='slurm': needs SLURM, but sbatch and srun are not on PATH here; " \
+           "allowed here: local, torchrun, submitit_local" in r.output, r.output[-3000:]
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.slow  # several in-process runs; keeps the default suite near 4 minutes

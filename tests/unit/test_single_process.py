@@ -35,8 +35,9 @@ def test_text_files_relative_paths_resolve_against_the_launch_dir(cli, tmp_path,
     assert re.search(r"data=text_files: .* \(train \d files / \d+ tokens, val \d files", log0), log0
 
 
-def test_env_report(capsys):
-    """``python -m hydratrain.env`` prints the report."""
+def test_env_report(capsys, monkeypatch, tmp_path):
+    """``python -m hydratrain.env`` prints the report; on a machine without SLURM's commands (a PATH without them)
+    it says that slurm needs them."""
     import runpy
     import warnings
 
@@ -46,7 +47,12 @@ def test_env_report(capsys):
     out = capsys.readouterr().out
     assert "torch 2." in out and "cuda available:" in out and "backends: gloo" in out
     assert "strategies: single, ddp, fsdp" in out and "precisions: fp32" in out
-    assert "launchers: local, torchrun, slurm and submitit_local (" in out and "sweepers: basic, optuna for" in out
+    assert "launchers: local, torchrun, slurm (" in out and "sweepers: basic, optuna for" in out
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no srun
+    from hydratrain.env import report
+
+    line = next(x for x in report() if x.startswith("launchers:"))
+    assert "needs SLURM's sbatch and srun, missing here)" in line and "submitit_local (" in line, line
 
 
 # ------------------------------------------------------------------------------------------ divergence

@@ -6,6 +6,7 @@ give its classes new identities (an ``except LauncherConfigError`` elsewhere wou
 """
 from __future__ import annotations
 
+import copyreg
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,6 +21,10 @@ class LauncherConfigError(ValueError):
     def __init__(self, key: str, value: object, why: str):
         self.key, self.value, self.why = f"hydra.launcher.{key}", value, why
         super().__init__(f"{self.key}={value!r}: {why}")
+
+    def __reduce__(self):
+        """Pickle as the message and the attributes (``__init__`` cannot be called again with the message alone)."""
+        return copyreg.__newobj__, (type(self), *self.args), self.__dict__
 
 
 def check_settings(conf: TorchrunLauncherConf) -> None:

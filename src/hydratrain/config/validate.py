@@ -187,11 +187,26 @@ def launched_processes(launcher: DictConfig) -> int:
     return 1
 
 
-def validate_launcher(launcher: DictConfig) -> None:
+def missing_slurm_commands() -> list:
+    """SLURM's commands that ``launcher=slurm`` needs and this machine's PATH lacks: ``sbatch`` (submitit submits
+    with it) and ``srun`` (submitit's SLURM executor refuses to start without it)."""
+    import shutil
+
+    return [c for c in ("sbatch", "srun") if shutil.which(c) is None]
+
+
+def validate_launcher(launcher: DictConfig, submitting: bool = False) -> None:
     """Check the ``launcher`` group alone (the sweep callback calls it before anything is submitted).
 
-    Raises :class:`ConfigError` naming the key, e.g. a GPUs-per-node / tasks-per-node mismatch for SLURM.
+    Raises :class:`ConfigError` naming the key, e.g. a GPUs-per-node / tasks-per-node mismatch for SLURM. With
+    ``submitting`` (the process that submits, not a job) also what that machine needs: SLURM's commands on PATH for
+    ``launcher=slurm``.
     """
+    missing = missing_slurm_commands() if submitting and launcher.get("name") == "slurm" else []
+    if missing:
+        raise ConfigError("launcher", "slurm", f"needs SLURM, but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not on PATH here; allowed here: local, torchrun, "
+                          "submitit_local (the same submitit path as local processes), ray")
     for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout",
                 "num_workers"):
         if key in launcher and (launcher[key] is None or launcher[key] <= 0):

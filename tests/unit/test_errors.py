@@ -1,0 +1,68 @@
+"""Every exception class of hydratrain and its launcher plugin survives pickling (submitit and Ray pickle a job's
+exception back to the launching process): same type, message, args and attributes. The classes are discovered by
+importing every module, so a new one is covered without editing this file."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import pkgutil
+
+import pytest
+
+import hydra_plugins.hydratrain_launcher
+import hydratrain
+
+PACKAGES = (hydratrain, hydra_plugins.hydratrain_launcher)
+
+
+def _exception_classes() -> list:
+    found = set()
+    for pkg in PACKAGES:
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            for _, cls in inspect.getmembers(importlib.import_module(info.name), inspect.isclass):
+                if issubclass(cls, BaseException) and cls.__module__.startswith(tuple(p.__name__ for p in PACKAGES)):
+                    found.add(cls)
+    return sorted(found, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+
+
+def _sample(param: inspect.Parameter):
+    """A value for one constructor parameter, of the annotated kind (annotations are strings here)."""
+    kind = str(param.annotation)
+    return 7 if "int" in kind else 2.5 if "float" in kind else f"<{param.name}>"
+
+
+def _instance(cls) -> BaseException:
+    """``cls`` built with a value for every parameter of its ``__init__`` (optional ones too, so that every
+    attribute is set), or with one message when it keeps the built-in one."""
+    if not inspect.isfunction(cls.__init__):
+        return cls("<message>")
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    return cls(*(_sample(p) for p in params))
+
+
+CLASSES = _exception_classes()
+
+
+def test_discovery_finds_the_classes_with_constructor_arguments():
+    names = {c.__name__ for c in CLASSES}
+    assert {"ConfigError", "DivergenceError", "PeerFailedError", "LauncherConfigError", "LaunchError"} <= names
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__qualname__)
+def test_exception_round_trips_through_pickle(cls):
+    err = _instance(cls)
+    err.add_note("a note")
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        back = pickle.loads(pickle.dumps(err, protocol=protocol))
+        assert type(back) is cls
+        assert str(back) == str(err) and back.args == err.args
+        assert vars(back) == vars(err)  # key, value, why, step, last_checkpoint, linger_s, __notes__
+
+
+def test_config_error_keeps_its_key_and_exit_status_through_pickle():
+    from hydratrain.errors import EXIT_CONFIG, ConfigError
+
+    back = pickle.loads(pickle.dumps(ConfigError("optim.lr", -1.0, "must be finite and > 0")))
+    assert (back.key, back.value, back.exit_status, back.label) == ("optim.lr", -1.0, EXIT_CONFIG, "config error")
+    assert str(back) == "optim.lr=-1.0: must be finite and > 0"
