@@ -183,6 +183,10 @@ def test_printing_the_resolved_config_reserves_no_run_dir(cli, tmp_path):
     assert run.returncode == 0, run.output
     assert f"dir: {tmp_path}/outputs/" in run.out and f"dir: {tmp_path}/multirun/" in run.out
     assert list(tmp_path.iterdir()) == []
+    # Hydra's own part alone (no paths.* there): it was an InterpolationKeyError traceback
+    run = cli(["--cfg", "hydra", "--resolve", f"paths.output_dir={tmp_path}"])
+    assert run.returncode == 0 and "Traceback" not in run.output, run.output[-3000:]
+    assert "dir: <paths.output_dir>/outputs/" in run.out and list(tmp_path.iterdir()) == []
 
 
 def test_a_sweep_job_whose_run_dir_is_held_names_the_sweep_dir_and_the_job(cli, tmp_path):
