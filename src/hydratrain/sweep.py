@@ -189,6 +189,19 @@ def _hopeless(hc: Any, err: BaseException, rows: List[dict], launching: bool) ->
     return ""
 
 
+def _check_before_submitting(config: DictConfig) -> None:
+    """The config checks of a job (:func:`hydratrain.config.validate`) on the sweep's config, whose swept keys keep
+    their defaults, before submitit queues anything: a bad fixed value fails now, not when a SLURM job starts after
+    its wait in the queue. (A bad swept value still fails its own job.) Raises ConfigError."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.config.validate import validate
+
+    task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+    OmegaConf.set_readonly(task, True)
+    validate(task)
+
+
 def _is_rank0() -> bool:
     from hydratrain.dist.env import env_rank
 
@@ -208,6 +221,8 @@ class SweepReportCallback(Callback):
         if "launcher" in config:
             try:
                 validate_launcher(config.launcher, submitting=True)
+                if config.launcher.get("name") in ("slurm", "submitit_local"):
+                    _check_before_submitting(config)
             except ConfigError as err:
                 raise SystemExit(f"hydratrain: config error: {err}") from None
         if _is_rank0() and ("launcher" not in config or config.launcher.get("node_rank", 0) == 0):

@@ -140,6 +140,17 @@ def test_slurm_without_sbatch_fails_before_submitting(cli, tmp_path, monkeypatch
     assert not (tmp_path / "s").exists()
 
 
+def test_submitit_bad_fixed_value_fails_before_submitting(cli, tmp_path):
+    """A job's config checks run on the sweep's config before submitit queues anything: a typo no longer waits in
+    the SLURM queue to fail when the job starts."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    r = cli(["-m", "launcher=submitit_local", "optim.lr=-1", "trainer.max_steps=1,2",
+             f"hydra.sweep.dir={tmp_path / 's'}"])
+    assert r.returncode != 0 and "hydratrain: config error: optim.lr=-1.0: must be finite and > 0" in r.output, \
+        r.output[-3000:]
+    assert not (tmp_path / "s" / ".submitit").exists()
+
+
 @pytest.mark.slow  # several in-process runs; keeps the default suite near 4 minutes
 def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_other_ones(cli, tmp_path):
     """Job N of a sweep auto-resumes from its run dir (a preempted sweep, relaunched; here with a longer run). A
