@@ -5,7 +5,8 @@
 | 0 | done |
 | 1 | an unexpected exception on this rank (its traceback is on the console and in its log) |
 | 2 | :class:`ConfigError`: a bad config value, found before any process group exists |
-| 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used; nothing was trained |
+| 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used (nothing was trained), or a
+  save cannot be written (training stopped; the latest complete checkpoint is intact) |
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
 | 5 | another rank failed or died; this rank stopped after it (``distributed.failure_timeout_s``) |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |

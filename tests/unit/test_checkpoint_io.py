@@ -301,3 +301,32 @@ def test_a_fresh_start_does_not_import_the_checkpoint_reader(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("where", ["shards", "config"])
+def test_a_save_that_cannot_be_written_stops_with_one_line_and_keeps_the_last_checkpoint(make_job, tmp_path,
+                                                                                         monkeypatch, where):
+    """A full (or read-only, or lost) filesystem while saving: a CheckpointError naming the step, the cause and the
+    intact checkpoint to resume from (it was DCP's CheckpointException traceback, exit 1); the partial dir is gone."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    run_dir = tmp_path / "r"
+    job = make_job(run_dir)
+    job.checkpoints.save(2)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "shards":
+        monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    else:
+        write_text = Path.write_text
+        monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: full() if self.name == "config.yaml"
+                            else write_text(self, *a, **k))
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"saving step 4 under {run_dir / 'checkpoints'} failed (OSError: [Errno 28] No space left on device); "
+            f"training stopped. The latest complete checkpoint, {ckpt_of(run_dir, 2)}, is intact: make room")):
+        job.checkpoints.save(4)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]

@@ -357,19 +357,33 @@ class CheckpointManager:
                                   step, str(self.last_good()) if self.last_good() else None)
         final = self.root / step_dir_name(step)
         tmp = self.root / (TMP_PREFIX + final.name)
+        problem: Optional[BaseException] = None
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config)))
-            for name, content in self.attachments.items():
-                if isinstance(content, Path):
-                    shutil.copyfile(content, tmp / name)
-                else:
-                    (tmp / name).write_text(content)
-        barrier()
-        with quiet_without_process_group():
-            dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config)))
+                for name, content in self.attachments.items():
+                    if isinstance(content, Path):
+                        shutil.copyfile(content, tmp / name)
+                    else:
+                        (tmp / name).write_text(content)
+            except OSError as err:
+                problem = err
+        if any_rank(problem is not None, self.device):  # (the barrier before the shards are written)
+            raise self._save_failed(step, tmp, problem)
+        try:
+            with quiet_without_process_group():
+                dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
+            from hydratrain.checkpoint.io import root_cause
+
+            if isinstance(root_cause(err), KeyboardInterrupt):
+                raise  # Ctrl-C (hydratrain.run)
+            raise self._save_failed(step, tmp, root_cause(err)) from err
         barrier()  # every rank's shards are written and DCP's .metadata is in place
         if self.rank == 0:
             if final.exists():
@@ -386,6 +400,19 @@ class CheckpointManager:
         if self.rank == 0:
             self._prune()  # after the new one is complete and logged: the log reads in the order things happened
         return final
+
+    def _save_failed(self, step: int, tmp: Path, cause: Optional[BaseException]) -> CheckpointError:
+        """The one-line error of a save that could not be written (a full or read-only filesystem, a lost mount);
+        rank 0 removes the partial ``tmp`` dir, which frees its space (the next start would remove it anyway)."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None \
+            else "another rank could not write its part"
+        last = self.last_good()
+        return CheckpointError(f"saving step {step} under {self.root} failed ({why}); training stopped. "
+                               + (f"The latest complete checkpoint, {last}, is intact: make room (or lower "
+                                  "checkpoint.keep_last) and relaunch the same command to resume from it"
+                                  if last else "No checkpoint was written before: make room and relaunch"))
 
     def _prune(self) -> None:
         if not self.keep_last:
