@@ -202,6 +202,14 @@ def _check_before_submitting(config: DictConfig) -> None:
     validate(task)
 
 
+def _sweep_dir(hc: Any) -> Path:
+    """``hydra.sweep.dir``, a relative one resolved against the launch dir (``hydra.runtime.cwd``): with
+    ``hydra.job.chdir=true`` a job's callbacks run in its own dir."""
+    from hydratrain.dist.run_dir import resolve_path
+
+    return resolve_path(str(hc.sweep.dir), Path(str(hc.runtime.cwd)))
+
+
 def _is_rank0() -> bool:
     from hydratrain.dist.env import env_rank
 
@@ -226,7 +234,7 @@ class SweepReportCallback(Callback):
             except ConfigError as err:
                 raise SystemExit(f"hydratrain: config error: {err}") from None
         if _is_rank0() and ("launcher" not in config or config.launcher.get("node_rank", 0) == 0):
-            mark_multirun(Path(str(config.hydra.sweep.dir)))
+            mark_multirun(_sweep_dir(config.hydra))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._job_started = time.time()
@@ -235,15 +243,17 @@ class SweepReportCallback(Callback):
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
+        from hydratrain.dist.run_dir import resolve_path
+
         hc = config.hydra if "hydra" in config else HydraConfig.get()
         if hc.mode != RunMode.MULTIRUN or not _is_rank0():
             return
-        job_dir = Path(hc.runtime.output_dir)
+        job_dir = resolve_path(str(hc.runtime.output_dir), Path(str(hc.runtime.cwd)))
         job_dir.mkdir(parents=True, exist_ok=True)
         error = ""
         if job_return.status.name == "FAILED":
             error = f"{type(job_return._return_value).__name__}: {job_return._return_value}".splitlines()[0]
-        sweep_dir = Path(hc.sweep.dir)
+        sweep_dir = _sweep_dir(hc)
         results = _read_json(job_dir / "results.json")
         started = getattr(self, "_job_started", None)  # None: the launcher's process, for a job its workers failed
         try:
@@ -264,7 +274,7 @@ class SweepReportCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):
             return
-        sweep_dir = Path(str(config.hydra.sweep.dir))
+        sweep_dir = _sweep_dir(config.hydra)
         path = write_sweep_report(sweep_dir)
         if path:
             log.info("sweep report: %s\n%s", path, path.with_suffix(".md").read_text())
@@ -287,7 +297,10 @@ def record_stopped_job(why: str) -> None:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return
-    sweep_dir = Path(hc.runtime.cwd, hc.sweep.dir)  # relative to the launch dir (the cwd may be the job dir)
-    write_job_status(Path(hc.runtime.output_dir), hc.job.num, list(hc.overrides.task), "FAILED", why, math.nan,
+    sweep_dir = _sweep_dir(hc)
+    from hydratrain.dist.run_dir import resolve_path
+
+    job_dir = resolve_path(str(hc.runtime.output_dir), Path(str(hc.runtime.cwd)))
+    write_job_status(job_dir, hc.job.num, list(hc.overrides.task), "FAILED", why, math.nan,
                      _read_json(sweep_dir / MULTIRUN_MARK).get("id"), results_current=False)
     write_sweep_report(sweep_dir)

@@ -90,6 +90,23 @@ def test_relaunching_a_finished_run_keeps_its_results(cli, tmp_path):
         assert after[key] == before[key], key
 
 
+def test_a_relaunch_with_nothing_to_train_reports_no_figures_of_steps_it_does_not_have(cli, tmp_path):
+    """The run trained to step 9, its newest checkpoint is step 5 (no save at the end): a relaunch resumes at 5 and,
+    with max_steps=3, trains nothing. The results.json of step 9 is not this run's any more: its train loss, tokens/s
+    and MFU used to be carried over as step 5's; now there is no train loss rather than a wrong one."""
+    run = tmp_path / "r"
+    common = ["strategy=single", "checkpoint.every_n_steps=5", "checkpoint.save_last=false"]
+    cli([*common, "trainer.max_steps=9"], run).ok()
+    assert results(run)["steps"] == 9 and results(run)["train_loss"] is not None
+    r = cli([*common, "trainer.max_steps=3"], run).ok()
+    after = results(run)
+    assert (after["steps"], after["steps_this_launch"]) == (5, 0), r.output[-3000:]
+    assert after["eval_loss"] is not None and after["first_loss"] is not None  # measured now / in the checkpoint
+    for key in ("train_loss", "tokens_per_sec", "mfu"):
+        assert after[key] is None, key
+    (done,) = [ln for ln in r.output.splitlines() if "done: step 5" in ln]
+    assert "train loss" not in done and "from results.json" not in done, done
+
 def test_export_onto_a_directory_is_refused_and_leaves_no_file(cli, tmp_path, capsys):
     from hydratrain.checkpoint.export import main
 

@@ -178,3 +178,29 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
     again = cli([*common[:-1], f"hydra.sweep.dir={tmp_path / 'n1'}", "trainer.max_steps=3"])  # override dropped
     assert "another trial (step_00000003; model.n_layer: 1 -> 2)" in report_rows(tmp_path / "n1")[0]["error"], \
         again.output[-3000:]
+
+
+@pytest.mark.parametrize("sweeper", ["basic", "optuna", pytest.param("torchrun", marks=pytest.mark.slow)])
+def test_a_relative_sweep_dir_under_job_chdir_is_reported_from_the_launch_dir(cli, tmp_path, monkeypatch, sweeper):
+    """With hydra.job.chdir=true a job runs in its own dir: a relative hydra.sweep.dir (given, or built from a
+    relative paths.output_dir as by default) still means the one below the launch dir. The report used to be looked
+    for below the job dir: no report, every status.json outside the multirun, and an Optuna search with a failed
+    trial exiting 0."""
+    if sweeper == "optuna":
+        pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HT_FAULT_JOBS", "1:raise")
+    args = {"basic": ["-m", "trainer.max_steps=2,2", "hydra.sweep.dir=rel/sw", "strategy=single"],
+            "optuna": ["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "trainer.max_steps=2",
+                       "paths.output_dir=rel", "strategy=single"],
+            "torchrun": ["-m", "trainer.max_steps=2,2", "hydra.sweep.dir=rel/sw", "launcher=torchrun",
+                         "launcher.nproc_per_node=1", "strategy=ddp"]}[sweeper]
+    r = cli([*args, "hydra.job.chdir=true"], script=FAULTY)
+    assert r.returncode == 1, r.output[-3000:]
+    (sweep,) = {p.parent for p in (tmp_path / "rel").rglob("sweep_report.csv")}
+    assert sweep.relative_to(tmp_path).parts[:2] == (("rel", "multirun") if sweeper == "optuna" else ("rel", "sw"))
+    rows = report_rows(sweep)
+    assert [(row["job"], row["status"], row["steps"]) for row in rows] == [("0", "COMPLETED", "2"), ("1", "FAILED", "")]
+    assert rows[1]["error"].endswith("FloatingPointError: loss diverged (test)")  # torchrun: in a LaunchError
+    if sweeper == "optuna":  # the basic sweeper raises the failed job's error itself
+        assert "hydratrain: 1 sweep job(s) failed" in r.output, r.output[-3000:]

@@ -43,10 +43,17 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     setup_globals()
     config = launcher.config
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-    sweep_dir = Path(str(config.hydra.sweep.dir))
+    sweep_dir = launch_path(config, config.hydra.sweep.dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     log.info("TorchrunLauncher: %d job(s) one after another, sweep dir %s", len(job_overrides), sweep_dir)
     return run_sequentially(launcher, job_overrides, initial_job_idx, lambda cfg, num: run_one(launcher, cfg, num))
+
+
+def launch_path(config: DictConfig, value: Any) -> Path:
+    """A path of the Hydra config (``hydra.sweep.dir``, a launcher setting) with ``~`` expanded and, when relative,
+    resolved against the launch dir (``hydra.runtime.cwd``), as the jobs resolve it whatever ``hydra.job.chdir``."""
+    path = Path(str(value)).expanduser()
+    return path if path.is_absolute() else Path(str(config.hydra.runtime.cwd)) / path
 
 
 def run_sequentially(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int,
@@ -100,9 +107,9 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    job_dir = Path(str(sweep_config.hydra.sweep.dir)) / str(sweep_config.hydra.sweep.subdir)
+    job_dir = launch_path(sweep_config, sweep_config.hydra.sweep.dir) / str(sweep_config.hydra.sweep.subdir)
     with read_write(sweep_config.hydra.runtime), open_dict(sweep_config.hydra.runtime):
-        sweep_config.hydra.runtime.output_dir = os.path.abspath(job_dir)
+        sweep_config.hydra.runtime.output_dir = os.path.normpath(job_dir)
     conf: Optional[TorchrunLauncherConf] = None
     try:
         conf = job_settings(sweep_config)

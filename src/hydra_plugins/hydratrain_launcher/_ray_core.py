@@ -32,7 +32,15 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from ._checks import check_ray_settings
-from ._core import LaunchError, _failed_return, _job_end_callbacks, _one_line, _run_job_check, run_sequentially
+from ._core import (
+    LaunchError,
+    _failed_return,
+    _job_end_callbacks,
+    _one_line,
+    _run_job_check,
+    launch_path,
+    run_sequentially,
+)
 from .ray_config import RayLauncherConf
 
 log = logging.getLogger(__name__)
@@ -51,7 +59,7 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.train") is None:
         raise LaunchError("hydra/launcher=ray needs Ray Train, which is not installed: pip install 'ray[train]' "
                           "(hydratrain: pip install -e '.[ray]')")
-    sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+    sweep_dir = launch_path(config, config.hydra.sweep.dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     started = connect(launcher.settings)
@@ -127,7 +135,8 @@ def run_one(launcher, sweep_config: DictConfig, num: int, sweep_dir: Path) -> Jo
             _run_job_check(conf.job_check, sweep_config)
         payload = cloudpickle.dumps((launcher.hydra_context, sweep_config, launcher.task_function,
                                      Singleton.get_state(), conf.worker_setup))
-        result = _trainer(conf, payload, sweep_dir, str(sweep_config.hydra.job.id)).fit()
+        storage = launch_path(sweep_config, conf.storage_path) if conf.storage_path else sweep_dir / ".ray"
+        result = _trainer(conf, payload, storage, str(sweep_config.hydra.job.id)).fit()
         return cloudpickle.loads(result.return_value)
     except Exception as err:  # a settings error, the check's own error, or the run's failure: report, don't hang
         error = _launch_error(err, num, conf)
@@ -136,12 +145,11 @@ def run_one(launcher, sweep_config: DictConfig, num: int, sweep_dir: Path) -> Jo
     return ret
 
 
-def _trainer(conf: RayLauncherConf, payload: bytes, sweep_dir: Path, job_id: str):
-    """The ``TorchTrainer`` of one job."""
+def _trainer(conf: RayLauncherConf, payload: bytes, storage: Path, job_id: str):
+    """The ``TorchTrainer`` of one job, keeping Ray Train's run state in ``storage``."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    storage = Path(conf.storage_path).expanduser().absolute() if conf.storage_path else sweep_dir / ".ray"
     return TorchTrainer(
         _worker, train_loop_config={"payload": payload},
         torch_config=TorchConfig(backend=conf.backend) if conf.backend else None,

@@ -244,9 +244,10 @@ def resolve_path(value: Union[str, Path], base: Optional[Path] = None) -> Path:
 
 
 def run_dir_of() -> Path:
-    """Hydra's output dir for this job (the current dir when called without Hydra)."""
+    """Hydra's output dir for this job, absolute (a relative one is below the launch dir); the current dir when
+    called without Hydra."""
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
+        return resolve_path(HydraConfig.get().runtime.output_dir)
     return Path(os.getcwd())

@@ -134,7 +134,9 @@ def results_payload(result, hparams: dict, previous: Optional[Path] = None) -> t
 
     A launch that trained no step (relaunched after the run had finished, e.g. a requeue) keeps the figures of the
     ``previous`` results.json (train loss, tokens/s, MFU, ...) where it has none of its own, and the larger peak
-    memory, so nothing measured before is lost and no NaN takes its place."""
+    memory, so nothing measured before is lost and no NaN takes its place; but only when that results.json is of the
+    step it resumed at: one of a later step (the run went on past its newest checkpoint) describes steps that are
+    no longer the run's, so those figures stay null."""
     payload = {**result.__dict__, "hparams": hparams}
     payload = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in payload.items()}
     carried: list[str] = []
@@ -143,6 +145,8 @@ def results_payload(result, hparams: dict, previous: Optional[Path] = None) -> t
             before = json.loads(previous.read_text())
         except (OSError, ValueError):
             before = {}
+        if before.get("steps") != payload["steps"]:
+            return payload, carried
         carried = [k for k, v in before.items() if k in payload and payload[k] is None and v is not None]
         payload.update({k: before[k] for k in carried})
         if isinstance(before.get("peak_memory_bytes"), int):
