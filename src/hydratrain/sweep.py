@@ -292,14 +292,14 @@ def record_stopped_job(why: str) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from hydratrain.dist.run_dir import resolve_path
+
     if not _is_rank0() or not HydraConfig.initialized():
         return
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return
     sweep_dir = _sweep_dir(hc)
-    from hydratrain.dist.run_dir import resolve_path
-
     job_dir = resolve_path(str(hc.runtime.output_dir), Path(str(hc.runtime.cwd)))
     write_job_status(job_dir, hc.job.num, list(hc.overrides.task), "FAILED", why, math.nan,
                      _read_json(sweep_dir / MULTIRUN_MARK).get("id"), results_current=False)
