@@ -46,6 +46,8 @@ class HydratrainError(CompactHydraException):
     #: ranks): a peer's failure cannot cause it, so the rank keeps its exit status whichever rank recorded a failure
     #: first (hydratrain.dist.process_group); otherwise only an error with the first failure's text does
     own_failure = False
+    #: every rank raises this very error (set on an instance, e.g. a failed save): only rank 0 prints it
+    same_on_every_rank = False
 
     def __reduce__(self):
         """Pickle as the message and the attributes, not the constructor's arguments: a launcher that runs the job

@@ -33,12 +33,15 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain import timing
 
     timing.begin()
+    from hydratrain.checkpoint.preemption import end_guard, guard
+
+    guard(bool(OmegaConf.select(cfg, "checkpoint.save_on_sigterm", default=True)),  # (validated below)
+          _exit_code(OmegaConf.select(cfg, "checkpoint.preempt_exit_code", default=None)), _under_submitit())
     import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
 
     from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves
-    from hydratrain.checkpoint.preemption import end_startup, guard_startup
     from hydratrain.config.validate import check_environment, validate
-    from hydratrain.dist.env import dist_info, quiet_console, under_submitit
+    from hydratrain.dist.env import dist_info, quiet_console
     from hydratrain.dist.process_group import process_group
     from hydratrain.dist.run_dir import launch_dir, run_dir_of
     from hydratrain.dist.run_lock import hold_run_dir
@@ -52,7 +55,6 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     try:
         env = dist_info()
         validate(cfg)
-        guard_startup(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())
         _watch_interrupts()
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
@@ -70,9 +72,11 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except HydratrainError as err:
+        end_guard()  # a torchrun worker lingering below is stopped by its agent's SIGTERM, not preempted
         if _SIGINT["received"]:  # e.g. a peer's end, which the same Ctrl-C caused
             _stop_interrupted(env)
-        if env is None or env.rank == 0 or err.exit_status != EXIT_CONFIG:  # the same config error on every rank
+        if env is None or env.rank == 0 or not (err.exit_status == EXIT_CONFIG  # the same on every rank: rank 0 says it
+                                                or getattr(err, "same_on_every_rank", False)):
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
         if _in_multirun() and isinstance(err, PreemptedError):
@@ -92,6 +96,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         time.sleep(getattr(err, "linger_s", 0.0) or (2.0 if shared else 0.0))
         raise SystemExit(err.exit_status) from None
     except BaseException as err:
+        end_guard()
         if isinstance(err, SystemExit) or not (isinstance(err, Exception) or _interrupted(err)):
             raise
         if _interrupted(err):  # this rank's Ctrl-C, or a peer's end that it caused in a collective here
@@ -101,7 +106,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             raise
         raise SystemExit(EXIT_ERROR) from None
     finally:
-        end_startup()
+        end_guard()
         _watch_interrupts(False)
         if lock is not None:
             lock.release()
@@ -111,6 +116,20 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                            "a checkpoint; relaunch the same command to resume")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
+
+
+def _exit_code(value: Any) -> int:
+    """``checkpoint.preempt_exit_code`` for the start-up guard, before the config check: 75 when it is not a
+    usable status (the check then names it)."""
+    from hydratrain.errors import EXIT_PREEMPTED, RESERVED_EXIT_CODES
+
+    return value if isinstance(value, int) and 0 < value < 256 and value not in RESERVED_EXIT_CODES else EXIT_PREEMPTED
+
+
+def _under_submitit() -> bool:
+    from hydratrain.dist.env import under_submitit
+
+    return under_submitit()
 
 
 #: exit status after Ctrl-C (128 + SIGINT, as a shell reports a process that SIGINT ended)
@@ -351,6 +370,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
     from hydratrain import timing
     from hydratrain.checkpoint.manager import step_of, with_previous
+    from hydratrain.checkpoint.preemption import guard
     from hydratrain.dist.collectives import max_over_ranks, same_on_all_ranks
     from hydratrain.dist.run_dir import resolve_path
     from hydratrain.errors import CheckpointError, DamagedCheckpointError
@@ -387,6 +407,9 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     job.checkpoints.supersede_after(progress.step)
     timing.mark("resume / init_from")
     result = job.trainer.fit()
+    if not result.preempted:  # the final evaluation and outputs: a preemption signal now ends the launch at once
+        guard(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, job.trainer.preemption.under_submitit,
+              phase="final")
     log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,
              cfg.optim.name)
     result.peak_memory_bytes = int(max_over_ranks(peak_memory_bytes(info.device), info.device))

@@ -9,6 +9,8 @@ import re
 import signal
 import time
 
+import pytest
+
 from helpers import FAULTY, finish, log_of, report_rows, start
 from hydratrain.checkpoint.manager import latest_checkpoint
 
@@ -61,20 +63,25 @@ def _wait_for(path, proc, what: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-def test_sigterm_during_start_up_ends_the_launch_at_once_with_the_preempt_status(tmp_path):
-    """A SIGTERM while the run still starts (here while it builds its data, which HT_FAULT=sleep holds for 120 s):
-    nothing was trained, so it exits at once with one line and checkpoint.preempt_exit_code and releases its run dir.
-    It used to die of the signal (status 143) with nothing said and its lock left behind."""
+@pytest.mark.parametrize("phase,fault", [("startup", "sleep"), ("startup", "swallow"), ("final", "sleep")])
+def test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_status(tmp_path, phase, fault):
+    """A SIGTERM while the run still starts (here while it builds its data, which HT_FAULT=sleep holds for 120 s),
+    or after its last step (while it writes its outputs): training cannot stop at a step, so the launch ends at once
+    with one line and checkpoint.preempt_exit_code and releases its run dir. It used to die of the signal (status
+    143) with nothing said and its lock left behind. Library code that swallows the exception (``swallow``) only
+    delays it to the first step."""
     run_dir = tmp_path / "run"
-    proc = start(["strategy=single", "checkpoint.preempt_exit_code=76"], run_dir, script=FAULTY,
-                 env={"HT_FAULT": "sleep", "HT_FAULT_AT": "startup", "HT_FAULT_RANK": "all"})
-    _wait_for(run_dir / "fault_rank0_startup", proc, "the run did not reach its data")
+    proc = start(["strategy=single", "checkpoint.preempt_exit_code=76", "trainer.max_steps=2"], run_dir,
+                 script=FAULTY, env={"HT_FAULT": fault, "HT_FAULT_AT": phase, "HT_FAULT_RANK": "all"})
+    _wait_for(run_dir / f"fault_rank0_{phase}", proc, f"the run did not reach its {phase} fault")
     os.kill(proc.pid, signal.SIGTERM)
     r = finish(proc, timeout=60)
     assert r.returncode == 76 and r.seconds < 100, r.output[-3000:]
-    assert ("hydratrain: preempted: SIGTERM during start-up, before this launch's first step: nothing trained, "
-            "nothing to save; relaunch the same command to resume") in r.output
-    assert "Traceback" not in r.output
+    what = ("during start-up, before this launch's first step: nothing trained, nothing to save; relaunch the same "
+            "command to resume" if phase == "startup" else "after the last step, during the final evaluation and "
+            "outputs: nothing saved since the latest checkpoint; relaunch the same command to finish from it")
+    assert f"hydratrain: preempted: SIGTERM {what}" in r.output
+    assert "Traceback" not in r.output and "step 1/" not in log_of(run_dir)[:0 if phase == "final" else None]
     assert not (run_dir / "hydratrain.lock").exists()
 
 

@@ -5,9 +5,11 @@
   dead behind NCCL looks).
 - ``HT_FAULT_DELAY``: ``RANK:SECONDS``: that rank sleeps before its fault (so another rank's is recorded first).
 - ``HT_FAULT_STEP``: the optimizer step; ``HT_FAULT_AT``: ``step`` (inside it, before its backward; default),
-  ``after_step`` (after the step's eval, checkpoint save and preemption check) or ``startup`` (while the data is
-  built, before any step; with ``HT_FAULT=sleep`` the rank touches ``fault_rank<R>_startup`` and sleeps 120 s there,
-  as a long start-up would).
+  ``after_step`` (after the step's eval, checkpoint save and preemption check), ``startup`` (while the data is
+  built, before any step) or ``final`` (while the outputs are written, after the last step); with ``HT_FAULT=sleep``
+  the rank touches ``fault_rank<R>_startup`` (``_final``) and sleeps 120 s there, as a long start-up (a slow export
+  of the weights) would. ``HT_FAULT=swallow`` at ``startup``: the rank sleeps 120 s inside ``try: ... except
+  Exception: pass``, as library code that catches too much would.
 - ``HT_FAULT_RANK``: the rank that fails, or ``all`` (default 1).
 - ``HT_FAULT_ATTEMPT``: only on this elastic restart attempt (``TORCHELASTIC_RESTART_COUNT``; default 0).
 - ``HT_FAULT_ONCE=1``: only while the marker below does not exist yet (launchers without an attempt count: Ray).
@@ -86,11 +88,27 @@ def _inject() -> None:
             (run_dir_of() / f"fault_rank{rank}_startup").touch()
             if kind == "sleep":
                 time.sleep(120)
+            elif kind == "swallow":
+                try:
+                    time.sleep(120)
+                except Exception:
+                    pass
             else:
                 fault()
             return original_build_data(*args, **kwargs)
 
         data.build_data = build_data
+    elif os.environ.get("HT_FAULT_AT") == "final":
+        import hydratrain.train.outputs as outputs
+
+        original_write_outputs = outputs.write_outputs  # imported by name in hydratrain.run._fit when it runs
+
+        def write_outputs(*args, **kwargs):
+            (run_dir_of() / f"fault_rank{rank}_final").touch()
+            time.sleep(120)
+            return original_write_outputs(*args, **kwargs)
+
+        outputs.write_outputs = write_outputs
     elif os.environ.get("HT_FAULT_AT", "step") == "step":
         original = trainer.Trainer.train_step
 

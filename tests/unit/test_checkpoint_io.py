@@ -325,8 +325,11 @@ def test_a_save_that_cannot_be_written_stops_with_one_line_and_keeps_the_last_ch
         write_text = Path.write_text
         monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: full() if self.name == "config.yaml"
                             else write_text(self, *a, **k))
-    with pytest.raises(CheckpointError, match=re.escape(
-            f"saving step 4 under {run_dir / 'checkpoints'} failed (OSError: [Errno 28] No space left on device); "
-            f"training stopped. The latest complete checkpoint, {ckpt_of(run_dir, 2)}, is intact: make room")):
+    with pytest.raises(CheckpointError) as err:
         job.checkpoints.save(4)
+    assert re.fullmatch(re.escape(f"saving step 4 under {run_dir / 'checkpoints'} failed (OSError: [Errno 28] No space "
+                                  "left on device; ") + r"\d+\.\d MB free there\)" + re.escape(
+        f"; training stopped. The latest complete checkpoint, {ckpt_of(run_dir, 2)}, is intact: make room (or lower "
+        "checkpoint.keep_last) and relaunch the same command to resume from it"), str(err.value)), str(err.value)
+    assert err.value.same_on_every_rank  # rank 0 alone prints it
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]

@@ -207,3 +207,23 @@ def test_a_config_error_leaves_no_default_run_dir_behind(cli, tmp_path):
     given = tmp_path / "given"
     assert cli(["optim.lr=-1"], given).returncode == 2
     assert (given / ".hydra").is_dir()
+
+
+def test_a_lock_that_cannot_be_written_leaves_no_empty_lock_behind(tmp_path, monkeypatch):
+    """On a full disk the lock file is created but its holder cannot be written: the empty file used to stay and
+    refuse the next launch for two minutes as "an unreadable lock" after the disk had room again."""
+    import errno
+    import json
+
+    from hydratrain.dist.run_lock import LOCK_NAME, RunDirLock
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", full)
+    with pytest.raises(OSError) as err:
+        RunDirLock(tmp_path).acquire()
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / LOCK_NAME)
+    assert not (tmp_path / LOCK_NAME).exists()
+    monkeypatch.undo()
+    RunDirLock(tmp_path).acquire().release()  # room again: the next launch takes it at once

@@ -408,11 +408,18 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
         why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None \
             else "another rank could not write its part"
+        try:
+            why += f"; {shutil.disk_usage(self.root).free / 1e6:.1f} MB free there"
+        except OSError:
+            pass
+        room = "make room" + (" (or lower checkpoint.keep_last)" if self.keep_last != 1 else "")
         last = self.last_good()
-        return CheckpointError(f"saving step {step} under {self.root} failed ({why}); training stopped. "
-                               + (f"The latest complete checkpoint, {last}, is intact: make room (or lower "
-                                  "checkpoint.keep_last) and relaunch the same command to resume from it"
-                                  if last else "No checkpoint was written before: make room and relaunch"))
+        err = CheckpointError(f"saving step {step} under {self.root} failed ({why}); training stopped. "
+                              + (f"The latest complete checkpoint, {last}, is intact: {room} and relaunch the same "
+                                 "command to resume from it" if last else f"No checkpoint was written before: {room} "
+                                 "and relaunch"))
+        err.same_on_every_rank = True  # every rank raises it (DCP gathers the failures): rank 0 prints it
+        return err
 
     def _prune(self) -> None:
         if not self.keep_last:

@@ -13,52 +13,65 @@ import logging
 import signal
 from typing import Optional
 
-import torch.distributed as dist
-
 log = logging.getLogger(__name__)
 
 
-_STARTUP: dict[int, object] = {}  # signal -> its handler before guard_startup's, while the guard is on
-_STARTUP_EXIT = [75]
+#: what a preemption signal interrupts while :func:`guard` is on: the message of its PreemptedError
+PHASES = {
+    "start-up": "during start-up, before this launch's first step: nothing trained, nothing to save; relaunch the "
+                "same command to resume",
+    "final": "after the last step, during the final evaluation and outputs: nothing saved since the latest "
+             "checkpoint; relaunch the same command to finish from it",
+}
+_GUARD: dict = {"handlers": {}, "received": None, "exit_code": 75, "phase": "start-up"}
 
 
-def guard_startup(enabled: bool, exit_code: int, under_submitit: bool = False) -> None:
-    """Until training can stop cleanly (:class:`Preemption` takes over, or :func:`end_startup`), a preemption signal
-    (SIGTERM; SIGUSR2 under submitit) ends the launch at once: :class:`~hydratrain.errors.PreemptedError` is raised
-    where the main thread is (reading data, building the model, loading a checkpoint), so ``hydratrain.run`` prints
-    one line, releases the run dir and exits with ``exit_code``. Nothing was trained in this launch, so there is
-    nothing to save, and a SLURM grace period is not spent on start-up. Under submitit, SIGUSR2 goes to submitit's
-    own handler, which requeues the job. ``enabled``: ``checkpoint.save_on_sigterm`` (false keeps the defaults)."""
-    if not enabled or _STARTUP:
+def guard(enabled: bool, exit_code: int, under_submitit: bool = False, phase: str = "start-up") -> None:
+    """While training cannot stop at a step (start-up: imports, data, model, checkpoint load; ``final``: the final
+    evaluation and outputs), a preemption signal (SIGTERM; SIGUSR2 under submitit) ends the launch at once:
+    :class:`~hydratrain.errors.PreemptedError` (:data:`PHASES` gives its message) is raised where the main thread
+    is, so ``hydratrain.run`` prints one line, releases the run dir and exits with ``exit_code``; a SLURM grace
+    period is not spent on work a relaunch redoes anyway. Should code in between swallow the exception, the signal
+    is remembered and :meth:`Preemption.arm` raises it. Under submitit, SIGUSR2 first goes to submitit's handler,
+    which requeues the job. ``enabled``: ``checkpoint.save_on_sigterm`` (false keeps the default handlers)."""
+    end_guard()
+    _GUARD.update(received=None, exit_code=exit_code, phase=phase)
+    if not enabled:
         return
-    _STARTUP_EXIT[0] = exit_code
     for sig in [signal.SIGTERM] + ([signal.SIGUSR2] if under_submitit else []):
         try:
-            _STARTUP[sig] = signal.signal(sig, _startup_signal)
+            _GUARD["handlers"][sig] = signal.signal(sig, _guard_signal)
         except ValueError:  # not the main thread
             pass
 
 
-def end_startup() -> None:
-    """Restore the handlers :func:`guard_startup` replaced (idempotent)."""
-    while _STARTUP:
-        sig, previous = _STARTUP.popitem()
+def end_guard() -> None:
+    """Restore the handlers :func:`guard` replaced (idempotent); a signal it recorded stays recorded."""
+    handlers = _GUARD["handlers"]
+    while handlers:
+        sig, previous = handlers.popitem()
         signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
-def _startup_signal(signum, frame) -> None:
+def _preempted(signum: int):
     from hydratrain.errors import PreemptedError
 
-    previous = _STARTUP.get(signum)
-    end_startup()  # a second signal gets the previous handler
+    return PreemptedError(f"{signal.Signals(signum).name} {PHASES[_GUARD['phase']]}", _GUARD["exit_code"])
+
+
+def _guard_signal(signum, frame) -> None:
+    if _GUARD["received"] is not None:
+        return  # raised once already (a launcher may signal twice)
+    _GUARD["received"] = signum
+    previous = _GUARD["handlers"].get(signum)
     if signum == signal.SIGUSR2 and callable(previous):
         previous(signum, frame)  # submitit: requeue (rank 0) and sys.exit
-    raise PreemptedError(f"{signal.Signals(signum).name} during start-up, before this launch's first step: nothing "
-                         "trained, nothing to save; relaunch the same command to resume", _STARTUP_EXIT[0])
+    raise _preempted(signum)
 
 
 class Preemption:
-    """Installs the handlers (when ``enabled``), agrees on stopping, and restores the handlers in :meth:`close`.
+    """Installs the handlers (when ``enabled``) in :meth:`arm`, agrees on stopping, and restores the handlers in
+    :meth:`close`.
 
     Args:
         enabled: ``checkpoint.save_on_sigterm``.
@@ -71,11 +84,22 @@ class Preemption:
         self.received: Optional[int] = None  # the signal this rank got, if any
         self.stopped = False
         self._previous: dict[int, object] = {}
+        self.under_submitit = under_submitit
+        self.world_size = 1  # (set by arm)
+
+    def arm(self) -> None:
+        """Take over from the start-up :func:`guard` as training starts: raise the PreemptedError of a signal that
+        came during start-up (if the code it interrupted swallowed it), then install the handlers that stop at a
+        step. Every rank calls it at the start of ``Trainer.fit``."""
+        import torch.distributed as dist
+
+        end_guard()
+        if _GUARD["received"] is not None:
+            raise _preempted(_GUARD["received"])
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        end_startup()
-        if not enabled:
+        if not self.enabled:
             return
-        signals = [signal.SIGTERM] + ([signal.SIGUSR2] if under_submitit else [])
+        signals = [signal.SIGTERM] + ([signal.SIGUSR2] if self.under_submitit else [])
         for sig in signals:
             try:
                 self._previous[sig] = signal.signal(sig, self._on_signal)

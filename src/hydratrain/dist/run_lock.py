@@ -125,8 +125,12 @@ class RunDirLock:
             except FileExistsError:
                 self._take_over_or_raise()
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.me, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(self.me, f)
+            except OSError as err:  # a full disk: no empty lock may stay behind (it would refuse the next launch)
+                self.path.unlink(missing_ok=True)
+                raise OSError(err.errno, err.strerror, str(self.path)) from None
             _HELD.append(self)
             self._start_heartbeat()
             return self
@@ -230,7 +234,7 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
         except RunDirBusy as err:
             problem = f"{err}; wait for it to end, or use another {key}"
         except OSError as err:
-            problem = f"cannot create the lock file {err.filename}: {err.strerror}"
+            problem = f"cannot create the lock file {err.filename or run_dir / LOCK_NAME}: {err.strerror}"
     if info.world_size > 1 and os.environ.get("MASTER_ADDR"):
         from hydratrain.dist.process_group import base_store
 

@@ -176,6 +176,7 @@ class Trainer:
         batches = iter(self.train_batches)
         self.model.train()
         try:
+            self.preemption.arm()  # from here a preemption signal stops at a step, after a save
             while self.progress.step < self.max_steps:
                 loss, grad_norm, lr, skipped = self.train_step(batches)
                 step = self.progress.step
