@@ -35,27 +35,28 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     timing.begin()
     from hydratrain.checkpoint.preemption import end_guard, guard
 
-    guard(bool(OmegaConf.select(cfg, "checkpoint.save_on_sigterm", default=True)),  # (validated below)
-          _exit_code(OmegaConf.select(cfg, "checkpoint.preempt_exit_code", default=None)), _under_submitit())
-    import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
-
-    from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves
-    from hydratrain.config.validate import check_environment, validate
-    from hydratrain.dist.env import dist_info, quiet_console
-    from hydratrain.dist.process_group import process_group
-    from hydratrain.dist.run_dir import launch_dir, run_dir_of
-    from hydratrain.dist.run_lock import hold_run_dir
-    from hydratrain.parallel.strategy import build_strategy
-    from hydratrain.plan import OutOfMemoryGuard
-
-    timing.mark("imports")
     env = lock = None
-    quiet_console()
-    OmegaConf.set_readonly(cfg, True)
+    _watch_interrupts()
     try:
+        # from here to the first step a preemption signal ends the launch at once (the values are validated below)
+        guard(bool(_select(cfg, "checkpoint.save_on_sigterm", True)),
+              _exit_code(_select(cfg, "checkpoint.preempt_exit_code", None)), _under_submitit())
+        import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
+
+        from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves
+        from hydratrain.config.validate import check_environment, validate
+        from hydratrain.dist.env import dist_info, quiet_console
+        from hydratrain.dist.process_group import process_group
+        from hydratrain.dist.run_dir import launch_dir, run_dir_of
+        from hydratrain.dist.run_lock import hold_run_dir
+        from hydratrain.parallel.strategy import build_strategy
+        from hydratrain.plan import OutOfMemoryGuard
+
+        timing.mark("imports")
+        quiet_console()
+        OmegaConf.set_readonly(cfg, True)
         env = dist_info()
         validate(cfg)
-        _watch_interrupts()
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
         check_environment(cfg, env.world_size, launch, env.local_world_size)
@@ -75,6 +76,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         end_guard()  # a torchrun worker lingering below is stopped by its agent's SIGTERM, not preempted
         if _SIGINT["received"]:  # e.g. a peer's end, which the same Ctrl-C caused
             _stop_interrupted(env)
+        if isinstance(err, PreemptedError):  # raised where the signal came: OmegaConf may have added its context
+            err = PreemptedError(str(err).splitlines()[0], err.exit_status)
         if env is None or env.rank == 0 or not (err.exit_status == EXIT_CONFIG  # the same on every rank: rank 0 says it
                                                 or getattr(err, "same_on_every_rank", False)):
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
@@ -116,6 +119,15 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                            "a checkpoint; relaunch the same command to resume")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
+
+
+def _select(cfg: DictConfig, key: str, default: Any) -> Any:
+    """``cfg``'s value at ``key``, or ``default`` when it is missing or does not resolve (the config check names
+    it)."""
+    try:
+        return OmegaConf.select(cfg, key, default=default)
+    except Exception:
+        return default
 
 
 def _exit_code(value: Any) -> int:

@@ -46,10 +46,13 @@ def guard(enabled: bool, exit_code: int, under_submitit: bool = False, phase: st
 
 
 def end_guard() -> None:
-    """Restore the handlers :func:`guard` replaced (idempotent); a signal it recorded stays recorded."""
+    """Restore the handlers :func:`guard` replaced (idempotent); a signal it recorded stays recorded, and SIGTERM is
+    then ignored: the launch is ending with its status, which a second SIGTERM must not turn into 143."""
     handlers = _GUARD["handlers"]
     while handlers:
         sig, previous = handlers.popitem()
+        if sig == signal.SIGTERM and _GUARD["received"] is not None:
+            previous = signal.SIG_IGN
         signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
 
 
