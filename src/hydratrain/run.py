@@ -33,7 +33,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain import timing
 
     timing.begin()
-    from hydratrain.checkpoint.preemption import end_guard, guard
+    from hydratrain.checkpoint.preemption import end_guard, guard, recorded_preemption
 
     env = lock = None
     _watch_interrupts()
@@ -78,8 +78,11 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             _stop_interrupted(env)
         if isinstance(err, PreemptedError):  # raised where the signal came: OmegaConf may have added its context
             err = PreemptedError(str(err).splitlines()[0], err.exit_status)
+        elif recorded_preemption() is not None:  # e.g. a peer preempted by the same SIGTERM left a collective first
+            err = recorded_preemption()
         if env is None or env.rank == 0 or not (err.exit_status == EXIT_CONFIG  # the same on every rank: rank 0 says it
-                                                or getattr(err, "same_on_every_rank", False)):
+                                                or getattr(err, "same_on_every_rank", False)
+                                                or isinstance(err, PreemptedError)):  # not an error: rank 0 says it
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
         if _in_multirun() and isinstance(err, PreemptedError):
@@ -100,7 +103,13 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         raise SystemExit(err.exit_status) from None
     except BaseException as err:
         end_guard()
-        if isinstance(err, SystemExit) or not (isinstance(err, Exception) or _interrupted(err)):
+        if isinstance(err, SystemExit):
+            raise
+        preempted = recorded_preemption()
+        if preempted is not None:  # the error came after this rank's preemption signal (a collective a peer left)
+            log.info("after the preemption signal: %s: %s", type(err).__name__, str(err).splitlines()[:1])
+            _end_preempted(preempted, env)
+        if not (isinstance(err, Exception) or _interrupted(err)):
             raise
         if _interrupted(err):  # this rank's Ctrl-C, or a peer's end that it caused in a collective here
             _stop_interrupted(env)
@@ -119,6 +128,17 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                            "a checkpoint; relaunch the same command to resume")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
+
+
+def _end_preempted(err: PreemptedError, env) -> None:
+    """One line (rank 0, or any rank before the process group) and ``err``'s exit status; in a sweep the whole sweep
+    stops."""
+    if env is None or env.rank == 0:
+        print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
+    log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
+    if _in_multirun():
+        _end_the_sweep(err.exit_status, f"{err.label}: {err}")
+    raise SystemExit(err.exit_status) from None
 
 
 def _select(cfg: DictConfig, key: str, default: Any) -> Any:

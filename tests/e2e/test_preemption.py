@@ -100,3 +100,22 @@ def test_ctrl_c_ends_a_run_and_its_sweep_with_one_line_and_status_130(tmp_path):
     (row,) = report_rows(sweep)
     assert row["status"] == "FAILED" and row["error"].startswith("interrupted (SIGINT, Ctrl-C)"), row
     assert not (sweep / "0" / "hydratrain.lock").exists()
+
+
+def test_sigterm_during_start_up_on_two_ranks_ends_both_as_preempted(tmp_path):
+    """SIGTERM to both workers (as a scheduler signals every process) while rank 0 is still starting and rank 1
+    waits for it in a collective: both exit with the preempt status, one line on the console, and rank 1 does not
+    report rank 0's exit as a peer failure."""
+    run_dir = tmp_path / "run"
+    proc = start(["strategy=ddp"], run_dir, nproc=2, script=FAULTY,
+                 env={"HT_FAULT": "sleep", "HT_FAULT_AT": "startup", "HT_FAULT_RANK": "0"})
+    _wait_for(run_dir / "fault_rank0_startup", proc, "rank 0 did not reach its data")
+    time.sleep(1)
+    for pid in _worker_pids(proc.pid).values():
+        os.kill(pid, signal.SIGTERM)
+    r = finish(proc, timeout=90)
+    codes = [int(c) for c in re.findall(r"exitcode\s+:\s*(-?\d+)", r.output)]  # torchrun's failure summary
+    assert sorted(codes) == [75, 75], r.output[-3000:]
+    assert r.output.count("hydratrain: preempted: SIGTERM during start-up") == 1, r.output[-3000:]
+    assert "another rank failed first" not in r.output + log_of(run_dir, 1)
+    assert not (run_dir / "hydratrain.lock").exists()

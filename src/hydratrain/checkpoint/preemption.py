@@ -62,6 +62,13 @@ def _preempted(signum: int):
     return PreemptedError(f"{signal.Signals(signum).name} {PHASES[_GUARD['phase']]}", _GUARD["exit_code"])
 
 
+def recorded_preemption():
+    """The :class:`~hydratrain.errors.PreemptedError` of a signal :func:`guard` caught in this launch, else None:
+    whatever error this rank ends with after it (a collective a preempted peer left, a swallowed exception), it ends
+    as preempted."""
+    return _preempted(_GUARD["received"]) if _GUARD["received"] is not None else None
+
+
 def _guard_signal(signum, frame) -> None:
     if _GUARD["received"] is not None:
         return  # raised once already (a launcher may signal twice)

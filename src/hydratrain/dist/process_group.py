@@ -262,6 +262,13 @@ class FailureWatch:
         self._stopped()
 
     def _die(self, failure: str) -> None:
+        from hydratrain.checkpoint.preemption import recorded_preemption
+
+        preempted = recorded_preemption()
+        if preempted is not None:  # this rank got the preemption signal too: it ends as preempted
+            log.warning("hydratrain: %s: %s (a peer left first: %s)", preempted.label, preempted, failure)
+            RunDirLock.release_held()
+            os._exit(preempted.exit_status)
         log.error("stopping rank %d (exit status %d): %s", self.rank, EXIT_PEER_FAILED, failure)
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
