@@ -28,7 +28,9 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     Errors end the run with one line and their exit status (``hydratrain.errors``): a bad config prints
     ``hydratrain: config error: <key>=<value>: <why>`` and exits 2 before any process group exists. Inside a Hydra
     multirun the error is raised instead, so Hydra records the job as failed and the sweep goes on. The task never
-    returns a non-finite eval loss (divergence raises).
+    returns a non-finite eval loss (divergence raises). A preemption signal outside training (start-up, final
+    outputs: :func:`hydratrain.checkpoint.preemption.guard`) ends the launch with ``checkpoint.preempt_exit_code``
+    and Ctrl-C with :data:`EXIT_INTERRUPTED`, each with one line; in a multirun either ends the whole sweep.
     """
     from hydratrain import timing
 
