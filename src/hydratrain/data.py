@@ -14,6 +14,7 @@ one global sample count, which checkpoints store and a resume on another world s
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
@@ -22,6 +23,7 @@ import os
 import sysconfig
 import time
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
@@ -34,6 +36,67 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FILE_SEPARATOR = b"\n\n"
+
+
+@contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``.<out name>.lock`` beside ``out`` (another process building ``out`` waits, then
+    finds it built); stale temporary files in ``out`` from a killed build are removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f".{out.name}.lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            for stale in out.glob("*.tmp*") if out.is_dir() else ():
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def write_manifest(out: Path, meta: dict, files: Sequence[str], digest: Sequence[str] = ()) -> None:
+    """Write ``out/meta.json`` (``meta`` plus ``"files"``: each of ``files``' byte size, and the SHA-256 of those in
+    ``digest``), last and atomically: it marks the cache complete and is what :func:`cache_fault` checks."""
+    record = {}
+    for name in files:
+        record[name] = {"bytes": (out / name).stat().st_size}
+        if name in digest:
+            record[name]["sha256"] = hashlib.sha256((out / name).read_bytes()).hexdigest()
+    tmp = out / f"meta.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({**meta, "files": record}, indent=1))
+    os.replace(tmp, out / "meta.json")
+
+
+def cache_fault(out: Path) -> tuple[Optional[dict], Optional[str]]:
+    """``(meta, None)`` when the cache dir ``out`` is complete: its meta.json (see :func:`write_manifest`) reads and
+    every file it lists has the recorded size (and SHA-256 where recorded); ``(None, None)`` when it was never
+    completed (no meta.json); else ``(None, why)``: the file and what is wrong with it, for a rebuild warning."""
+    if not (out / "meta.json").exists():
+        return None, None
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        files = meta["files"]
+    except (ValueError, KeyError, TypeError):
+        return None, f"{out / 'meta.json'} is corrupt or from an older version (no record of its files)"
+    for name, want in files.items():
+        path = out / name
+        size = path.stat().st_size if path.is_file() else None
+        if size is None:
+            return None, f"{path} is missing"
+        if size != want["bytes"]:
+            how = "truncated" if size < want["bytes"] else "corrupt"
+            return None, f"{path} is {how}: {size} bytes, its build wrote {want['bytes']}"
+        if "sha256" in want and hashlib.sha256(path.read_bytes()).hexdigest() != want["sha256"]:
+            return None, f"{path} is corrupt: its SHA-256 is not the one its build recorded"
+    return meta, None
+
+
+def verified_cache(out: Path) -> Optional[dict]:
+    """The meta of the cache dir ``out`` when it is complete and intact (:func:`cache_fault`), else None, with one
+    warning line naming the file and why when it is damaged (the caller then rebuilds it)."""
+    meta, why = cache_fault(out)
+    if why is not None:
+        log.warning("cache %s: %s; rebuilding it", out, why)
+    return meta
 
 
 def default_cache_dir() -> Path:
@@ -101,15 +164,23 @@ def split_files(files: Sequence[Path], root: Path, val_fraction: float) -> dict[
 def build_corpus(files: Sequence[Path], root: Path, val_fraction: float, cache_dir: Path, progress: bool) -> Path:
     """Write ``train.bin``/``val.bin`` (uint8) for ``files`` under a cache dir keyed by their paths, sizes and mtimes.
 
-    Returns that dir. Rebuilt only when the key changes; each file is written to a temporary name and renamed.
-    Files are split as :func:`split_files` says.
+    Returns that dir. Rebuilt when the key changes or the cache does not match its meta.json (a truncated file:
+    one warning, see :func:`verified_cache`); built under a file lock, each file written to a temporary name and
+    renamed, meta.json last. Files are split as :func:`split_files` says.
     """
     listing = [(relative_name(f, root), f.stat().st_size, int(f.stat().st_mtime)) for f in files]
     key = hashlib.sha256(json.dumps([str(root), val_fraction, listing]).encode()).hexdigest()[:16]
     out = cache_dir / key
-    if (out / "meta.json").exists():
-        log.info("corpus: %d files, cached in %s", len(files), out)
-        return out
+    with build_lock(out):
+        if verified_cache(out) is not None:
+            log.info("corpus: %d files, cached in %s", len(files), out)
+            return out
+        _write_corpus(out, files, root, val_fraction, listing, progress)
+    return out
+
+
+def _write_corpus(out: Path, files: Sequence[Path], root: Path, val_fraction: float, listing: list,
+                  progress: bool) -> None:
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     splits = split_files(files, root, val_fraction)
@@ -133,12 +204,9 @@ def build_corpus(files: Sequence[Path], root: Path, val_fraction: float, cache_d
         os.replace(tmp, out / f"{split}.bin")
         counts[split] = {"files": len(paths), "tokens": n}
     bar.close()
-    tmp = out / f"meta.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"root": str(root), "splits": counts}, indent=1))
-    os.replace(tmp, out / "meta.json")
+    write_manifest(out, {"root": str(root), "splits": counts}, ["train.bin", "val.bin"])
     log.info("corpus: built %s from %d files (%.1f MB) in %.1f s", out, len(files), sum(s for _, s, _ in listing) / 1e6,
              time.perf_counter() - t0)
-    return out
 
 
 def synthetic_stream(n_tokens: int, vocab_size: int, seed: int = 0) -> np.ndarray:

@@ -12,7 +12,8 @@ process pool over files, without starting processes) and written as ``<cache>/to
 (headerless, uint16 when the vocab fits, else uint32), keyed by the files' names, sizes and mtimes and the
 tokenizer's hash. A trained tokenizer is cached the same way (``<cache>/bpe-<key>/tokenizer.json``). Every cache is
 built under a file lock (concurrent builders wait and reuse it), written to temporary names and renamed;
-``meta.json`` is written last and marks it complete.
+``meta.json`` is written last, records every file's size (and tokenizer.json's SHA-256) and marks it complete; each
+use checks the files against it and rebuilds a damaged cache with one warning (:func:`hydratrain.data.verified_cache`).
 
 Entry points: :func:`tokenizer_for`, :func:`vocab_size_for`, :func:`load_token_splits` (through
 :func:`hydratrain.data.load_splits`) and :func:`preflight_data`. Each returned split is a 1-D ``np.memmap`` that
@@ -20,19 +21,26 @@ each rank reads only the windows of its share from.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from hydratrain.data import default_cache_dir, expand_paths, relative_name, split_files, stdlib_files
+from hydratrain.data import (
+    build_lock,
+    default_cache_dir,
+    expand_paths,
+    relative_name,
+    split_files,
+    stdlib_files,
+    verified_cache,
+    write_manifest,
+)
 from hydratrain.errors import ConfigError
 from hydratrain.tokenizer import (
     PIECE_BYTES,
@@ -188,31 +196,18 @@ def _listing(segments: Sequence[Segment], root: Path) -> list:
             for f, start, stop in segments]
 
 
-@contextmanager
-def build_lock(out: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``.<out name>.lock`` beside ``out`` (another process building ``out`` waits, then
-    finds it built); stale temporary files in ``out`` from a killed build are removed."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_name(f".{out.name}.lock"), "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            for stale in out.glob("*.tmp*") if out.is_dir() else ():
-                stale.unlink()
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def trained_tokenizer(files: Sequence[Path], root: Path, val_fraction: float, vocab_size: int, cache_dir: Path,
                       progress: bool) -> TextTokenizer:
     """A byte-level BPE of ``vocab_size`` trained on the training split of ``files`` (relative names to ``root``),
-    cached as ``<cache_dir>/bpe-<key>/tokenizer.json`` keyed by those files' names, sizes, mtimes and vocab_size."""
+    cached as ``<cache_dir>/bpe-<key>/tokenizer.json`` keyed by those files' names, sizes, mtimes and vocab_size, with
+    a meta.json of its size and SHA-256 (checked on every use: a damaged one is trained again, one warning)."""
     train = split_segments(files, root, val_fraction)["train"]
     out = cache_dir / f"bpe-{_cache_key('bpe', str(root), vocab_size, _listing(train, root))}"
     with build_lock(out):
-        if not (out / "tokenizer.json").exists():
+        if verified_cache(out) is None:
             t0 = time.perf_counter()
             tok = train_bpe(segment_texts(train), vocab_size, out / "tokenizer.json", progress)
+            write_manifest(out, {"vocab_size": tok.vocab_size}, ["tokenizer.json"], digest=["tokenizer.json"])
             log.info("trained a byte-level BPE of %d tokens on %d files in %.1f s: %s", tok.vocab_size, len(train),
                      time.perf_counter() - t0, out / "tokenizer.json")
     return load_tokenizer(out / "tokenizer.json")
@@ -243,7 +238,8 @@ def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, to
     """Tokenize ``files`` (split by file, see :func:`split_segments`) with ``tokenizer`` into
     ``<cache_dir>/tok-<key>/{train,val}.bin`` (headerless, ``tokenizer.dtype``; the tokenizer's separator after
     each file) plus ``meta.json`` and a copy of tokenizer.json. Returns that dir; built once per key (files'
-    names, sizes, mtimes, val_fraction, the tokenizer's hash), with a tqdm bar in bytes when ``progress``.
+    names, sizes, mtimes, val_fraction, the tokenizer's hash), with a tqdm bar in bytes when ``progress``; rebuilt
+    (one warning) when a file does not match the size (tokenizer.json: SHA-256) meta.json records for it.
     ``meta.json``'s ``replaced`` maps each file (relative to ``root``) with bytes that are not UTF-8 to ``[bytes,
     lines]`` that became U+FFFD (see :func:`warn_replaced`)."""
     from tqdm.auto import tqdm
@@ -252,7 +248,7 @@ def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, to
     key = _cache_key("tok", str(root), val_fraction, _listing(files_of(splits), root), tokenizer.sha)
     out = cache_dir / f"tok-{key}"
     with build_lock(out):
-        if (out / "meta.json").exists():
+        if verified_cache(out) is not None:
             return out
         out.mkdir(parents=True, exist_ok=True)
         dtype, sep_ids = tokenizer.dtype, tokenizer.separator
@@ -278,9 +274,7 @@ def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, to
         meta = {"root": str(root), "tokenizer": tokenizer.sha, "vocab_size": tokenizer.vocab_size,
                 "dtype": dtype.name, "bytes": total, "seconds": round(seconds, 3), "splits": counts,
                 "replaced": {relative_name(f, root): r for f, r in replaced.items() if r[0]}}
-        tmp = out / f"meta.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, out / "meta.json")
+        write_manifest(out, meta, ["train.bin", "val.bin", "tokenizer.json"], digest=["tokenizer.json"])
         log.info("tokenized %.1f MB into %d tokens in %.1f s (%.2f MB/s): %s", total / 1e6,
                  sum(c["tokens"] for c in counts.values()), seconds, total / 1e6 / max(seconds, 1e-9), out)
     return out

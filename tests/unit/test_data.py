@@ -1,6 +1,8 @@
 """Corpora, caching, sharding across ranks, reproducible per-epoch order, resumable position."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -73,6 +75,25 @@ def test_stdlib_corpus_is_split_by_file_cached_and_reused(tmp_path):
     mtime = (out / "train.bin").stat().st_mtime_ns
     assert build_corpus(subset, root, 0.1, tmp_path, progress=False) == out
     assert (out / "train.bin").stat().st_mtime_ns == mtime and (out / "meta.json").read_text() == meta
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "meta"])
+def test_a_damaged_byte_corpus_is_rebuilt_with_one_warning(tmp_path, caplog, damage):
+    """A corpus file truncated after its build no longer matches the size meta.json records: it is rebuilt with one
+    warning naming it, not read as it is (a quarter of the data, silently)."""
+    root, files = stdlib_files()
+    out = build_corpus(files[:10], root, 0.1, tmp_path, progress=False)
+    want = (out / "train.bin").read_bytes()
+    target = out / ("meta.json" if damage == "meta" else "train.bin")
+    if damage == "meta":
+        target.write_text("{")
+    else:
+        os.truncate(target, 0 if damage == "empty" else len(want) // 4 * 2)
+    caplog.clear()
+    assert build_corpus(files[:10], root, 0.1, tmp_path, progress=False) == out
+    assert (out / "train.bin").read_bytes() == want
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and str(target) in warnings[0] and "rebuilding" in warnings[0], warnings
 
 
 def test_text_files_globs_resolve_against_launch_dir(tmp_path):

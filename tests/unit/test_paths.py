@@ -67,6 +67,29 @@ def test_run_and_sweep_dirs_given_on_the_command_line_are_honoured(compose, no_p
     assert (cfg.hydra.run.dir, cfg.hydra.sweep.dir) == ("here/run", "/abs/sweep")
 
 
+def test_export_of_a_byte_level_model_removes_an_earlier_exports_tokenizer(monkeypatch, tmp_path, capsys):
+    """Exporting a byte-level checkpoint over an earlier subword export of the same name leaves no stale
+    ``<name>.tokenizer.json`` (it would be taken as the new model's), and the message names only what was written."""
+    import torch
+
+    import hydratrain.checkpoint.io as io
+    import hydratrain.checkpoint.manager as manager
+    from hydratrain.checkpoint.export import main
+
+    monkeypatch.setattr(io, "read_model_weights", lambda ckpt: {"w": torch.zeros(2)})
+    monkeypatch.setattr(manager, "resolve_checkpoint", lambda path: path)
+    bpe, byte = tmp_path / "bpe" / "step_00000002", tmp_path / "byte" / "step_00000002"
+    bpe.mkdir(parents=True)
+    byte.mkdir(parents=True)
+    (bpe / "tokenizer.json").write_text("{}")
+    out = tmp_path / "out" / "m.safetensors"
+    assert main([str(bpe), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out} and {out.with_name('m.tokenizer.json')}"
+    assert main([str(byte), str(out)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {out}"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["m.safetensors"]
+
+
 def test_export_writes_a_relative_file_under_the_model_dir(monkeypatch, tmp_path):
     import hydratrain.checkpoint.export as export
 

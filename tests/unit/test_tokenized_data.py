@@ -439,3 +439,35 @@ def test_bpe_training_is_bounded_on_a_huge_run_without_whitespace(tmp_path):
     t0 = time.perf_counter()
     tok = train_bpe(["some words here\n" * 500, "a" * 400_000, "more words\n" * 500], 300, tmp_path / "t.json")
     assert time.perf_counter() - t0 < 20 and tok.vocab_size > 257
+
+
+@pytest.mark.parametrize("damage", ["train.bin even", "train.bin odd", "val.bin empty", "tokenizer.json copy",
+                                    "bpe tokenizer.json", "meta.json corrupt"])
+def test_a_damaged_cache_is_rebuilt_with_one_warning(tmp_path, caplog, damage):
+    """A cache file truncated, emptied or overwritten after its build does not match what meta.json records: it is
+    rebuilt (not trained on as it is, nor a config error naming a key the user never set), with one warning."""
+    make_texts(tmp_path, n=6)
+    cfg = data_cfg(name="tokenized_text", paths=["docs/*.txt"], vocab_size=300, val_fraction=0.2, cache_dir="cache")
+    first = load_splits(cfg, 320, tmp_path, progress=False)
+    want = {s: np.asarray(first[s]).copy() for s in first}
+    out = Path(first["train"].filename).parent
+    bpe = next((tmp_path / "cache").glob("bpe-*")) / "tokenizer.json"
+    del first
+    name, how = damage.split(" ", 1)
+    target = {"bpe": bpe, "tokenizer.json": out / "tokenizer.json"}.get(name, out / name)
+    size = target.stat().st_size
+    if how in ("even", "odd"):
+        os.truncate(target, size // 2 // 2 * 2 + (how == "odd"))
+    elif how == "empty":
+        os.truncate(target, 0)
+    else:
+        target.write_bytes(target.read_bytes()[:-20] + b"corrupt" * 3)  # overwritten: corrupt json
+    caplog.clear()
+    again = load_splits(cfg, 320, tmp_path, progress=False)
+    assert {s: len(again[s]) for s in again} == {s: len(want[s]) for s in want}
+    assert all(np.array_equal(again[s], want[s]) for s in want)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and str(target) in warnings[0] and "rebuilding" in warnings[0], warnings
+    caplog.clear()
+    load_splits(cfg, 320, tmp_path, progress=False)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]  # repaired for good

@@ -11,7 +11,8 @@ also reads, else the current dir), where a relative ``model.init_from`` is looke
 No process group is needed: DCP loads the checkpoint's model entries into full-size tensors allocated from its
 metadata (any number of saving ranks, any strategy). Keys are the model's parameter names; the file's metadata
 holds the step and the resolved model config the checkpoint was saved with. A checkpoint of subword data carries its
-tokenizer, written next to the weights as ``<name>.tokenizer.json``. Exit status 3 when the checkpoint is unusable.
+tokenizer, written next to the weights as ``<name>.tokenizer.json`` (a byte-level one removes a stale file of that name,
+an earlier export's). Exit status 3 when the checkpoint is unusable.
 """
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ def write_safetensors(tensors: dict, out: Path, metadata: dict) -> Path:
 def export(checkpoint: Path, out: Path) -> Path:
     """Write the model weights of ``checkpoint`` (a step dir, or a run/checkpoints dir: its latest) to ``out``.
 
-    Written to a temporary name and renamed. Returns ``out``. Raises :class:`~hydratrain.errors.CheckpointError`.
+    Written to a temporary name and renamed. A checkpoint of subword data also gets its tokenizer written next to
+    ``out`` (:func:`tokenizer_path_for`); otherwise a file of that name (an earlier export's) is removed, so what sits
+    next to ``out`` is always this model's. Returns ``out``. Raises :class:`~hydratrain.errors.CheckpointError`.
     """
     from hydratrain.checkpoint.io import read_model_weights
     from hydratrain.checkpoint.manager import resolve_checkpoint, step_of
@@ -61,12 +64,17 @@ def export(checkpoint: Path, out: Path) -> Path:
         from omegaconf import OmegaConf
 
         meta["model_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(cfg_file).get("model", {})))
+    tokenizer = tokenizer_path_for(out)
+    if (ckpt / "tokenizer.json").is_file():
+        meta["tokenizer"] = tokenizer.name
+    write_safetensors(weights, out, meta)
     if (ckpt / "tokenizer.json").is_file():
         from hydratrain.tokenizer import copy_atomic
 
-        tokenizer = copy_atomic(ckpt / "tokenizer.json", tokenizer_path_for(out))
-        meta["tokenizer"] = tokenizer.name
-    return write_safetensors(weights, out, meta)
+        copy_atomic(ckpt / "tokenizer.json", tokenizer)
+    else:  # a byte-level model: an earlier export's tokenizer of the same name would be taken as this model's
+        tokenizer.unlink(missing_ok=True)
+    return out
 
 
 def tokenizer_path_for(weights: Path) -> Path:
