@@ -10,8 +10,8 @@
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
 | 5 | another rank failed or died; this rank stopped after it (``distributed.failure_timeout_s``) |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
-| 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint, or during start-up before any step
-  (:class:`PreemptedError`): relaunch to resume |
+| 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint, or at once outside training (start-up,
+  final outputs: :class:`PreemptedError`): relaunch to resume |
 | 130 | stopped by Ctrl-C (SIGINT) without saving (``hydratrain.run``) |
 
 Importing this module imports nothing heavy (no torch).
