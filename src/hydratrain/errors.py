@@ -117,9 +117,10 @@ def _show(value: Any) -> str:
 
 
 class PreemptedError(HydratrainError):
-    """A preemption signal (SIGTERM; SIGUSR2 under submitit) arrived before training started: nothing was trained in
-    this launch, so nothing is saved; a relaunch starts from the checkpoint this one would have loaded. The exit
-    status is ``checkpoint.preempt_exit_code`` (default 75), as for a preemption during training."""
+    """A preemption signal (SIGTERM; SIGUSR2 under submitit) arrived outside training, where no step can stop for a
+    save (start-up, or the final evaluation and outputs; ``hydratrain.checkpoint.preemption.guard``): the launch ends
+    at once, and a relaunch starts from the latest checkpoint. The exit status is ``checkpoint.preempt_exit_code``
+    (default 75), as for a preemption during training."""
 
     label = "preempted"
     exit_status = EXIT_PREEMPTED
