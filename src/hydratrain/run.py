@@ -78,17 +78,12 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         end_guard()  # a torchrun worker lingering below is stopped by its agent's SIGTERM, not preempted
         if _SIGINT["received"]:  # e.g. a peer's end, which the same Ctrl-C caused
             _stop_interrupted(env)
-        if isinstance(err, PreemptedError):  # raised where the signal came: OmegaConf may have added its context
-            err = PreemptedError(str(err).splitlines()[0], err.exit_status)
-        elif recorded_preemption() is not None:  # e.g. a peer preempted by the same SIGTERM left a collective first
-            err = recorded_preemption()
+        if recorded_preemption() is not None:  # its own PreemptedError (rebuilt: OmegaConf may have added context
+            _end_preempted(recorded_preemption(), env)  # to it), or what followed the signal (a peer left first)
         if env is None or env.rank == 0 or not (err.exit_status == EXIT_CONFIG  # the same on every rank: rank 0 says it
-                                                or getattr(err, "same_on_every_rank", False)
-                                                or isinstance(err, PreemptedError)):  # not an error: rank 0 says it
+                                                or getattr(err, "same_on_every_rank", False)):
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
-        if _in_multirun() and isinstance(err, PreemptedError):
-            _end_the_sweep(err.exit_status, f"{err.label}: {err}")
         if _in_multirun():
             raise  # Hydra records the job as failed and the sweep goes on
         if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
@@ -107,10 +102,9 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         end_guard()
         if isinstance(err, SystemExit):
             raise
-        preempted = recorded_preemption()
-        if preempted is not None:  # the error came after this rank's preemption signal (a collective a peer left)
+        if recorded_preemption() is not None:  # the error came after this rank's preemption signal
             log.info("after the preemption signal: %s: %s", type(err).__name__, str(err).splitlines()[:1])
-            _end_preempted(preempted, env)
+            _end_preempted(recorded_preemption(), env)
         if not (isinstance(err, Exception) or _interrupted(err)):
             raise
         if _interrupted(err):  # this rank's Ctrl-C, or a peer's end that it caused in a collective here
@@ -133,8 +127,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
 
 
 def _end_preempted(err: PreemptedError, env) -> None:
-    """One line (rank 0, or any rank before the process group) and ``err``'s exit status; in a sweep the whole sweep
-    stops."""
+    """One line (rank 0, or any rank before the process group: a preemption is not an error, so the other ranks
+    do not repeat it) and ``err``'s exit status; in a sweep the whole sweep stops."""
     if env is None or env.rank == 0:
         print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})

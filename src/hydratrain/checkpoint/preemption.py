@@ -104,8 +104,8 @@ class Preemption:
         import torch.distributed as dist
 
         end_guard()
-        if _GUARD["received"] is not None:
-            raise _preempted(_GUARD["received"])
+        if recorded_preemption() is not None:
+            raise recorded_preemption()
         self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if not self.enabled:
             return
