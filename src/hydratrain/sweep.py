@@ -210,6 +210,13 @@ def _sweep_dir(hc: Any) -> Path:
     return resolve_path(str(hc.sweep.dir), Path(str(hc.runtime.cwd)))
 
 
+def _job_dir(hc: Any) -> Path:
+    """This job's run dir (``hydra.runtime.output_dir``), made absolute the same way as :func:`_sweep_dir`."""
+    from hydratrain.dist.run_dir import resolve_path
+
+    return resolve_path(str(hc.runtime.output_dir), Path(str(hc.runtime.cwd)))
+
+
 def _is_rank0() -> bool:
     from hydratrain.dist.env import env_rank
 
@@ -243,12 +250,11 @@ class SweepReportCallback(Callback):
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        from hydratrain.dist.run_dir import resolve_path
 
         hc = config.hydra if "hydra" in config else HydraConfig.get()
         if hc.mode != RunMode.MULTIRUN or not _is_rank0():
             return
-        job_dir = resolve_path(str(hc.runtime.output_dir), Path(str(hc.runtime.cwd)))
+        job_dir = _job_dir(hc)
         job_dir.mkdir(parents=True, exist_ok=True)
         error = ""
         if job_return.status.name == "FAILED":
@@ -292,7 +298,6 @@ def record_stopped_job(why: str) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from hydratrain.dist.run_dir import resolve_path
 
     if not _is_rank0() or not HydraConfig.initialized():
         return
@@ -300,7 +305,7 @@ def record_stopped_job(why: str) -> None:
     if hc.mode != RunMode.MULTIRUN:
         return
     sweep_dir = _sweep_dir(hc)
-    job_dir = resolve_path(str(hc.runtime.output_dir), Path(str(hc.runtime.cwd)))
+    job_dir = _job_dir(hc)
     write_job_status(job_dir, hc.job.num, list(hc.overrides.task), "FAILED", why, math.nan,
                      _read_json(sweep_dir / MULTIRUN_MARK).get("id"), results_current=False)
     write_sweep_report(sweep_dir)
