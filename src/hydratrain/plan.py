@@ -406,6 +406,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from hydratrain.errors import EXIT_CONFIG, ConfigError
 
+    flags = [a for a in argv if a.startswith("-")]
+    if flags:
+        print(f"hydratrain: python -m hydratrain.plan takes train.py's overrides (KEY=VALUE) and -h, not {flags[0]!r} "
+              "(to print the composed config: python train.py --cfg job)", file=sys.stderr)
+        return EXIT_CONFIG
     try:
         cfg = _compose(argv)
         OmegaConf.set_readonly(cfg, True)
@@ -418,9 +423,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_CONFIG
     except Exception as err:  # Hydra's composition errors name the override
         if type(err).__module__.startswith(("hydra", "omegaconf")):
-            print(f"hydratrain: config error: {str(err).splitlines()[0]}", file=sys.stderr)
+            print(f"hydratrain: config error: {_one_line(err)}", file=sys.stderr)
             return EXIT_CONFIG
         raise
+
+
+def _one_line(err: BaseException) -> str:
+    """A Hydra composition error in one line: its first line, the first line of its cause (OmegaConf's reason: "Value
+    'abc' of type 'str' could not be converted to Float"), and a missing group option's alternatives."""
+    text = str(err)
+    line = text.splitlines()[0] if text else type(err).__name__
+    if err.__cause__ is not None and str(err.__cause__):
+        line = f"{line.rstrip('.')}: {str(err.__cause__).splitlines()[0]}"
+    if "Available options in" in text:
+        options = [o.strip() for o in text.split("Available options in", 1)[1].split("Config search path")[0]
+                   .splitlines()[1:] if o.strip()]
+        line += f" (available: {', '.join(options)})"
+    return line
 
 
 def _report(cfg) -> int:

@@ -359,3 +359,17 @@ def test_planning_a_gpu_run_from_a_cpu_host_models_cudas_fused_rms_norm():
                              env=clean_env(), capture_output=True, text=True, timeout=120)
         peak = next(float(line.split()[1]) for line in out.stdout.splitlines() if line.strip().startswith("peak "))
         assert abs(peak / measured - 1) < 0.05, (override, peak, measured)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan.memory_gb=abc"], "plan.memory_gb=abc: Value 'abc' of type 'str' could not be converted to Float"),
+    (["model=nope"], "Could not find 'model/nope' (available: gpt_small, gpt_tiny, llama_1b, llama_8b)"),
+    (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
+    (["--cfg", "job"], "takes train.py's overrides (KEY=VALUE) and -h, not '--cfg'"),
+])
+def test_the_cli_names_what_is_wrong_with_an_override_in_one_line(argv, says, capsys):
+    from hydratrain.plan import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err

@@ -123,6 +123,7 @@ def test_resume_with_a_new_lr_trains_with_it_and_records_it(cli, tmp_path):
     assert results(b)["hparams"]["optim.lr"] == 5e-3
     log = log_of(b)
     assert "optim.lr: 0.001 -> 0.005" in log and "optim.weight_decay: 0.1 -> 0.05" in log
+    assert "checkpoint.resume_from:" not in log  # where this launch starts from is not a difference of the training
     # auto-resume in the same run dir with yet another lr
     cli([*common, "optim.lr=2e-3", "trainer.max_steps=8", "checkpoint.every_n_steps=2"], tmp_path / "a").ok()
     assert tb_scalars(tmp_path / "a", "train/lr")[5] == pytest.approx(2e-3)

@@ -268,6 +268,10 @@ def check_architecture(saved_model: Optional[Mapping], model: Mapping, where: st
                               "compute something else)")
 
 
+# keys that say how a launch is started and where it resumes from, not what it trains: not listed as differences
+_WHERE_A_LAUNCH_STARTS = ("launcher.", "checkpoint.resume_from:", "checkpoint.auto_resume:")
+
+
 def config_diff(saved: Mapping, now: Mapping) -> list[str]:
     """``key: old -> new`` for every leaf that differs between two config containers (keys in either)."""
     a, b = _flat(saved), _flat(now)
@@ -483,7 +487,7 @@ class CheckpointManager:
             self.last_saved_step = step_of(ckpt)
         self.loaded_from = ckpt
         if saved_config is not None:
-            diff = [d for d in config_diff(saved_config, self.config) if not d.startswith("launcher.")]
+            diff = [d for d in config_diff(saved_config, self.config) if not d.startswith(_WHERE_A_LAUNCH_STARTS)]
             if diff:
                 log.warning("resuming from %s with a config that differs from the one that saved it (the new values "
                             "apply; optimizer moments, step counts and data position come from the checkpoint):\n  %s",
