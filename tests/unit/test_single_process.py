@@ -196,3 +196,11 @@ def test_every_path_key_resolves_against_the_launch_dir(cli, tmp_path, monkeypat
     cli(["strategy=single", "checkpoint.resume_from=src", f"hydra.job.chdir={chdir}", "trainer.max_steps=3"],
         tmp_path / "r2").ok()
     assert f"resumed from {ckpt_of(tmp_path / 'src', 2)}" in log_of(tmp_path / "r2")
+
+
+def test_a_size_based_wrap_policy_that_wraps_nothing_says_so(cli, tmp_path):
+    run = cli(["strategy=fsdp", "wrap_policy=size_based", "wrap_policy.min_num_params=100000000",
+               "trainer.max_steps=1", "trainer.eval_every_n_steps=0"], tmp_path / "r").ok()
+    assert "fsdp: sharded 1 modules (0 by wrap_policy=size_based + root)" in log_of(tmp_path / "r")
+    line = next(ln for ln in run.output.splitlines() if "wraps nothing" in ln)
+    assert "wrap_policy.min_num_params=100000000" in line and "the largest submodule holds" in line, line

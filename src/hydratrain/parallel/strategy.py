@@ -211,6 +211,12 @@ class FSDP(Strategy):
         if scfg.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         units = shard_units(raw, self.cfg.wrap_policy)
+        if not units and str(self.cfg.wrap_policy.name) == "size_based":
+            largest = max((sum(p.numel() for p in m.parameters()) for m in raw.modules() if m is not raw), default=0)
+            log.warning("wrap_policy.min_num_params=%d wraps nothing (the largest submodule holds %d parameters): "
+                        "FSDP shards the model as one unit, as wrap_policy=none does, and gathers all of it at once; "
+                        "lower min_num_params, or use wrap_policy=transformer_block", self.cfg.wrap_policy.min_num_params,
+                        largest)
         ties = param_init.tied_parameters(raw)
         for unit in units:
             fully_shard(unit, **kwargs)
