@@ -209,7 +209,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = parse_args(argv)
     except SystemExit as e:
-        print(e, file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank has the same arguments: one line, not one per rank
+            print(e, file=sys.stderr)
         return EXIT_CONFIG
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if n < 2:

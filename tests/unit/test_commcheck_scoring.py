@@ -21,6 +21,9 @@ def test_config_errors_are_one_line(capsys, monkeypatch):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("hydratrain: config error: " + msg) and err.count("\n") == 1, err
+    monkeypatch.setenv("RANK", "1")  # the same arguments on every rank: rank 0 alone says what is wrong
+    assert main(["commcheck.itrs=5"]) == 2 and capsys.readouterr().err == ""
+    monkeypatch.delenv("RANK")
     assert main(["--help"]) == 0 and "timeout_s: float = 120.0  # seconds one call" in capsys.readouterr().out
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main([]) == 2 and "needs 2 or more ranks" in capsys.readouterr().err
