@@ -93,10 +93,12 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             # may still be writing their logs there)
             discard_if_unused(run_dir_of())
         # a PeerFailedError: the rank that failed first leaves first; a config error (alike on every rank): under
-        # torchrun, rank 0, which printed it, leaves first, so that the agent reports it as the root cause (status 2)
+        # torchrun, rank 0, which printed it, leaves first, so that the agent reports it as the root cause (status 2);
+        # the agent ends this rank as soon as rank 0 has left, so the wait only bounds a rank 0 that is slow to exit
+        # (on a loaded 2-core machine 2 s was not enough)
         shared = (err.exit_status == EXIT_CONFIG and env is not None and env.rank != 0
                   and "TORCHELASTIC_RUN_ID" in os.environ)
-        time.sleep(getattr(err, "linger_s", 0.0) or (2.0 if shared else 0.0))
+        time.sleep(getattr(err, "linger_s", 0.0) or (10.0 if shared else 0.0))
         raise SystemExit(err.exit_status) from None
     except BaseException as err:
         end_guard()
