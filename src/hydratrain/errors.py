@@ -6,7 +6,8 @@
 | 1 | an unexpected exception on this rank (its traceback is on the console and in its log) |
 | 2 | :class:`ConfigError`: a bad config value, found before any process group exists |
 | 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used (nothing was trained), or a
-  save cannot be written (training stopped; the latest complete checkpoint is intact) |
+  save cannot be written; :class:`OutputError`: another output (TensorBoard events, weights, results.json) cannot be
+  written (a full, over-quota or read-only filesystem): training stopped, the latest complete checkpoint is intact |
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
 | 5 | another rank failed or died; this rank stopped after it (``distributed.failure_timeout_s``) |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
@@ -73,6 +74,50 @@ class CheckpointError(HydratrainError, RuntimeError):
 
     label = "checkpoint error"
     exit_status = EXIT_CHECKPOINT
+
+
+class OutputError(HydratrainError, RuntimeError):
+    """A run's output could not be written because its filesystem is full, over quota or read-only
+    (:data:`UNWRITABLE_ERRNOS`); ``str(err)`` is one line: what, where, why, the free space and how to go on
+    (:func:`unwritable_message`)."""
+
+    label = "output error"
+    exit_status = EXIT_CHECKPOINT
+    own_failure = True  # this rank's filesystem refused the write
+
+
+#: errno values that mean "this filesystem takes no more writes" (ENOSPC, EDQUOT, EROFS, EFBIG), not a bad path
+UNWRITABLE_ERRNOS = (28, 122, 30, 27)
+
+
+def unwritable_cause(err: BaseException) -> Optional[OSError]:
+    """The OSError with an :data:`UNWRITABLE_ERRNOS` errno in ``err`` or its ``__cause__`` / ``__context__`` chain
+    (TensorBoard's writer thread, logging, a library that wraps it), or None."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in UNWRITABLE_ERRNOS:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def unwritable_message(what: str, where: Any, cause: Optional[BaseException], last_checkpoint: Any,
+                       room: str = "make room") -> str:
+    """``<what> under <where> failed (<cause>; <N> MB free there); training stopped. The latest complete
+    checkpoint, <last>, is intact: <room> and relaunch the same command to resume from it`` (or, without a
+    checkpoint, ``No checkpoint was written before: <room> and relaunch``)."""
+    import shutil
+
+    why = (f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None
+           else "another rank could not write its part")
+    try:
+        why += f"; {shutil.disk_usage(where).free / 1e6:.1f} MB free there"
+    except OSError:
+        pass
+    tail = (f"The latest complete checkpoint, {last_checkpoint}, is intact: {room} and relaunch the same command to "
+            f"resume from it" if last_checkpoint else f"No checkpoint was written before: {room} and relaunch")
+    return f"{what} under {where} failed ({why}); training stopped. {tail}"
 
 
 class DamagedCheckpointError(CheckpointError):

@@ -391,6 +391,24 @@ class Throughput:
         return tps, tps * self.flops_per_token / self.peak
 
 
+def _quiet_writer_thread_errors() -> None:
+    """Keep Python from printing the traceback of a write that failed on TensorBoard's writer thread (a full disk):
+    the writer raises the same error again at the next write from the training loop, where the run reports it in one
+    line (``hydratrain.run``). Other threads' errors print as before. Idempotent."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "hydratrain", False):
+        return
+
+    def hook(args) -> None:
+        if not (type(args.thread).__module__.startswith("tensorboard") and isinstance(args.exc_value, OSError)):
+            previous(args)
+
+    hook.hydratrain = True
+    threading.excepthook = hook
+
+
 class TensorBoardLogger:
     """Rank 0's ``SummaryWriter`` at ``<run_dir>/tensorboard``; on other ranks (or when disabled) every call is a no-op.
 
@@ -418,6 +436,7 @@ class TensorBoardLogger:
         if self._writer is None and self.enabled:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_writer_thread_errors()
             self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self._purge_step)
             carried, self._carried = self._carried, {}
             for tag, value in carried.items():

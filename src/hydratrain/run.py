@@ -7,6 +7,7 @@ objects (:class:`~hydratrain.parallel.precision.Precision`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -71,7 +72,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         dcfg = cfg.distributed
         timing.mark("checks")
         with process_group(str(cfg.device), strategy.backend, strategy.needs_process_group, strategy.cpu_offload,
-                           dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info, OutOfMemoryGuard() as oom:
+                           dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info, OutOfMemoryGuard() as oom, \
+                _unwritable_as_output_error(run_dir, resume):
             timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except HydratrainError as err:
@@ -126,6 +128,35 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                            "a checkpoint; relaunch the same command to resume")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
+
+
+@contextlib.contextmanager
+def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path]):
+    """A write that a full, over-quota or read-only filesystem refused anywhere in the run (TensorBoard's events,
+    the weights, results.json, a data cache; :func:`hydratrain.errors.unwritable_cause`) ends it as an
+    :class:`~hydratrain.errors.OutputError`: one line with the free space and the checkpoint to resume from, exit
+    status 3, as a failed checkpoint save does, instead of the library's traceback."""
+    from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
+
+    try:
+        yield
+    except HydratrainError:
+        raise
+    except Exception as err:
+        cause = unwritable_cause(err)
+        if cause is None:
+            raise
+        from hydratrain.checkpoint.manager import list_checkpoints
+
+        done = list_checkpoints(run_dir / "checkpoints")
+        import traceback
+
+        tensorboard = any("/tensorboard/" in f.filename for f in traceback.extract_tb(err.__traceback__))
+        what = (f"writing {Path(cause.filename).name}" if cause.filename else
+                "writing TensorBoard events" if tensorboard else "writing the run's outputs")
+        where = Path(cause.filename).parent if cause.filename else run_dir
+        raise OutputError(unwritable_message(what, where, OSError(cause.errno, cause.strerror),
+                                             done[-1][1] if done else resume)) from err
 
 
 def _end_preempted(err: PreemptedError, env) -> None:

@@ -32,7 +32,7 @@ import torch
 
 from hydratrain.checkpoint import METADATA
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
-from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError
+from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError, unwritable_message
 
 log = logging.getLogger(__name__)
 
@@ -410,18 +410,9 @@ class CheckpointManager:
         rank 0 removes the partial ``tmp`` dir, which frees its space (the next start would remove it anyway)."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None \
-            else "another rank could not write its part"
-        try:
-            why += f"; {shutil.disk_usage(self.root).free / 1e6:.1f} MB free there"
-        except OSError:
-            pass
         room = "make room" + (" (or lower checkpoint.keep_last)" if self.keep_last != 1 else "")
-        last = self.last_good()
-        err = CheckpointError(f"saving step {step} under {self.root} failed ({why}); training stopped. "
-                              + (f"The latest complete checkpoint, {last}, is intact: {room} and relaunch the same "
-                                 "command to resume from it" if last else f"No checkpoint was written before: {room} "
-                                 "and relaunch"))
+        err = CheckpointError(unwritable_message(f"saving step {step}", self.root, cause, self.last_good(),
+                                                 room))
         err.same_on_every_rank = True  # every rank raises it (DCP gathers the failures): rank 0 prints it
         return err
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -114,6 +115,29 @@ class RankZeroConsoleFilter(logging.Filter):
             record.msg = f"[rank {rank}] {record.msg}"
             record._rank_prefixed = True
         return True
+
+
+class RunLogFileHandler(logging.FileHandler):
+    """Hydra's job log file handler (``train_rank<R>.log``, ``conf/train.yaml``) that, when its file can no longer
+    be written (a full or read-only disk), says so once on stderr and drops its later records, instead of the
+    traceback block per record that ``logging`` prints; the console keeps every line. What else the disk refuses
+    ends the run with one line (``hydratrain.run``)."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+            return
+        if not self.failed:
+            self.failed = True
+            print(f"hydratrain: writing the log file {self.baseFilename} failed ({type(err).__name__}: {err}); its "
+                  "lines go to the console only from now on", file=sys.stderr, flush=True)
 
 
 def quiet_console() -> None:

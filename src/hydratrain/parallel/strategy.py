@@ -215,8 +215,8 @@ class FSDP(Strategy):
             largest = max((sum(p.numel() for p in m.parameters()) for m in raw.modules() if m is not raw), default=0)
             log.warning("wrap_policy.min_num_params=%d wraps nothing (the largest submodule holds %d parameters): "
                         "FSDP shards the model as one unit, as wrap_policy=none does, and gathers all of it at once; "
-                        "lower min_num_params, or use wrap_policy=transformer_block", self.cfg.wrap_policy.min_num_params,
-                        largest)
+                        "lower min_num_params, or use wrap_policy=transformer_block",
+                        self.cfg.wrap_policy.min_num_params, largest)
         ties = param_init.tied_parameters(raw)
         for unit in units:
             fully_shard(unit, **kwargs)

@@ -1,0 +1,95 @@
+"""A filesystem that takes no more writes (full, over quota, read-only) in the middle of a run: one line and exit
+status 3 (``hydratrain.errors.OutputError``), not logging's traceback block per record, TensorBoard's writer-thread
+traceback and the library's traceback at the next write. (A failed checkpoint save: test_checkpoint_io.py.)"""
+from __future__ import annotations
+
+import errno
+import logging
+
+import pytest
+
+from hydratrain.errors import unwritable_cause
+
+
+def _full() -> OSError:
+    return OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_the_cause_is_found_through_the_chain_and_only_for_errnos_of_a_full_or_read_only_filesystem():
+    try:
+        try:
+            raise _full()
+        except OSError as inner:
+            raise RuntimeError("the library's own error") from inner
+    except RuntimeError as outer:
+        assert unwritable_cause(outer).errno == errno.ENOSPC
+    assert unwritable_cause(OSError(errno.EROFS, "Read-only file system")) is not None
+    assert unwritable_cause(FileNotFoundError(errno.ENOENT, "No such file")) is None  # a bad path is not a full disk
+    assert unwritable_cause(ValueError("x")) is None
+
+
+def test_a_log_file_that_cannot_be_written_is_reported_once_and_dropped(tmp_path, capsys):
+    from hydratrain.dist.env import RunLogFileHandler
+
+    handler = RunLogFileHandler(str(tmp_path / "train_rank0.log"))
+
+    class FullStream:
+        def write(self, _):
+            raise _full()
+
+        def flush(self):
+            raise _full()
+
+    handler.stream.close()
+    handler.stream = FullStream()
+    logger = logging.getLogger("test_full_disk")
+    logger.addHandler(handler)
+    try:
+        for i in range(3):
+            logger.warning("line %d", i)
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"hydratrain: writing the log file {tmp_path / 'train_rank0.log'} failed (OSError: "
+                                "[Errno 28] No space left on device); its lines go to the console only from now on"]
+
+
+def test_tensorboards_writer_thread_fails_quietly_and_the_next_write_raises(tmp_path, capfd):
+    from hydratrain.metrics import TensorBoardLogger
+
+    tb = TensorBoardLogger(tmp_path / "tensorboard", enabled=True)
+    tb.scalars({"train/loss": 1.0}, 1)
+    tb.flush()
+    records = tb.writer.file_writer.event_writer._async_writer._writer
+
+    def refuse(_):
+        raise _full()
+
+    records.write = refuse
+    with pytest.raises(OSError) as raised:
+        for step in range(2, 50):  # the thread fails on the first write after the patch; a later call raises it
+            tb.scalars({"train/loss": 1.0}, step)
+            tb.flush()
+    assert raised.value.errno == errno.ENOSPC
+    assert "Traceback" not in capfd.readouterr().err  # the thread's own traceback is not printed
+
+
+def test_a_full_disk_mid_run_ends_it_with_one_line_and_status_3(cli, tmp_path, monkeypatch):
+    from hydratrain.metrics import TensorBoardLogger
+
+    scalars = TensorBoardLogger.scalars
+
+    def full_from_step_3(self, values, step):
+        if step >= 3:
+            raise _full()
+        scalars(self, values, step)
+
+    monkeypatch.setattr(TensorBoardLogger, "scalars", full_from_step_3)
+    run = cli(["strategy=single", "trainer.max_steps=6", "checkpoint.every_n_steps=2", "trainer.log_every_n_steps=1",
+               "trainer.eval_every_n_steps=0"], tmp_path / "r")
+    assert run.returncode == 3, run.output[-3000:]
+    lines = [ln for ln in run.output.splitlines() if ln.startswith("hydratrain: output error:")]
+    assert lines == [f"hydratrain: output error: writing the run's outputs under {tmp_path / 'r'} failed (OSError: "
+                     f"[Errno 28] No space left on device; " + lines[0].split("; ", 1)[1]], run.output[-3000:]
+    assert f"The latest complete checkpoint, {tmp_path / 'r' / 'checkpoints' / 'step_00000002'}, is intact" in lines[0]
+    assert "Traceback" not in run.output
