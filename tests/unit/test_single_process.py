@@ -204,3 +204,13 @@ def test_a_size_based_wrap_policy_that_wraps_nothing_says_so(cli, tmp_path):
     assert "fsdp: sharded 1 modules (0 by wrap_policy=size_based + root)" in log_of(tmp_path / "r")
     line = next(ln for ln in run.output.splitlines() if "wraps nothing" in ln)
     assert "wrap_policy.min_num_params=100000000" in line and "the largest submodule holds" in line, line
+
+
+@pytest.mark.parametrize("logging_options", [["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"],
+                                             ["hydra/job_logging=stdout"]])
+def test_hydras_other_logging_options_replace_hydratrains(cli, tmp_path, logging_options):
+    """hydratrain's handlers are an option of Hydra's logging groups (conf/hydra/), not keys merged onto whichever
+    option is chosen, where they made handlers without a class ("Unable to configure handler 'console'")."""
+    cli([*logging_options, "strategy=single", "trainer.max_steps=1", "trainer.eval_every_n_steps=0"],
+        tmp_path / "r").ok()
+    assert results(tmp_path / "r")["steps"] == 1 and not (tmp_path / "r" / "train_rank0.log").exists()

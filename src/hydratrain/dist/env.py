@@ -100,8 +100,9 @@ def under_submitit() -> bool:
 class RankZeroConsoleFilter(logging.Filter):
     """A logging filter for console handlers: rank 0 shows everything, other ranks only ERROR and above (a failing
     rank's error must reach the console), prefixed with ``[rank R]``; records logged with ``extra={"file_only":
-    True}`` stay out of the console on every rank. Installed on Hydra's console handler by
-    ``conf/train.yaml`` (``hydra.job_logging``), so it holds from the first line a job logs."""
+    True}`` stay out of the console on every rank. Installed on Hydra's console handler by the default
+    ``hydra/job_logging`` (``conf/hydra/job_logging/hydratrain.yaml``), so it holds from the first line a job logs;
+    under another option, by :func:`quiet_console`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, "file_only", False):  # already printed in its own form (``hydratrain: ...`` lines)
@@ -118,10 +119,11 @@ class RankZeroConsoleFilter(logging.Filter):
 
 
 class RunLogFileHandler(logging.FileHandler):
-    """Hydra's job log file handler (``train_rank<R>.log``, ``conf/train.yaml``) that, when its file can no longer
-    be written (a full or read-only disk), says so once on stderr and drops its later records, instead of the
-    traceback block per record that ``logging`` prints; the console keeps every line. What else the disk refuses
-    ends the run with one line (``hydratrain.run``)."""
+    """The log file handler (``train_rank<R>.log``) of the default ``hydra/job_logging``
+    (``conf/hydra/job_logging/hydratrain.yaml``) that, when its file can no longer be written (a full or read-only
+    disk), says so once on stderr and drops its later records, instead of the traceback block per record that
+    ``logging`` prints; the console keeps every line. What else the disk refuses ends the run with one line
+    (``hydratrain.run``)."""
 
     failed = False
 
