@@ -168,3 +168,26 @@ def test_measure_matmul_flops_times_a_very_slow_dtype_once(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "linear", slow_linear)
     flops = metrics.measure_matmul_flops(torch.device("cpu"), torch.float32, m=8, n=8, budget_s=0.01)
     assert len(calls) == 2 and math.isfinite(flops) and flops > 0  # warm-up + one timed call
+
+
+@pytest.mark.parametrize("env, mask, ranks, threads", [
+    ({}, {0, 1, 2, 3, 4, 5, 6, 7}, 2, 4),                                   # the node's allowed cores, shared
+    ({}, {0}, 1, 1),                                                         # taskset -c 0 on a larger host
+    ({"OMP_NUM_THREADS": "3"}, {0, 1, 2, 3}, 1, 3),                         # the user's own setting is kept
+    ({"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, {0, 1, 2, 3}, 2, 2),  # torchrun's default is not
+    ({"OMP_NUM_THREADS": "2", "TORCHELASTIC_RUN_ID": "x"}, {0, 1, 2, 3}, 2, 2),
+    ({"SLURM_PROCID": "1"}, {4, 5, 6, 7}, 4, 4),                            # a SLURM task's mask is its own
+    ({"SLURM_PROCID": "1", "TORCHELASTIC_RUN_ID": "x"}, {0, 1, 2, 3}, 4, 1),  # torchrun inside a SLURM task
+])
+def test_cpu_threads_follow_the_affinity_mask_and_an_explicit_omp_num_threads(monkeypatch, env, mask, ranks,
+                                                                               threads):
+    import os
+
+    from hydratrain.dist import process_group
+
+    for key in ("OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: mask)
+    assert process_group.cpu_threads(ranks) == threads

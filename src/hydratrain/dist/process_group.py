@@ -118,6 +118,24 @@ def choose_device(kind: str, local_rank: int):
     return device
 
 
+def cpu_threads(local_world_size: int) -> int:
+    """Intra-op threads for one CPU rank.
+
+    * ``$OMP_NUM_THREADS`` when the user (or a launcher such as Ray, from a worker's CPUs) set it; not torchrun's
+      default of 1 for several workers, which it sets when the user did not and which would leave cores idle;
+    * else the cores this process may run on (its affinity mask: ``taskset``, a container's cpuset, SLURM's
+      ``--cpus-per-task``; ``os.cpu_count()`` counts the whole host) shared by the ranks that share them: the
+      node's ``local_world_size`` ranks, or this rank alone in a SLURM task of its own (``srun``, submitit), whose
+      mask is its own. Oversubscribed cores make every rank slower.
+    """
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0 and not (omp == "1" and "TORCHELASTIC_RUN_ID" in os.environ):
+        return int(omp)
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    own_mask = "SLURM_PROCID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    return max(1, allowed if own_mask else allowed // max(1, local_world_size))
+
+
 def backend_for(device, configured: Optional[str], cpu_offload: bool) -> str:
     """The process-group backend: ``configured`` (``strategy.backend``) if set, else nccl on CUDA and gloo on CPU.
 
@@ -354,8 +372,7 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
     device = choose_device(device_kind, info.local_rank)
     info = replace(info, device=device)
     if device.type == "cpu":
-        # Ranks on one node share its cores; oversubscribing them makes every rank slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world_size))
+        torch.set_num_threads(cpu_threads(info.local_world_size))
     watch = None
     adopted = dist.is_available() and dist.is_initialized()  # made by the launcher (Ray Train)
     if adopted:
