@@ -105,6 +105,9 @@ def test_cfg_job_prints_composed_config(cli):
     (["strategy=ddp", "wrap_policy=size_based"], "wrap_policy"),
     (["strategy=single", "precision.reduce_dtype=bfloat16"], "precision.reduce_dtype"),
     (["strategy=fsdp", "strategy.name=ddp"], "strategy.name"),
+    (["~activation_checkpointing"], "activation_checkpointing=<deleted>: removed with ~activation_checkpointing"),
+    (["~device"], "device=<deleted>: removed with ~device, but the run reads it: give it a value instead, e.g. its "
+                  "default: device=auto"),
 ])
 def test_validate_names_the_key(compose, overrides, key):
     with pytest.raises(ConfigError) as err:

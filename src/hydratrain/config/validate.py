@@ -38,6 +38,14 @@ def _check_option_nodes(cfg: DictConfig) -> None:
                               f"option with {group}={node.name}, not by renaming it")
 
 
+class _Deleted:
+    def __repr__(self) -> str:
+        return "<deleted>"
+
+
+_DELETED = _Deleted()
+
+
 def _check_known_keys(node: DictConfig, path: str = "") -> None:
     """Every key of a schema-typed node is a field of its dataclass. Hydra's ``+key=value`` (which its own error for
     an unknown key suggests) appends a key to a structured node: nothing reads it, so it is an error here rather than
@@ -47,6 +55,12 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
     if not dataclasses.is_dataclass(schema):
         return
     fields = [f.name for f in dataclasses.fields(schema)]
+    for f in dataclasses.fields(schema):
+        if f.name not in node:  # deleted with Hydra's ~key: nothing in the run may read a key that is not there
+            where = f"{path}.{f.name}" if path else f.name
+            default = "VALUE" if f.default is dataclasses.MISSING else OmegaConf.to_yaml({"v": f.default}).strip()[3:]
+            raise ConfigError(where, _DELETED, f"removed with ~{where}, but the run reads it: give it a value instead, "
+                                               f"e.g. its default: {where}={default}")
     for key in node.keys():
         where = f"{path}.{key}" if path else str(key)
         if where == "hydra":  # Hydra's own node, present when a launcher checks a job's config
