@@ -63,6 +63,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
         check_environment(cfg, env.world_size, launch, env.local_world_size)
+        if _in_multirun():
+            _refuse_another_jobs_dir(run_dir)
         lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir),
                             prepare=lambda: recover_unfinished_saves(run_dir / "checkpoints"))
         resume = find_resume(cfg.checkpoint, run_dir, launch)
@@ -297,9 +299,26 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
                           "checkpoint.auto_resume=false to start every trial over")
 
 
+def _refuse_another_jobs_dir(run_dir: Path) -> None:
+    """A sweep job whose run dir another job of the same multirun has already used (two jobs' ``hydra.sweep.subdir``
+    resolve to one dir, e.g. ``${hydra.job.override_dirname}`` without a swept key): raise
+    :class:`~hydratrain.errors.ConfigError` instead of overwriting that job's results, log and TensorBoard curves."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.sweep import other_job_of_this_multirun
+
+    hc = HydraConfig.get()
+    other = other_job_of_this_multirun(run_dir, hc)
+    if other is not None:
+        raise ConfigError("hydra.sweep.subdir", hc.sweep.subdir,
+                          f"job {hc.job.num}'s run dir {run_dir} is job {other}'s of this sweep: give every job a dir "
+                          "of its own (the default ${hydra.job.num}; an override_dirname must keep every swept key)")
+
+
 def _refused_by_lock(err: HydratrainError) -> bool:
     """A config error about the run dir itself (held by another job): that dir is not this launch's to remove."""
-    return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir")
+    return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 
 
 def _run_dir_key(run_dir: Path) -> tuple:

@@ -43,18 +43,38 @@ def mark_multirun(sweep_dir: Path) -> str:
 
 
 def write_job_status(job_dir: Path, num: int, overrides: List[str], status: str, error: str = "",
-                     seconds: float = math.nan, multirun: Optional[str] = None, results_current: bool = True) -> None:
+                     seconds: float = math.nan, multirun: Optional[str] = None, results_current: bool = True,
+                     refused: bool = False) -> None:
     """Write ``<job_dir>/status.json``: job number, overrides, ``COMPLETED``/``FAILED``, a one-line error, the
     job's seconds (NaN or None: unknown, stored as null), the id of the multirun it belongs to (:func:`mark_multirun`)
     and whether the dir's ``results.json`` is this job's (False: one left by an earlier job in this dir, which the
-    report does not show)."""
+    report does not show). A job ``refused`` the dir (:func:`refused_the_dir`) writes ``status.job<num>.json``
+    instead, so the status of the job or trial the dir belongs to stays."""
     if seconds is not None and not math.isfinite(seconds):
         seconds = None
     payload = {"num": num, "overrides": list(overrides), "status": status, "error": error, "seconds": seconds,
                "multirun": multirun, "results_current": results_current}
-    tmp = job_dir / f".status.json.tmp{os.getpid()}"
+    name = f"status.job{num}.json" if refused and (job_dir / "status.json").exists() else "status.json"
+    tmp = job_dir / f".{name}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, job_dir / "status.json")
+    os.replace(tmp, job_dir / name)
+
+
+def refused_the_dir(err: Any) -> bool:
+    """Whether a job failed with the config error that its run dir is another job's or trial's (held by a live job,
+    a checkpoint of another trial, another job of this multirun: keyed on ``hydra.sweep.dir`` / ``.subdir``)."""
+    return getattr(err, "key", "") in ("hydra.sweep.dir", "hydra.sweep.subdir")
+
+
+def other_job_of_this_multirun(job_dir: Path, hc: Any) -> Optional[int]:
+    """The number of another job of the running multirun that already ran in ``job_dir`` (its ``status.json``
+    says so: two jobs whose ``hydra.sweep.subdir`` resolves to one dir), or None. ``hc``: the job's Hydra config."""
+    status = _read_json(job_dir / "status.json")
+    mark = _read_json(_sweep_dir(hc) / MULTIRUN_MARK)
+    num = status.get("num")
+    if mark and status.get("multirun") == mark.get("id") and num is not None and num != hc.job.num:
+        return num
+    return None
 
 
 def _read_json(path: Path) -> dict:
@@ -81,9 +101,13 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
     job_dirs = {p.parent for name in ("status.json", "results.json") for p in sweep_dir.rglob(name)}
     job_dirs |= {p.parent.parent for p in sweep_dir.rglob("overrides.yaml") if p.parent.name == ".hydra"}
     mark = _read_json(sweep_dir / MULTIRUN_MARK)
-    for job_dir in sorted(d for d in job_dirs if d != sweep_dir and ".submitit" not in d.parts):
-        status, results = _read_json(job_dir / "status.json"), _read_json(job_dir / "results.json")
-        if mark and not _of_multirun(job_dir, status, mark):
+    entries = [(d, _read_json(d / "status.json"), _read_json(d / "results.json"), False) for d in job_dirs]
+    # jobs refused a dir that is another job's or trial's (write_job_status): a row of their own, no figures
+    entries += [(p.parent, _read_json(p), {}, True) for p in sweep_dir.rglob("status.job*.json")]
+    for job_dir, status, results, refused in sorted(entries, key=lambda e: (str(e[0]), e[1].get("num") or 0)):
+        if job_dir == sweep_dir or ".submitit" in job_dir.parts:
+            continue
+        if mark and not (status.get("multirun") == mark.get("id") if refused else _of_multirun(job_dir, status, mark)):
             continue
         if status and not status.get("results_current", True):
             results = {}
@@ -267,9 +291,10 @@ class SweepReportCallback(Callback):
                                          (job_dir / "results.json").stat().st_mtime >= started)
         except OSError:
             current = False
+        refused = job_return.status.name == "FAILED" and refused_the_dir(job_return._return_value)
         write_job_status(job_dir, hc.job.num, list(hc.overrides.task), job_return.status.name, error,
-                         results.get("seconds", math.nan) if current else math.nan,
-                         _read_json(sweep_dir / MULTIRUN_MARK).get("id"), current)
+                         results.get("seconds", math.nan) if current and not refused else math.nan,
+                         _read_json(sweep_dir / MULTIRUN_MARK).get("id"), current and not refused, refused)
         write_sweep_report(sweep_dir)
         if job_return.status.name == "FAILED":
             why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir), launching=started is None)

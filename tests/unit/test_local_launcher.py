@@ -4,6 +4,7 @@ found before any worker starts (a port that cannot be had, submitit's GPU/task m
 stop_on_failure)."""
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -170,6 +171,8 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
                                        "a checkpoint of another trial (step_00000005; optim.lr: 0.001 -> 0.02)")
     assert "checkpoint.auto_resume=false" in rows[1]["error"]
     assert [r["train_loss"] for r in rows] == ["", ""]  # not the old trial's figures under the new values
+    # ... and their status (the refusal has a status file of its own, status.job<N>.json)
+    assert [json.loads((sweep / j / "status.json").read_text())["status"] for j in "01"] == ["COMPLETED"] * 2
     # the refused jobs leave the old trials' record of their config alone (Hydra writes .hydra/ before the task runs)
     assert [(sweep / j / ".hydra" / "overrides.yaml").read_text().count(lr) for j, lr in
             (("0", "optim.lr=0.001"), ("1", "optim.lr=0.003"))] == [1, 1]
@@ -178,6 +181,23 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
     again = cli([*common[:-1], f"hydra.sweep.dir={tmp_path / 'n1'}", "trainer.max_steps=3"])  # override dropped
     assert "another trial (step_00000003; model.n_layer: 1 -> 2)" in report_rows(tmp_path / "n1")[0]["error"], \
         again.output[-3000:]
+
+
+def test_two_jobs_whose_subdir_is_one_dir_keep_the_first_jobs_results(cli, tmp_path):
+    """hydra.sweep.subdir that resolves alike for two jobs (a constant, an override_dirname without the swept key):
+    the second job used to overwrite the first's results, log and curves, and the sweep report had one row."""
+    sweep = tmp_path / "sweep"
+    run = cli(["-m", "strategy=single", "trainer.max_steps=2", "trainer.eval_every_n_steps=0", "optim.lr=1e-3,5e-3",
+               f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=same"])
+    assert run.returncode == 1, run.output[-3000:]
+    rows = report_rows(sweep)
+    assert [(r["status"], r["overrides"].split()[-1]) for r in rows] == [("COMPLETED", "optim.lr=0.001"),
+                                                                         ("FAILED", "optim.lr=0.005")], rows
+    assert rows[1]["error"] == (f"ConfigError: hydra.sweep.subdir='same': job 1's run dir {sweep / 'same'} is job "
+                                "0's of this sweep: give every job a dir of its own (the default ${hydra.job.num}; "
+                                "an override_dirname must keep every swept key)")
+    assert results(sweep / "same")["hparams"]["optim.lr"] == 1e-3
+    assert "optim.lr=0.001" in (sweep / "same" / ".hydra" / "overrides.yaml").read_text()
 
 
 @pytest.mark.parametrize("sweeper", ["basic", "optuna", pytest.param("torchrun", marks=pytest.mark.slow)])

@@ -173,8 +173,8 @@ def _launch_key() -> str:
 def output_subdir(*, _root_: Any = None) -> Optional[str]:
     """``.hydra`` on rank 0 and ``None`` (Hydra then writes no config copy) on the other ranks, and on rank 0 too
     when the job will stop before training (exit status 2) and the run dir's ``.hydra/`` belongs to another run:
-    another live job holds the run dir (:mod:`hydratrain.dist.run_lock`), or, in a sweep run again into its
-    ``hydra.sweep.dir``, the job's run dir holds a checkpoint of another trial
+    another live job holds the run dir (:mod:`hydratrain.dist.run_lock`), another job of this multirun ran there,
+    or, in a sweep run again into its ``hydra.sweep.dir``, the job's run dir holds a checkpoint of another trial
     (:func:`hydratrain.checkpoint.manager.other_trial`). ``_root_``: the whole config (OmegaConf passes it)."""
     if env_rank() != 0:
         return None
@@ -184,11 +184,24 @@ def output_subdir(*, _root_: Any = None) -> Optional[str]:
 
     try:
         output_dir = HydraConfig.get().runtime.output_dir
-        if output_dir and (held_by_another(Path(output_dir)) or _of_another_trial(Path(output_dir), _root_)):
+        if output_dir and (held_by_another(Path(output_dir)) or _of_another_trial(Path(output_dir), _root_)
+                           or _of_another_job(Path(output_dir))):
             return None
     except Exception:  # resolved before Hydra set up the job (--cfg hydra, a launcher's process), a bad $WORLD_SIZE
         pass  # (the job's own checks name it)
     return ".hydra"
+
+
+def _of_another_job(run_dir: Path) -> bool:
+    """Whether another job of this multirun already ran in this sweep job's ``run_dir`` (the job then stops:
+    ``hydratrain.run``)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from hydratrain.sweep import other_job_of_this_multirun
+
+    hydra_cfg = HydraConfig.get()
+    return hydra_cfg.mode == RunMode.MULTIRUN and other_job_of_this_multirun(run_dir, hydra_cfg) is not None
 
 
 def _of_another_trial(run_dir: Path, root: Any) -> bool:
