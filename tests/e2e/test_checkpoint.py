@@ -186,6 +186,7 @@ def _children(pid: int) -> dict[int, int]:
     return out
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_sigterm_on_one_rank_saves_exits_75_and_resumes(tmp_path):
     """SIGTERM to rank 1 only: both ranks finish the step, agree, save, exit 75; the relaunch auto-resumes."""
     run_dir = tmp_path / "t"

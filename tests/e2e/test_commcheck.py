@@ -69,7 +69,7 @@ def test_normal_run_flags_nobody(n, tmp_path):
     assert sorted(x["rank"] for x in lines if x["kind"] == "rank") == list(range(n))
 
 
-@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_slow_rank_is_flagged(n):
     slow = n - 1
     args = ["commcheck.min_bytes=64K", "commcheck.max_bytes=1M", "commcheck.iters=10", "commcheck.warmup=2",
@@ -84,6 +84,7 @@ def test_slow_rank_is_flagged(n):
     assert "exitcode  : 1" in out
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_frozen_rank_ends_every_rank_within_timeout():
     """Rank 1 of 3 freezes (SIGSTOP: alive, sockets open, like a hung GPU or a lost node): ranks 0 and 2, started
     as torchrun starts workers but without its agent (which would tear them down itself), must each end

@@ -42,7 +42,8 @@ def reference_probe() -> dict:
 
 
 @pytest.mark.parametrize("nproc,strategy,init_device,batch", [
-    (2, "fsdp", "meta", 3), (3, "ddp", "meta", 2), pytest.param(4, "fsdp", "cpu", 5, marks=pytest.mark.slow)])
+    (2, "fsdp", "meta", 3), pytest.param(3, "ddp", "meta", 2, marks=pytest.mark.slow),
+    pytest.param(4, "fsdp", "cpu", 5, marks=pytest.mark.slow)])
 def test_same_weights_and_eval_loss_whatever_the_build_and_layout(reference_probe, nproc, strategy, init_device,
                                                                    batch):
     """Every parameter comes from its own seeded generator: a meta-device build sharded over N ranks holds exactly
@@ -76,6 +77,7 @@ def test_only_rank_0_prints_and_ddp_reduces_in_the_configured_dtype(shared_sweep
 
 
 # ------------------------------------------------------------------------------------------- user paths
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_paths_resolve_against_the_launch_dir_under_the_torchrun_launcher(cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the inputs are made in this process, relative to the launch dir
     write_user_inputs(cli, tmp_path)

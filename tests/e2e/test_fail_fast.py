@@ -21,7 +21,7 @@ def _exit_after_fault(run_dir, finished_at: float) -> float:
     return finished_at - marker.stat().st_mtime
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_a_rank_that_raises_ends_every_rank_fast_and_shows_its_error(tmp_path, strategy):
     r = run([f"strategy={strategy}", *LONG, "distributed.failure_timeout_s=30"], tmp_path, nproc=2, script=FAULTY,
             env=RAISE_AT_3, timeout=240)
@@ -34,6 +34,7 @@ def test_a_rank_that_raises_ends_every_rank_fast_and_shows_its_error(tmp_path, s
     assert "step 4/" not in log0
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_a_divergence_every_rank_sees_alike_exits_as_a_divergence_on_every_rank(tmp_path):
     """fsdp (DTensor shards, fused AdamW dropping the update on the device) on real text, where each rank's loss
     differs: the guard decides from the same global gradient norm on every rank, so every rank raises a
@@ -56,6 +57,7 @@ def _spawn_ranks(args, env, port, n=2):
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(n)]
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_ranks_that_run_out_of_memory_one_after_another_each_exit_6(tmp_path):
     """Rank 1 runs out of memory at step 3 and records it first; rank 0 runs out 2 s later, while its failure
     watch is waiting for rank 1 to leave. Rank 0's own out-of-memory error is not a consequence of rank 1's: it
@@ -96,6 +98,7 @@ def test_a_killed_rank_is_named_by_the_survivor_which_exits_5(tmp_path):
     assert "rank 0 failed" not in log0
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_a_silent_rank_is_found_by_its_heartbeat(tmp_path):
     """SIGSTOP on rank 1 (alive, sockets open, nothing said: what a dead peer behind NCCL looks like): rank 0, stuck
     in a collective, stops itself within failure_timeout_s with exit status 5 and says which rank went silent.

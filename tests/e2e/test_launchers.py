@@ -96,6 +96,7 @@ def test_torchrun_launcher_runs_the_default_config_and_writes_weights_and_a_samp
     assert state["blocks.0.attn.wq.weight"].shape == (128, 128)
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_torchrun(tmp_path):
     """Basic sweeper + torchrun launcher, 4 jobs (nproc 1, 2) x (max_steps -1, 3): the -1 jobs fail the app's job
     check before any worker starts; job 3's rank 1 dies (a crashed rank); job 1 runs on its own 1 rank."""
@@ -237,6 +238,7 @@ def test_two_nodes_with_the_launcher_share_one_group_and_run_dir(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ submitit
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_submitit_local_runs_the_default_config_as_two_tasks_of_one_run(tmp_path, cache_dir):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"

@@ -30,6 +30,7 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
     return out
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_sigusr2_under_submitit_saves_on_every_rank_then_requeues(tmp_path):
     run_dir, markers = tmp_path / "run", tmp_path / "markers"
     markers.mkdir()
@@ -63,7 +64,8 @@ def _wait_for(path, proc, what: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("phase,fault", [("startup", "sleep"), ("startup", "swallow"), ("final", "sleep")])
+@pytest.mark.parametrize("phase,fault", [("startup", "sleep"), ("startup", "swallow"),
+                                         pytest.param("final", "sleep", marks=pytest.mark.slow)])
 def test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_status(tmp_path, phase, fault):
     """A SIGTERM while the run still starts (here while it builds its data, which HT_FAULT=sleep holds for 120 s),
     or after its last step (while it writes its outputs): training cannot stop at a step, so the launch ends at once

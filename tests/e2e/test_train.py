@@ -124,6 +124,7 @@ def test_run_stamp_is_agreed_by_ranks_started_apart(tmp_path):
     assert stamps[0] == stamps[1] and re.fullmatch(r"\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", stamps[0])
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank():
     r = sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             str(SCRIPTS / "fp16_inf_skip.py")], timeout=120).ok()

@@ -66,7 +66,8 @@ def test_a_token_id_beyond_the_vocabulary_is_a_config_error_at_its_batch():
     assert err.value.key == "model.vocab_size" and "train.bin holds token id 300 (at token 77)" in str(err.value)
 
 
-@pytest.mark.parametrize("change", ["model.n_head=4", "model.rope_theta=500000", "model.tie_embeddings=false"])
+@pytest.mark.parametrize("change", ["model.n_head=4", pytest.param("model.rope_theta=500000", marks=pytest.mark.slow),
+                                    pytest.param("model.tie_embeddings=false", marks=pytest.mark.slow)])
 def test_a_checkpoint_of_another_architecture_with_the_same_shapes_is_refused(cli, tmp_path, change):
     cli([*SHORT, "checkpoint.save_last=true", "trainer.save_weights=true"], tmp_path / "a").ok()
     for source in (f"checkpoint.resume_from={ckpt_of(tmp_path / 'a', 2)}",
@@ -90,6 +91,7 @@ def test_relaunching_a_finished_run_keeps_its_results(cli, tmp_path):
         assert after[key] == before[key], key
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_a_relaunch_with_nothing_to_train_reports_no_figures_of_steps_it_does_not_have(cli, tmp_path):
     """The run trained to step 9, its newest checkpoint is step 5 (no save at the end): a relaunch resumes at 5 and,
     with max_steps=3, trains nothing. The results.json of step 9 is not this run's any more: its train loss, tokens/s

@@ -130,6 +130,7 @@ def test_resume_with_a_new_lr_trains_with_it_and_records_it(cli, tmp_path):
     assert results(tmp_path / "a")["hparams"]["optim.lr"] == 2e-3
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_an_epoch_limit_holds_across_a_resume_on_another_batch_size(cli, tmp_path):
     """44 training samples, trainer.max_epochs=2: 22 steps at batch 4. Stopped at step 5 (20 samples) and resumed at
     batch 8, the run trains to the end of epoch 2 (8 micro-batches of 8: 3 left in epoch 0, 5 in epoch 1; step 13),
@@ -145,6 +146,7 @@ def test_an_epoch_limit_holds_across_a_resume_on_another_batch_size(cli, tmp_pat
     assert lr[13] == pytest.approx(min(lr.values()))  # min_lr_ratio on the last step of the re-targeted schedule
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(cli, tmp_path):
     """Resuming a run dir from its step-2 checkpoint (auto_resume off) while steps 4 and 6 of the abandoned line are
     there: those are moved to checkpoints/superseded-*/, so keep_last keeps this launch's checkpoints (it deleted
@@ -161,6 +163,7 @@ def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(cli, tmp_
     assert [s for s, _ in list_checkpoints(aside[0])] == [4, 6]  # the old line's, not deleted
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_a_resave_killed_between_its_renames_resumes_from_the_old_checkpoint(cli, tmp_path):
     """A re-save of step 4 killed between its two renames leaves step 4 as .tmp-old-step_00000004: the next launch
     puts it back before it chooses where to resume, and resumes there (it used to choose first, start from step 2,

@@ -55,6 +55,7 @@ def test_a_fresh_start_over_earlier_events_replaces_their_curves(cli, tmp_path, 
     assert row["hparam/train_loss"][0][1] == pytest.approx(results(tmp_path)["train_loss"])
 
 
+@pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_relaunching_a_finished_run_adds_no_points_and_no_nan(cli, tmp_path):
     """A finished run (save_last) relaunched twice, as a requeued job is: nothing to train. Each relaunch evaluates
     (its eval loss is the sweep objective) and its end-of-run records replace those at the last step; the log line's
