@@ -5,11 +5,14 @@
     python train.py +experiment=gpt_small_fsdp optim.lr=3e-4
     python train.py --cfg job                                  # print the composed config
 """
-import hydra
-from omegaconf import DictConfig
+from hydratrain.checkpoint.preemption import early_guard
 
-from hydratrain.config import register_configs
-from hydratrain.dist.run_dir import register_resolvers
+early_guard()  # a SIGTERM while Hydra composes is recorded, and ends the launch as preempted once a run starts
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from hydratrain.config import register_configs  # noqa: E402
+from hydratrain.dist.run_dir import register_resolvers  # noqa: E402
 
 register_configs()
 register_resolvers()

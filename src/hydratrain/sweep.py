@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, List, Optional
@@ -255,7 +256,15 @@ class SweepReportCallback(Callback):
     0). Does nothing in single runs."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydratrain.checkpoint.preemption import take_early_signal
         from hydratrain.config import ConfigError, validate_launcher
+
+        early = take_early_signal()  # a SIGTERM while Hydra composed the sweep: no job has started
+        if early is not None:
+            code = config.get("checkpoint", {}).get("preempt_exit_code", 75)
+            print("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the same "
+                  "command", file=sys.stderr, flush=True)
+            raise SystemExit(code if isinstance(code, int) else 75)
 
         if "launcher" in config:
             try:

@@ -87,6 +87,24 @@ def test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_statu
     assert not (run_dir / "hydratrain.lock").exists()
 
 
+@pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
+def test_sigterm_while_hydra_composes_ends_the_launch_as_preempted(tmp_path, multirun):
+    """A SIGTERM before hydratrain's start-up guard exists (Hydra's import and composition: seconds on a loaded
+    machine) used to kill the launch with 143 and nothing said; now it ends as preempted once the run (or the
+    sweep) starts, with one line and checkpoint.preempt_exit_code."""
+    run_dir = None if multirun else tmp_path / "run"
+    args = ["strategy=single", "checkpoint.preempt_exit_code=76", "trainer.max_steps=2"]
+    if multirun:
+        args = ["-m", *args, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 's'}"]
+    r = finish(start(args, run_dir, script=FAULTY, env={"HT_FAULT_AT": "compose"}, cwd=tmp_path), timeout=120)
+    assert r.returncode == 76, r.output[-3000:]
+    said = ("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started" if multirun else
+            "hydratrain: preempted: SIGTERM during start-up, before this launch's first step")
+    assert said in r.output and "Traceback" not in r.output and "step 1/" not in r.output, r.output[-3000:]
+    if not multirun:
+        assert not (run_dir / "hydratrain.lock").exists()
+
+
 def test_ctrl_c_ends_a_run_and_its_sweep_with_one_line_and_status_130(tmp_path):
     """SIGINT to an in-process sweep while job 0 trains: one line (it was a 75-line traceback, 130 lines in a sweep),
     exit status 130, job 1 never starts, and the report records job 0 as stopped by the interrupt."""

@@ -4,6 +4,7 @@
   ``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself: alive, sockets open, silent, as a rank hung in a driver or
   dead behind NCCL looks).
 - ``HT_FAULT_DELAY``: ``RANK:SECONDS``: that rank sleeps before its fault (so another rank's is recorded first).
+- ``HT_FAULT_AT=compose``: SIGTERM itself before Hydra composes the config (no ``HT_FAULT`` needed).
 - ``HT_FAULT_STEP``: the optimizer step; ``HT_FAULT_AT``: ``step`` (inside it, before its backward; default),
   ``after_step`` (after the step's eval, checkpoint save and preemption check), ``startup`` (while the data is
   built, before any step) or ``final`` (while the outputs are written, after the last step); with ``HT_FAULT=sleep``
@@ -27,11 +28,16 @@ import signal
 import time
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
+from hydratrain.checkpoint.preemption import early_guard
 
-from hydratrain.config import register_configs
-from hydratrain.dist.run_dir import register_resolvers
+early_guard()  # as train.py
+if os.environ.get("HT_FAULT_AT") == "compose":  # a SIGTERM (a scheduler's) while Hydra is still to compose
+    os.kill(os.getpid(), signal.SIGTERM)
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+
+from hydratrain.config import register_configs  # noqa: E402
+from hydratrain.dist.run_dir import register_resolvers  # noqa: E402
 
 register_configs()
 register_resolvers()

@@ -10,6 +10,7 @@ After the save, submitit's own SIGUSR2 handler runs on rank 0, so the job is req
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from typing import Optional
 
@@ -26,6 +27,34 @@ PHASES = {
 _GUARD: dict = {"handlers": {}, "received": None, "exit_code": 75, "phase": "start-up"}
 
 
+def early_guard() -> None:
+    """Record a SIGTERM that arrives before :func:`guard` can be installed (``train.py`` calls this first: Hydra's
+    composition takes seconds on a loaded machine), instead of dying of it with 143 and nothing said. The first
+    :func:`guard` of the launch raises it at once (or, with ``checkpoint.save_on_sigterm=false``, lets it kill the
+    process as it would have); a multirun's launching process ends at its start (:func:`take_early_signal`). Only
+    when SIGTERM has its default handler (a parent that ignores it keeps it ignored)."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _early_signal)
+    except ValueError:  # not the main thread
+        pass
+
+
+def _early_signal(signum, frame) -> None:
+    _GUARD["early"] = signum
+
+
+def take_early_signal() -> Optional[int]:
+    """Uninstall :func:`early_guard`'s handler (SIGTERM's default again) and return the signal it recorded, if
+    any."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is _early_signal:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:
+        pass
+    return _GUARD.pop("early", None)
+
+
 def guard(enabled: bool, exit_code: int, under_submitit: bool = False, phase: str = "start-up") -> None:
     """While training cannot stop at a step (start-up: imports, data, model, checkpoint load; ``final``: the final
     evaluation and outputs), a preemption signal (SIGTERM; SIGUSR2 under submitit) ends the launch at once:
@@ -35,14 +64,20 @@ def guard(enabled: bool, exit_code: int, under_submitit: bool = False, phase: st
     is remembered and :meth:`Preemption.arm` raises it. Under submitit, SIGUSR2 first goes to submitit's handler,
     which requeues the job. ``enabled``: ``checkpoint.save_on_sigterm`` (false keeps the default handlers)."""
     end_guard()
+    early = take_early_signal()
     _GUARD.update(received=None, exit_code=exit_code, phase=phase)
     if not enabled:
+        if early is not None:  # what the default handler would have done when it came
+            os.kill(os.getpid(), early)
         return
     for sig in [signal.SIGTERM] + ([signal.SIGUSR2] if under_submitit else []):
         try:
             _GUARD["handlers"][sig] = signal.signal(sig, _guard_signal)
         except ValueError:  # not the main thread
             pass
+    if early is not None:
+        _GUARD["received"] = early
+        raise _preempted(early)
 
 
 def end_guard() -> None:
