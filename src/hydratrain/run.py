@@ -162,9 +162,12 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path]):
 
 
 def _end_preempted(err: PreemptedError, env) -> None:
-    """One line (rank 0, or any rank before the process group: a preemption is not an error, so the other ranks
-    do not repeat it) and ``err``'s exit status; in a sweep the whole sweep stops."""
-    if env is None or env.rank == 0:
+    """One line (rank 0's, its rank in the environment before the process group: a preemption is not an error, so
+    the other ranks do not repeat it, and a worker that torchrun stops after another failed does not call it a
+    preemption) and ``err``'s exit status; in a sweep the whole sweep stops."""
+    from hydratrain.dist.env import env_rank
+
+    if (env.rank if env is not None else env_rank()) == 0:
         print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
     if _in_multirun():

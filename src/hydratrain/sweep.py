@@ -262,17 +262,23 @@ class SweepReportCallback(Callback):
         early = take_early_signal()  # a SIGTERM while Hydra composed the sweep: no job has started
         if early is not None:
             code = config.get("checkpoint", {}).get("preempt_exit_code", 75)
-            print("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the same "
-                  "command", file=sys.stderr, flush=True)
+            if _is_rank0():  # (a sweep inside each torchrun rank: one line)
+                print("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the "
+                      "same command", file=sys.stderr, flush=True)
             raise SystemExit(code if isinstance(code, int) else 75)
-
         if "launcher" in config:
             try:
                 validate_launcher(config.launcher, submitting=True)
                 if config.launcher.get("name") in ("slurm", "submitit_local"):
                     _check_before_submitting(config)
             except ConfigError as err:
-                raise SystemExit(f"hydratrain: config error: {err}") from None
+                from hydratrain.errors import EXIT_CONFIG
+
+                if _is_rank0():
+                    print(f"hydratrain: config error: {err}", file=sys.stderr, flush=True)
+                elif os.environ.get("TORCHELASTIC_RUN_ID"):
+                    time.sleep(10)  # the same error on every rank: rank 0 says it and leaves first (root cause)
+                raise SystemExit(EXIT_CONFIG) from None
         if _is_rank0() and ("launcher" not in config or config.launcher.get("node_rank", 0) == 0):
             mark_multirun(_sweep_dir(config.hydra))
 

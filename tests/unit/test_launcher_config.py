@@ -16,6 +16,7 @@ from hydratrain.config import ConfigError, validate
     (["launcher=torchrun", "launcher.rdzv_endpoint=nohostport"], "launcher.rdzv_endpoint"),
     (["launcher=torchrun", "strategy=single"], "strategy.name"),
     (["launcher=torchrun", "launcher.max_restarts=-1"], "launcher.max_restarts"),
+    (["launcher=submitit_local", "launcher.nodes=2"], "launcher.nodes"),  # was submitit's traceback
 ])
 def test_bad_launcher_config_is_one_line_error_naming_the_key(compose, overrides, key):
     cfg = compose(overrides, return_hydra_config=True)
@@ -40,6 +41,22 @@ def test_slurm_needs_sbatch_and_srun_only_where_it_submits(compose, tmp_path, mo
         (tmp_path / name).chmod(0o755)
     validate_launcher(cfg.launcher, submitting=True)
     validate_launcher(compose(["launcher=submitit_local"]).launcher, submitting=True)
+
+
+@pytest.mark.parametrize("name", ["torchrun", "submitit_local", "ray"])
+def test_a_launcher_started_inside_torchrun_is_refused_where_it_would_submit(compose, monkeypatch, name):
+    """torchrun ... train.py launcher=torchrun: each outer rank started the same jobs, and one of them failed with a
+    misleading "run dir in use by another job"; a sweep inside each rank (launcher=local) stays allowed."""
+    from hydratrain.config import validate_launcher
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(ConfigError) as err:
+        validate_launcher(compose([f"launcher={name}"]).launcher, submitting=True)
+    assert err.value.key == "launcher" and "this process is already one rank of 2 (torchrun)" in str(err.value)
+    assert f"python train.py -m launcher={name}" in str(err.value)
+    validate_launcher(compose([f"launcher={name}"]).launcher)  # a job's own check, inside the workers it starts
+    validate_launcher(compose([]).launcher, submitting=True)
 
 
 def test_presets_select_the_hydra_launcher_and_multirun(compose):

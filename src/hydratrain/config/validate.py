@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -221,10 +222,19 @@ def validate_launcher(launcher: DictConfig, submitting: bool = False) -> None:
         raise ConfigError("launcher", "slurm", f"needs SLURM, but {' and '.join(missing)} "
                           f"{'is' if len(missing) == 1 else 'are'} not on PATH here; allowed here: local, torchrun, "
                           "submitit_local (the same submitit path as local processes), ray")
+    name = launcher.get("name")
+    inside = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")
+    if submitting and name not in (None, "local") and inside:
+        raise ConfigError("launcher", name, f"starts processes of its own, but this process is already one rank of "
+                          f"{os.environ.get('WORLD_SIZE', '?')} (torchrun): run python train.py -m launcher={name} "
+                          "... without torchrun, or keep torchrun with launcher=local (a sweep inside each rank)")
     for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout",
                 "num_workers"):
         if key in launcher and (launcher[key] is None or launcher[key] <= 0):
             raise ConfigError(f"launcher.{key}", launcher[key], "must be > 0")
+    if name == "submitit_local" and launcher.get("nodes", 1) != 1:
+        raise ConfigError("launcher.nodes", launcher.nodes, "must be 1: submitit's local executor runs on this "
+                          "machine only (more ranks: launcher.tasks_per_node; more nodes: launcher=slurm)")
     for key in ("max_restarts", "gpus_per_node"):
         if key in launcher and (launcher[key] is None or launcher[key] < 0):
             raise ConfigError(f"launcher.{key}", launcher[key], "must be >= 0")
