@@ -51,7 +51,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         from hydratrain.dist.env import dist_info, quiet_console
         from hydratrain.dist.process_group import process_group
         from hydratrain.dist.run_dir import launch_dir, run_dir_of
-        from hydratrain.dist.run_lock import hold_run_dir
+        from hydratrain.dist.run_lock import hold_run_dir, shared_config
         from hydratrain.parallel.strategy import build_strategy
         from hydratrain.plan import OutOfMemoryGuard
 
@@ -66,7 +66,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         if _in_multirun():
             _refuse_another_jobs_dir(run_dir)
         lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir),
-                            prepare=lambda: recover_unfinished_saves(run_dir / "checkpoints"))
+                            prepare=lambda: recover_unfinished_saves(run_dir / "checkpoints"),
+                            config=shared_config(cfg) if env.world_size > 1 else None)
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         if resume is not None and _in_multirun() and resume.parent == run_dir / "checkpoints":
             _refuse_another_trial(cfg, resume, run_dir)

@@ -132,3 +132,19 @@ def test_launcher_restart_resumes_after_an_exception(tmp_path):
     job = sweep / "0"
     assert (job / "fault_rank1_step3").exists() and results(job)["steps"] == 6, r.output[-3000:]
     assert "resumed from" in log_of(job) and "step_00000002: step 2 " in log_of(job)
+
+
+def test_ranks_launched_with_different_configs_stop_before_training(tmp_path):
+    """Two nodes' commands that differ (a stale command, an edited config file, an ${oc.env:...} that differs per
+    node) used to train together without a word: each DDP replica took its own lr's steps, and the logged losses
+    averaged two different models. Every rank now stops before any process group with one line naming the key."""
+    port = free_port()
+    procs = [spawn(command(["strategy=ddp", "trainer.max_steps=3", f"optim.lr={lr}", f"hydra.run.dir={tmp_path}"]),
+                   env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+             for r, lr in enumerate(("1e-3", "5e-2"))]
+    r0, r1 = (finish(p, timeout=180) for p in procs)
+    assert (r0.returncode, r1.returncode) == (2, 2), (r0.output[-3000:], r1.output[-3000:])
+    assert ("hydratrain: config error: optim.lr=0.001: rank 1 has optim.lr=0.05: every rank, on every node, must be "
+            "launched with the same command and config files") in r0.output, r0.output[-3000:]
+    assert "config error" not in r1.output and "process group:" not in r0.output + r1.output

@@ -18,6 +18,9 @@ when
 
 Hydra opens its log files in the run dir before the job starts: the refused job's lines are appended to the running
 job's logs. Its config copy (``.hydra/``) is not written (:func:`hydratrain.dist.run_dir.output_subdir`).
+
+The same exchange through the launch's store, before any process group, checks that every rank resolved rank 0's run
+dir and composed rank 0's config (:func:`hold_run_dir`, :func:`shared_config`).
 """
 from __future__ import annotations
 
@@ -211,7 +214,7 @@ _HOLDS = 0  # run dirs this process has held (a sweep inside each rank holds one
 
 
 def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, which: str = "",
-                 prepare: Optional[Callable[[], None]] = None) -> Optional[RunDirLock]:
+                 prepare: Optional[Callable[[], None]] = None, config: Optional[dict] = None) -> Optional[RunDirLock]:
     """Rank 0 takes ``run_dir``'s lock; through the launch's store every rank learns the outcome and checks that it
     resolved the same run dir as rank 0, so that all ranks raise the same error. Returns the lock on rank 0, None
     elsewhere. ``prepare``: what rank 0 does to the run dir once it holds it, before the other ranks go on (they
@@ -220,12 +223,15 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
     Raises :class:`~hydratrain.errors.ConfigError` (``key``, the run dir's config key: ``hydra.run.dir`` or
     ``hydra.sweep.dir``; ``value``, its value, default ``run_dir``; ``which``: the run dir below it, for a sweep's job) on every rank when
     another live job holds the run dir, or when the ranks resolved different run dirs (a per-process value such as ``${now:...}`` in ``hydra.run.dir``: each rank would write its own shards
-    into its own dir, and no checkpoint would be whole).
+    into its own dir, and no checkpoint would be whole). ``config``: the flat ``{key: value}`` every rank must
+    share (:func:`shared_config`); when a rank's differs from rank 0's (a node launched with another command or
+    config file) every rank raises a ConfigError naming the first differing key: the ranks would otherwise train
+    different replicas together without a word.
     """
     global _HOLDS
     from hydratrain.errors import ConfigError
 
-    lock, problem = None, ""
+    lock, problem, differs = None, "", None
     if info.rank == 0:
         try:
             lock = RunDirLock(run_dir).acquire()
@@ -242,13 +248,15 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
         store_key = f"hydratrain/run_dir/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/hold{_HOLDS}"
         mine = str(Path(run_dir).resolve())
         if info.rank == 0:
-            store.set(store_key, json.dumps({"problem": problem, "run_dir": mine}))
+            store.set(store_key, json.dumps({"problem": problem, "run_dir": mine, "config": config or {}}))
             # every rank reports (<= 60 s): rank 0 learns of a rank in another dir, and may host the store
             deadline = time.monotonic() + 60
             while store.add(store_key + "/read", 0) < info.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.02)
             if not problem and store.add(store_key + "/elsewhere", 0) > 0:
                 problem = _split(mine, store.get(store_key + "/elsewhere_example").decode(), key)
+            if not problem and store.add(store_key + "/differs", 0) > 0:
+                differs = json.loads(store.get(store_key + "/differs_example"))
         else:
             answer = json.loads(store.get(store_key))
             problem = answer["problem"]
@@ -256,13 +264,46 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
                 store.set(store_key + "/elsewhere_example", f"rank {info.rank}: {mine}")
                 store.add(store_key + "/elsewhere", 1)
                 problem = problem or _split(answer["run_dir"], f"rank {info.rank}: {mine}", key)
+            keys = sorted(k for k in set(answer["config"]) | set(config or {})
+                          if answer["config"].get(k, "<absent>") != (config or {}).get(k, "<absent>"))
+            if keys:
+                differs = {"rank": info.rank, "keys": keys, "rank0": answer["config"].get(keys[0], "<absent>"),
+                           "mine": (config or {}).get(keys[0], "<absent>")}
+                store.set(store_key + "/differs_example", json.dumps(differs))
+                store.add(store_key + "/differs", 1)
             store.add(store_key + "/read", 1)
     _HOLDS += 1
-    if problem:
+    if problem or differs:
         if lock is not None:
             lock.release()
+        if not problem:
+            first = differs["keys"][0]
+            more = f" (all that differ: {', '.join(differs['keys'])})" if len(differs["keys"]) > 1 else ""
+            raise ConfigError(first, differs["rank0"], f"rank {differs['rank']} has {first}={differs['mine']!r}"
+                              f"{more}: every rank, on every node, must be launched with the same command and config "
+                              "files (the ranks would train different replicas together)")
         raise ConfigError(key, value if value is not None else str(run_dir), f"{which}: {problem}" if which else problem)
     return lock
+
+
+#: keys that may differ between ranks: the launcher's (``launcher.node_rank``) and node-local paths
+_PER_NODE = ("launcher.", "paths.", "data.cache_dir", "plan.")
+
+
+def shared_config(cfg) -> dict:
+    """The flat ``{key: value}`` of a run config that every rank of a launch must share (:func:`hold_run_dir`):
+    all but :data:`_PER_NODE`."""
+    from omegaconf import OmegaConf
+
+    def flat(tree, prefix=""):
+        for k, v in tree.items():
+            if isinstance(v, dict) and v:
+                yield from flat(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return {k: v for k, v in flat(tree) if k != "hydra" and not k.startswith(_PER_NODE)}
 
 
 def _split(rank0_dir: str, other: str, key: str) -> str:
