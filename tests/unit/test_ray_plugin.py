@@ -2,6 +2,7 @@
 node works for any app, launcher=ray maps the user-facing keys onto it, and bad values are one-line errors."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -90,3 +91,31 @@ def test_a_local_cluster_gets_cpus_for_one_job_and_the_forwarded_env(monkeypatch
     assert calls[-1]["num_cpus"] >= 6 and calls[-1]["runtime_env"]["env_vars"] == {"HYDRATRAIN_DATA_DIR": "/d",
                                                                                      "A": "1"}
     assert _ray_core.connect({**settings, "address": "head:6379"}) is False and calls[-1]["address"] == "head:6379"
+
+
+def test_a_local_cluster_fits_the_sweeps_biggest_job(monkeypatch):
+    """-m launcher=ray launcher.num_workers=3,1: the cluster was sized from the sweep-level value (the default's
+    2 workers), so on a 2-core machine Ray waited for job 0's third CPU forever."""
+    from types import SimpleNamespace
+
+    import ray
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.hydratrain_launcher import _ray_core
+
+    def job(overrides):
+        workers = int(next(o.split("=")[1] for o in overrides if o.startswith("launcher.num_workers=")))
+        if workers < 0:
+            raise ValueError("does not compose")
+        return OmegaConf.create({"hydra": {"launcher": {"num_workers": workers, "resources_per_worker": {"CPU": 1}}}})
+
+    launcher = SimpleNamespace(settings={"num_workers": 2, "resources_per_worker": {"CPU": 1.0}}, config=None,
+                               hydra_context=SimpleNamespace(config_loader=SimpleNamespace(
+                                   load_sweep_config=lambda config, overrides: job(overrides))))
+    sweep = [["launcher.num_workers=3"], ["launcher.num_workers=1"], ["launcher.num_workers=-1"]]
+    assert _ray_core._most_cpus(launcher, sweep) == 3
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert _ray_core.connect({"address": None, "num_workers": 2}, cpus=3) and calls[-1]["num_cpus"] == 3

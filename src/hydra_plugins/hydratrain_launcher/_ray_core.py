@@ -62,7 +62,7 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
     sweep_dir = launch_path(config, config.hydra.sweep.dir)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    started = connect(launcher.settings)
+    started = connect(launcher.settings, _most_cpus(launcher, job_overrides))
     log.info("RayLauncher: %s in %.1f s; %d job(s) one after another, sweep dir %s",
              "started a local Ray cluster" if started else f"connected to {launcher.settings.get('address')}",
              time.monotonic() - t0, len(job_overrides), sweep_dir)
@@ -76,11 +76,34 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
             ray.shutdown()
 
 
-def connect(settings: dict) -> bool:
+def _cpus(launcher_node) -> float:
+    """The CPUs one job's workers ask Ray for: ``num_workers`` x ``resources_per_worker.CPU`` (default 1)."""
+    values = launcher_node
+    if OmegaConf.is_config(values):
+        values = OmegaConf.to_container(values, resolve=True)
+    return int(values.get("num_workers", 1)) * float((values.get("resources_per_worker") or {}).get("CPU", 1))
+
+
+def _most_cpus(launcher, job_overrides: Sequence[Sequence[str]]) -> float:
+    """The most CPUs any job of the sweep asks for, each job's own config composed (a swept ``launcher.num_workers``
+    is per job; the sweep-level value is the default's); a job whose config does not compose counts as the sweep's
+    (its own check fails it later)."""
+    most = _cpus(launcher.settings)
+    for overrides in job_overrides:
+        try:
+            job = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+            most = max(most, _cpus(job.hydra.launcher))
+        except Exception:
+            continue
+    return most
+
+
+def connect(settings: dict, cpus: Optional[float] = None) -> bool:
     """``ray.init`` for the sweep: the cluster at ``settings["address"]``, or a new local one (``num_cpus`` at
-    least what one job's workers ask for, so a small machine still fits them). Environment variables named by
-    ``forward_env`` go to every worker. Returns whether a local cluster was started (to shut down at the end).
-    Does nothing when Ray is already initialised in this process."""
+    least ``cpus``, the most one job's workers ask for (:func:`_most_cpus`), so a small machine still fits every
+    job; Ray would wait for the CPUs of a bigger one forever). Environment variables named by ``forward_env`` go to
+    every worker. Returns whether a local cluster was started (to shut down at the end). Does nothing when Ray is
+    already initialised in this process."""
     import ray
 
     if ray.is_initialized():
@@ -97,7 +120,7 @@ def connect(settings: dict) -> bool:
     if address:
         ray.init(address=address, **kwargs)
         return False
-    need = int(settings.get("num_workers", 1)) * float((settings.get("resources_per_worker") or {}).get("CPU", 1))
+    need = max(_cpus(settings), cpus or 0)
     kwargs.setdefault("num_cpus", max(os.cpu_count() or 1, int(-(-need // 1))))
     kwargs.setdefault("include_dashboard", False)
     ray.init(**kwargs)
