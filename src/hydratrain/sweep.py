@@ -227,6 +227,23 @@ def _check_before_submitting(config: DictConfig) -> None:
     validate(task)
 
 
+def _refuse_swept_executor_keys(config: DictConfig) -> None:
+    """hydra-submitit-launcher makes one executor (nodes, tasks, GPUs, CPUs, time limit, partition) for the whole
+    sweep from the sweep-level config: a swept ``launcher.*`` key (Hydra refuses ``hydra.*`` ones) would run every
+    job with the sweep's value while each job's report row and hparams said its own. Raises ConfigError naming the
+    key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydratrain.config import ConfigError
+
+    for override in OverridesParser.create().parse_overrides([str(line) for line in config.hydra.overrides.task]):
+        if override.is_sweep_override() and override.key_or_group.startswith("launcher."):
+            raise ConfigError(override.key_or_group, override.input_line.split("=", 1)[1],
+                              f"cannot be swept under launcher={config.launcher.name}: submitit sets one executor for "
+                              "the whole sweep, so every job would run with the sweep's value while its report row "
+                              "said its own; run one sweep per value (launcher=torchrun and ray take it per job)")
+
+
 def _sweep_dir(hc: Any) -> Path:
     """``hydra.sweep.dir``, a relative one resolved against the launch dir (``hydra.runtime.cwd``): with
     ``hydra.job.chdir=true`` a job's callbacks run in its own dir."""
@@ -271,6 +288,7 @@ class SweepReportCallback(Callback):
                 validate_launcher(config.launcher, submitting=True)
                 if config.launcher.get("name") in ("slurm", "submitit_local"):
                     _check_before_submitting(config)
+                    _refuse_swept_executor_keys(config)
             except ConfigError as err:
                 from hydratrain.errors import EXIT_CONFIG
 

@@ -152,6 +152,18 @@ def test_submitit_bad_fixed_value_fails_before_submitting(cli, tmp_path):
     assert not (tmp_path / "s" / ".submitit").exists()
 
 
+@pytest.mark.parametrize("swept", ["launcher.tasks_per_node=1,2", "launcher.timeout_min=range(5,7)"])
+def test_submitit_refuses_a_swept_executor_key_before_submitting(cli, tmp_path, swept):
+    """hydra-submitit-launcher makes one executor per sweep: -m launcher.tasks_per_node=1,2 ran both jobs on 2
+    ranks while job 0's report row said 1."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    r = cli(["-m", "launcher=submitit_local", swept, f"hydra.sweep.dir={tmp_path / 's'}"])
+    key, values = swept.split("=")
+    assert r.returncode == 2 and (f"hydratrain: config error: {key}='{values}': cannot be swept under "
+                                  "launcher=submitit_local") in r.output, r.output[-3000:]
+    assert not (tmp_path / "s" / ".submitit").exists()
+
+
 @pytest.mark.slow  # several in-process runs; keeps the default suite near 4 minutes
 def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_other_ones(cli, tmp_path):
     """Job N of a sweep auto-resumes from its run dir (a preempted sweep, relaunched; here with a longer run). A
