@@ -177,6 +177,8 @@ def test_measure_matmul_flops_times_a_very_slow_dtype_once(monkeypatch):
     ({"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}, {0, 1, 2, 3}, 2, 2),  # torchrun's default is not
     ({"OMP_NUM_THREADS": "2", "TORCHELASTIC_RUN_ID": "x"}, {0, 1, 2, 3}, 2, 2),
     ({"SLURM_PROCID": "1"}, {4, 5, 6, 7}, 4, 4),                            # a SLURM task's mask is its own
+    ({"SLURM_PROCID": "1"}, set(range(16)), 4, 4),                          # unbound tasks share the host
+    ({"SLURM_PROCID": "1", "SLURM_CPUS_PER_TASK": "6"}, set(range(16)), 2, 6),
     ({"SLURM_PROCID": "1", "TORCHELASTIC_RUN_ID": "x"}, {0, 1, 2, 3}, 4, 1),  # torchrun inside a SLURM task
 ])
 def test_cpu_threads_follow_the_affinity_mask_and_an_explicit_omp_num_threads(monkeypatch, env, mask, ranks,
@@ -185,9 +187,10 @@ def test_cpu_threads_follow_the_affinity_mask_and_an_explicit_omp_num_threads(mo
 
     from hydratrain.dist import process_group
 
-    for key in ("OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID", "SLURM_PROCID"):
+    for key in ("OMP_NUM_THREADS", "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_CPUS_PER_TASK"):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: mask)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the host
     assert process_group.cpu_threads(ranks) == threads

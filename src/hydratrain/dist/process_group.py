@@ -123,17 +123,24 @@ def cpu_threads(local_world_size: int) -> int:
 
     * ``$OMP_NUM_THREADS`` when the user (or a launcher such as Ray, from a worker's CPUs) set it; not torchrun's
       default of 1 for several workers, which it sets when the user did not and which would leave cores idle;
-    * else the cores this process may run on (its affinity mask: ``taskset``, a container's cpuset, SLURM's
-      ``--cpus-per-task``; ``os.cpu_count()`` counts the whole host) shared by the ranks that share them: the
-      node's ``local_world_size`` ranks, or this rank alone in a SLURM task of its own (``srun``, submitit), whose
-      mask is its own. Oversubscribed cores make every rank slower.
+    * in a SLURM task of its own (``srun``, submitit; not torchrun inside one): ``$SLURM_CPUS_PER_TASK``, or the
+      task's affinity mask when SLURM bound it to fewer cores than the host has;
+    * else the cores this process may run on (its affinity mask: ``taskset``, a container's cpuset;
+      ``os.cpu_count()`` counts the whole host) shared by the node's ``local_world_size`` ranks.
+
+    Oversubscribed cores make every rank slower.
     """
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0 and not (omp == "1" and "TORCHELASTIC_RUN_ID" in os.environ):
         return int(omp)
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    own_mask = "SLURM_PROCID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
-    return max(1, allowed if own_mask else allowed // max(1, local_world_size))
+    if "SLURM_PROCID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        per_task = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
+        if per_task.isdigit() and int(per_task) > 0:
+            return max(1, min(allowed, int(per_task)))
+        if allowed < (os.cpu_count() or allowed):
+            return allowed
+    return max(1, allowed // max(1, local_world_size))
 
 
 def backend_for(device, configured: Optional[str], cpu_offload: bool) -> str:
