@@ -108,6 +108,9 @@ def test_cfg_job_prints_composed_config(cli):
     (["~activation_checkpointing"], "activation_checkpointing=<deleted>: removed with ~activation_checkpointing"),
     (["~device"], "device=<deleted>: removed with ~device, but the run reads it: give it a value instead, e.g. its "
                   "default: device=auto"),
+    (["data=text_files"], "data.paths=???: has no value: give it one (data.paths=VALUE)"),  # was a traceback
+    (["data=token_bin"], "data.train_path=???: has no value"),  # not "removed with ~data.train_path"
+    (["~model"], "model.name=???: has no value: choose an option with model=NAME (conf/model/)"),
 ])
 def test_validate_names_the_key(compose, overrides, key):
     with pytest.raises(ConfigError) as err:

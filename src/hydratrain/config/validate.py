@@ -47,6 +47,14 @@ class _Deleted:
 _DELETED = _Deleted()
 
 
+class _NoValue:
+    def __repr__(self) -> str:
+        return "???"
+
+
+_NO_VALUE = _NoValue()
+
+
 def _check_known_keys(node: DictConfig, path: str = "") -> None:
     """Every key of a schema-typed node is a field of its dataclass. Hydra's ``+key=value`` (which its own error for
     an unknown key suggests) appends a key to a structured node: nothing reads it, so it is an error here rather than
@@ -56,8 +64,9 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
     if not dataclasses.is_dataclass(schema):
         return
     fields = [f.name for f in dataclasses.fields(schema)]
+    present = set(node.keys())  # (``in node`` is also False for a key whose value is missing, ???)
     for f in dataclasses.fields(schema):
-        if f.name not in node:  # deleted with Hydra's ~key: nothing in the run may read a key that is not there
+        if f.name not in present:  # deleted with Hydra's ~key: nothing in the run may read a key that is not there
             where = f"{path}.{f.name}" if path else f.name
             default = "VALUE" if f.default is dataclasses.MISSING else OmegaConf.to_yaml({"v": f.default}).strip()[3:]
             raise ConfigError(where, _DELETED, f"removed with ~{where}, but the run reads it: give it a value instead, "
@@ -71,6 +80,10 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
             owner = f"{path}={option}" if option is not None else (path or "the run config")
             raise ConfigError(where, node._get_node(key)._value(), f"not a key of {owner} (nothing would read it); "
                               f"allowed: {', '.join(fields)}")
+        if OmegaConf.is_missing(node, key):  # ??? in a preset (data=text_files without data.paths), or ~group
+            why = (f"has no value: choose an option with {path}=NAME (conf/{path}/)" if key == "name" and path
+                   else f"has no value: give it one ({where}=VALUE)")
+            raise ConfigError(where, _NO_VALUE, why)
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
             _check_known_keys(child, where)
