@@ -92,21 +92,32 @@ UNWRITABLE_ERRNOS = (28, 122, 30, 27)
 
 def unwritable_cause(err: BaseException) -> Optional[OSError]:
     """The OSError with an :data:`UNWRITABLE_ERRNOS` errno in ``err`` or its ``__cause__`` / ``__context__`` chain
-    (TensorBoard's writer thread, logging, a library that wraps it), or None."""
+    (TensorBoard's writer thread, logging, a library that wraps it), or one made from the text of an error of a
+    library's own type that only quotes it (safetensors' ``SafetensorError: ... No space left on device (os error
+    28)``); else None."""
+    import os
+
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in UNWRITABLE_ERRNOS:
-            return err
+        if isinstance(err, OSError):
+            if err.errno in UNWRITABLE_ERRNOS:
+                return err
+        else:
+            for errno in UNWRITABLE_ERRNOS:
+                if f"(os error {errno})" in str(err) or os.strerror(errno) in str(err):
+                    return OSError(errno, os.strerror(errno))
         err = err.__cause__ or err.__context__
     return None
 
 
 def unwritable_message(what: str, where: Any, cause: Optional[BaseException], last_checkpoint: Any,
-                       room: str = "make room") -> str:
-    """``<what> under <where> failed (<cause>; <N> MB free there); training stopped. The latest complete
-    checkpoint, <last>, is intact: <room> and relaunch the same command to resume from it`` (or, without a
-    checkpoint, ``No checkpoint was written before: <room> and relaunch``)."""
+                       room: Optional[str] = None, stopped: str = "training stopped") -> str:
+    """``<what> under <where> failed (<cause>; <N> MB free there); <stopped>. The latest complete checkpoint,
+    <last>, is intact: <room> and relaunch the same command to resume from it`` (or, without a checkpoint, ``No
+    checkpoint was written before: <room> and relaunch``). ``room`` defaults to the remedy for ``cause``'s errno:
+    make it writable (read-only), free some of the quota, or make room."""
+    import errno as errnos
     import shutil
 
     why = (f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None
@@ -115,9 +126,13 @@ def unwritable_message(what: str, where: Any, cause: Optional[BaseException], la
         why += f"; {shutil.disk_usage(where).free / 1e6:.1f} MB free there"
     except OSError:
         pass
+    if room is None:
+        code = getattr(cause, "errno", None)
+        room = {errnos.EROFS: "make it writable (or write elsewhere)", errnos.EDQUOT: "free some of your quota"}.get(
+            code, "make room")
     tail = (f"The latest complete checkpoint, {last_checkpoint}, is intact: {room} and relaunch the same command to "
             f"resume from it" if last_checkpoint else f"No checkpoint was written before: {room} and relaunch")
-    return f"{what} under {where} failed ({why}); training stopped. {tail}"
+    return f"{what} under {where} failed ({why}); {stopped}. {tail}"
 
 
 class DamagedCheckpointError(CheckpointError):

@@ -53,6 +53,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         from hydratrain.dist.run_dir import launch_dir, run_dir_of
         from hydratrain.dist.run_lock import hold_run_dir, shared_config
         from hydratrain.parallel.strategy import build_strategy
+        from hydratrain.paths import Paths
         from hydratrain.plan import OutOfMemoryGuard
 
         timing.mark("imports")
@@ -76,7 +77,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         timing.mark("checks")
         with process_group(str(cfg.device), strategy.backend, strategy.needs_process_group, strategy.cpu_offload,
                            dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info, OutOfMemoryGuard() as oom, \
-                _unwritable_as_output_error(run_dir, resume):
+                _unwritable_as_output_error(run_dir, resume, Paths.resolve(cfg, launch).cache):
             timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except HydratrainError as err:
@@ -134,11 +135,12 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
 
 
 @contextlib.contextmanager
-def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path]):
+def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir: Path):
     """A write that a full, over-quota or read-only filesystem refused anywhere in the run (TensorBoard's events,
-    the weights, results.json, a data cache; :func:`hydratrain.errors.unwritable_cause`) ends it as an
-    :class:`~hydratrain.errors.OutputError`: one line with the free space and the checkpoint to resume from, exit
-    status 3, as a failed checkpoint save does, instead of the library's traceback."""
+    the weights, results.json, a data cache under ``cache_dir``; :func:`hydratrain.errors.unwritable_cause`) ends it
+    as an :class:`~hydratrain.errors.OutputError`: one line naming what was written where, the free space there and
+    the checkpoint to resume from, exit status 3, as a failed checkpoint save does, instead of the library's
+    traceback."""
     from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
 
     try:
@@ -149,17 +151,26 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path]):
         cause = unwritable_cause(err)
         if cause is None:
             raise
+        import traceback
+
         from hydratrain.checkpoint.manager import list_checkpoints
 
         done = list_checkpoints(run_dir / "checkpoints")
-        import traceback
-
-        tensorboard = any("/tensorboard/" in f.filename for f in traceback.extract_tb(err.__traceback__))
-        what = (f"writing {Path(cause.filename).name}" if cause.filename else
-                "writing TensorBoard events" if tensorboard else "writing the run's outputs")
-        where = Path(cause.filename).parent if cause.filename else run_dir
+        frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(err.__traceback__)]
+        # which output, from the code that wrote it (write() errors name no file; an open() error names a lock's)
+        if any(f.endswith(("/hydratrain/data.py", "/hydratrain/tokenized.py", "/hydratrain/tokenizer.py"))
+               for f in frames):
+            what, where = "writing the data cache", cache_dir
+        elif any("/tensorboard/" in f for f in frames):
+            what, where = "writing TensorBoard events", run_dir / "tensorboard"
+        elif any("/safetensors/" in f or f.endswith("/hydratrain/checkpoint/export.py") for f in frames):
+            what, where = "writing the weights", run_dir
+        elif cause.filename:
+            what, where = f"writing {Path(cause.filename).name}", Path(cause.filename).parent
+        else:
+            what, where = "writing the run's outputs", run_dir
         raise OutputError(unwritable_message(what, where, OSError(cause.errno, cause.strerror),
-                                             done[-1][1] if done else resume)) from err
+                                             done[-1][1] if done else resume, stopped="the run stopped")) from err
 
 
 def _end_preempted(err: PreemptedError, env) -> None:

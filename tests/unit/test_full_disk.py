@@ -26,6 +26,19 @@ def test_the_cause_is_found_through_the_chain_and_only_for_errnos_of_a_full_or_r
     assert unwritable_cause(OSError(errno.EROFS, "Read-only file system")) is not None
     assert unwritable_cause(FileNotFoundError(errno.ENOENT, "No such file")) is None  # a bad path is not a full disk
     assert unwritable_cause(ValueError("x")) is None
+    # a library's own error type that only quotes the errno (safetensors on a full disk)
+    quoted = unwritable_cause(RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    assert quoted is not None and quoted.errno == errno.ENOSPC
+
+
+def test_the_advice_fits_the_errno(tmp_path):
+    from hydratrain.errors import unwritable_message
+
+    read_only = unwritable_message("writing x", tmp_path, OSError(errno.EROFS, "Read-only file system"), None,
+                                   stopped="the run stopped")
+    assert read_only.endswith("the run stopped. No checkpoint was written before: make it writable (or write "
+                              "elsewhere) and relaunch"), read_only
+    assert "make room" in unwritable_message("saving step 2", tmp_path, _full(), tmp_path / "step_00000001")
 
 
 def test_a_log_file_that_cannot_be_written_is_reported_once_and_dropped(tmp_path, capsys):

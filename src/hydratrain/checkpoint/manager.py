@@ -20,6 +20,7 @@ and the model's shapes against this run's model, so an unusable checkpoint stops
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -410,7 +411,8 @@ class CheckpointManager:
         rank 0 removes the partial ``tmp`` dir, which frees its space (the next start would remove it anyway)."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        room = "make room" + (" (or lower checkpoint.keep_last)" if self.keep_last != 1 else "")
+        room = None if getattr(cause, "errno", None) == errno.EROFS else (
+            "make room" + (" (or lower checkpoint.keep_last)" if self.keep_last != 1 else ""))
         err = CheckpointError(unwritable_message(f"saving step {step}", self.root, cause, self.last_good(),
                                                  room))
         err.same_on_every_rank = True  # every rank raises it (DCP gathers the failures): rank 0 prints it
