@@ -61,6 +61,14 @@ def write_job_status(job_dir: Path, num: int, overrides: List[str], status: str,
     os.replace(tmp, job_dir / name)
 
 
+def _refused_by_its_rank0(job_dir: Path, num: int, multirun: Optional[str]) -> bool:
+    """Whether job ``num``'s rank 0 recorded that it was refused ``job_dir`` (``status.job<num>.json`` of this
+    multirun): the launcher's process, which sees only its workers' exit, then leaves the dir's ``status.json``, the
+    other job's or trial's, alone."""
+    status = _read_json(job_dir / f"status.job{num}.json")
+    return status.get("num") == num and status.get("multirun") == multirun
+
+
 def refused_the_dir(err: Any) -> bool:
     """Whether a job failed with the config error that its run dir is another job's or trial's (held by a live job,
     a checkpoint of another trial, another job of this multirun: keyed on ``hydra.sweep.dir`` / ``.subdir``)."""
@@ -125,7 +133,8 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
             return "" if v is None or (isinstance(v, float) and math.isnan(v)) else round(v * scale, 6)
 
         num = status.get("num")
-        rows.append({"job": job_dir.relative_to(sweep_dir).as_posix(), "_num": num if num is not None else math.inf,
+        job = job_dir.relative_to(sweep_dir).as_posix() + (f" (job {num})" if refused else "")
+        rows.append({"job": job, "_num": num if num is not None else math.inf,
                      "overrides": " ".join(overrides), "status": state, "steps": results.get("steps", ""),
                      "train_loss": fig("train_loss"), "eval_loss": fig("eval_loss"),
                      "tokens_per_sec": fig("tokens_per_sec"), "peak_memory_mb": fig("peak_memory_bytes", 1e-6),
@@ -325,9 +334,11 @@ class SweepReportCallback(Callback):
         except OSError:
             current = False
         refused = job_return.status.name == "FAILED" and refused_the_dir(job_return._return_value)
-        write_job_status(job_dir, hc.job.num, list(hc.overrides.task), job_return.status.name, error,
-                         results.get("seconds", math.nan) if current and not refused else math.nan,
-                         _read_json(sweep_dir / MULTIRUN_MARK).get("id"), current and not refused, refused)
+        multirun = _read_json(sweep_dir / MULTIRUN_MARK).get("id")
+        if not (started is None and _refused_by_its_rank0(job_dir, hc.job.num, multirun)):
+            write_job_status(job_dir, hc.job.num, list(hc.overrides.task), job_return.status.name, error,
+                             results.get("seconds", math.nan) if current and not refused else math.nan,
+                             multirun, current and not refused, refused)
         write_sweep_report(sweep_dir)
         if job_return.status.name == "FAILED":
             why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir), launching=started is None)

@@ -195,16 +195,20 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
         again.output[-3000:]
 
 
-def test_two_jobs_whose_subdir_is_one_dir_keep_the_first_jobs_results(cli, tmp_path):
+@pytest.mark.parametrize("launcher", ["local", pytest.param("torchrun", marks=pytest.mark.slow)])
+def test_two_jobs_whose_subdir_is_one_dir_keep_the_first_jobs_results(cli, tmp_path, launcher):
     """hydra.sweep.subdir that resolves alike for two jobs (a constant, an override_dirname without the swept key):
-    the second job used to overwrite the first's results, log and curves, and the sweep report had one row."""
+    the second job used to overwrite the first's results, log and curves, and the sweep report had one row. Under
+    the torchrun launcher its process, which sees the refused job as a failed worker, left the first job's status
+    alone too."""
     sweep = tmp_path / "sweep"
-    run = cli(["-m", "strategy=single", "trainer.max_steps=2", "trainer.eval_every_n_steps=0", "optim.lr=1e-3,5e-3",
-               f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=same"])
+    extra = ["launcher=torchrun", "launcher.nproc_per_node=1"] if launcher == "torchrun" else []
+    run = cli(["-m", *extra, "strategy=single", "trainer.max_steps=2", "trainer.eval_every_n_steps=0",
+               "optim.lr=1e-3,5e-3", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=same"])
     assert run.returncode == 1, run.output[-3000:]
     rows = report_rows(sweep)
-    assert [(r["status"], r["overrides"].split()[-1]) for r in rows] == [("COMPLETED", "optim.lr=0.001"),
-                                                                         ("FAILED", "optim.lr=0.005")], rows
+    assert [(r["job"], r["status"], r["overrides"].split()[-1]) for r in rows] == [
+        ("same", "COMPLETED", "optim.lr=0.001"), ("same (job 1)", "FAILED", "optim.lr=0.005")], rows
     assert rows[1]["error"] == (f"ConfigError: hydra.sweep.subdir='same': job 1's run dir {sweep / 'same'} is job "
                                 "0's of this sweep: give every job a dir of its own (the default ${hydra.job.num}; "
                                 "an override_dirname must keep every swept key)")
