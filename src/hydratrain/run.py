@@ -86,8 +86,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             _stop_interrupted(env)
         if recorded_preemption() is not None:  # its own PreemptedError (rebuilt: OmegaConf may have added context
             _end_preempted(recorded_preemption(), env)  # to it), or what followed the signal (a peer left first)
-        if env is None or env.rank == 0 or not (err.exit_status == EXIT_CONFIG  # the same on every rank: rank 0 says it
-                                                or getattr(err, "same_on_every_rank", False)):
+        if env is None or env.local_rank == 0 or not (  # the same on every rank: each node's first rank says it
+                err.exit_status == EXIT_CONFIG or getattr(err, "same_on_every_rank", False)):
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
         if _in_multirun():

@@ -286,6 +286,8 @@ class SweepReportCallback(Callback):
         from hydratrain.config import ConfigError, validate_launcher
 
         early = take_early_signal()  # a SIGTERM while Hydra composed the sweep: no job has started
+        if early is not None and not config.get("checkpoint", {}).get("save_on_sigterm", True):
+            os.kill(os.getpid(), early)  # SIGTERM's default, as checkpoint.save_on_sigterm=false asks
         if early is not None:
             code = config.get("checkpoint", {}).get("preempt_exit_code", 75)
             if _is_rank0():  # (a sweep inside each torchrun rank: one line)

@@ -87,6 +87,23 @@ def test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_statu
     assert not (run_dir / "hydratrain.lock").exists()
 
 
+def test_a_torchrun_worker_leaves_sigterm_to_its_agent_while_it_composes(monkeypatch):
+    """The agent SIGTERMs the workers left after another failed (a config error on rank 0): a worker still composing
+    must not report that as a preemption (it exited 75 in torchrun's failure summary)."""
+    from hydratrain.checkpoint.preemption import early_guard
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    early_guard()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_while_a_sweep_composes_keeps_its_default_when_save_on_sigterm_is_off(tmp_path):
+    r = finish(start(["-m", "strategy=single", "checkpoint.save_on_sigterm=false", "optim.lr=1e-3,3e-3",
+                      f"hydra.sweep.dir={tmp_path / 's'}"], script=FAULTY, env={"HT_FAULT_AT": "compose"},
+                     cwd=tmp_path), timeout=120)
+    assert r.returncode == -signal.SIGTERM and "preempted" not in r.output, r.output[-3000:]
+
+
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
 def test_sigterm_while_hydra_composes_ends_the_launch_as_preempted(tmp_path, multirun):
     """A SIGTERM before hydratrain's start-up guard exists (Hydra's import and composition: seconds on a loaded

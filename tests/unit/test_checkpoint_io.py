@@ -332,4 +332,5 @@ def test_a_save_that_cannot_be_written_stops_with_one_line_and_keeps_the_last_ch
         f"; training stopped. The latest complete checkpoint, {ckpt_of(run_dir, 2)}, is intact: make room (or lower "
         "checkpoint.keep_last) and relaunch the same command to resume from it"), str(err.value)), str(err.value)
     assert err.value.same_on_every_rank  # rank 0 alone prints it
+    assert err.value.own_failure  # every rank's own: not "another rank failed first" on the rank that recorded second
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]

@@ -111,6 +111,7 @@ def test_cfg_job_prints_composed_config(cli):
     (["data=text_files"], "data.paths=???: has no value: give it one (data.paths=VALUE)"),  # was a traceback
     (["data=token_bin"], "data.train_path=???: has no value"),  # not "removed with ~data.train_path"
     (["~model"], "model.name=???: has no value: choose an option with model=NAME (conf/model/)"),
+    (["~data", "+debug=fast"], "data=???: has no option (removed with ~data?): choose one with data=NAME"),
 ])
 def test_validate_names_the_key(compose, overrides, key):
     with pytest.raises(ConfigError) as err:
@@ -133,22 +134,24 @@ def test_bad_config_exits_with_one_line_before_process_group(cli, args, expect, 
     assert "process group" not in r.output
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank,local_rank", [(0, 0), (1, 1), (1, 0)])
 @pytest.mark.parametrize("args,expect", [
     (["optim.lr=-1"], "hydratrain: config error: optim.lr=-1.0: must be finite and > 0"),
     (["strategy=single"], "hydratrain: config error: strategy.name='single'"),
 ])
 def test_a_config_error_under_torchrun_is_one_line_from_rank_0_before_any_process_group(cli, monkeypatch, tmp_path,
-                                                                                         rank, args, expect):
+                                                                                         rank, local_rank, args,
+                                                                                         expect):
     """As each of 2 torchrun ranks sees it (nothing listens at MASTER_ADDR:MASTER_PORT: a process group attempt would
-    fail): exit status 2 on every rank, the one line from rank 0 only."""
-    for key, value in dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=9).items():
+    fail): exit status 2 on every rank, the one line from each node's first rank only (rank 1 as the first rank of a
+    second node: that node's operator sees why too)."""
+    for key, value in dict(RANK=rank, LOCAL_RANK=local_rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2 - rank + local_rank,
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=9).items():
         monkeypatch.setenv(key, str(value))
     r = cli(args, tmp_path, fast=False)
     assert r.returncode == 2, r.output[-3000:]
-    assert r.err.strip().splitlines() == ([] if rank else [r.err.strip()]) and "process group" not in r.output
-    if rank == 0:
+    assert r.err.strip().splitlines() == ([] if local_rank else [r.err.strip()]) and "process group" not in r.output
+    if local_rank == 0:
         assert r.err.startswith(expect), r.err
 
 
@@ -191,3 +194,21 @@ def test_help_says_what_hydratrain_is_and_which_groups_are_choices(cli):
     assert r.returncode == 0, r.output[-2000:]
     assert r.out.startswith("hydratrain: distributed PyTorch training configured by Hydra")
     assert "the schema/* groups are the typed schemas behind" in r.out and "strategy: ddp, fsdp, hsdp, single" in r.out
+
+
+def test_a_job_whose_launcher_started_another_number_of_ranks_is_refused(compose, tmp_path):
+    """A swept group or experiment that sets launcher.tasks_per_node per job: submitit's one executor per sweep ran
+    every job on the sweep's count while each job's config and report row said its own."""
+    from hydratrain.config.validate import check_environment
+
+    cfg = compose(["launcher=submitit_local", "launcher.tasks_per_node=1", "strategy=ddp"])
+    with pytest.raises(ConfigError) as err:
+        check_environment(cfg, 2, tmp_path)
+    assert err.value.key == "launcher.tasks_per_node" and "starts 1 rank(s), but it runs on 2" in str(err.value)
+    check_environment(compose(["launcher=submitit_local", "strategy=ddp"]), 2, tmp_path)  # tasks_per_node=2
+
+
+def test_with_hydras_logging_disabled_a_config_error_is_one_line(cli, tmp_path):
+    r = cli(["hydra/job_logging=disabled", "optim.lr=-1"], tmp_path)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: optim.lr=-1.0: must be finite and > 0"], r.err  # not twice (logging's last resort)

@@ -416,6 +416,7 @@ class CheckpointManager:
         err = CheckpointError(unwritable_message(f"saving step {step}", self.root, cause, self.last_good(),
                                                  room))
         err.same_on_every_rank = True  # every rank raises it (DCP gathers the failures): rank 0 prints it
+        err.own_failure = True  # ... as its own, whichever rank recorded it first (not "another rank failed first")
         return err
 
     def _prune(self) -> None:

@@ -32,7 +32,11 @@ def early_guard() -> None:
     composition takes seconds on a loaded machine), instead of dying of it with 143 and nothing said. The first
     :func:`guard` of the launch raises it at once (or, with ``checkpoint.save_on_sigterm=false``, lets it kill the
     process as it would have); a multirun's launching process ends at its start (:func:`take_early_signal`). Only
-    when SIGTERM has its default handler (a parent that ignores it keeps it ignored)."""
+    when SIGTERM has its default handler (a parent that ignores it keeps it ignored), and not in a torchrun worker:
+    its agent handles the signal (it forwards a preemption and reports it) and also sends it to stop the workers
+    left after another failed, which must not read as preempted."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
     try:
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             signal.signal(signal.SIGTERM, _early_signal)

@@ -33,6 +33,9 @@ def _check_option_nodes(cfg: DictConfig) -> None:
         node = cfg.get(group)
         if node is None:
             continue
+        if not dataclasses.is_dataclass(OmegaConf.get_type(node)):  # ~group, then an overlay's keys: no option
+            raise ConfigError(group, _NO_VALUE, f"has no option (removed with ~{group}?): choose one with "
+                              f"{group}=NAME (conf/{group}/)")
         option = getattr(OmegaConf.get_type(node), "option", None)
         if option is not None and node.name != option:
             raise ConfigError(f"{group}.name", node.name, f"the {group} node was composed as {option}; pick an "
@@ -314,6 +317,15 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     if cfg.strategy.name == StrategyName.single and world_size > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but WORLD_SIZE={world_size}; "
                           "allowed under torchrun: ddp, fsdp, hsdp")
+    name = cfg.launcher.get("name")
+    if name not in (None, "local") and launched_processes(cfg.launcher) != world_size:
+        key = next(f"launcher.{k}" for k in ("nproc_per_node", "tasks_per_node", "num_workers", "name")
+                   if k in cfg.launcher)
+        raise ConfigError(key, cfg.launcher.get(key.split(".", 1)[1]),
+                          f"this job's config says launcher={name} starts {launched_processes(cfg.launcher)} "
+                          f"rank(s), but it runs on {world_size}: its launcher was set up from other values (submitit "
+                          "makes one executor per sweep, so a swept group or experiment cannot change it); run one "
+                          "sweep per value")
     if cfg.optim.name == "adamw8bit":
         _check_lowbit(cfg.device == "cpu" or (cfg.device == "auto" and not cuda))
     if cfg.strategy.name == StrategyName.hsdp:

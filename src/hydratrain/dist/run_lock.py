@@ -286,8 +286,10 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
     return lock
 
 
-#: keys that may differ between ranks: the launcher's (``launcher.node_rank``) and node-local paths
-_PER_NODE = ("launcher.", "paths.", "data.cache_dir", "plan.")
+#: keys that may differ between ranks: the launcher's (``launcher.node_rank``), node-local paths (a node's own copy
+#: of the data or of the weights to start from) and what only rank 0 or this node reads (MFU's peak, the plan)
+_PER_NODE = ("launcher.", "paths.", "data.cache_dir", "data.paths", "data.train_path", "data.val_path",
+             "model.init_from", "checkpoint.resume_from", "plan.", "logger.")
 
 
 def shared_config(cfg) -> dict:
