@@ -79,6 +79,8 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
     monkeypatch.setattr(run_dir_module, "_UNIQUE_DIRS", {})
     root = logging.getLogger()
     saved_handlers, saved_level = list(root.handlers), root.level
+    saved_disabled = {name: lg.disabled for name, lg in logging.root.manager.loggerDict.items()
+                      if isinstance(lg, logging.Logger)}  # hydra/job_logging=disabled disables existing loggers
     saved_levels = {name: lg.level for name, lg in logging.root.manager.loggerDict.items()
                     if isinstance(lg, logging.Logger)}
     entries = {}
@@ -124,6 +126,9 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
     root.setLevel(saved_level)
     for name, level in saved_levels.items():
         logging.getLogger(name).setLevel(level)
+    for name, lg in logging.root.manager.loggerDict.items():
+        if isinstance(lg, logging.Logger):
+            lg.disabled = saved_disabled.get(name, False)
 
 
 @pytest.fixture

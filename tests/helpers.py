@@ -95,9 +95,11 @@ class Run:
 
 def spawn(cmd: Sequence[str], cwd: Path = ROOT, env: Optional[dict] = None) -> subprocess.Popen:
     """Start any command in its own session (so :func:`finish` can kill it and every child on a timeout), with
-    :func:`clean_env` plus ``env``; stdout and stderr interleaved."""
+    :func:`clean_env` plus ``env``; stdout and stderr interleaved. SIGINT has its default handling in it, as a
+    terminal starts a command, also when the tests run where SIGINT is ignored (a background job of a script)."""
     proc = subprocess.Popen(list(cmd), cwd=str(cwd), env=clean_env(**(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.cmd, proc.t0 = list(cmd), time.monotonic()
     return proc
 
