@@ -50,12 +50,13 @@ def write_job_status(job_dir: Path, num: int, overrides: List[str], status: str,
     job's seconds (NaN or None: unknown, stored as null), the id of the multirun it belongs to (:func:`mark_multirun`)
     and whether the dir's ``results.json`` is this job's (False: one left by an earlier job in this dir, which the
     report does not show). A job ``refused`` the dir (:func:`refused_the_dir`) writes ``status.job<num>.json``
-    instead, so the status of the job or trial the dir belongs to stays."""
+    instead, so the status of the job or trial the dir belongs to stays (or, for a job still running there, is
+    still to come)."""
     if seconds is not None and not math.isfinite(seconds):
         seconds = None
     payload = {"num": num, "overrides": list(overrides), "status": status, "error": error, "seconds": seconds,
                "multirun": multirun, "results_current": results_current}
-    name = f"status.job{num}.json" if refused and (job_dir / "status.json").exists() else "status.json"
+    name = f"status.job{num}.json" if refused else "status.json"  # (the dir's job may still be running)
     tmp = job_dir / f".{name}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(payload, indent=1))
     os.replace(tmp, job_dir / name)
