@@ -36,7 +36,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain import timing
 
     timing.begin()
-    from hydratrain.checkpoint.preemption import end_guard, guard, recorded_preemption
+    from hydratrain.checkpoint.preemption import end_guard, guard, recorded_preemption, release_sigterm
 
     env = lock = None
     _watch_interrupts()
@@ -90,6 +90,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                 err.exit_status == EXIT_CONFIG or getattr(err, "same_on_every_rank", False)):
             print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
         log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
+        release_sigterm()
         if _in_multirun():
             raise  # Hydra records the job as failed and the sweep goes on
         if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
@@ -118,11 +119,13 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         if _interrupted(err):  # this rank's Ctrl-C, or a peer's end that it caused in a collective here
             _stop_interrupted(env)
         log.exception("rank %d failed", env.rank if env else 0)
+        release_sigterm()
         if _in_multirun():
             raise
         raise SystemExit(EXIT_ERROR) from None
     finally:
         end_guard()
+        release_sigterm()
         _watch_interrupts(False)
         if lock is not None:
             lock.release()

@@ -97,6 +97,28 @@ def test_a_torchrun_worker_leaves_sigterm_to_its_agent_while_it_composes(monkeyp
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
+def test_a_rank_ending_with_an_error_ignores_sigterm_until_it_has_logged_why():
+    """hold_sigterm (an error unwinding) outlasts the guards that end on the way out; release_sigterm (run.main, once
+    the error is logged) gives SIGTERM its default again. The e2e side: test_fail_fast's slow-to-unwind rank 0."""
+    from hydratrain.checkpoint.preemption import Preemption, end_guard, guard, hold_sigterm, release_sigterm
+
+    try:
+        guard(True, 75)
+        hold_sigterm()
+        end_guard()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        preemption = Preemption(True, 75)
+        preemption.arm()
+        preemption.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        release_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        end_guard()
+        release_sigterm()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def test_sigterm_while_a_sweep_composes_keeps_its_default_when_save_on_sigterm_is_off(tmp_path):
     r = finish(start(["-m", "strategy=single", "checkpoint.save_on_sigterm=false", "optim.lr=1e-3,3e-3",
                       f"hydra.sweep.dir={tmp_path / 's'}"], script=FAULTY, env={"HT_FAULT_AT": "compose"},

@@ -14,6 +14,8 @@
 - ``HT_FAULT_RANK``: the rank that fails, or ``all`` (default 1).
 - ``HT_FAULT_ATTEMPT``: only on this elastic restart attempt (``TORCHELASTIC_RESTART_COUNT``; default 0).
 - ``HT_FAULT_ONCE=1``: only while the marker below does not exist yet (launchers without an attempt count: Ray).
+- ``HT_SLOW_FAILURE``: ``RANK:SECONDS``: when that rank's process group unwinds an error, it sleeps before telling a
+  lost peer from its own failure, as a loaded machine slows that path: torchrun's SIGTERM then comes first.
 Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so tests can see where the fault happened.
 
 - ``HT_FAULT_JOBS``: ``NUM:MODE[,NUM:MODE...]``, for sweeps: Hydra job NUM fails before training. MODE ``raise``:
@@ -148,12 +150,29 @@ def _fake_submitit() -> None:
     signal.signal(signal.SIGUSR2, requeue)
 
 
+def _slow_failure() -> None:
+    """``HT_SLOW_FAILURE``: patch ``lost_a_peer``, which the process group calls first when its body raised."""
+    rank, _, seconds = os.environ.get("HT_SLOW_FAILURE", "").partition(":")
+    if rank != os.environ.get("RANK", "0"):
+        return
+    import hydratrain.dist.process_group as process_group
+
+    original = process_group.lost_a_peer
+
+    def lost_a_peer(err):
+        time.sleep(float(seconds))
+        return original(err)
+
+    process_group.lost_a_peer = lost_a_peer
+
+
 @hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="train")
 def task(cfg) -> float:
     from hydratrain.run import main
 
     _fail_job()
     _inject()
+    _slow_failure()
     _fake_submitit()
     return main(cfg).eval_loss
 

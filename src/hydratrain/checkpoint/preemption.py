@@ -9,6 +9,7 @@ After the save, submitit's own SIGUSR2 handler runs on rank 0, so the job is req
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -24,7 +25,7 @@ PHASES = {
     "final": "after the last step, during the final evaluation and outputs: nothing saved since the latest "
              "checkpoint; relaunch the same command to finish from it",
 }
-_GUARD: dict = {"handlers": {}, "received": None, "exit_code": 75, "phase": "start-up"}
+_GUARD: dict = {"handlers": {}, "received": None, "exit_code": 75, "phase": "start-up", "held": False}
 
 
 def early_guard() -> None:
@@ -86,13 +87,40 @@ def guard(enabled: bool, exit_code: int, under_submitit: bool = False, phase: st
 
 def end_guard() -> None:
     """Restore the handlers :func:`guard` replaced (idempotent); a signal it recorded stays recorded, and SIGTERM is
-    then ignored: the launch is ending with its status, which a second SIGTERM must not turn into 143."""
+    then ignored: the launch is ending with its status, which a second SIGTERM must not turn into 143. SIGTERM stays
+    ignored while :func:`hold_sigterm` holds it."""
     handlers = _GUARD["handlers"]
     while handlers:
         sig, previous = handlers.popitem()
-        if sig == signal.SIGTERM and _GUARD["received"] is not None:
+        if sig == signal.SIGTERM and (_GUARD["received"] is not None or _GUARD["held"]):
             previous = signal.SIG_IGN
         signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+
+def hold_sigterm() -> None:
+    """This rank is ending with an error: ignore SIGTERM until :func:`release_sigterm` (``hydratrain.run``, once
+    the error is logged). Once one worker has exited, torchrun SIGTERMs the others; a rank still unwinding its own
+    error (or finding which peer failed) would otherwise die with 143 before saying why in its log, or read the
+    agent's signal as a preemption. A rank that hangs meanwhile still ends: its failure watch bounds the teardown,
+    and torchrun SIGKILLs 30 s after its SIGTERM. Applies also with ``checkpoint.save_on_sigterm=false``: the rank
+    is ending anyway; only its last line is at stake. No-op outside the main thread."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:
+        return
+    _GUARD["held"] = True
+
+
+def release_sigterm() -> None:
+    """End :func:`hold_sigterm` (idempotent): SIGTERM gets its default action again, unless a preemption signal was
+    recorded (then it stays ignored, as :func:`end_guard` leaves it), so that a rank lingering for its peers after
+    its error is logged is stopped by its launcher's SIGTERM at once."""
+    if not _GUARD["held"]:
+        return
+    _GUARD["held"] = False
+    if _GUARD["received"] is None:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _preempted(signum: int):
@@ -198,7 +226,7 @@ class Preemption:
         tearing down before it exits with ``checkpoint.preempt_exit_code`` (``SIG_IGN``, unlike a Python handler,
         survives interpreter shutdown; a hung teardown still ends with torchrun's SIGKILL 30 s later)."""
         for sig, previous in self._previous.items():
-            if self.stopped and sig == signal.SIGTERM:
+            if sig == signal.SIGTERM and (self.stopped or _GUARD["held"]):
                 signal.signal(sig, signal.SIG_IGN)
             elif previous is not None:
                 signal.signal(sig, previous)

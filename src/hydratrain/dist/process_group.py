@@ -30,6 +30,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Iterator, Optional
 
+from hydratrain.checkpoint.preemption import hold_sigterm
 from hydratrain.dist.env import DistInfo, dist_info
 from hydratrain.dist.run_lock import RunDirLock
 from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
@@ -407,6 +408,7 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
     try:
         yield info
     except BaseException as err:
+        hold_sigterm()  # the launcher's SIGTERM (a peer has exited) must not cut this rank short before it says why
         failed_with = getattr(err, "exit_status", EXIT_ERROR)
         if watch is not None and not isinstance(err, (KeyboardInterrupt, PeerFailedError)):
             text = str(err).strip().splitlines()

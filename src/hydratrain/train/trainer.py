@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydratrain import timing
+from hydratrain.checkpoint.preemption import hold_sigterm
 from hydratrain.errors import DivergenceError
 from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
 
@@ -203,6 +204,9 @@ class Trainer:
                 if self._end_of_step(step, votes):
                     result.preempted = True
                     break
+        except BaseException:
+            hold_sigterm()  # until hydratrain.run has logged why this rank ends
+            raise
         finally:
             self.preemption.close()
             self.logger.close_bar()
