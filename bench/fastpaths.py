@@ -15,7 +15,7 @@ Cases (``bench/train_worker.py --impl hand`` unless marked; one process, ``strat
 - hydratrain with its defaults (``--impl hydratrain``, ``precision=auto``).
 
 Each row gives the median tokens/s over rounds, the ratio to eager fp32 (the hand-written loop a user starts with),
-MFU (tokens/s x the model's FLOPs per token over the peak matmul rate of the dtype, measured once per machine and
+MFU (tokens/s x the model's FLOPs per token over the peak matmul rate of the dtype, measured per machine and
 cached) and the ceiling: the tokens/s at which one step would take exactly its matmul-bound time (peak / FLOPs per
 token, i.e. MFU 100 %).
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 
 import pytest
 import torch
@@ -156,6 +157,32 @@ def test_cpu_peak_is_measured_once_then_cached(tmp_path, counted_measure):
     assert entries[key]["flops"] == 1.0e11
     for part in (metrics.cpu_model(), f"{torch.get_num_threads()} threads", "torch.float32", torch.__version__):
         assert part in key
+
+
+def _stored(path, flops, *ages_s):
+    stamps = [time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - age)) for age in ages_s]
+    entry = {"flops": flops, "measured_at": stamps[-1], "measurements": stamps}
+    (path / metrics.CPU_PEAK_CACHE).write_text(json.dumps({"entries": {metrics.cpu_peak_key(FP32): entry}}))
+
+
+def test_cpu_peak_measured_while_busy_is_replaced_by_a_later_launchs_higher_figure(tmp_path, counted_measure, caplog):
+    """A figure measured under load (4x low, as tester 6 saw) does not stay: the next launches (a minute or more
+    later) measure again and the best counts; a lower measurement never lowers it; after CPU_PEAK_LAUNCHES
+    measurements the figure is final."""
+    cpu = torch.device("cpu")
+    _stored(tmp_path, 0.25e11, 120)
+    with caplog.at_level("WARNING", logger="hydratrain.metrics"):
+        assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 1.0e11
+    assert "4.0x the 2.5e+10 cached" in caplog.text and "read 4.0x high" in caplog.text
+    assert counted_measure == [FP32]
+    _stored(tmp_path, 2.0e11, 600, 120)  # a lower measurement keeps the stored best
+    assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 2.0e11
+    entry = json.loads((tmp_path / metrics.CPU_PEAK_CACHE).read_text())["entries"][metrics.cpu_peak_key(FP32)]
+    assert len(entry["measurements"]) == metrics.CPU_PEAK_LAUNCHES and counted_measure == [FP32, FP32]
+    assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 2.0e11  # final: read, not measured
+    _stored(tmp_path, 0.5e11, 10)  # a rank of the launch that measured 10 s ago reads it
+    assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 0.5e11
+    assert counted_measure == [FP32, FP32]
 
 
 def test_cpu_cache_key_changes_with_threads(tmp_path, counted_measure):

@@ -99,7 +99,7 @@ class Precision:
         """A one-line warning when this precision's matmuls run at least :data:`SLOW_FACTOR` times slower on
         ``device`` than those of the preset ``precision=auto`` picks there, with the measured factor; else None.
 
-        The rates are the ones MFU uses (:func:`hydratrain.metrics.matmul_flops`): on CPU the matmul measured once
+        The rates are the ones MFU uses (:func:`hydratrain.metrics.matmul_flops`): on CPU the matmul measured
         per machine and dtype and cached, on CUDA the datasheet peak of the device (measured when the table has
         none, e.g. bf16 on a V100, which only emulates it). Costs nothing when this is the preset auto picks."""
         from hydratrain.metrics import matmul_flops
