@@ -127,6 +127,12 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         end_guard()
         release_sigterm()
         _watch_interrupts(False)
+        if _in_multirun():
+            from hydra.core.hydra_config import HydraConfig
+
+            from hydratrain.sweep import keep_early_sigterm
+
+            keep_early_sigterm(HydraConfig.get(), bool(_select(cfg, "checkpoint.save_on_sigterm", True)))
         if lock is not None:
             lock.release()
     if result.preempted:

@@ -275,6 +275,19 @@ def _is_rank0() -> bool:
     return env_rank() == 0
 
 
+def keep_early_sigterm(hydra_cfg: DictConfig, save_on_sigterm: bool) -> None:
+    """Between the jobs of a sweep whose jobs run in this process (Hydra's basic launcher; Optuna's sweeper uses it
+    too), SIGTERM is recorded, as :func:`hydratrain.checkpoint.preemption.early_guard` does before the first
+    composition, instead of killing the sweep with 143 and nothing said while Hydra composes the next job (seconds on
+    a loaded machine); that job's guard then ends the sweep as preempted. Called at the sweep's start and when each
+    job's ``hydratrain.run.main`` ends; not with ``checkpoint.save_on_sigterm=false`` (the default action stays), nor
+    for launchers whose jobs run in other processes (this process would only wait for them)."""
+    from hydratrain.checkpoint.preemption import early_guard
+
+    if save_on_sigterm and "BasicLauncher" in str(hydra_cfg.get("launcher", {}).get("_target_")):
+        early_guard()
+
+
 class SweepReportCallback(Callback):
     """Hydra callback: on multirun start, check the ``launcher`` keys (a SLURM GPU/task mismatch, or no ``sbatch``
     here, fails before anything is submitted); after each job (rank 0, or the launcher process for a job whose
@@ -311,6 +324,7 @@ class SweepReportCallback(Callback):
                 raise SystemExit(EXIT_CONFIG) from None
         if _is_rank0() and ("launcher" not in config or config.launcher.get("node_rank", 0) == 0):
             mark_multirun(_sweep_dir(config.hydra))
+        keep_early_sigterm(config.hydra, config.get("checkpoint", {}).get("save_on_sigterm", True))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._job_started = time.time()
@@ -350,6 +364,9 @@ class SweepReportCallback(Callback):
                                  f"{sweep_dir / 'sweep_report.md'})")
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydratrain.checkpoint.preemption import take_early_signal
+
+        take_early_signal()  # a SIGTERM after the last job: every job has ended; the report is still written
         if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):
             return
         sweep_dir = _sweep_dir(config.hydra)

@@ -126,6 +126,21 @@ def test_sigterm_while_a_sweep_composes_keeps_its_default_when_save_on_sigterm_i
     assert r.returncode == -signal.SIGTERM and "preempted" not in r.output, r.output[-3000:]
 
 
+@pytest.mark.parametrize("when", [pytest.param("term", marks=pytest.mark.slow), "term_after"])
+def test_sigterm_between_a_local_sweeps_jobs_ends_the_sweep_as_preempted(tmp_path, when):
+    """A SIGTERM while Hydra composes a job of an in-process sweep, before the job's guard (``term``), or between
+    one job's end and the next one's composition (``term_after``), killed the sweep with 143 and nothing said; now
+    the next guard ends the sweep as preempted: its line, checkpoint.preempt_exit_code, no later job."""
+    sweep = tmp_path / "s"
+    r = finish(start(["-m", "strategy=single", "checkpoint.preempt_exit_code=76", "trainer.max_steps=2",
+                      "optim.lr=1e-3,2e-3,3e-3", f"hydra.sweep.dir={sweep}"], script=FAULTY,
+                     env={"HT_FAULT_JOBS": f"0:{when}"}, cwd=tmp_path), timeout=180)
+    assert r.returncode == 76, r.output[-3000:]
+    assert "hydratrain: preempted: SIGTERM during start-up" in r.output and "Traceback" not in r.output, r.output
+    assert (sweep / "0" / "results.json").exists() == (when == "term_after")
+    assert not (sweep / "1" / "results.json").exists() and not (sweep / "2").exists()
+
+
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
 def test_sigterm_while_hydra_composes_ends_the_launch_as_preempted(tmp_path, multirun):
     """A SIGTERM before hydratrain's start-up guard exists (Hydra's import and composition: seconds on a loaded

@@ -19,8 +19,9 @@
 Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so tests can see where the fault happened.
 
 - ``HT_FAULT_JOBS``: ``NUM:MODE[,NUM:MODE...]``, for sweeps: Hydra job NUM fails before training. MODE ``raise``:
-  every rank raises FloatingPointError (as a diverged run does); ``kill``: rank 1 SIGKILLs itself (a crashed rank).
-  Other jobs run train.py's task unchanged.
+  every rank raises FloatingPointError (as a diverged run does); ``kill``: rank 1 SIGKILLs itself (a crashed rank);
+  ``term``: SIGTERM itself after Hydra composed the job, before hydratrain's guard; ``term_after``: SIGTERM itself
+  after the job's training returned, before Hydra composes the next job. Other jobs run train.py's task unchanged.
 
 ``HT_FAKE_SUBMITIT=DIR`` stands in for submitit's job environment: a SIGUSR2 handler that, like submitit's
 ``checkpoint_and_try_requeue``, records the requeue (``DIR/requeued_rank<R>``) and calls ``sys.exit(-1)``.
@@ -46,10 +47,16 @@ register_resolvers()
 _INJECTED = False  # the trainer is patched once per process
 
 
+def _job_fault() -> str:
+    plan = dict(item.split(":") for item in os.environ.get("HT_FAULT_JOBS", "").split(",") if item)
+    return plan.get(str(HydraConfig.get().job.num)) if plan else None  # a single run has no job number
+
+
 def _fail_job() -> None:
     """``HT_FAULT_JOBS``: fail this Hydra job before training if the plan names it."""
-    plan = dict(item.split(":") for item in os.environ.get("HT_FAULT_JOBS", "").split(",") if item)
-    mode = plan.get(str(HydraConfig.get().job.num)) if plan else None  # a single run has no job number
+    mode = _job_fault()
+    if mode == "term":
+        os.kill(os.getpid(), signal.SIGTERM)
     if mode == "raise":
         raise FloatingPointError("loss diverged (test)")
     if mode == "kill" and os.environ.get("RANK") == "1":
@@ -174,7 +181,10 @@ def task(cfg) -> float:
     _inject()
     _slow_failure()
     _fake_submitit()
-    return main(cfg).eval_loss
+    eval_loss = main(cfg).eval_loss
+    if _job_fault() == "term_after":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return eval_loss
 
 
 if __name__ == "__main__":
