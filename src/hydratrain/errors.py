@@ -115,7 +115,8 @@ def unwritable_message(what: str, where: Any, cause: Optional[BaseException], la
                        room: Optional[str] = None, stopped: str = "training stopped") -> str:
     """``<what> under <where> failed (<cause>; <N> MB free there); <stopped>. The latest complete checkpoint,
     <last>, is intact: <room> and relaunch the same command to resume from it`` (or, without a checkpoint, ``No
-    checkpoint was written before: <room> and relaunch``). ``room`` defaults to the remedy for ``cause``'s errno:
+    checkpoint was written before: <room> and relaunch``; with ``last_checkpoint=...`` (Ellipsis: not this call's to
+    say, a sweep's), ``<Room> and relaunch the same command``). ``room`` defaults to the remedy for ``cause``'s errno:
     make it writable (read-only), free some of the quota, or make room."""
     import errno as errnos
     import shutil
@@ -130,8 +131,13 @@ def unwritable_message(what: str, where: Any, cause: Optional[BaseException], la
         code = getattr(cause, "errno", None)
         room = {errnos.EROFS: "make it writable (or write elsewhere)", errnos.EDQUOT: "free some of your quota"}.get(
             code, "make room")
-    tail = (f"The latest complete checkpoint, {last_checkpoint}, is intact: {room} and relaunch the same command to "
-            f"resume from it" if last_checkpoint else f"No checkpoint was written before: {room} and relaunch")
+    if last_checkpoint is ...:
+        tail = f"{room[0].upper()}{room[1:]} and relaunch the same command"
+    elif last_checkpoint:
+        tail = (f"The latest complete checkpoint, {last_checkpoint}, is intact: {room} and relaunch the same command "
+                "to resume from it")
+    else:
+        tail = f"No checkpoint was written before: {room} and relaunch"
     return f"{what} under {where} failed ({why}); {stopped}. {tail}"
 
 

@@ -323,6 +323,9 @@ class SweepReportCallback(Callback):
                     time.sleep(10)  # the same error on every rank: rank 0 says it and leaves first (root cause)
                 raise SystemExit(EXIT_CONFIG) from None
         if _is_rank0() and ("launcher" not in config or config.launcher.get("node_rank", 0) == 0):
+            from hydratrain.dist.run_dir import refuse_a_full_run_dir
+
+            refuse_a_full_run_dir(_sweep_dir(config.hydra), sweep=True)
             mark_multirun(_sweep_dir(config.hydra))
         keep_early_sigterm(config.hydra, config.get("checkpoint", {}).get("save_on_sigterm", True))
 

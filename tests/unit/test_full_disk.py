@@ -106,3 +106,31 @@ def test_a_full_disk_mid_run_ends_it_with_one_line_and_status_3(cli, tmp_path, m
                      f"[Errno 28] No space left on device; " + lines[0].split("; ", 1)[1]], run.output[-3000:]
     assert f"The latest complete checkpoint, {tmp_path / 'r' / 'checkpoints' / 'step_00000002'}, is intact" in lines[0]
     assert "Traceback" not in run.output
+
+
+def test_a_run_dir_that_takes_no_writes_ends_the_start_with_one_line_and_status_3(tmp_path, monkeypatch, capsys):
+    """Hydra's copy of the config (``.hydra/``) was the first write to the run dir, and a full disk there gave
+    Hydra's traceback and exit 1 (the relaunch after "make room" when too little was freed). The ``output_subdir``
+    resolver probes the dir first; a checkpoint already there is named for the resume."""
+    import hydratrain.dist.run_dir as run_dir
+
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    monkeypatch.setattr("hydratrain.checkpoint.manager.latest_checkpoint", lambda root: root / "step_00000004")
+
+    def full(path, mode="r", *a, **k):
+        raise _full()
+
+    monkeypatch.setattr(run_dir, "open", full, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        run_dir.refuse_a_full_run_dir(tmp_path)
+    assert exit_.value.code == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"hydratrain: output error: writing the run dir under {tmp_path} "
+                                                    "failed (OSError: [Errno 28] No space left on device;"), err
+    assert "the run did not start. The latest complete checkpoint, " in err and "step_00000004, is intact" in err
+    with pytest.raises(SystemExit):  # a sweep's dir, before Hydra's multirun.yaml: which checkpoint is not its to say
+        run_dir.refuse_a_full_run_dir(tmp_path / "sweep", sweep=True)
+    assert capsys.readouterr().err.endswith("the sweep did not start. Make room and relaunch the same command\n")
+    monkeypatch.undo()
+    run_dir.refuse_a_full_run_dir(tmp_path)  # a writable dir: nothing said, nothing left behind
+    assert capsys.readouterr().err == "" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sweep"]

@@ -227,3 +227,39 @@ def test_a_lock_that_cannot_be_written_leaves_no_empty_lock_behind(tmp_path, mon
     assert not (tmp_path / LOCK_NAME).exists()
     monkeypatch.undo()
     RunDirLock(tmp_path).acquire().release()  # room again: the next launch takes it at once
+
+
+def test_a_rank_waiting_for_rank_0s_answer_still_runs_its_signal_handlers():
+    """store_get polls: a blocking TCPStore get deferred the start-up guard's SIGTERM handler, so a rank whose rank 0
+    died before answering ignored torchrun's SIGTERM until the SIGKILL 30 s later."""
+    import signal
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hydratrain.dist.process_group import store_get
+
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
+    threading.Timer(0.3, lambda: store.set("answer", "42")).start()
+    assert store_get(store, "answer", timeout_s=10) == b"42"
+    with pytest.raises(TimeoutError, match="no answer in the launch's store after 0 s"):
+        store_get(store, "never", timeout_s=0.2)
+
+    class Signalled(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Signalled()
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        started = time.monotonic()
+        with pytest.raises(Signalled):
+            store_get(store, "never", timeout_s=20)
+        assert time.monotonic() - started < 2
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

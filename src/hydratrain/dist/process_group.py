@@ -84,6 +84,20 @@ def base_store():
     return _BASE_STORE
 
 
+def store_get(store, key: str, timeout_s: float = 300.0) -> bytes:
+    """``store.get(key)`` once another process has set ``key``, waited for in short polls (``store.check``, 50 ms)
+    instead of one blocking ``get``: a blocked C++ call defers every Python signal handler, so a rank whose rank 0
+    died before answering ignored its launcher's SIGTERM until the SIGKILL 30 s later; now the start-up guard ends
+    it at once. Raises TimeoutError (naming ``key``) after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer in the launch's store after {timeout_s:.0f} s ({key}): the rank that "
+                               "answers (rank 0) did not get this far")
+        time.sleep(0.05)
+    return store.get(key)
+
+
 def _next_job_prefix() -> str:
     """A fresh key prefix for the next process group of this process.
 

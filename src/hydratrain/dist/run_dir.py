@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -188,8 +189,43 @@ def output_subdir(*, _root_: Any = None) -> Optional[str]:
                            or _of_another_job(Path(output_dir))):
             return None
     except Exception:  # resolved before Hydra set up the job (--cfg hydra, a launcher's process), a bad $WORLD_SIZE
-        pass  # (the job's own checks name it)
+        output_dir = None  # (the job's own checks name it)
+    if output_dir:
+        refuse_a_full_run_dir(Path(output_dir))
     return ".hydra"
+
+
+def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool = False) -> None:
+    """Before Hydra writes the job's ``.hydra/`` into ``run_dir`` (rank 0; :func:`output_subdir` runs just before;
+    ``sweep``: the sweep dir, which this creates, before Hydra's ``multirun.yaml``), write and remove ``probe_bytes``
+    there: a filesystem that takes no more writes (full, over quota, read-only:
+    :func:`hydratrain.errors.unwritable_cause`) ends the launch with one ``hydratrain: output error:`` line and exit
+    status 3, instead of Hydra's traceback from its config copy. Other errors are left to what writes next."""
+    from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
+
+    probe = run_dir / f".hydratrain-write-probe-{os.getpid()}"
+    try:
+        if sweep:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as fh:
+            fh.write(bytes(probe_bytes))
+    except OSError as err:
+        cause = unwritable_cause(err)
+        if cause is None:
+            return
+        from hydratrain.checkpoint.manager import latest_checkpoint
+
+        last = ... if sweep else (latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir()
+                                  else None)
+        message = unwritable_message(f"writing the {'sweep' if sweep else 'run'} dir", run_dir, cause, last,
+                                     stopped=f"the {'sweep' if sweep else 'run'} did not start")
+        print(f"hydratrain: {OutputError.label}: {message}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        discard_if_unused(run_dir)  # the default run dir this launch made for nothing
+        raise SystemExit(OutputError.exit_status) from None  # not an exception: OmegaConf would wrap it
+    with contextlib.suppress(OSError):
+        probe.unlink()
 
 
 def _of_another_job(run_dir: Path) -> bool:

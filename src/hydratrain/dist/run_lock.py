@@ -242,7 +242,7 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
         except OSError as err:
             problem = f"cannot create the lock file {err.filename or run_dir / LOCK_NAME}: {err.strerror}"
     if info.world_size > 1 and os.environ.get("MASTER_ADDR"):
-        from hydratrain.dist.process_group import base_store
+        from hydratrain.dist.process_group import base_store, store_get
 
         store = base_store()
         store_key = f"hydratrain/run_dir/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/hold{_HOLDS}"
@@ -258,7 +258,7 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
             if not problem and store.add(store_key + "/differs", 0) > 0:
                 differs = json.loads(store.get(store_key + "/differs_example"))
         else:
-            answer = json.loads(store.get(store_key))
+            answer = json.loads(store_get(store, store_key))
             problem = answer["problem"]
             if answer["run_dir"] != mine:
                 store.set(store_key + "/elsewhere_example", f"rank {info.rank}: {mine}")
