@@ -32,6 +32,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from hydratrain.checkpoint import METADATA
+from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
 from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError, unwritable_message
 
@@ -127,18 +128,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-    """DCP's flat keys (``a.b.c``) of a nested dict, nested dicts walked, everything else a leaf."""
-    out = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def _load_template(tree: dict, stored: Mapping) -> tuple[dict, dict]:
@@ -275,7 +264,7 @@ _WHERE_A_LAUNCH_STARTS = ("launcher.", "checkpoint.resume_from:", "checkpoint.au
 
 def config_diff(saved: Mapping, now: Mapping) -> list[str]:
     """``key: old -> new`` for every leaf that differs between two config containers (keys in either)."""
-    a, b = _flat(saved), _flat(now)
+    a, b = flat_keys(saved), flat_keys(now)
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in sorted(set(a) | set(b))
             if a.get(k, "<absent>") != b.get(k, "<absent>")]
 
@@ -566,7 +555,7 @@ def other_trial(ckpt: Path, config: Mapping, overrides: Sequence[str]) -> list[s
     saved = CheckpointManager._saved_config(ckpt)
     if saved is None:
         return []
-    old, new = _flat(saved), _flat(config)
+    old, new = flat_keys(saved), flat_keys(config)
     named = {str(item).partition("=")[0].lstrip("+~") for item in overrides}
     out = []
     for k in sorted(set(old) | set(new)):

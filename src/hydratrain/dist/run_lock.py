@@ -297,15 +297,10 @@ def shared_config(cfg) -> dict:
     all but :data:`_PER_NODE`."""
     from omegaconf import OmegaConf
 
-    def flat(tree, prefix=""):
-        for k, v in tree.items():
-            if isinstance(v, dict) and v:
-                yield from flat(v, f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", v
+    from hydratrain.config import flat_keys
 
     tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    return {k: v for k, v in flat(tree) if k != "hydra" and not k.startswith(_PER_NODE)}
+    return {k: v for k, v in flat_keys(tree).items() if k != "hydra" and not k.startswith(_PER_NODE)}
 
 
 def _split(rank0_dir: str, other: str, key: str) -> str:
