@@ -275,16 +275,23 @@ def _is_rank0() -> bool:
     return env_rank() == 0
 
 
+#: launchers (``hydra.launcher._target_``) that take a SIGTERM recorded between jobs: Hydra's basic launcher (jobs
+#: in this process: the next job's guard raises it) and the torchrun plugin (raised before it starts the workers)
+_TAKE_EARLY_SIGTERM = ("BasicLauncher", "hydratrain_launcher.torchrun_launcher.TorchrunLauncher")
+
+
 def keep_early_sigterm(hydra_cfg: DictConfig, save_on_sigterm: bool) -> None:
-    """Between the jobs of a sweep whose jobs run in this process (Hydra's basic launcher; Optuna's sweeper uses it
-    too), SIGTERM is recorded, as :func:`hydratrain.checkpoint.preemption.early_guard` does before the first
-    composition, instead of killing the sweep with 143 and nothing said while Hydra composes the next job (seconds on
-    a loaded machine); that job's guard then ends the sweep as preempted. Called at the sweep's start and when each
-    job's ``hydratrain.run.main`` ends; not with ``checkpoint.save_on_sigterm=false`` (the default action stays), nor
-    for launchers whose jobs run in other processes (this process would only wait for them)."""
+    """Between the jobs of a sweep, SIGTERM is recorded, as :func:`hydratrain.checkpoint.preemption.early_guard`
+    does before the first composition, instead of killing the sweep with 143 and nothing said while Hydra composes
+    the next job (seconds on a loaded machine); the next job then ends the sweep as preempted: its guard when it runs
+    in this process (Hydra's basic launcher; Optuna's sweeper uses it too), the torchrun plugin before it starts the
+    job's workers. Called at the sweep's start and when each job's ``hydratrain.run.main`` ends; not with
+    ``checkpoint.save_on_sigterm=false`` (the default action stays), nor for other launchers (Ray, submitit: their
+    own handling)."""
     from hydratrain.checkpoint.preemption import early_guard
 
-    if save_on_sigterm and "BasicLauncher" in str(hydra_cfg.get("launcher", {}).get("_target_")):
+    target = str(hydra_cfg.get("launcher", {}).get("_target_"))
+    if save_on_sigterm and any(t in target for t in _TAKE_EARLY_SIGTERM):
         early_guard()
 
 

@@ -126,6 +126,22 @@ def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
         assert results(tmp_path / name / "0")["hparams"]["world_size"] == 2
 
 
+def test_sigterm_while_the_torchrun_launcher_prepares_a_job_ends_the_sweep_as_preempted(tmp_path):
+    """A SIGTERM to the launching process after the sweep started but before the agent's own handlers exist (the
+    job's composition, its check, the rendezvous) killed it with 143 and nothing said; now it ends the sweep with one
+    line and checkpoint.preempt_exit_code, no worker started, the job recorded as stopped."""
+    sweep = tmp_path / "s"
+    r = finish(start(["-m", "launcher=torchrun", "launcher.nproc_per_node=1", "strategy=ddp",
+                      "checkpoint.preempt_exit_code=76", "hydra.launcher.job_check=__main__.sigterm_self",
+                      "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"], script=FAULTY, cwd=tmp_path), 120)
+    assert r.returncode == 76, r.output[-3000:]
+    assert "TorchrunLauncher: sweep stopped: job #0: stopped by SIGTERM, before its workers started" in r.output
+    assert "Traceback" not in r.output and not (sweep / "0" / "train_rank0.log").exists() \
+        and not (sweep / "1").exists(), r.output[-3000:]
+    (row,) = report_rows(sweep)
+    assert row["status"] == "FAILED" and "stopped by SIGTERM" in row["error"], row
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_launching_process_ends_the_sweep(tmp_path, sig):

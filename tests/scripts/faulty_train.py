@@ -157,6 +157,12 @@ def _fake_submitit() -> None:
     signal.signal(signal.SIGUSR2, requeue)
 
 
+def sigterm_self(cfg) -> None:
+    """A ``hydra.launcher.job_check`` (``__main__.sigterm_self``) that SIGTERMs this process: a scheduler's signal
+    while the torchrun launcher prepares a job, before its workers exist."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _slow_failure() -> None:
     """``HT_SLOW_FAILURE``: patch ``lost_a_peer``, which the process group calls first when its body raised."""
     rank, _, seconds = os.environ.get("HT_SLOW_FAILURE", "").partition(":")

@@ -12,12 +12,13 @@ the FAILED :class:`JobReturn`, after the workers are gone.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
@@ -126,7 +127,8 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
                           "join_timeout": conf.rdzv_timeout,
                           "read_timeout": conf.rdzv_timeout},  # also bounds a node waiting for node 0's store
             max_restarts=conf.max_restarts, monitor_interval=conf.monitor_interval, start_method=conf.start_method)
-        values = elastic_launch(launch_cfg, _worker)(payload)
+        with _signals_end_the_launch():
+            values = elastic_launch(launch_cfg, _worker)(payload)
         return min(cloudpickle.loads(v) for v in values.values())[1]  # the lowest global rank's JobReturn
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
@@ -140,7 +142,7 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
         error: BaseException = LaunchError(f"job #{num}: rank {rank} failed (after {conf.max_restarts} restart(s) "
                                            f"allowed): {why}")
     except SignalException as err:
-        _stop_the_sweep(launcher, sweep_config, num, conf, err.sigval)
+        _stop_the_sweep(launcher, sweep_config, num, conf, err.sigval, before_workers=_BEFORE_WORKERS["signal"])
     except Exception as err:  # the check's own error, bad settings, a port, a rendezvous error: report, don't hang
         error = err
         if "Rendezvous" in type(err).__name__ and conf is not None:
@@ -154,18 +156,55 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
     return ret
 
 
+_BEFORE_WORKERS = {"signal": False}  # whether the signal that stopped the launch came before its workers started
+
+
+@contextlib.contextmanager
+def _signals_end_the_launch() -> Iterator[None]:
+    """From here until the agent installs its own handlers (which do the same, once the workers exist), SIGTERM
+    raises torch's ``SignalException`` instead of killing this process with 143 and nothing said: the job's
+    composition, its check and the rendezvous take seconds. A SIGTERM recorded since the sweep's start
+    (:func:`hydratrain.sweep.keep_early_sigterm`) is raised at once. The handler in place before is restored after
+    (between jobs, the record-only one)."""
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from hydratrain.checkpoint.preemption import take_early_signal
+
+    def raise_it(signum, frame):
+        _BEFORE_WORKERS["signal"] = True
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    _BEFORE_WORKERS["signal"] = False
+    early = take_early_signal()
+    try:
+        previous = signal.signal(signal.SIGTERM, raise_it)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        if early is not None:
+            raise_it(early, None)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _stop_the_sweep(launcher, sweep_config: DictConfig, num: int, conf: Optional[TorchrunLauncherConf],
-                    signum: int) -> None:
-    """A signal to this process stopped job ``num`` (the agent passed it on to the workers, which are gone now):
-    report the job FAILED to the callbacks (node 0), print one line and exit (SystemExit) with
-    ``conf.preempt_exit_code`` for SIGTERM, 130 for SIGINT, else 128 + ``signum``."""
+                    signum: int, before_workers: bool = False) -> None:
+    """A signal to this process stopped job ``num`` (the agent passed it on to the workers, which are gone now; or,
+    ``before_workers``, it came before any worker started): report the job FAILED to the callbacks (node 0), print
+    one line and exit (SystemExit) with ``conf.preempt_exit_code`` for SIGTERM, 130 for SIGINT, else 128 +
+    ``signum``."""
     import signal
     import sys
 
     name = signal.Signals(signum).name
     status = ((conf.preempt_exit_code if conf is not None else 75) if signum == signal.SIGTERM else 128 + signum)
-    error = LaunchError(f"job #{num}: stopped by {name}, which the agent passed on to the job's workers; run the same "
-                        "command again to resume the sweep (each job continues from its own run dir)")
+    how = ("before its workers started" if before_workers else "which the agent passed on to the job's workers")
+    error = LaunchError(f"job #{num}: stopped by {name}, {how}; run the same command again to resume the sweep (each "
+                        "job continues from its own run dir)")
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, _failed_return(sweep_config, error))
     print(f"TorchrunLauncher: sweep stopped: {error} (exit status {status})", file=sys.stderr, flush=True)
