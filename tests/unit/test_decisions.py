@@ -404,7 +404,6 @@ def test_a_swept_key_is_one_typed_column_in_the_hparams_table(compose, tmp_path)
      ["scheduler.warmup_steps=40 is not shorter than the 10 optimizer steps this run takes (trainer.max_steps / "
       "max_epochs): the lr never reaches optim.lr (it ends at 25% of it)"]),
     (["scheduler.warmup_steps=9"], []),
-    ([], []),  # +debug=fast alone: its warm-up fits its 10 steps
 ])
 def test_a_run_length_the_keys_do_not_suggest_is_one_warning_line(make_job, tmp_path, caplog, overrides, expected):
     """max_steps cutting max_epochs short, and a warm-up as long as the run or longer, each say so once at start,
