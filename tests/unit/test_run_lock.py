@@ -230,15 +230,16 @@ def test_a_lock_that_cannot_be_written_leaves_no_empty_lock_behind(tmp_path, mon
 
 
 def test_a_rank_waiting_for_rank_0s_answer_still_runs_its_signal_handlers():
-    """store_get polls: a blocking TCPStore get deferred the start-up guard's SIGTERM handler, so a rank whose rank 0
-    died before answering ignored torchrun's SIGTERM until the SIGKILL 30 s later."""
+    """store_get and _all_arrived poll: a blocking TCPStore get (or init_process_group's wait) deferred the
+    start-up guard's SIGTERM handler, so a rank whose rank 0 died before answering ignored torchrun's SIGTERM until
+    the SIGKILL 30 s later."""
     import signal
     import threading
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from hydratrain.dist.process_group import store_get
+    from hydratrain.dist.process_group import _all_arrived, store_get
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=30))
@@ -255,11 +256,15 @@ def test_a_rank_waiting_for_rank_0s_answer_still_runs_its_signal_handlers():
 
     previous = signal.signal(signal.SIGALRM, handler)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.2)
-        started = time.monotonic()
-        with pytest.raises(Signalled):
-            store_get(store, "never", timeout_s=20)
-        assert time.monotonic() - started < 2
+        for wait in (lambda: store_get(store, "never", timeout_s=20),
+                     lambda: _all_arrived(store, "job", 2, 20)):  # rank 1 of 2, before init_process_group
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            started = time.monotonic()
+            with pytest.raises(Signalled):
+                wait()
+            assert time.monotonic() - started < 2
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+    with pytest.raises(TimeoutError, match="only 2 of 3 ranks reached the process group's creation within"):
+        _all_arrived(store, "job", 3, 0.2)  # the second arrival on this prefix

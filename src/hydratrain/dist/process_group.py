@@ -98,6 +98,21 @@ def store_get(store, key: str, timeout_s: float = 300.0) -> bytes:
     return store.get(key)
 
 
+def _all_arrived(store, prefix: str, world_size: int, timeout_s: float) -> None:
+    """Wait, in short polls of the launch's store, until all ``world_size`` ranks have come here (before
+    ``init_process_group``, whose own wait for the others blocks in C++: a signal's Python handler cannot run there,
+    so a rank whose peer died before this point ignored its launcher's SIGTERM until the SIGKILL 30 s later).
+    Raises TimeoutError after ``timeout_s`` seconds (``distributed.collective_timeout_s``), naming the count."""
+    key = f"{prefix}/arrived"
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while (arrived := store.add(key, 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {arrived} of {world_size} ranks reached the process group's creation within "
+                               f"distributed.collective_timeout_s={timeout_s:g} s: the others failed or hang before it")
+        time.sleep(0.05)
+
+
 def _next_job_prefix() -> str:
     """A fresh key prefix for the next process group of this process.
 
@@ -411,6 +426,7 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
         timeout = timedelta(seconds=collective_timeout_s)
         if info.world_size > 1:
             prefix = _next_job_prefix()
+            _all_arrived(base_store(), prefix, info.world_size, collective_timeout_s)
             dist.init_process_group(name, store=PrefixStore(prefix, base_store()), rank=info.rank,
                                     world_size=info.world_size, timeout=timeout, **kwargs)
             watch = FailureWatch(prefix, info.rank, info.world_size, failure_timeout_s).start()
