@@ -334,3 +334,15 @@ def test_a_save_that_cannot_be_written_stops_with_one_line_and_keeps_the_last_ch
     assert err.value.same_on_every_rank  # rank 0 alone prints it
     assert err.value.own_failure  # every rank's own: not "another rank failed first" on the rank that recorded second
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
+
+
+def test_an_architecture_named_as_the_preset_derives_it_is_the_same_architecture():
+    """d_ff=null derives the width from d_model (192 for 64) and n_kv_head=null is n_head: naming those values
+    explicitly on resume or init_from is no architecture change (tester 7 saw d_ff=192 refused); another width is."""
+    from hydratrain.checkpoint.manager import architecture_diff
+
+    saved = {"d_model": 64, "n_head": 2, "n_kv_head": None, "d_ff": None, "ff_multiple_of": 64}
+    assert architecture_diff(saved, {**saved, "d_ff": 192, "n_kv_head": 2}) == []
+    assert architecture_diff(saved, {**saved, "d_ff": 256}) == ["model.d_ff: 192 -> 256"]
+    assert architecture_diff(saved, {**saved, "ff_multiple_of": 128}) == ["model.d_ff: 192 -> 256"]
+    assert architecture_diff(saved, {**saved, "n_kv_head": 1}) == ["model.n_kv_head: 2 -> 1"]

@@ -236,16 +236,24 @@ ARCHITECTURE_KEYS = ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "ff_mu
 
 
 def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[str]:
-    """``model.KEY: old -> new`` for each :data:`ARCHITECTURE_KEYS` entry that differs (none when ``saved_model``
-    is unknown)."""
+    """``model.KEY: old -> new`` for each :data:`ARCHITECTURE_KEYS` entry whose effective value differs (none when
+    ``saved_model`` is unknown). Effective: ``n_kv_head`` null is ``n_head``; ``d_ff`` is the feed-forward width the
+    model builds (``GPTConfig.ff_dim``: null derives it from ``d_model`` and ``ff_multiple_of``), so naming the
+    width a preset derives anyway is no difference, and ``ff_multiple_of`` counts only through it."""
     if not saved_model:
         return []
+    from hydratrain.models.gpt import GPTConfig
 
     def value(cfg: Mapping, key: str) -> Any:
-        return (cfg.get(key) or cfg.get("n_head")) if key == "n_kv_head" else cfg.get(key)  # null = n_head
+        if key == "n_kv_head":
+            return cfg.get(key) or cfg.get("n_head")
+        if key == "d_ff" and not cfg.get("d_ff") and isinstance(cfg.get("d_model"), int):
+            return GPTConfig(d_model=cfg["d_model"], d_ff=None,
+                             ff_multiple_of=cfg.get("ff_multiple_of") or GPTConfig.ff_multiple_of).ff_dim
+        return cfg.get(key)
 
     return [f"model.{k}: {value(saved_model, k)!r} -> {value(model, k)!r}" for k in ARCHITECTURE_KEYS
-            if k in saved_model and value(saved_model, k) != value(model, k)]
+            if k in saved_model and k != "ff_multiple_of" and value(saved_model, k) != value(model, k)]
 
 
 def check_architecture(saved_model: Optional[Mapping], model: Mapping, where: str) -> None:
