@@ -510,6 +510,8 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
     barrier()
     if splits is None:
         splits = load_splits(**kwargs)
+    if info.world_size > 1:
+        check_same_data(cfg.data, splits)
     try:
         train = ShardedBatches(TokenDataset(splits["train"], cfg.data.seq_len, vocab_size, "the train split"),
                                cfg.data.batch_size, info.rank,
@@ -524,6 +526,48 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
     except ValueError as err:
         raise split_error(cfg.data, launch_dir, "val", len(splits["val"]), err) from None
     return train, evals
+
+
+def data_fingerprint(splits: dict, windows: int = 64, window_tokens: int = 4096) -> str:
+    """``train N tokens, val M tokens, <hash>`` of the token splits ``{"train", "val"}`` (1-D arrays): their lengths
+    and dtypes and a BLAKE2b hash of ``windows + 1`` evenly spaced windows of ``window_tokens`` tokens of each (the
+    first and last included). Tells two copies of a corpus apart in milliseconds whatever its size: a copy that
+    differs anywhere differs in its length or, almost surely, in one of the windows (not a proof of identity)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name in ("train", "val"):
+        tokens = splits[name]
+        n = len(tokens)
+        digest.update(f"{name}:{n}:{tokens.dtype}".encode())
+        last = max(0, n - window_tokens)
+        for i in range(windows + 1):
+            start = last * i // windows
+            digest.update(np.ascontiguousarray(tokens[start:start + window_tokens]).tobytes())
+    return f"train {len(splits['train']):,} tokens, val {len(splits['val']):,} tokens, {digest.hexdigest()}"
+
+
+def check_same_data(data_cfg, splits: dict) -> None:
+    """Every rank of the process group read the same data (:func:`data_fingerprint`, compared over ranks): the data
+    paths may differ per node (node-local copies), and a copy that differs (stale, partial, another Python's
+    stdlib for ``data=python_stdlib``) had each node train on its own corpus without a word, and hang at an eval of
+    another length. Raises :class:`~hydratrain.errors.ConfigError` on every rank, naming the data key, the first
+    rank whose data differs from rank 0's and both fingerprints."""
+    import torch.distributed as dist
+
+    from hydratrain.errors import ConfigError
+
+    mine = data_fingerprint(splits)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    other = next((r for r, theirs in enumerate(every) if theirs != every[0]), None)
+    if other is None:
+        return
+    key, value = {"token_bin": ("data.train_path", data_cfg.get("train_path")),
+                  "text_files": ("data.paths", list(data_cfg.get("paths") or [])),
+                  "tokenized_text": ("data.paths", list(data_cfg.get("paths") or []))}.get(
+        data_cfg.name, ("data", data_cfg.name))
+    raise ConfigError(key, value, f"rank {other} read other data than rank 0 ({every[other]}; rank 0: {every[0]}): "
+                      "every rank, on every node, must read the same data (a node-local copy that differs, a stale "
+                      "cache, another Python's standard library)")
 
 
 def split_error(data_cfg, launch_dir: Path, split: str, tokens: int, err: Exception, shown: int = 5):

@@ -150,3 +150,48 @@ def test_ranks_launched_with_different_configs_stop_before_training(tmp_path):
     assert ("hydratrain: config error: optim.lr=0.001: rank 1 has optim.lr=0.05: every rank, on every node, must be "
             "launched with the same command and config files") in r0.output, r0.output[-3000:]
     assert "config error" not in r1.output and "process group:" not in r0.output + r1.output
+
+
+def _two_nodes(tmp_path, per_rank: list) -> tuple:
+    """Ranks 0 and 1 of one job, each its own node (LOCAL_RANK 0), started with the shared overrides + its own."""
+    port = free_port()
+    procs = [spawn(command(["strategy=ddp", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}", *extra]),
+                   env={"RANK": str(r), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "HYDRATRAIN_CACHE": str(tmp_path / f"cache{r}")})
+             for r, extra in enumerate(per_rank)]
+    return tuple(finish(p, timeout=180) for p in procs)
+
+
+def test_nodes_whose_per_node_inputs_differ_stop_with_one_line(tmp_path):
+    """Data and weight paths may differ per node (node-local copies), so the config check exempts them; but a node
+    given init_from when the other is not skipped the load's collectives (every rank hung for
+    collective_timeout_s), and copies of the data that differ had each node train on its own corpus without a word
+    (tester 7). Whether such a path is given is compared with the config; the data itself by its fingerprint."""
+    one, two = tmp_path / "one.txt", tmp_path / "two.txt"
+    one.write_text("the same words again and again. " * 800)
+    two.write_text("other words, another corpus here! " * 800)
+    text = ["data=text_files", "data.val_fraction=0.5"]
+    r0, r1 = _two_nodes(tmp_path, [[*text, f"data.paths=[{one}]"], [*text, f"data.paths=[{two}]"]])
+    assert (r0.returncode, r1.returncode) == (2, 2), (r0.output[-3000:], r1.output[-3000:])
+    assert f"hydratrain: config error: data.paths=['{one}']: rank 1 read other data than rank 0 (train " in r0.output
+    assert "every rank, on every node, must read the same data" in r0.output and "step 1/" not in r0.output
+    (tmp_path / "w.safetensors").write_bytes(b"")  # exists (checked before the ranks compare configs); never read
+    r0, r1 = _two_nodes(tmp_path, [[f"model.init_from={tmp_path / 'w.safetensors'}"], []])
+    assert (r0.returncode, r1.returncode) == (2, 2), (r0.output[-3000:], r1.output[-3000:])
+    assert "hydratrain: config error: model.init_from='<given>': rank 1 has model.init_from=None" in r0.output, \
+        r0.output[-3000:]
+
+
+@pytest.mark.slow  # 2 single-process runs make the two weights files; its sibling above runs by default
+def test_nodes_given_different_weights_to_start_from_stop_before_loading_them(tmp_path):
+    """model.init_from naming another file on each node (or a stale node-local copy) was refused only after the
+    load, as "21 loaded shards differ from the file (rank 0: [])", naming neither the rank nor the cause."""
+    for seed in (1, 2):
+        run(["strategy=single", "trainer.max_steps=1", "trainer.save_weights=true", f"trainer.seed={seed}"],
+            tmp_path / f"w{seed}").ok()
+    r0, r1 = _two_nodes(tmp_path, [[f"model.init_from={tmp_path / f'w{r}' / 'model.safetensors'}"] for r in (1, 2)])
+    assert (r0.returncode, r1.returncode) == (3, 3), (r0.output[-3000:], r1.output[-3000:])
+    assert (f"hydratrain: checkpoint error: model.init_from={tmp_path / 'w1' / 'model.safetensors'}: rank 1's file "
+            f"({tmp_path / 'w2' / 'model.safetensors'}: ") in r0.output, r0.output[-3000:]
+    assert "must start from the same weights" in r0.output and "step 1/" not in r0.output

@@ -228,6 +228,38 @@ def read_all(ckpt: Path) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ full-weight files
+def file_fingerprint(path: Path, windows: int = 64, window_bytes: int = 1 << 16) -> str:
+    """``<size> bytes, <hash>`` of the file ``path``: its size and a BLAKE2b hash of ``windows + 1`` evenly spaced
+    windows of ``window_bytes`` (the first, with a safetensors header, and the last included): tells two copies of
+    a weights file apart after reading about 4 MiB, whatever its size (a copy that differs anywhere differs, almost
+    surely, in its size or one of the windows; not a proof of identity). Raises OSError."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as fh:
+        size = fh.seek(0, 2)
+        last = max(0, size - window_bytes)
+        for i in range(windows + 1):
+            fh.seek(last * i // windows)
+            digest.update(fh.read(window_bytes))
+    return f"{size:,} bytes, {digest.hexdigest()}"
+
+
+def _same_file_on_every_rank(path: Path) -> None:
+    """Every rank reads the same weights at ``path`` (a node-local copy may differ: it was refused only after the
+    load, as "loaded shards differ from the file" naming no rank). Raises the same CheckpointError on every rank,
+    naming rank 0's file and the first rank whose copy differs."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (str(path), file_fingerprint(path)))
+    other = next((r for r, theirs in enumerate(every) if theirs[1] != every[0][1]), None)
+    if other is not None:
+        err = CheckpointError(f"model.init_from={every[0][0]}: rank {other}'s file ({every[other][0]}: "
+                              f"{every[other][1]}) is not rank 0's ({every[0][1]}): every rank, on every node, must "
+                              "start from the same weights (a node-local copy that differs, or another path)")
+        err.same_on_every_rank = True  # each node's first rank says it
+        raise err
+
+
 def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[dict] = None) -> int:
     """Load full weights from the safetensors file ``path`` into ``model`` (single, DDP or FSDP2; every rank calls),
     then check every rank's local shard against the matching slice of the file.
@@ -272,6 +304,8 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
         raise CheckpointError(f"{where}: {k} has shape {got} in the file, the model needs {want}; check the model "
                               "config")
     broadcast = dist.is_available() and dist.is_initialized() and world > 1
+    if broadcast:
+        _same_file_on_every_rank(path)
     full = load_file(str(path)) if (rank == 0 or not broadcast) else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast,
                                                                strict=True))
@@ -293,8 +327,8 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
     if broadcast:
         dist.all_reduce(n_bad)
     if n_bad.item():
-        raise CheckpointError(f"{where}: {int(n_bad.item())} loaded shards differ from the file (rank {rank}: "
-                              f"{bad[:3]})")
+        raise CheckpointError(f"{where}: {int(n_bad.item())} loaded shards differ from the file"
+                              + (f" ({len(bad)} on this rank, {rank}: {bad[:3]})" if bad else ""))
     log.info("initialised the model from %s: %d tensors, every rank's shard checked against the file", path,
              len(live))
     return len(live)

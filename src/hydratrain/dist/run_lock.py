@@ -292,15 +292,28 @@ _PER_NODE = ("launcher.", "paths.", "data.cache_dir", "data.paths", "data.train_
              "model.init_from", "checkpoint.resume_from", "plan.", "logger.")
 
 
+#: of :data:`_PER_NODE`, the paths to what every rank must read alike: whether each is given at all is compared (a
+#: node given none would skip the load and its collectives, and every rank would hang in the next one); what they
+#: hold is compared once read (the data's fingerprint, the weights')
+_PER_NODE_INPUTS = ("data.paths", "data.train_path", "data.val_path", "model.init_from", "checkpoint.resume_from")
+
+
 def shared_config(cfg) -> dict:
     """The flat ``{key: value}`` of a run config that every rank of a launch must share (:func:`hold_run_dir`):
-    all but :data:`_PER_NODE`."""
+    all but :data:`_PER_NODE`, and for :data:`_PER_NODE_INPUTS` whether each is given (``<given>``, or its empty
+    value)."""
     from omegaconf import OmegaConf
 
     from hydratrain.config import flat_keys
 
     tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    return {k: v for k, v in flat_keys(tree).items() if k != "hydra" and not k.startswith(_PER_NODE)}
+    shared = {}
+    for key, value in flat_keys(tree).items():
+        if key.startswith(_PER_NODE_INPUTS):
+            shared[key] = "<given>" if value not in (None, "", []) else value
+        elif key != "hydra" and not key.startswith(_PER_NODE):
+            shared[key] = value
+    return shared
 
 
 def _split(rank0_dir: str, other: str, key: str) -> str:
