@@ -453,7 +453,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     timing.mark("peak FLOP/s")
     step_logger = StepLogger(run_dir, device, tokens_per_step, raw.flops_per_token(cfg.data.seq_len),
                              peak * info.world_size, cfg.trainer.log_every_n_steps, max_steps, info.is_main,
-                             cfg.logger.tensorboard, cfg.trainer.progress_bar)
+                             cfg.logger.tensorboard, cfg.trainer.progress_bar, progress=progress)
     checkpoints = CheckpointManager(
         run_dir / "checkpoints",
         components={"model": ModelState(model), "optim": optimizer_state, "scheduler": SchedulerState(scheduler),

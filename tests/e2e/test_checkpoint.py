@@ -106,6 +106,21 @@ def test_the_old_format_checkpoint_still_loads_and_continues_exactly(two_rank_ru
 
 
 # ----------------------------------------------------------------------------- resume_from and resharding
+@pytest.mark.slow  # 2 runs; the window's folding at a save is also exercised by every default resume test
+def test_a_logging_window_cut_by_a_save_continues_exactly_on_another_world_size(tmp_path, cli):
+    """A checkpoint saved mid-window (step 15 of a 10-step logging window), resumed on 2 ranks: the log line of
+    step 20 averages steps 11-20 as the uninterrupted 1-rank run does. The window's sums were per rank: rank 1
+    started empty (steps 16-20 only) and both weighed 1/2, so the line read 4.9477 against 5.0251 (tester 7)."""
+    window = ["trainer.max_steps=20", "trainer.log_every_n_steps=10", "trainer.eval_every_n_steps=0",
+              "checkpoint.every_n_steps=15"]
+    r = cli(["strategy=single", "data.batch_size=8", *window], tmp_path / "one")
+    assert r.returncode == 0, r.output[-3000:]
+    run(["strategy=ddp", *window, f"checkpoint.resume_from={ckpt_of(tmp_path / 'one', 15)}"], tmp_path / "two",
+        nproc=2).ok()
+    one, two = tb_scalars(tmp_path / "one"), tb_scalars(tmp_path / "two")
+    assert sorted(two) == [20] and two[20] == pytest.approx(one[20], abs=2e-5), (one, two)
+
+
 def test_resume_fsdp2_into_fsdp1_with_activation_checkpointing(run_a, tmp_path, cli):
     """2 -> 1 rank, AC off -> on: everything loads exactly (checked by re-saving step 10 in the new run dir). One
     rank needs no process of its own: this runs in the test's process."""

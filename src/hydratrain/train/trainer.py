@@ -35,12 +35,17 @@ log = logging.getLogger("hydratrain.trainer")
 @dataclass
 class TrainProgress:
     """Where a run is (Stateful): optimizer ``step`` done, steps whose update was skipped (fp16 scaler or
-    non-finite), how many of the latest were skipped in a row, and the train loss of step 1 (kept across resumes)."""
+    non-finite), how many of the latest were skipped in a row, the train loss of step 1 (kept across resumes), and
+    the logging window's steps up to the last checkpoint save (``window_loss_sum``: the sum over them of the ranks'
+    mean loss; ``window_steps``: how many), folded over ranks by ``StepLogger.fold_window``, so the same on every
+    rank and on any world size a resume has."""
 
     step: int = 0
     skipped_steps: int = 0
     consecutive_skipped: int = 0
     first_loss: float = math.nan
+    window_loss_sum: float = 0.0
+    window_steps: int = 0
 
     def state_dict(self) -> dict:
         return dict(self.__dict__)
@@ -50,6 +55,8 @@ class TrainProgress:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.consecutive_skipped = int(state.get("consecutive_skipped", 0))
         self.first_loss = float(state.get("first_loss", math.nan))
+        self.window_loss_sum = float(state.get("window_loss_sum", 0.0))  # (absent before: the window was per rank)
+        self.window_steps = int(state.get("window_steps", 0))
 
 
 @dataclass
@@ -218,6 +225,7 @@ class Trainer:
         if result.preempted:
             return result
         if self.save_last and self.checkpoints is not None and self.checkpoints.last_saved_step != self.progress.step:
+            self.logger.fold_window()
             self.checkpoints.save(self.progress.step)
         result.eval_loss, result.eval_perplexity = self._eval_and_log(self.progress.step)
         result.seconds = time.perf_counter() - t_start
@@ -236,6 +244,7 @@ class Trainer:
         if self.checkpoints is not None and (due or stop) and self.checkpoints.last_saved_step != step:
             self.read_guard(step)  # before the progress it saves, and never a state the guard would stop at
             with self.logger.paused():
+                self.logger.fold_window()  # the window rides in the progress it saves, the same on every rank
                 self.checkpoints.save(step)
         if stop:
             self.preemption.stopping(step, self._last_checkpoint())
