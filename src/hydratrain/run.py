@@ -473,20 +473,19 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
 
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
     from hydratrain import timing
-    from hydratrain.checkpoint.manager import step_of, with_previous
+    from hydratrain.checkpoint.io import check_same_resume
+    from hydratrain.checkpoint.manager import with_previous
     from hydratrain.checkpoint.preemption import guard
-    from hydratrain.dist.collectives import max_over_ranks, same_on_all_ranks
+    from hydratrain.dist.collectives import max_over_ranks
     from hydratrain.dist.run_dir import resolve_path
-    from hydratrain.errors import CheckpointError, DamagedCheckpointError
+    from hydratrain.errors import DamagedCheckpointError
     from hydratrain.metrics import peak_memory_bytes
     from hydratrain.optim import state_bytes
     from hydratrain.paths import Paths
     from hydratrain.train.outputs import write_outputs
 
     job = build(cfg, strategy, info, run_dir, launch, oom_guard)
-    if not same_on_all_ranks(-1 if resume is None else (step_of(resume) or 0), info.device):
-        raise CheckpointError(f"ranks found different checkpoints to resume from (this rank: {resume}); is the run "
-                              "dir on a filesystem every node shares?")
+    check_same_resume(resume)
     progress = job.trainer.progress
     if resume is not None:
         try:

@@ -186,10 +186,16 @@ def test_nodes_whose_per_node_inputs_differ_stop_with_one_line(tmp_path):
 @pytest.mark.slow  # 2 single-process runs make the two weights files; its sibling above runs by default
 def test_nodes_given_different_weights_to_start_from_stop_before_loading_them(tmp_path):
     """model.init_from naming another file on each node (or a stale node-local copy) was refused only after the
-    load, as "21 loaded shards differ from the file (rank 0: [])", naming neither the rank nor the cause."""
+    load, as "21 loaded shards differ from the file (rank 0: [])", naming neither the rank nor the cause; and
+    checkpoint.resume_from naming another run's checkpoint of the same step on each node trained a spliced model
+    (each rank loaded its own shards, optimizer state and data position) and exited 0 (tester 7)."""
     for seed in (1, 2):
-        run(["strategy=single", "trainer.max_steps=1", "trainer.save_weights=true", f"trainer.seed={seed}"],
-            tmp_path / f"w{seed}").ok()
+        run(["strategy=single", "trainer.max_steps=1", "trainer.save_weights=true", f"trainer.seed={seed}",
+             "checkpoint.every_n_steps=1"], tmp_path / f"w{seed}").ok()
+    r0, r1 = _two_nodes(tmp_path, [[f"checkpoint.resume_from={tmp_path / f'w{r}' / 'checkpoints'}"] for r in (1, 2)])
+    assert (r0.returncode, r1.returncode) == (3, 3), (r0.output[-3000:], r1.output[-3000:])
+    assert (f"hydratrain: checkpoint error: ranks found different checkpoints to resume from (rank 0: "
+            f"{tmp_path / 'w1' / 'checkpoints' / 'step_00000001'}; rank 1: ") in r0.output, r0.output[-3000:]
     r0, r1 = _two_nodes(tmp_path, [[f"model.init_from={tmp_path / f'w{r}' / 'model.safetensors'}"] for r in (1, 2)])
     assert (r0.returncode, r1.returncode) == (3, 3), (r0.output[-3000:], r1.output[-3000:])
     assert (f"hydratrain: checkpoint error: model.init_from={tmp_path / 'w1' / 'model.safetensors'}: rank 1's file "

@@ -260,6 +260,32 @@ def _same_file_on_every_rank(path: Path) -> None:
         raise err
 
 
+def check_same_resume(resume: Optional[Path]) -> None:
+    """Every rank resumes from the same checkpoint, or none does, compared by the fingerprint of its DCP
+    ``.metadata`` (:func:`file_fingerprint`; the file holds the save's own id, DCP's ``StorageMeta.save_id``), not
+    by its step or path: nodes may mount the run dir at other paths, and another checkpoint of the same step (a
+    node-local copy, another run's dir) had each rank load its own shards, optimizer state and data position, a
+    spliced model trained without a word. Raises the same CheckpointError on every rank, naming rank 0's
+    checkpoint and the first rank's that differs. Without a process group (one rank) it checks nothing."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = ("none", "")
+    if resume is not None:
+        try:
+            mine = (str(resume), file_fingerprint(Path(resume) / METADATA))
+        except OSError as err:
+            mine = (str(resume), f"unreadable ({err.strerror})")
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    other = next((r for r, theirs in enumerate(every) if theirs[1] != every[0][1]), None)
+    if other is not None:
+        err = CheckpointError(f"ranks found different checkpoints to resume from (rank 0: {every[0][0]}; rank "
+                              f"{other}: {every[other][0]}): every rank, on every node, must resume from the same "
+                              "checkpoint; is the run dir on a filesystem every node shares?")
+        err.same_on_every_rank = True
+        raise err
+
+
 def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[dict] = None) -> int:
     """Load full weights from the safetensors file ``path`` into ``model`` (single, DDP or FSDP2; every rank calls),
     then check every rank's local shard against the matching slice of the file.

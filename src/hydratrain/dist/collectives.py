@@ -43,12 +43,6 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return bool(all_reduce_max(torch.tensor([int(flag)], dtype=torch.int32, device=device)).item())
 
 
-def same_on_all_ranks(value: int, device: torch.device) -> bool:
-    """True when every rank passed the same integer ``value``."""
-    t = all_reduce_max(torch.tensor([value, -value], dtype=torch.int64, device=device))
-    return t[0].item() == -t[1].item()
-
-
 def barrier() -> None:
     if _group_size() > 1 or (dist.is_available() and dist.is_initialized()):
         dist.barrier()
