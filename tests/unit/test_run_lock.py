@@ -268,3 +268,14 @@ def test_a_rank_waiting_for_rank_0s_answer_still_runs_its_signal_handlers():
         signal.signal(signal.SIGALRM, previous)
     with pytest.raises(TimeoutError, match="only 2 of 3 ranks reached the process group's creation within"):
         _all_arrived(store, "job", 3, 0.2)  # the second arrival on this prefix
+
+
+def test_run_dirs_that_differ_only_in_the_start_dir_are_blamed_on_the_start_dirs():
+    """Nodes started from different directories resolve the default (relative) run dir under each; the refusal
+    blamed ${now:...}, which the default does not use (tester 7)."""
+    same_tail = run_lock._split("/a/x/outputs/2026-12-01/12-00-00", "rank 1: /b/outputs/2026-12-01/12-00-00",
+                                "hydra.run.dir")
+    assert "the same outputs/2026-12-01/12-00-00 under /a/x and /b: the nodes were started from different " \
+           "directories" in same_tail and "${now" not in same_tail
+    stamped = run_lock._split("/a/outputs/12-00-01", "rank 1: /a/outputs/12-00-02", "hydra.run.dir")
+    assert "such as ${now:...}, is in hydra.run.dir; build it from ${hydratrain.stamp:}" in stamped

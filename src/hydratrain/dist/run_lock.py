@@ -317,6 +317,18 @@ def shared_config(cfg) -> dict:
 
 
 def _split(rank0_dir: str, other: str, key: str) -> str:
-    return (f"the ranks resolved different run dirs (rank 0: {rank0_dir}; {other}): a value that differs between "
-            f"processes, such as ${{now:...}}, is in {key}; build it from ${{hydratrain.stamp:}}, which every rank "
-            "of a launch agrees on, or give a fixed path")
+    """Why the ranks resolved different run dirs (``other``: ``rank R: <dir>``): the same path under different start
+    dirs (nodes started from different directories, ``key`` relative), or a value that differs between processes
+    in ``key`` (``${now:...}``)."""
+    what = f"the ranks resolved different run dirs (rank 0: {rank0_dir}; {other})"
+    a, b = Path(rank0_dir).parts, Path(other.partition(": ")[2]).parts
+    tail = 0
+    while tail < min(len(a), len(b)) and a[len(a) - 1 - tail] == b[len(b) - 1 - tail]:
+        tail += 1
+    if tail and a[:len(a) - tail] != b[:len(b) - tail]:
+        return (f"{what}: the same {Path(*a[len(a) - tail:])} under {Path(*a[:len(a) - tail])} and "
+                f"{Path(*b[:len(b) - tail])}: the nodes were started from different directories; start each node's "
+                f"command in the same directory of a filesystem they share, or give {key} (or paths.output_dir) as "
+                "an absolute path")
+    return (f"{what}: a value that differs between processes, such as ${{now:...}}, is in {key}; build it from "
+            "${hydratrain.stamp:}, which every rank of a launch agrees on, or give a fixed path")
