@@ -229,6 +229,21 @@ def test_init_from_wrong_shapes_is_refused(tmp_path):
         init_from_file(model, bad)
 
 
+def test_init_from_a_compiled_modules_state_dict_names_the_prefix(tmp_path):
+    """A user's own state dict of a torch.compile'd model carries '_orig_mod.' in every key: the refusal says so
+    (tester 7: only the missing/unexpected key lists showed it)."""
+    from safetensors.torch import save_file
+
+    from hydratrain.checkpoint.io import init_from_file
+    from hydratrain.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(d_model=32, n_layer=1, n_head=2))
+    compiled = tmp_path / "compiled.safetensors"
+    save_file({f"_orig_mod.{k}": v.clone() for k, v in model.state_dict().items()}, str(compiled))
+    with pytest.raises(CheckpointError, match="the file's keys carry torch.compile's '_orig_mod.'"):
+        init_from_file(model, compiled)
+
+
 # ------------------------------------------------------------------------------------------- data position
 @pytest.mark.parametrize("old,new", [((2, 4), (1, 4)), ((2, 4), (4, 4)), ((2, 4), (3, 5)), ((4, 3), (2, 4))])
 def test_data_position_remaps_exactly(old, new):

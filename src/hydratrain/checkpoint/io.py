@@ -322,8 +322,11 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
         check_architecture(saved_model, model_config, where)
     missing, unexpected = sorted(set(live) - set(shapes)), sorted(set(shapes) - set(live))
     if missing or unexpected:
+        compiled = unexpected and all(k.replace("_orig_mod.", "") in live for k in unexpected)
         raise CheckpointError(f"{where}: keys differ from the model's (missing {missing[:5]}, unexpected "
-                              f"{unexpected[:5]}); check the model config")
+                              f"{unexpected[:5]}); " + ("the file's keys carry torch.compile's '_orig_mod.': save "
+                                                        "the compiled module's _orig_mod.state_dict(), or the keys "
+                                                        "without it" if compiled else "check the model config"))
     wrong = [(k, shapes[k], tuple(v.shape)) for k, v in live.items() if shapes[k] != tuple(v.shape)]
     if wrong:
         k, got, want = wrong[0]
