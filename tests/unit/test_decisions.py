@@ -414,3 +414,19 @@ def test_a_run_length_the_keys_do_not_suggest_is_one_warning_line(make_job, tmp_
         make_job(tmp_path, *overrides)
     lines = [r.getMessage() for r in caplog.records if r.name == "hydratrain.optim"]
     assert len(lines) == len(expected) and all(line.startswith(e) for line, e in zip(lines, expected)), lines
+
+
+@pytest.mark.parametrize("save_last", [False, True])
+def test_a_run_whose_last_steps_are_in_no_checkpoint_says_so(make_job, tmp_path, caplog, save_last):
+    """checkpoints every 4 of 10 steps, checkpoint.save_last=false: steps 9-10 are in no checkpoint, so extending
+    the run trains them again; the end of the run says which checkpoint a relaunch resumes from (a new user missed
+    it); with save_last=true there is nothing to say."""
+    import logging
+
+    job = make_job(tmp_path, "checkpoint.every_n_steps=4", f"checkpoint.save_last={str(save_last).lower()}")
+    with caplog.at_level(logging.INFO, "hydratrain.trainer"):
+        job.trainer.fit()
+    said = [r.getMessage() for r in caplog.records if "are in no checkpoint" in r.getMessage()]
+    assert said == ([] if save_last else [f"steps after {tmp_path / 'checkpoints' / 'step_00000008'} are in no "
+                                          "checkpoint (checkpoint.save_last=false): a relaunch with a larger "
+                                          "trainer.max_steps resumes from it and trains them again"]), said

@@ -224,9 +224,13 @@ class Trainer:
         result.train_loss = self.logger.last_loss
         if result.preempted:
             return result
-        if self.save_last and self.checkpoints is not None and self.checkpoints.last_saved_step != self.progress.step:
-            self.logger.fold_window()
-            self.checkpoints.save(self.progress.step)
+        if self.checkpoints is not None and self.checkpoints.last_saved_step != self.progress.step:
+            if self.save_last:
+                self.logger.fold_window()
+                self.checkpoints.save(self.progress.step)
+            elif self.progress.step >= first and self._last_checkpoint() is not None:
+                log.info("steps after %s are in no checkpoint (checkpoint.save_last=false): a relaunch with a larger "
+                         "trainer.max_steps resumes from it and trains them again", self._last_checkpoint())
         result.eval_loss, result.eval_perplexity = self._eval_and_log(self.progress.step)
         result.seconds = time.perf_counter() - t_start
         result.tokens_per_sec, result.mfu, result.data_wait_fraction = self.logger.mean_rates()
