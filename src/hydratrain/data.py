@@ -551,23 +551,20 @@ def check_same_data(data_cfg, splits: dict) -> None:
     stdlib for ``data=python_stdlib``) had each node train on its own corpus without a word, and hang at an eval of
     another length. Raises :class:`~hydratrain.errors.ConfigError` on every rank, naming the data key, the first
     rank whose data differs from rank 0's and both fingerprints."""
-    import torch.distributed as dist
-
+    from hydratrain.dist.collectives import unlike_rank0
     from hydratrain.errors import ConfigError
 
-    mine = data_fingerprint(splits)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    other = next((r for r, theirs in enumerate(every) if theirs != every[0]), None)
-    if other is None:
+    unlike = unlike_rank0("", data_fingerprint(splits))
+    if unlike is None:
         return
+    other, every = unlike
     key, value = {"token_bin": ("data.train_path", data_cfg.get("train_path")),
                   "text_files": ("data.paths", list(data_cfg.get("paths") or [])),
                   "tokenized_text": ("data.paths", list(data_cfg.get("paths") or []))}.get(
         data_cfg.name, ("data", data_cfg.name))
-    raise ConfigError(key, value, f"rank {other} read other data than rank 0 ({every[other]}; rank 0: {every[0]}): "
-                      "every rank, on every node, must read the same data (a node-local copy that differs, a stale "
-                      "cache, another Python's standard library)")
+    raise ConfigError(key, value, f"rank {other} read other data than rank 0 ({every[other][1]}; rank 0: "
+                      f"{every[0][1]}): every rank, on every node, must read the same data (a node-local copy that "
+                      "differs, a stale cache, another Python's standard library)")
 
 
 def split_error(data_cfg, launch_dir: Path, split: str, tokens: int, err: Exception, shown: int = 5):

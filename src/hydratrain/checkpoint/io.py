@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from hydratrain.checkpoint import METADATA
-from hydratrain.dist.collectives import rank_and_world
+from hydratrain.dist.collectives import rank_and_world, unlike_rank0
 from hydratrain.errors import CheckpointError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
@@ -249,10 +249,9 @@ def _same_file_on_every_rank(path: Path) -> None:
     """Every rank reads the same weights at ``path`` (a node-local copy may differ: it was refused only after the
     load, as "loaded shards differ from the file" naming no rank). Raises the same CheckpointError on every rank,
     naming rank 0's file and the first rank whose copy differs."""
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (str(path), file_fingerprint(path)))
-    other = next((r for r, theirs in enumerate(every) if theirs[1] != every[0][1]), None)
-    if other is not None:
+    unlike = unlike_rank0(str(path), file_fingerprint(path))
+    if unlike is not None:
+        other, every = unlike
         err = CheckpointError(f"model.init_from={every[0][0]}: rank {other}'s file ({every[other][0]}: "
                               f"{every[other][1]}) is not rank 0's ({every[0][1]}): every rank, on every node, must "
                               "start from the same weights (a node-local copy that differs, or another path)")
@@ -267,7 +266,7 @@ def check_same_resume(resume: Optional[Path]) -> None:
     node-local copy, another run's dir) had each rank load its own shards, optimizer state and data position, a
     spliced model trained without a word. Raises the same CheckpointError on every rank, naming rank 0's
     checkpoint and the first rank's that differs. Without a process group (one rank) it checks nothing."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_and_world()[1] == 1:
         return
     mine = ("none", "")
     if resume is not None:
@@ -275,10 +274,9 @@ def check_same_resume(resume: Optional[Path]) -> None:
             mine = (str(resume), file_fingerprint(Path(resume) / METADATA))
         except OSError as err:
             mine = (str(resume), f"unreadable ({err.strerror})")
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    other = next((r for r, theirs in enumerate(every) if theirs[1] != every[0][1]), None)
-    if other is not None:
+    unlike = unlike_rank0(*mine)
+    if unlike is not None:
+        other, every = unlike
         err = CheckpointError(f"ranks found different checkpoints to resume from (rank 0: {every[0][0]}; rank "
                               f"{other}: {every[other][0]}): every rank, on every node, must resume from the same "
                               "checkpoint; is the run dir on a filesystem every node shares?")

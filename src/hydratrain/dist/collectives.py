@@ -3,6 +3,8 @@ without a process group (or with one rank) they return their input.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -41,6 +43,18 @@ def max_over_ranks(value: float, device: torch.device) -> float:
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True if ``flag`` is set on any rank."""
     return bool(all_reduce_max(torch.tensor([int(flag)], dtype=torch.int32, device=device)).item())
+
+
+def unlike_rank0(label: str, fingerprint: str) -> Optional[tuple[int, list]]:
+    """Gather every rank's ``(label, fingerprint)`` (what it read, and a digest of it) and return ``(r, every)``
+    for the first rank ``r`` whose fingerprint is not rank 0's, with every rank's pair; None when all agree, or
+    without a process group. The same answer on every rank, so each can raise the same error."""
+    if _group_size() <= 1:
+        return None
+    every = [None] * _group_size()
+    dist.all_gather_object(every, (label, fingerprint))
+    other = next((r for r, theirs in enumerate(every) if theirs[1] != every[0][1]), None)
+    return None if other is None else (other, every)
 
 
 def barrier() -> None:

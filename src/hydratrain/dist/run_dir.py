@@ -85,7 +85,7 @@ def unique_dir(base: str, kind: str) -> str:
         if _INHERITED or _only_prints():
             chosen = stamp
         elif dist_world_size() > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            from hydratrain.dist.process_group import base_store
+            from hydratrain.dist.process_group import base_store, store_get
 
             store = base_store()
             store_key = f"hydratrain/unique_dir/{_launch_key()}/{kind}"
@@ -95,7 +95,7 @@ def unique_dir(base: str, kind: str) -> str:
                 except SystemExit:
                     store.set(store_key, _FAILED)  # the other ranks leave too, without a second message
                     raise
-            chosen = store.get(store_key).decode()
+            chosen = store_get(store, store_key).decode()  # polled: a SIGTERM handler runs meanwhile
             if chosen == _FAILED:
                 raise SystemExit(EXIT_CONFIG)
         else:
