@@ -530,18 +530,17 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
 
 def data_fingerprint(splits: dict, windows: int = 64, window_tokens: int = 4096) -> str:
     """``train N tokens, val M tokens, <hash>`` of the token splits ``{"train", "val"}`` (1-D arrays): their lengths
-    and dtypes and a BLAKE2b hash of ``windows + 1`` evenly spaced windows of ``window_tokens`` tokens of each (the
-    first and last included). Tells two copies of a corpus apart in milliseconds whatever its size: a copy that
-    differs anywhere differs in its length or, almost surely, in one of the windows (not a proof of identity)."""
+    and dtypes and :func:`~hydratrain.dist.collectives.sampled_digest` of ``windows + 1`` windows of
+    ``window_tokens`` tokens of each (the first and last included). Tells two copies of a corpus apart in
+    milliseconds whatever its size (a sample, not a proof of identity)."""
+    from hydratrain.dist.collectives import sampled_digest
+
     digest = hashlib.blake2b(digest_size=8)
     for name in ("train", "val"):
         tokens = splits[name]
-        n = len(tokens)
-        digest.update(f"{name}:{n}:{tokens.dtype}".encode())
-        last = max(0, n - window_tokens)
-        for i in range(windows + 1):
-            start = last * i // windows
-            digest.update(np.ascontiguousarray(tokens[start:start + window_tokens]).tobytes())
+        digest.update(f"{name}:{len(tokens)}:{tokens.dtype}".encode())
+        sampled_digest(lambda start, n, tokens=tokens: np.ascontiguousarray(tokens[start:start + n]).tobytes(),
+                       len(tokens), window_tokens, windows, digest)
     return f"train {len(splits['train']):,} tokens, val {len(splits['val']):,} tokens, {digest.hexdigest()}"
 
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from hydratrain.checkpoint import METADATA
-from hydratrain.dist.collectives import rank_and_world, unlike_rank0
+from hydratrain.dist.collectives import rank_and_world, sampled_digest, unlike_rank0
 from hydratrain.errors import CheckpointError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
@@ -229,20 +229,17 @@ def read_all(ckpt: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ full-weight files
 def file_fingerprint(path: Path, windows: int = 64, window_bytes: int = 1 << 16) -> str:
-    """``<size> bytes, <hash>`` of the file ``path``: its size and a BLAKE2b hash of ``windows + 1`` evenly spaced
-    windows of ``window_bytes`` (the first, with a safetensors header, and the last included): tells two copies of
-    a weights file apart after reading about 4 MiB, whatever its size (a copy that differs anywhere differs, almost
-    surely, in its size or one of the windows; not a proof of identity). Raises OSError."""
-    import hashlib
-
-    digest = hashlib.blake2b(digest_size=8)
+    """``<size> bytes, <hash>`` of the file ``path``: its size and :func:`~hydratrain.dist.collectives.sampled_digest`
+    of ``windows + 1`` windows of ``window_bytes`` (the first, with a safetensors header, and the last included):
+    tells two copies of a weights file apart after reading about 4 MiB, whatever its size. Raises OSError."""
     with open(path, "rb") as fh:
         size = fh.seek(0, 2)
-        last = max(0, size - window_bytes)
-        for i in range(windows + 1):
-            fh.seek(last * i // windows)
-            digest.update(fh.read(window_bytes))
-    return f"{size:,} bytes, {digest.hexdigest()}"
+
+        def read(start: int, n: int) -> bytes:
+            fh.seek(start)
+            return fh.read(n)
+
+        return f"{size:,} bytes, {sampled_digest(read, size, window_bytes, windows)}"
 
 
 def _same_file_on_every_rank(path: Path) -> None:
