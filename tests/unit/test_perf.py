@@ -72,6 +72,33 @@ def test_logged_mfu_is_tokens_per_second_times_flops_over_the_peak(tmp_path):
     assert 2000 / 0.2 < tps < 2000 / 0.09  # two steps of ~50 ms
 
 
+def test_the_runs_tokens_per_second_is_its_tokens_over_its_time_not_the_mean_of_window_rates(tmp_path):
+    """results.json's tokens/s, MFU and data-wait share take the timed windows together (tester 8: the plain mean
+    of the windows' rates said 1709 tokens/s for 903, weighing a fast 1-step window like a slow long one)."""
+    from hydratrain.train.step_logger import StepLogger
+
+    logger = StepLogger(tmp_path, torch.device("cpu"), tokens_per_step=1000, flops_per_token=6e6,
+                        peak_flops_total=2e11, log_every=4, max_steps=5, is_main=True, tensorboard=False,
+                        progress_bar=False)
+    logger.start(0)
+    started = time.perf_counter()
+    for step in range(1, 5):  # a slow 4-step window: 4 x 60 ms
+        time.sleep(0.06)
+        logger.data_waited(0.01)
+        logger.step_done(step, torch.tensor(1.0))
+    logger.log(4, torch.tensor(0.5), 1e-3, timed=True)
+    logger.step_done(5, torch.tensor(1.0))  # a fast 1-step window
+    logger.log(5, torch.tensor(0.5), 1e-3, timed=True)
+    elapsed = time.perf_counter() - started
+    tps, mfu, wait = logger.run_rates()
+    (slow, _, _), (fast, _, _) = logger.rates
+    assert fast > 3 * slow  # the windows' rates differ, so their plain mean is far from the run's figure
+    assert tps == pytest.approx(5000 / elapsed, rel=0.05)
+    assert tps < (slow + fast) / 2 * 0.75
+    assert mfu == pytest.approx(tps * 6e6 / 2e11, rel=1e-12)
+    assert wait == pytest.approx(0.04 / elapsed, rel=0.05)
+
+
 def _cfg(name: str):
     from omegaconf import OmegaConf
 

@@ -69,7 +69,7 @@ class FitResult:
     train_loss: float = math.nan  # mean train loss of the last logging window
     eval_loss: float = math.nan
     eval_perplexity: float = math.nan
-    tokens_per_sec: float = math.nan  # mean over the timed windows, excluding the first step, eval and saves
+    tokens_per_sec: float = math.nan  # over the timed windows together, excluding the first step, eval and saves
     mfu: float = math.nan
     data_wait_fraction: float = math.nan  # share of the timed step time rank 0 spent waiting for its next batch
     peak_memory_bytes: int = 0  # max over ranks
@@ -233,7 +233,7 @@ class Trainer:
                          "trainer.max_steps resumes from it and trains them again", self._last_checkpoint())
         result.eval_loss, result.eval_perplexity = self._eval_and_log(self.progress.step)
         result.seconds = time.perf_counter() - t_start
-        result.tokens_per_sec, result.mfu, result.data_wait_fraction = self.logger.mean_rates()
+        result.tokens_per_sec, result.mfu, result.data_wait_fraction = self.logger.run_rates()
         return result
 
     def _end_of_step(self, step: int, votes: Optional[float]) -> bool:
