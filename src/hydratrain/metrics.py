@@ -1,4 +1,4 @@
-"""Throughput, MFU and memory figures, and the rank-0 TensorBoard writer.
+"""MFU and memory figures, and the rank-0 TensorBoard writer (tokens/s is counted by the step logger).
 
 MFU (model FLOPs utilisation, PaLM, Chowdhery et al. 2022, appendix B) = achieved model FLOP/s / peak FLOP/s, where
 achieved = tokens/s x FLOPs per token (6*N + 12*L*H*Q*T, see ``GPT.flops_per_token``) and peak is the per-device peak
@@ -397,25 +397,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
-
-
-class Throughput:
-    """Tokens/s and MFU over the steps since the last :meth:`read` (all ranks' tokens together)."""
-
-    def __init__(self, flops_per_token: float, peak_flops_total: float):
-        self.flops_per_token, self.peak = flops_per_token, peak_flops_total
-        self.tokens = 0
-        self.t0 = time.perf_counter()
-
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
-
-    def read(self) -> tuple[float, float]:
-        """(tokens_per_sec, mfu in [0, 1]) since the previous read; resets the window."""
-        now = time.perf_counter()
-        tps = self.tokens / max(now - self.t0, 1e-9)
-        self.tokens, self.t0 = 0, now
-        return tps, tps * self.flops_per_token / self.peak
 
 
 def _quiet_writer_thread_errors() -> None:
