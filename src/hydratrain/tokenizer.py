@@ -216,16 +216,6 @@ def copy_atomic(src: Path, dst: Path) -> Path:
     return dst
 
 
-def save_tokenizer(tokenizer: TextTokenizer, out_dir: Path | str) -> Path:
-    """Copy ``tokenizer``'s tokenizer.json into ``out_dir``; see :meth:`TextTokenizer.save`."""
-    return tokenizer.save(Path(out_dir))
-
-
-def decode(ids: Iterable[int], tokenizer: TextTokenizer) -> str:
-    """Text of generated ``ids``; see :meth:`TextTokenizer.decode`."""
-    return tokenizer.decode(ids)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m hydratrain.tokenizer train --vocab-size N [--out DIR] [--val-fraction F] FILES_OR_GLOBS...``.
 
