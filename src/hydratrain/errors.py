@@ -13,7 +13,7 @@
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
 | 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint, or at once outside training (start-up,
   final outputs: :class:`PreemptedError`): relaunch to resume |
-| 130 | stopped by Ctrl-C (SIGINT) without saving (``hydratrain.run``) |
+| 130 | stopped by Ctrl-C (SIGINT) without saving (``hydratrain.exits``) |
 
 Importing this module imports nothing heavy (no torch).
 """
@@ -31,6 +31,7 @@ EXIT_CHECKPOINT = 3
 EXIT_DIVERGED = 4
 EXIT_PEER_FAILED = 5
 EXIT_OOM = 6
+EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as a shell reports a process that SIGINT ended
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL of sysexits.h, "try again later"; the default of checkpoint.preempt_exit_code
 RESERVED_EXIT_CODES = (EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_CHECKPOINT, EXIT_DIVERGED, EXIT_PEER_FAILED, EXIT_OOM)
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, HydratrainError, PreemptedError
+from hydratrain import exits
+from hydratrain.errors import HydratrainError
+from hydratrain.exits import in_multirun
 
 log = logging.getLogger("hydratrain")
 
@@ -31,15 +31,16 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     multirun the error is raised instead, so Hydra records the job as failed and the sweep goes on. The task never
     returns a non-finite eval loss (divergence raises). A preemption signal outside training (start-up, final
     outputs: :func:`hydratrain.checkpoint.preemption.guard`) ends the launch with ``checkpoint.preempt_exit_code``
-    and Ctrl-C with :data:`EXIT_INTERRUPTED`, each with one line; in a multirun either ends the whole sweep.
+    and Ctrl-C with :data:`~hydratrain.errors.EXIT_INTERRUPTED`, each with one line; in a multirun either ends the
+    whole sweep (:mod:`hydratrain.exits`).
     """
     from hydratrain import timing
 
     timing.begin()
-    from hydratrain.checkpoint.preemption import end_guard, guard, recorded_preemption, release_sigterm
+    from hydratrain.checkpoint.preemption import guard
 
     env = lock = None
-    _watch_interrupts()
+    exits.watch_interrupts()
     try:
         # from here to the first step a preemption signal ends the launch at once (the values are validated below)
         guard(bool(_select(cfg, "checkpoint.save_on_sigterm", True)),
@@ -64,13 +65,13 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
         check_environment(cfg, env.world_size, launch, env.local_world_size)
-        if _in_multirun():
+        if in_multirun():
             _refuse_another_jobs_dir(run_dir)
         lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir),
                             prepare=lambda: recover_unfinished_saves(run_dir / "checkpoints"),
                             config=shared_config(cfg) if env.world_size > 1 else None)
         resume = find_resume(cfg.checkpoint, run_dir, launch)
-        if resume is not None and _in_multirun() and resume.parent == run_dir / "checkpoints":
+        if resume is not None and in_multirun() and resume.parent == run_dir / "checkpoints":
             _refuse_another_trial(cfg, resume, run_dir)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed
@@ -80,65 +81,14 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                 _unwritable_as_output_error(run_dir, resume, Paths.resolve(cfg, launch).cache):
             timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
-    except HydratrainError as err:
-        end_guard()  # a torchrun worker lingering below is stopped by its agent's SIGTERM, not preempted
-        if _SIGINT["received"]:  # e.g. a peer's end, which the same Ctrl-C caused
-            _stop_interrupted(env)
-        if recorded_preemption() is not None:  # its own PreemptedError (rebuilt: OmegaConf may have added context
-            _end_preempted(recorded_preemption(), env)  # to it), or what followed the signal (a peer left first)
-        if env is None or env.local_rank == 0 or not (  # the same on every rank: each node's first rank says it
-                err.exit_status == EXIT_CONFIG or getattr(err, "same_on_every_rank", False)):
-            print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
-        log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
-        release_sigterm()
-        if _in_multirun():
-            raise  # Hydra records the job as failed and the sweep goes on
-        if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
-            from hydratrain.dist.run_dir import discard_if_unused
-
-            # a default run dir this launch made for a run that never started (one process: with several, the others
-            # may still be writing their logs there)
-            discard_if_unused(run_dir_of())
-        # a PeerFailedError: the rank that failed first leaves first; a config error (alike on every rank): under
-        # torchrun, rank 0, which printed it, leaves first, so that the agent reports it as the root cause (status 2);
-        # the agent ends this rank as soon as rank 0 has left, so the wait only bounds a rank 0 that is slow to exit
-        # (on a loaded 2-core machine 2 s was not enough)
-        shared = (err.exit_status == EXIT_CONFIG and env is not None and env.rank != 0
-                  and "TORCHELASTIC_RUN_ID" in os.environ)
-        time.sleep(getattr(err, "linger_s", 0.0) or (10.0 if shared else 0.0))
-        raise SystemExit(err.exit_status) from None
     except BaseException as err:
-        end_guard()
-        if isinstance(err, SystemExit):
-            raise
-        if recorded_preemption() is not None:  # the error came after this rank's preemption signal
-            log.info("after the preemption signal: %s: %s", type(err).__name__, str(err).splitlines()[:1])
-            _end_preempted(recorded_preemption(), env)
-        if not (isinstance(err, Exception) or _interrupted(err)):
-            raise
-        if _interrupted(err):  # this rank's Ctrl-C, or a peer's end that it caused in a collective here
-            _stop_interrupted(env)
-        log.exception("rank %d failed", env.rank if env else 0)
-        release_sigterm()
-        if _in_multirun():
-            raise
-        raise SystemExit(EXIT_ERROR) from None
+        exits.end(err, env)
     finally:
-        end_guard()
-        release_sigterm()
-        _watch_interrupts(False)
-        if _in_multirun():
-            from hydra.core.hydra_config import HydraConfig
-
-            from hydratrain.sweep import keep_early_sigterm
-
-            keep_early_sigterm(HydraConfig.get(), bool(_select(cfg, "checkpoint.save_on_sigterm", True)))
-        if lock is not None:
-            lock.release()
+        exits.leave(bool(_select(cfg, "checkpoint.save_on_sigterm", True)), lock)
     if result.preempted:
-        if _in_multirun():
-            _end_the_sweep(cfg.checkpoint.preempt_exit_code, "preempted: stopped by a preemption signal after saving "
-                           "a checkpoint; relaunch the same command to resume")
+        if in_multirun():
+            exits.end_the_sweep(cfg.checkpoint.preempt_exit_code, "preempted: stopped by a preemption signal after "
+                                "saving a checkpoint; relaunch the same command to resume")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
 
@@ -182,20 +132,6 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
                                              done[-1][1] if done else resume, stopped="the run stopped")) from err
 
 
-def _end_preempted(err: PreemptedError, env) -> None:
-    """One line (rank 0's, its rank in the environment before the process group: a preemption is not an error, so
-    the other ranks do not repeat it, and a worker that torchrun stops after another failed does not call it a
-    preemption) and ``err``'s exit status; in a sweep the whole sweep stops."""
-    from hydratrain.dist.env import env_rank
-
-    if (env.rank if env is not None else env_rank()) == 0:
-        print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
-    log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
-    if _in_multirun():
-        _end_the_sweep(err.exit_status, f"{err.label}: {err}")
-    raise SystemExit(err.exit_status) from None
-
-
 def _select(cfg: DictConfig, key: str, default: Any) -> Any:
     """``cfg``'s value at ``key``, or ``default`` when it is missing or does not resolve (the config check names
     it)."""
@@ -217,66 +153,6 @@ def _under_submitit() -> bool:
     from hydratrain.dist.env import under_submitit
 
     return under_submitit()
-
-
-#: exit status after Ctrl-C (128 + SIGINT, as a shell reports a process that SIGINT ended)
-EXIT_INTERRUPTED = 130
-_SIGINT = {"received": False, "previous": None}
-
-
-def _watch_interrupts(on: bool = True) -> None:
-    """While a run is on, note a SIGINT before Python raises KeyboardInterrupt for it, so that an error it causes
-    first (a collective a peer left because of the same Ctrl-C) still reads as the interruption. Leaves a handler
-    other than Python's default alone."""
-    import signal
-
-    try:
-        if on and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            _SIGINT.update(received=False, previous=signal.signal(signal.SIGINT, _on_sigint))
-        elif not on and _SIGINT["previous"] is not None:
-            signal.signal(signal.SIGINT, _SIGINT["previous"])
-            _SIGINT["previous"] = None
-    except ValueError:  # not the main thread
-        pass
-
-
-def _on_sigint(signum, frame) -> None:
-    _SIGINT["received"] = True
-    raise KeyboardInterrupt
-
-
-def _interrupted(err: BaseException) -> bool:
-    """Ctrl-C ended ``err``'s work: a KeyboardInterrupt, DCP's CheckpointException around one, or any error after
-    this rank received SIGINT."""
-    if _SIGINT["received"] or isinstance(err, KeyboardInterrupt):
-        return True
-    if getattr(err, "failures", None) is None:
-        return False
-    from hydratrain.checkpoint.io import root_cause
-
-    return isinstance(root_cause(err), KeyboardInterrupt)
-
-
-def _stop_interrupted(env) -> None:
-    """One line (rank 0), exit status :data:`EXIT_INTERRUPTED`; in a sweep the whole sweep stops."""
-    why = ("interrupted (SIGINT, Ctrl-C): stopped without saving (a checkpoint save it cut short is discarded at the "
-           "next start); relaunch the same command to resume from the latest checkpoint")
-    if env is None or env.rank == 0:
-        print(f"hydratrain: {why}", file=sys.stderr, flush=True)
-    log.error("hydratrain: %s", why, extra={"file_only": True})
-    if _in_multirun():
-        _end_the_sweep(EXIT_INTERRUPTED, why)
-    raise SystemExit(EXIT_INTERRUPTED) from None
-
-
-def _end_the_sweep(status: int, why: str) -> None:
-    """A job that ends its whole multirun (a preemption signal, Ctrl-C): record it in the sweep report, which Hydra's
-    ``on_job_end`` would not do, and exit with ``status`` (SystemExit passes through Hydra; a relaunch of the same
-    command runs this job again)."""
-    from hydratrain.sweep import record_stopped_job
-
-    record_stopped_job(why)
-    raise SystemExit(status) from None
 
 
 def _keep_the_epoch_limit(job: "Job") -> None:
@@ -340,27 +216,15 @@ def _refuse_another_jobs_dir(run_dir: Path) -> None:
                           "of its own (the default ${hydra.job.num}; an override_dirname must keep every swept key)")
 
 
-def _refused_by_lock(err: HydratrainError) -> bool:
-    """A config error about the run dir itself (held by another job): that dir is not this launch's to remove."""
-    return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
-
-
 def _run_dir_key(run_dir: Path) -> tuple:
     """(config key, its value[, which dir below it]) that place ``run_dir``: ``hydra.run.dir``, or in a sweep
     ``hydra.sweep.dir`` and the job's run dir."""
-    if not _in_multirun():
+    if not in_multirun():
         return "hydra.run.dir", str(run_dir)
     from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     return "hydra.sweep.dir", str(hc.sweep.dir), f"job {hc.job.num}'s run dir {run_dir}"
-
-
-def _in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 @dataclass

@@ -1,0 +1,177 @@
+"""How a launch ends: one line and one exit status (``hydratrain.errors``), whatever stopped it.
+
+:func:`end` turns what ended ``hydratrain.run.main`` (an error of ours, any other exception, Ctrl-C, a preemption
+signal that came first) into the line and the status; :func:`leave` undoes what the launch set up for its end
+(signal handlers, the run-dir lock) on every path. In a Hydra multirun an error is re-raised instead, so Hydra records
+the job as failed and the sweep goes on, while a preemption or Ctrl-C ends the whole sweep.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError
+
+log = logging.getLogger("hydratrain")
+
+
+def end(err: BaseException, env) -> None:
+    """End the launch for ``err`` (raised in ``main``; ``env``: the rank's ``DistInfo``, None before it is known):
+    print one line (once per node when every rank has the same one), log it, and raise ``SystemExit`` with its status,
+    or re-raise ``err`` inside a multirun (Hydra records the job as failed). A rank that received a preemption signal
+    ends as preempted and one that received Ctrl-C as interrupted, whatever error followed."""
+    from hydratrain.checkpoint.preemption import end_guard, recorded_preemption, release_sigterm
+
+    end_guard()  # a torchrun worker lingering below is stopped by its agent's SIGTERM, not preempted
+    if isinstance(err, HydratrainError):
+        _end_with_error(err, env)
+    if isinstance(err, SystemExit):
+        raise
+    if recorded_preemption() is not None:  # the error came after this rank's preemption signal
+        log.info("after the preemption signal: %s: %s", type(err).__name__, str(err).splitlines()[:1])
+        end_preempted(recorded_preemption(), env)
+    if not (isinstance(err, Exception) or _interrupted(err)):
+        raise
+    if _interrupted(err):  # this rank's Ctrl-C, or a peer's end that it caused in a collective here
+        _stop_interrupted(env)
+    log.exception("rank %d failed", env.rank if env else 0)
+    release_sigterm()
+    if in_multirun():
+        raise
+    raise SystemExit(EXIT_ERROR) from None
+
+
+def _end_with_error(err: HydratrainError, env) -> None:
+    """:func:`end` for one of our errors: its one line (``hydratrain: <label>: <message>``) and its exit status."""
+    from hydratrain.checkpoint.preemption import recorded_preemption, release_sigterm
+
+    if _SIGINT["received"]:  # e.g. a peer's end, which the same Ctrl-C caused
+        _stop_interrupted(env)
+    if recorded_preemption() is not None:  # its own PreemptedError (rebuilt: OmegaConf may have added context
+        end_preempted(recorded_preemption(), env)  # to it), or what followed the signal (a peer left first)
+    if env is None or env.local_rank == 0 or not (  # the same on every rank: each node's first rank says it
+            err.exit_status == EXIT_CONFIG or getattr(err, "same_on_every_rank", False)):
+        print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
+    log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
+    release_sigterm()
+    if in_multirun():
+        raise  # Hydra records the job as failed and the sweep goes on
+    if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
+        from hydratrain.dist.run_dir import discard_if_unused, run_dir_of
+
+        # a default run dir this launch made for a run that never started (one process: with several, the others
+        # may still be writing their logs there)
+        discard_if_unused(run_dir_of())
+    # a PeerFailedError: the rank that failed first leaves first; a config error (alike on every rank): under
+    # torchrun, rank 0, which printed it, leaves first, so that the agent reports it as the root cause (status 2);
+    # the agent ends this rank as soon as rank 0 has left, so the wait only bounds a rank 0 that is slow to exit
+    # (on a loaded 2-core machine 2 s was not enough)
+    shared = (err.exit_status == EXIT_CONFIG and env is not None and env.rank != 0
+              and "TORCHELASTIC_RUN_ID" in os.environ)
+    time.sleep(getattr(err, "linger_s", 0.0) or (10.0 if shared else 0.0))
+    raise SystemExit(err.exit_status) from None
+
+
+def leave(save_on_sigterm: bool, lock) -> None:
+    """On every way out of ``main``: restore the signal handlers the launch replaced, re-arm a sweep's early SIGTERM
+    record between jobs (``hydratrain.sweep.keep_early_sigterm``; ``save_on_sigterm``:
+    ``checkpoint.save_on_sigterm``) and release the run-dir ``lock`` (None when not taken)."""
+    from hydratrain.checkpoint.preemption import end_guard, release_sigterm
+
+    end_guard()
+    release_sigterm()
+    watch_interrupts(False)
+    if in_multirun():
+        from hydra.core.hydra_config import HydraConfig
+
+        from hydratrain.sweep import keep_early_sigterm
+
+        keep_early_sigterm(HydraConfig.get(), save_on_sigterm)
+    if lock is not None:
+        lock.release()
+
+
+def end_preempted(err: PreemptedError, env) -> None:
+    """One line (rank 0's, its rank in the environment before the process group: a preemption is not an error, so
+    the other ranks do not repeat it, and a worker that torchrun stops after another failed does not call it a
+    preemption) and ``err``'s exit status; in a sweep the whole sweep stops."""
+    from hydratrain.dist.env import env_rank
+
+    if (env.rank if env is not None else env_rank()) == 0:
+        print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
+    log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
+    if in_multirun():
+        end_the_sweep(err.exit_status, f"{err.label}: {err}")
+    raise SystemExit(err.exit_status) from None
+
+
+_SIGINT = {"received": False, "previous": None}
+
+
+def watch_interrupts(on: bool = True) -> None:
+    """While a run is on, note a SIGINT before Python raises KeyboardInterrupt for it, so that an error it causes
+    first (a collective a peer left because of the same Ctrl-C) still reads as the interruption. Leaves a handler
+    other than Python's default alone."""
+    import signal
+
+    try:
+        if on and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            _SIGINT.update(received=False, previous=signal.signal(signal.SIGINT, _on_sigint))
+        elif not on and _SIGINT["previous"] is not None:
+            signal.signal(signal.SIGINT, _SIGINT["previous"])
+            _SIGINT["previous"] = None
+    except ValueError:  # not the main thread
+        pass
+
+
+def _on_sigint(signum, frame) -> None:
+    _SIGINT["received"] = True
+    raise KeyboardInterrupt
+
+
+def _interrupted(err: BaseException) -> bool:
+    """Ctrl-C ended ``err``'s work: a KeyboardInterrupt, DCP's CheckpointException around one, or any error after
+    this rank received SIGINT."""
+    if _SIGINT["received"] or isinstance(err, KeyboardInterrupt):
+        return True
+    if getattr(err, "failures", None) is None:
+        return False
+    from hydratrain.checkpoint.io import root_cause
+
+    return isinstance(root_cause(err), KeyboardInterrupt)
+
+
+def _stop_interrupted(env) -> None:
+    """One line (rank 0), exit status :data:`EXIT_INTERRUPTED`; in a sweep the whole sweep stops."""
+    why = ("interrupted (SIGINT, Ctrl-C): stopped without saving (a checkpoint save it cut short is discarded at the "
+           "next start); relaunch the same command to resume from the latest checkpoint")
+    if env is None or env.rank == 0:
+        print(f"hydratrain: {why}", file=sys.stderr, flush=True)
+    log.error("hydratrain: %s", why, extra={"file_only": True})
+    if in_multirun():
+        end_the_sweep(EXIT_INTERRUPTED, why)
+    raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def end_the_sweep(status: int, why: str) -> None:
+    """A job that ends its whole multirun (a preemption signal, Ctrl-C): record it in the sweep report, which Hydra's
+    ``on_job_end`` would not do, and exit with ``status`` (SystemExit passes through Hydra; a relaunch of the same
+    command runs this job again)."""
+    from hydratrain.sweep import record_stopped_job
+
+    record_stopped_job(why)
+    raise SystemExit(status) from None
+
+
+def _refused_by_lock(err: HydratrainError) -> bool:
+    """A config error about the run dir itself (held by another job): that dir is not this launch's to remove."""
+    return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
