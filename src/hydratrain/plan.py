@@ -360,7 +360,7 @@ class OutOfMemoryGuard:
 def planned_vocab_size(cfg, launch_dir) -> int:
     """The vocabulary a run of ``cfg`` would resolve, without building data: ``model.vocab_size``, else the
     tokenizer file's size or the BPE's ``data.vocab_size`` padded to 64, else 256 (bytes, synthetic)."""
-    from hydratrain.tokenized import vocab_size_for
+    from hydratrain.tokenized import bpe_vocab_size, vocab_size_for
     from hydratrain.tokenizer import load_tokenizer, padded_vocab_size
 
     data, explicit = cfg.data, cfg.model.vocab_size
@@ -368,7 +368,7 @@ def planned_vocab_size(cfg, launch_dir) -> int:
         tokenizer = load_tokenizer(Path(launch_dir) / Path(data.tokenizer).expanduser())
         return vocab_size_for(data, tokenizer, explicit)
     if data.name in ("tokenized_text", "python_stdlib_bpe"):
-        return explicit or padded_vocab_size(data.vocab_size)
+        return explicit or padded_vocab_size(bpe_vocab_size(data))
     return vocab_size_for(data, None, explicit)
 
 

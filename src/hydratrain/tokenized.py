@@ -55,6 +55,7 @@ from hydratrain.tokenizer import (
 log = logging.getLogger(__name__)
 
 TOKEN_CORPORA = ("token_bin", "tokenized_text", "python_stdlib_bpe")
+BPE_VOCAB_SIZE = 4096  # tokens of the BPE trained when data.tokenizer and data.vocab_size are null
 BYTE_CORPORA = ("python_stdlib", "text_files")
 # llm.c's data files (karpathy/llm.c, dev/data/data_common.py, write_datafile): a header of 256 little-endian int32
 # (header[0] a magic number, header[1] a version, header[2] the token count), then the tokens. Magic 20240520 with
@@ -324,12 +325,18 @@ def tokenizer_for(data_cfg, launch_dir: Path, progress: bool = False, files: Opt
         return load_tokenizer(launch_dir / Path(data_cfg.tokenizer).expanduser())
     if data_cfg.name not in ("tokenized_text", "python_stdlib_bpe"):
         return None
-    if data_cfg.vocab_size < 257:
+    if bpe_vocab_size(data_cfg) < 257:
         raise ConfigError("data.vocab_size", data_cfg.vocab_size, "a byte-level BPE needs >= 257 (256 bytes + "
                           "<|endoftext|>)")
     root, all_files = corpus_files(data_cfg, launch_dir)
     return trained_tokenizer(list(files) if files is not None else all_files, root, data_cfg.val_fraction,
-                             data_cfg.vocab_size, cache_root(data_cfg, launch_dir, cache_dir), progress)
+                             bpe_vocab_size(data_cfg), cache_root(data_cfg, launch_dir, cache_dir), progress)
+
+
+def bpe_vocab_size(data_cfg) -> int:
+    """Tokens of the BPE trained when ``data.tokenizer`` is null: ``data.vocab_size``, or :data:`BPE_VOCAB_SIZE`
+    when that is null too."""
+    return BPE_VOCAB_SIZE if data_cfg.get("vocab_size") is None else data_cfg.vocab_size
 
 
 def vocab_size_for(data_cfg, tokenizer: Optional[TextTokenizer], explicit: Optional[int]) -> int:
@@ -386,18 +393,20 @@ def load_token_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: boo
              meta["splits"]["train"]["files"], meta["splits"]["train"]["tokens"], meta["splits"]["val"]["files"],
              meta["splits"]["val"]["tokens"], tokenizer.vocab_size)
     warn_replaced(data_cfg, root, meta.get("replaced", {}))
-    if not getattr(data_cfg, "tokenizer", None) and tokenizer.vocab_size < data_cfg.vocab_size:
+    asked = bpe_vocab_size(data_cfg)
+    if not getattr(data_cfg, "tokenizer", None) and tokenizer.vocab_size < asked:
         log.warning("data.vocab_size=%d: the BPE trained on the training split has %d tokens, not %d: its text "
                     "ran out of byte pairs to merge (more text, or a data.vocab_size <= %d, gives what is asked); "
-                    "the model's vocab is %d (%s)", data_cfg.vocab_size, tokenizer.vocab_size, data_cfg.vocab_size,
-                    tokenizer.vocab_size, vocab_size, tokenizer.path)
+                    "the model's vocab is %d (%s)", asked, tokenizer.vocab_size, asked, tokenizer.vocab_size,
+                    vocab_size, tokenizer.path)
     return splits
 
 
 def preflight_data(data_cfg, launch_dir: Path) -> None:
     """Cheap checks of the token corpora's settings before any process group (nothing is trained or tokenized):
     token_bin's files open (headers, sizes, dtype), ``data.tokenizer`` loads, ``data.paths`` match files,
-    ``data.vocab_size`` is big enough. Raises :class:`ConfigError`; does nothing for other data names."""
+    relative paths resolve against ``launch_dir`` (``paths.data_dir``). Raises :class:`ConfigError`; does nothing
+    for other data names."""
     if data_cfg.name not in TOKEN_CORPORA:
         return
     if data_cfg.name == "token_bin":
@@ -410,6 +419,3 @@ def preflight_data(data_cfg, launch_dir: Path) -> None:
         corpus_files(data_cfg, launch_dir)
     if data_cfg.tokenizer:
         load_tokenizer(launch_dir / Path(data_cfg.tokenizer).expanduser())
-    elif data_cfg.name != "token_bin" and data_cfg.vocab_size < 257:
-        raise ConfigError("data.vocab_size", data_cfg.vocab_size, "a byte-level BPE needs >= 257 (256 bytes + "
-                          "<|endoftext|>)")

@@ -112,6 +112,9 @@ def test_cfg_job_prints_composed_config(cli):
     (["data=token_bin"], "data.train_path=???: has no value"),  # not "removed with ~data.train_path"
     (["~model"], "model.name=???: has no value: choose an option with model=NAME (conf/model/)"),
     (["~data", "+debug=fast"], "data=???: has no option (removed with ~data?): choose one with data=NAME"),
+    # tester 8: ignored (the tokenizer's vocabulary is used) yet recorded as a hyper-parameter
+    (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer=tok.json", "data.vocab_size=999"],
+     "data.vocab_size=999: unused with data.tokenizer=tok.json"),
 ])
 def test_validate_names_the_key(compose, overrides, key):
     with pytest.raises(ConfigError) as err:

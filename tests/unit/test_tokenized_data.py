@@ -471,3 +471,26 @@ def test_a_damaged_cache_is_rebuilt_with_one_warning(tmp_path, caplog, damage):
     caplog.clear()
     load_splits(cfg, 320, tmp_path, progress=False)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]  # repaired for good
+
+
+def test_token_corpora_inputs_are_checked_with_the_environment_before_any_process_group(compose, tmp_path):
+    """A missing token file, tokenizer or corpus is found by the launch's environment check, before the process
+    group (it was found only when the data was built, after it), and the default BPE is 4096 tokens."""
+    from hydratrain.config.validate import check_environment
+    from hydratrain.tokenized import bpe_vocab_size
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(TEXT)
+    for overrides, expect in [
+        (["data=token_bin", "data.train_path=nope.bin", "data.val_path=nope.bin", "model.vocab_size=512"],
+         rf"^data.train_path='{tmp_path}/nope.bin': no such file$"),
+        (["data=tokenized_text", "data.paths=[nothing/*.md]"], r"^data.paths=\['nothing/\*.md'\]: 'nothing/\*.md' "),
+        (["data=tokenized_text", "data.paths=[docs/*.txt]", "data.tokenizer=missing.json"],
+         rf"^data.tokenizer='{tmp_path}/missing.json': no such file"),
+    ]:
+        cfg = compose(["+debug=fast", "strategy=single", "device=cpu", *overrides])
+        with pytest.raises(ConfigError, match=expect):
+            check_environment(cfg, 1, tmp_path)
+    cfg = compose(["+debug=fast", "strategy=single", "device=cpu", "data=tokenized_text", "data.paths=[docs/*.txt]"])
+    check_environment(cfg, 1, tmp_path)
+    assert cfg.data.vocab_size is None and bpe_vocab_size(cfg.data) == 4096

@@ -211,7 +211,7 @@ class TokenizedTextData(SplitData):
     name: DataName = DataName.tokenized_text
     paths: List[str] = MISSING  # files or globs, relative to the launch dir
     tokenizer: Optional[str] = None  # a tokenizer.json; null = train a byte-level BPE of vocab_size tokens
-    vocab_size: int = 4096  # tokens of the BPE trained when tokenizer is null
+    vocab_size: Optional[int] = None  # tokens of the BPE trained when tokenizer is null; null = 4096
     cache_dir: Optional[str] = None
 
 
@@ -222,7 +222,7 @@ class PythonStdlibBPEData(SplitData):
     option: ClassVar[DataName] = DataName.python_stdlib_bpe
     name: DataName = DataName.python_stdlib_bpe
     tokenizer: Optional[str] = None  # a tokenizer.json; null = train a byte-level BPE of vocab_size tokens
-    vocab_size: int = 4096
+    vocab_size: Optional[int] = None  # tokens of the BPE trained when tokenizer is null; null = 4096
     cache_dir: Optional[str] = None
 
 

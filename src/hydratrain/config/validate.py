@@ -165,6 +165,10 @@ def validate(cfg: DictConfig) -> None:
     if _get(cfg, "data.vocab_size") is not None and cfg.data.vocab_size < 257:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, "a byte-level BPE needs more than the 256 byte "
                           "tokens; allowed: >= 257")
+    if _get(cfg, "data.vocab_size") is not None and _get(cfg, "data.tokenizer"):
+        raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"unused with data.tokenizer={cfg.data.tokenizer}, "
+                          "whose own vocabulary the run takes (a BPE of data.vocab_size is trained only when "
+                          "data.tokenizer is null); drop one of the two (model.vocab_size sets a larger embedding)")
     if not 0.0 <= cfg.optim.beta1 < 1.0 or not 0.0 <= cfg.optim.beta2 < 1.0:
         raise ConfigError("optim.beta1/beta2", (cfg.optim.beta1, cfg.optim.beta2), "must be in [0, 1)")
     ratio = _get(cfg, "scheduler.min_lr_ratio")
@@ -342,6 +346,9 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
             expand_paths(list(cfg.data.paths), paths.data)
         except FileNotFoundError as err:
             raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
+    from hydratrain.tokenized import preflight_data
+
+    preflight_data(cfg.data, paths.data)  # token files, the tokenizer, tokenized_text's globs
     for key, base, what in (("model.init_from", paths.model, "paths.model_dir"),
                             ("checkpoint.resume_from", launch_dir, "the launch dir")):
         value = _get(cfg, key)
