@@ -46,16 +46,23 @@ def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_local(cli, tmp_pat
 
 
 def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
+    """Kept in the README's sqlite storage (tester 8: the optuna extra installed SQLAlchemy 2, which optuna 2 cannot
+    use: an AssertionError traceback before any trial)."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    sweep = tmp_path / "sweep"
+    sweep, db = tmp_path / "sweep", tmp_path / "optuna.db"
     r = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=3", "strategy=single", "trainer.max_steps=3",
-             f"hydra.sweep.dir={sweep}"])
+             f"hydra.sweep.dir={sweep}", f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=lr"])
     assert r.returncode == 0, r.output[-3000:]
     rows = report_rows(sweep)
     assert len(rows) == 3 and all(r["status"] == "COMPLETED" for r in rows)
     best = min(float(r["eval_loss"]) for r in rows)
     assert f"Best value: {best:.4f}"[:16] in r.output
     assert all("optim.lr=" in r["overrides"] for r in rows)
+    import optuna
+
+    study = optuna.load_study(study_name="lr", storage=f"sqlite:///{db}")
+    assert sorted(t.value for t in study.trials) == pytest.approx(sorted(float(r["eval_loss"]) for r in rows),
+                                                                  abs=1e-4)
 
 
 def test_optuna_local_search_goes_on_past_failed_trials(cli, tmp_path, monkeypatch):
