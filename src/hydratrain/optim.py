@@ -160,13 +160,23 @@ def total_steps(trainer_cfg, batches, done: int = 0) -> int:
 
 
 def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int) -> None:
-    """Log one warning line each when the run's length is not what its keys suggest: ``trainer.max_steps`` ends it
-    before ``trainer.max_epochs`` does (both set), or ``scheduler.warmup_steps`` is not shorter than the ``steps``
-    optimizer steps it takes (:func:`total_steps`), so the lr reaches ``optim.lr`` only at the last step or never
-    and ``warmup_cosine`` never decays. ``batches`` is the run's ``hydratrain.data.ShardedBatches``."""
+    """Log one warning line each when the run's length is not what its keys suggest: ``trainer.max_epochs`` ends
+    with micro-batches that fill no whole step of ``trainer.grad_accum_steps`` (they are not trained; tester 8),
+    ``trainer.max_steps`` ends the run before ``trainer.max_epochs`` does (both set), or ``scheduler.warmup_steps``
+    is not shorter than the ``steps`` optimizer steps it takes (:func:`total_steps`), so the lr reaches
+    ``optim.lr`` only at the last step or never and ``warmup_cosine`` never decays. ``batches`` is the run's
+    ``hydratrain.data.ShardedBatches``."""
+    accum = trainer_cfg.grad_accum_steps
+    if trainer_cfg.max_epochs is not None:
+        left = batches.batches_left(trainer_cfg.max_epochs)
+        epoch_steps, untrained = divmod(left, accum)
+        if untrained and (trainer_cfg.max_steps is None or trainer_cfg.max_steps >= epoch_steps):
+            log.warning("trainer.max_epochs=%d leaves the run's last %d micro-batch(es) per rank (%d samples each "
+                        "rank) untrained: its %d micro-batches per rank fill %d optimizer steps of "
+                        "trainer.grad_accum_steps=%d; a grad_accum_steps that divides %d trains them all",
+                        trainer_cfg.max_epochs, untrained, untrained * batches.batch_size, left, epoch_steps, accum,
+                        left)
     if trainer_cfg.max_steps is not None and trainer_cfg.max_epochs is not None:
-        accum = trainer_cfg.grad_accum_steps
-        epoch_steps = batches.batches_left(trainer_cfg.max_epochs) // accum
         if trainer_cfg.max_steps < epoch_steps:
             log.warning("trainer.max_steps=%d ends the run before trainer.max_epochs=%d would (at %d optimizer "
                         "steps): it stops after %.3g epochs; set trainer.max_steps=null to train every epoch",

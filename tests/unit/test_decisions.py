@@ -404,6 +404,14 @@ def test_a_swept_key_is_one_typed_column_in_the_hparams_table(compose, tmp_path)
      ["scheduler.warmup_steps=40 is not shorter than the 10 optimizer steps this run takes (trainer.max_steps / "
       "max_epochs): the lr never reaches optim.lr (it ends at 25% of it)"]),
     (["scheduler.warmup_steps=9"], []),
+    # tester 8: the last micro-batch of the epoch was dropped without a word
+    (["data=synthetic", "data.synthetic_tokens=3000", "trainer.max_steps=null", "trainer.max_epochs=1",
+      "trainer.grad_accum_steps=2", "scheduler.warmup_steps=1"],
+     ["trainer.max_epochs=1 leaves the run's last 1 micro-batch(es) per rank (4 samples each rank) untrained: its 11 "
+      "micro-batches per rank fill 5 optimizer steps of trainer.grad_accum_steps=2; a grad_accum_steps that divides "
+      "11 trains them all"]),
+    (["data=synthetic", "data.synthetic_tokens=3000", "trainer.max_steps=null", "trainer.max_epochs=2",
+      "trainer.grad_accum_steps=2", "scheduler.warmup_steps=1"], []),  # 22 micro-batches: steps straddle epochs
 ])
 def test_a_run_length_the_keys_do_not_suggest_is_one_warning_line(make_job, tmp_path, caplog, overrides, expected):
     """max_steps cutting max_epochs short, and a warm-up as long as the run or longer, each say so once at start,
