@@ -109,6 +109,7 @@ def test_frozen_rank_ends_every_rank_within_timeout():
             p.communicate()
 
 
+@pytest.mark.slow  # fail-fast of a killed rank stays in the default suite in test_fail_fast.py
 def test_killed_rank_ends_the_torchrun_job():
     """A rank SIGKILLed mid-run (its sockets close): the job ends non-zero promptly."""
     proc = _torchrun(2, SMALL + ["commcheck.debug_hang_rank=1", "commcheck.timeout_s=5"])

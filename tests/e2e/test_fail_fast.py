@@ -163,6 +163,7 @@ def _two_nodes(tmp_path, per_rank: list) -> tuple:
     return tuple(finish(p, timeout=180) for p in procs)
 
 
+@pytest.mark.slow  # three 2-rank launches; like the other simulated multi-node tests
 def test_nodes_whose_per_node_inputs_differ_stop_with_one_line(tmp_path):
     """Data and weight paths may differ per node (node-local copies), so the config check exempts them; but a node
     given init_from when the other is not skipped the load's collectives (every rank hung for

@@ -76,6 +76,7 @@ def test_checkpoints_move_between_fsdp_and_hsdp_with_bit_identical_next_losses(t
     assert "resum" in log_of(hsdp).lower() and "2 x 2 mesh" in log_of(hsdp)
 
 
+@pytest.mark.slow  # 4 ranks, like the other hsdp tests
 def test_shard_size_that_does_not_divide_the_world_size_is_a_config_error(tmp_path):
     r = run(["strategy=hsdp", "strategy.shard_size=3"], tmp_path, nproc=2)
     assert r.returncode != 0

@@ -47,6 +47,8 @@ def torchrun_sweep(tmp_path_factory, cache_dir) -> Path:
     return sweep
 
 
+@pytest.mark.slow  # a 2-job sweep on 2 torchrun ranks each, about 40 s (the launcher stays in the default suite
+# through its SIGTERM and port tests)
 def test_torchrun_launcher_sweep_runs_each_job_on_two_fresh_ranks(torchrun_sweep):
     sweep = torchrun_sweep
     for job in ("0", "1"):
@@ -78,6 +80,7 @@ def _is_the_default_config_run(job: Path, world_size: int) -> None:
     assert (saved.precision.name, saved.strategy.name) == ("auto", "fsdp")
 
 
+@pytest.mark.slow  # shares the 2-job torchrun sweep above
 def test_torchrun_launcher_runs_the_default_config_and_writes_weights_and_a_sample(torchrun_sweep):
     """The main job's path on the stdlib corpus (shortened) through the torchrun launcher: the weights file loads
     into a fresh GPT, the sample is printed. (The local launcher: tests/unit/test_local_launcher.py.)"""

@@ -64,7 +64,8 @@ def _wait_for(path, proc, what: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("phase,fault", [("startup", "sleep"), ("startup", "swallow"),
+@pytest.mark.parametrize("phase,fault", [("startup", "sleep"),
+                                         pytest.param("startup", "swallow", marks=pytest.mark.slow),
                                          pytest.param("final", "sleep", marks=pytest.mark.slow)])
 def test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_status(tmp_path, phase, fault):
     """A SIGTERM while the run still starts (here while it builds its data, which HT_FAULT=sleep holds for 120 s),
@@ -126,7 +127,8 @@ def test_sigterm_while_a_sweep_composes_keeps_its_default_when_save_on_sigterm_i
     assert r.returncode == -signal.SIGTERM and "preempted" not in r.output, r.output[-3000:]
 
 
-@pytest.mark.parametrize("when", [pytest.param("term", marks=pytest.mark.slow), "term_after"])
+@pytest.mark.slow  # an in-process sweep killed between its jobs
+@pytest.mark.parametrize("when", ["term", "term_after"])
 def test_sigterm_between_a_local_sweeps_jobs_ends_the_sweep_as_preempted(tmp_path, when):
     """A SIGTERM while Hydra composes a job of an in-process sweep, before the job's guard (``term``), or between
     one job's end and the next one's composition (``term_after``), killed the sweep with 143 and nothing said; now
@@ -176,6 +178,7 @@ def test_ctrl_c_ends_a_run_and_its_sweep_with_one_line_and_status_130(tmp_path):
     assert not (sweep / "0" / "hydratrain.lock").exists()
 
 
+@pytest.mark.slow  # 2 ranks; one rank is covered by the start-up cases above
 def test_sigterm_during_start_up_on_two_ranks_ends_both_as_preempted(tmp_path):
     """SIGTERM to both workers (as a scheduler signals every process) while rank 0 is still starting and rank 1
     waits for it in a collective: both exit with the preempt status, one line on the console, and rank 1 does not

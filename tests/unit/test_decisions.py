@@ -424,7 +424,7 @@ def test_a_run_length_the_keys_do_not_suggest_is_one_warning_line(make_job, tmp_
     assert len(lines) == len(expected) and all(line.startswith(e) for line, e in zip(lines, expected)), lines
 
 
-@pytest.mark.parametrize("save_last", [False, True])
+@pytest.mark.parametrize("save_last", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_run_whose_last_steps_are_in_no_checkpoint_says_so(make_job, tmp_path, caplog, save_last):
     """checkpoints every 4 of 10 steps, checkpoint.save_last=false: steps 9-10 are in no checkpoint, so extending
     the run trains them again; the end of the run says which checkpoint a relaunch resumes from (a new user missed

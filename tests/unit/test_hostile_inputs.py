@@ -79,6 +79,7 @@ def test_a_checkpoint_of_another_architecture_with_the_same_shapes_is_refused(cl
         assert "Traceback" not in r.output
 
 
+@pytest.mark.slow  # two launches
 def test_relaunching_a_finished_run_keeps_its_results(cli, tmp_path):
     run = tmp_path / "r"
     cli([*SHORT, "checkpoint.save_last=true"], run).ok()

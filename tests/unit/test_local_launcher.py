@@ -65,6 +65,7 @@ def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
                                                                   abs=1e-4)
 
 
+@pytest.mark.slow  # five in-process trials
 def test_optuna_local_search_goes_on_past_failed_trials(cli, tmp_path, monkeypatch):
     """Optuna + local launcher: trials that sample an invalid weight decay fail with a config error (with the
     preset's seed, trial 2 does), trial 3 diverges (raises); the study still runs all 5 trials."""
@@ -119,6 +120,7 @@ def test_port_that_cannot_be_had_is_a_clear_error_not_a_hang(cli, tmp_path):
     assert report_rows(tmp_path / "s")[0]["status"] == "FAILED"
 
 
+@pytest.mark.slow  # a sweep of several jobs
 def test_stop_on_failure_ends_the_sweep(cli, tmp_path):
     sweep = tmp_path / "stops"
     r = cli(["-m", "launcher=torchrun", "launcher.nproc_per_node=1", "strategy=ddp",
@@ -202,7 +204,8 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
         again.output[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["local", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("launcher", [pytest.param("local", marks=pytest.mark.slow),
+                                      pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_two_jobs_whose_subdir_is_one_dir_keep_the_first_jobs_results(cli, tmp_path, launcher):
     """hydra.sweep.subdir that resolves alike for two jobs (a constant, an override_dirname without the swept key):
     the second job used to overwrite the first's results, log and curves, and the sweep report had one row. Under
@@ -223,7 +226,8 @@ def test_two_jobs_whose_subdir_is_one_dir_keep_the_first_jobs_results(cli, tmp_p
     assert "optim.lr=0.001" in (sweep / "same" / ".hydra" / "overrides.yaml").read_text()
 
 
-@pytest.mark.parametrize("sweeper", ["basic", "optuna", pytest.param("torchrun", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sweeper", ["basic", pytest.param("optuna", marks=pytest.mark.slow),
+                                     pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_a_relative_sweep_dir_under_job_chdir_is_reported_from_the_launch_dir(cli, tmp_path, monkeypatch, sweeper):
     """With hydra.job.chdir=true a job runs in its own dir: a relative hydra.sweep.dir (given, or built from a
     relative paths.output_dir as by default) still means the one below the launch dir. The report used to be looked

@@ -55,7 +55,7 @@ def test_the_loop_reads_nothing_on_the_host_between_log_steps(make_job, tmp_path
     assert job.trainer._guard_on_device  # optim.impl=auto is fused on CPU: it takes found_inf
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])
 def test_ddp_and_fsdp_read_nothing_on_the_host_between_log_steps(compose, tmp_path, monkeypatch, strategy):
     """The same on a one-rank process group: DDP's bucketed all-reduce, FSDP2's DTensor gradients, the global norm
     over shards and fused AdamW dropping a poisoned step's update on DTensor shards, all without a host read."""

@@ -173,6 +173,7 @@ def test_suggestions_combine_changes_when_one_is_not_enough():
     assert fixes and all(f.plan.peak <= budget * 0.5 for f in fixes)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_a_plan_is_fast_for_llama_8b_and_imports_no_dynamo():
     """The start-of-run plan runs one block and the head on storage-less tensors, whatever the depth: well under a
     second, and without torch._dynamo (whose import alone takes seconds). Checked in a fresh interpreter."""

@@ -15,6 +15,7 @@ from hydratrain.config import validate
 from hydratrain.errors import ConfigError
 
 
+@pytest.mark.slow  # a fresh interpreter scanning Hydra's plugins
 def test_plugin_scan_imports_neither_the_app_nor_ray():
     code = ("import sys; sys.modules['hydratrain'] = None\n"
             "import hydra_plugins.hydratrain_launcher.ray_config, hydra_plugins.hydratrain_launcher.ray_launcher\n"

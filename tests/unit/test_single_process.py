@@ -187,7 +187,7 @@ def test_loading_a_checkpoint_of_another_model_size_is_one_line(cli, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- user paths
-@pytest.mark.parametrize("chdir", ["true", "false"])
+@pytest.mark.parametrize("chdir", [pytest.param("true", marks=pytest.mark.slow), "false"])
 def test_every_path_key_resolves_against_the_launch_dir(cli, tmp_path, monkeypatch, chdir):
     monkeypatch.chdir(tmp_path)  # the launch dir
     write_user_inputs(cli, tmp_path)

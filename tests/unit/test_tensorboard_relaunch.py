@@ -84,6 +84,7 @@ def test_relaunching_a_finished_run_adds_no_points_and_no_nan(cli, tmp_path):
             assert res[key] == first[key], key
 
 
+@pytest.mark.slow  # three launches
 def test_a_resume_of_a_finished_run_writes_its_end_of_run_records_once(cli, tmp_path):
     """A finished run relaunched with its last checkpoint before the end (step 4 of 6) trains 5 and 6 again: they
     replace the first launch's (TensorBoard's server ignores a run's first ``SessionLog.START``, so the first launch
@@ -115,6 +116,7 @@ def test_a_window_without_a_known_peak_logs_no_nan_mfu(tmp_path):
     assert _steps(points, "perf/tokens_per_sec") == [2] and "perf/mfu" not in points
 
 
+@pytest.mark.slow  # two launches
 def test_the_hparams_row_of_an_extended_run_has_the_values_of_its_last_launch(cli, tmp_path):
     """A run extended with another lr: TensorBoard keeps the first session it reads in a run, so a row written
     beside the scalars showed the first launch's lr and max_steps next to the last launch's loss. The row is a run of
