@@ -15,7 +15,6 @@ one global sample count, which checkpoints store and a resume on another world s
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import json
 import logging
@@ -115,17 +114,22 @@ def stdlib_files() -> tuple[Path, list[Path]]:
 
 def expand_paths(patterns: Sequence[str], base_dir: Path) -> list[Path]:
     """Files matching ``patterns`` (globs, ``**`` allowed; ``~`` expanded as for the other path keys), relative ones
-    resolved against ``base_dir``; sorted.
+    resolved against ``base_dir``; sorted. Globbing is the stdlib's (``*`` and ``**`` skip hidden names) except that
+    ``**`` does not descend into symlinked directories (``wcmatch``'s GLOBSTAR): two links to a parent made
+    ``glob.glob`` walk 2^40 paths, a silent hang at start (tester 8). A symlinked file, or a symlink named in the
+    pattern itself, is followed.
 
     Raises FileNotFoundError naming ``data.paths`` and the pattern when a pattern matches no file, and where it
     looked: ``base_dir`` for a relative pattern, the (expanded) pattern itself for an absolute one.
     """
+    from wcmatch import glob as wcglob
+
     files: set[Path] = set()
     for pattern in patterns:
         full = os.path.expanduser(pattern)
         absolute = os.path.isabs(full)
         full = full if absolute else str(base_dir / full)
-        matched = [Path(p) for p in glob.glob(full, recursive=True) if os.path.isfile(p)]
+        matched = [Path(p) for p in wcglob.glob(full, flags=wcglob.GLOBSTAR) if os.path.isfile(p)]
         if not matched:
             where = f"looked for the absolute pattern {full}" if absolute else f"looked in {base_dir}"
             raise FileNotFoundError(f"data.paths: {pattern!r} matches no file ({where})")

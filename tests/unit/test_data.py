@@ -191,3 +191,21 @@ def test_fingerprints_tell_copies_apart_by_length_or_a_sampled_window(tmp_path):
     b.write_bytes(b"x" + payload[1:])  # the first window (a safetensors header) always counts
     assert file_fingerprint(b) != file_fingerprint(a)
     assert file_fingerprint(a).startswith(f"{3 << 20:,} bytes, ")
+
+
+def test_double_star_does_not_walk_symlinked_dirs(tmp_path):
+    """Two links to a parent dir made ``**`` walk 2^40 paths, a silent hang at start (tester 8). ``**`` now skips
+    symlinked dirs (and hidden names, as before); a symlinked file, or a symlinked dir named in the pattern, counts."""
+    import time
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "real").mkdir()
+    for name in ("a.py", "sub/b.py", ".hidden/h.py", "real/r.py"):
+        (tmp_path / name).write_text("x = 1\n")
+    for link, target in (("sub/up", ".."), ("sub/up2", ".."), ("linked", "real"), ("sub/rl.py", "../real/r.py")):
+        (tmp_path / link).symlink_to(target)
+    started = time.monotonic()
+    assert expand_paths(["**/*.py"], tmp_path) == [tmp_path / "a.py", tmp_path / "real/r.py", tmp_path / "sub/b.py"]
+    assert time.monotonic() - started < 5
+    assert expand_paths(["linked/*.py"], tmp_path) == [tmp_path / "real/r.py"]
