@@ -30,6 +30,30 @@ def test_a_launch_environment_no_launcher_made_is_one_line(cli, tmp_path, monkey
     assert "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("env, expect", [
+    ({"LOCAL_WORLD_SIZE": "2"}, "$LOCAL_WORLD_SIZE=2: must be in 1..$WORLD_SIZE=1 (a LOCAL_WORLD_SIZE left from"),
+    ({"LOCAL_WORLD_SIZE": "0"}, "$LOCAL_WORLD_SIZE=0: must be in 1..$WORLD_SIZE=1"),
+    ({"LOCAL_RANK": "1"}, "$LOCAL_RANK=1: must be < $LOCAL_WORLD_SIZE=1 (a LOCAL_RANK left from another launch?)"),
+    ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h",
+      "MASTER_PORT": "1"}, None),  # torchrun's
+])
+def test_a_stray_local_world_size_or_local_rank_is_refused_like_a_stray_rank(monkeypatch, env, expect):
+    """A LOCAL_WORLD_SIZE left in the shell silently halved a single process's CPU threads and memory budget
+    (tester 8); a stray RANK was refused already (above), these now are too."""
+    from hydratrain.dist.env import dist_info
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if expect is None:
+        assert dist_info().local_world_size == 2
+        return
+    with pytest.raises(ConfigError) as err:
+        dist_info()
+    assert str(err.value).startswith(expect), err.value
+
+
 @pytest.mark.parametrize("override, key", [
     ("model.rope_theta=0", "model.rope_theta"), ("model.rope_theta=nan", "model.rope_theta"),
     ("model.norm_eps=-1", "model.norm_eps"), ("model.vocab_size=1", "model.vocab_size"),

@@ -52,7 +52,9 @@ def dist_info() -> DistInfo:
     """This process's :class:`DistInfo` (without a device) from the launch environment; rank 0 of 1 without one.
 
     Raises :class:`~hydratrain.errors.ConfigError` naming the variable when the environment is not one a launcher
-    sets: a value that is not a number, ``RANK >= WORLD_SIZE`` (a ``RANK`` left over from another launch), or
+    sets: a value that is not a number, ``RANK >= WORLD_SIZE`` (a ``RANK`` left over from another launch), a
+    ``LOCAL_WORLD_SIZE`` above ``WORLD_SIZE`` or a ``LOCAL_RANK`` not below it (the same: a stray value would cut
+    a single process's threads and memory budget without a word), or
     ``WORLD_SIZE > 1`` without ``MASTER_ADDR``/``MASTER_PORT`` (``python train.py`` where torchrun was meant).
     """
     from hydratrain.errors import ConfigError
@@ -66,6 +68,12 @@ def dist_info() -> DistInfo:
     if rank >= world_size:
         raise ConfigError("$RANK", rank, f"must be < $WORLD_SIZE={world_size} (a RANK left from another launch?); "
                           "unset RANK or launch with torchrun")
+    if not 1 <= local_world_size <= world_size:  # it sets the threads and memory budget of each rank
+        raise ConfigError("$LOCAL_WORLD_SIZE", local_world_size, f"must be in 1..$WORLD_SIZE={world_size} (a "
+                          "LOCAL_WORLD_SIZE left from another launch?); unset it or launch with torchrun")
+    if local_rank >= local_world_size:
+        raise ConfigError("$LOCAL_RANK", local_rank, f"must be < $LOCAL_WORLD_SIZE={local_world_size} (a LOCAL_RANK "
+                          "left from another launch?); unset it or launch with torchrun")
     if world_size > 1 and not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         raise ConfigError("$WORLD_SIZE", world_size, "is > 1 but MASTER_ADDR/MASTER_PORT are not set: launch with "
                           "torchrun (or launcher=torchrun), or unset WORLD_SIZE for one process")
