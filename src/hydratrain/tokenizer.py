@@ -14,6 +14,7 @@ The CLI holds out the same files as ``data.val_fraction`` would (``--val-fractio
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import os
 import re
@@ -86,6 +87,9 @@ def load_tokenizer(path: Path | str, key: str = "data.tokenizer") -> TextTokeniz
     from tokenizers import Tokenizer
 
     path = Path(path)
+    if path.is_dir():
+        inside = " (its tokenizer.json: give that file)" if (path / "tokenizer.json").is_file() else ""
+        raise ConfigError(key, str(path), f"is a directory{inside}; a tokenizers tokenizer.json file is needed")
     if not path.is_file():
         raise ConfigError(key, str(path), "no such file (a tokenizers tokenizer.json; python -m hydratrain.tokenizer "
                           "train makes one)")
@@ -217,10 +221,11 @@ def copy_atomic(src: Path, dst: Path) -> Path:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m hydratrain.tokenizer train --vocab-size N [--out DIR] [--val-fraction F] FILES_OR_GLOBS...``.
+    """``python -m hydratrain.tokenizer train --vocab-size N [--out DIR|FILE.json] [--val-fraction F] FILES...``.
 
     Trains a byte-level BPE on the training split of the files (split by file as ``data.val_fraction`` does),
-    writes ``DIR/tokenizer.json`` and prints its path. Exit status 2 on a bad argument or a glob matching nothing.
+    writes ``DIR/tokenizer.json`` (or ``FILE.json``) and prints its path. Exit status 2 on a bad argument, a glob
+    matching nothing or an ``--out`` that cannot be written, each found before the training.
     """
     from hydratrain.data import expand_paths
 
@@ -229,7 +234,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a byte-level BPE on text files")
     train.add_argument("--vocab-size", type=int, required=True, help="tokens, >= 257 (e.g. 4096, 32768)")
-    train.add_argument("--out", default="tokenizer", help="dir to write tokenizer.json into (default: ./tokenizer)")
+    train.add_argument("--out", default="tokenizer", help="dir to write tokenizer.json into (default: ./tokenizer), "
+                       "or a file name ending in .json")
     train.add_argument("--val-fraction", type=float, default=0.05,
                        help="share of files held out as data.val_fraction does (default 0.05; 0 = train on all)")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -243,13 +249,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         files = expand_paths(args.files, Path.cwd())
     except FileNotFoundError as err:
         parser.error(str(err).replace("data.paths: ", ""))
+    out = Path(args.out) if args.out.endswith(".json") else Path(args.out) / "tokenizer.json"
+    try:  # before the training, which can take minutes
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(out))
+    except OSError as err:
+        parser.error(f"--out {args.out}: cannot write {out} ({err.strerror}: {err.filename})")
     from hydratrain.tokenized import segment_texts, split_segments
 
     root = Path(os.path.commonpath([str(f.parent) for f in files]))
     train_part = split_segments(files, root, args.val_fraction)["train"] if args.val_fraction > 0 else [
         (f, 0, None) for f in files]
     texts = segment_texts(train_part)
-    out = Path(args.out) / "tokenizer.json"
     tok = train_bpe(texts, args.vocab_size, out, progress=not args.quiet)
     print(f"wrote {out.resolve()} ({tok.vocab_size} tokens, trained on {len(train_part)} of {len(files)} file(s))")
     return 0

@@ -115,6 +115,7 @@ def test_cfg_job_prints_composed_config(cli):
     # tester 8: ignored (the tokenizer's vocabulary is used) yet recorded as a hyper-parameter
     (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer=tok.json", "data.vocab_size=999"],
      "data.vocab_size=999: unused with data.tokenizer=tok.json"),
+    (["model=llama_1b", "model.ff_multiple_of=256"], "model.ff_multiple_of=256: unused with model.d_ff=8192"),
 ])
 def test_validate_names_the_key(compose, overrides, key):
     with pytest.raises(ConfigError) as err:

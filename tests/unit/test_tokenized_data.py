@@ -333,6 +333,33 @@ def test_tokenizer_cli_trains_on_the_train_split(tmp_path):
     assert bad.returncode == 2 and "'nothing/*.md' matches no file" in bad.stderr
 
 
+def test_tokenizer_cli_checks_out_before_training_and_takes_a_json_file_name(tmp_path, monkeypatch, capsys):
+    """tester 8: --out naming a file gave a traceback after the whole training, and --out tok/tokenizer.json made a
+    directory of that name, which data.tokenizer then called "no such file"."""
+    from hydratrain.tokenizer import main
+
+    make_texts(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("hydratrain.tokenizer.train_bpe", lambda *a, **k: pytest.fail("trained before --out's check"))
+    (tmp_path / "a_file").write_text("x")
+    for out, why in (("a_file", "File exists"), ("a_file/tok.json", "Not a directory"), ("docs", None)):
+        (tmp_path / "docs" / "tokenizer.json").mkdir(exist_ok=True) if why is None else None
+        with pytest.raises(SystemExit) as err:
+            main(["train", "--vocab-size", "300", "--out", out, "--quiet", "docs/*.txt"])
+        assert err.value.code == 2
+        assert f"error: --out {out}: cannot write " in capsys.readouterr().err
+    (tmp_path / "docs" / "tokenizer.json").rmdir()
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--vocab-size", "300", "--out", "tk/my.json", "--quiet", "docs/*.txt"]) == 0
+    assert load_tokenizer(tmp_path / "tk" / "my.json").vocab_size <= 300
+    with pytest.raises(ConfigError, match=r"^data.tokenizer='.*tk': is a directory; a tokenizers tokenizer.json"):
+        load_tokenizer(tmp_path / "tk")
+    main(["train", "--vocab-size", "300", "--out", "tk2", "--quiet", "docs/*.txt"])
+    with pytest.raises(ConfigError, match=r"is a directory \(its tokenizer.json: give that file\)"):
+        load_tokenizer(tmp_path / "tk2")
+
+
 # --- python_stdlib_bpe --------------------------------------------------------------------------------------------
 
 def test_python_stdlib_bpe_on_a_few_stdlib_files(tmp_path):

@@ -139,7 +139,7 @@ class ModelConfig:
     n_head: int = 4  # query heads; head_dim = d_model // n_head
     n_kv_head: Optional[int] = None  # key/value heads for grouped-query attention; null = n_head
     d_ff: Optional[int] = None  # SwiGLU hidden width; null = 8/3 * d_model rounded up to ff_multiple_of
-    ff_multiple_of: int = 64
+    ff_multiple_of: int = 64  # rounds the width d_ff=null derives; another value next to d_ff is a config error
     tie_embeddings: bool = True  # share the token embedding with the output projection
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5

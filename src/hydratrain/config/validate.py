@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from hydratrain.config.schema import DType, StrategyName, WrapPolicyName
+from hydratrain.config.schema import DType, ModelConfig, StrategyName, WrapPolicyName
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
@@ -150,6 +150,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("model.n_head", m.n_head, f"must divide model.d_model={m.d_model}")
     if (m.d_model // m.n_head) % 2:
         raise ConfigError("model.n_head", m.n_head, "head_dim = d_model // n_head must be even for rotary embeddings")
+    if m.d_ff and m.ff_multiple_of != ModelConfig.ff_multiple_of:  # tester 8: ignored, yet recorded as an hparam
+        raise ConfigError("model.ff_multiple_of", m.ff_multiple_of, f"unused with model.d_ff={m.d_ff} (it rounds only "
+                          "the width that d_ff=null derives); drop one of the two")
     kv = m.n_kv_head or m.n_head
     if m.n_head % kv:
         raise ConfigError("model.n_kv_head", m.n_kv_head, f"must divide model.n_head={m.n_head}")
