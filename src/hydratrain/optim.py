@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -40,6 +41,9 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     if str(optim_cfg.name) == "adamw8bit":
         with _quiet_import():
             from torchao.optim import AdamW8bit
+        # torchao compiles its step over a tensor subclass; dynamo's note about that class's caching hash reached the
+        # console at the first step with a source line (tester 8), and says nothing a run can act on
+        warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching", category=UserWarning)
         return AdamW8bit(groups, block_size=optim_cfg.block_size, **kwargs)
     impl = adamw_impl(str(optim_cfg.get("impl", "auto")), params)
     log.info("optimizer: torch.optim.AdamW, %s implementation%s", impl,

@@ -2,6 +2,8 @@
 8-bit moments quantises back to the same codes, and a missing torchao is a one-line config error."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -33,7 +35,12 @@ def test_8bit_state_is_about_a_quarter_of_adamw():
     from hydratrain.optim import state_bytes
 
     adamw = _stepped("adamw")
-    full, low = state_bytes(adamw), state_bytes(_stepped("adamw8bit"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        low = _stepped("adamw8bit")
+    # dynamo's note on torchao's state class reached the console at the first step (tester 8)
+    assert not [w for w in seen if "_stable_hash_for_caching" in str(w.message)], [str(w.message) for w in seen]
+    full, low = state_bytes(adamw), state_bytes(low)
     n = sum(p.numel() for group in adamw.param_groups for p in group["params"])
     assert full >= 8 * n  # two fp32 moments per parameter (+ step counts)
     assert 0.24 < low / full < 0.30, (low, full)  # 1 byte per value + one fp32 scale per 256 + small fp32 tensors
