@@ -91,4 +91,8 @@ def memory_budget_line(cuda: bool) -> str:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m hydratrain.env", description=__doc__.split("\n\n")[1].replace("\n", " "),
+                            ).parse_args()  # no arguments: --help, or one line and status 2 for anything else
     print("\n".join(report()))

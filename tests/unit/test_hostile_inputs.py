@@ -4,6 +4,8 @@ run relaunched, an export onto a directory. Each is one line with the documented
 before is lost."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -144,3 +146,11 @@ def test_export_onto_a_directory_is_refused_and_leaves_no_file(cli, tmp_path, ca
         main([str(ckpt_of(tmp_path / "a", 2)), str(target)])
     assert exit_.value.code == 2 and "must be a file path ending in .safetensors" in capsys.readouterr().err
     assert list(tmp_path.glob(".*tmp*")) == [] and list(target.iterdir()) == []
+    # tester 9: an OUT that cannot be written was a traceback (exit 1), after the checkpoint was read
+    (tmp_path / "afile").write_text("x")
+    for out, why in ((tmp_path / "afile" / "w.safetensors", "FileExistsError"),
+                     (Path("/proc/w.safetensors"), "No such file or directory")):
+        assert main([str(ckpt_of(tmp_path / "a", 2)), str(out)]) == 3
+        err = capsys.readouterr().err
+        assert err.startswith("hydratrain: output error: ") and str(out) in err and why in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err

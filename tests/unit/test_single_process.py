@@ -5,6 +5,7 @@ with new hyper-parameters, a checkpoint of another model size refused in one lin
 hydra.job.chdir. (Multi-rank runs: tests/e2e/.)"""
 from __future__ import annotations
 
+import sys
 import os
 import re
 
@@ -43,6 +44,11 @@ def test_env_report(capsys, monkeypatch, tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # hydratrain.env may be imported already
+        monkeypatch.setattr(sys, "argv", ["hydratrain.env", "bogus"])  # tester 9: it printed the report, status 0
+        with pytest.raises(SystemExit) as err:
+            runpy.run_module("hydratrain.env", run_name="__main__")
+        assert err.value.code == 2 and "unrecognized arguments: bogus" in capsys.readouterr().err
+        monkeypatch.setattr(sys, "argv", ["hydratrain.env"])
         runpy.run_module("hydratrain.env", run_name="__main__")
     out = capsys.readouterr().out
     assert "torch 2." in out and "cuda available:" in out and "backends: gloo" in out

@@ -84,8 +84,10 @@ def tokenizer_path_for(weights: Path) -> Path:
 
 
 def main(argv=None) -> int:
-    """Command line: ``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors``."""
-    from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError
+    """Command line: ``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors``. Exit status 2 for a bad
+    argument, 3 for a checkpoint that cannot be read or an OUT that cannot be written (one line each; OUT's dir is
+    checked before the checkpoint is read)."""
+    from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError, unwritable_cause
 
     parser = argparse.ArgumentParser(prog="python -m hydratrain.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step_XXXXXXXX dir, or a run or checkpoints dir (its latest)")
@@ -102,9 +104,26 @@ def main(argv=None) -> int:
         parser.error(f"out={out}: must be a file path ending in .safetensors" + (" (that is a directory)"
                                                                                  if out.is_dir() else ""))
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(out.parent, os.W_OK):
+            raise PermissionError(13, "Permission denied", str(out.parent))
+    except OSError as err:  # tester 9: a traceback, after the whole checkpoint was read
+        print(f"hydratrain: output error: cannot write {out} ({type(err).__name__}: {err.strerror}: {err.filename}); "
+              "nothing was written", file=sys.stderr)
+        return EXIT_CHECKPOINT
+    try:
         out = export(args.checkpoint, out)
     except CheckpointError as err:
         print(f"hydratrain: checkpoint error: {err}", file=sys.stderr)
+        return EXIT_CHECKPOINT
+    except Exception as err:  # the write itself: a full disk, a quota, a path the OS refuses (safetensors wraps the
+        # OSError in its own SafetensorError)
+        cause = unwritable_cause(err) or (err if isinstance(err, OSError) or type(err).__name__ == "SafetensorError"
+                                          else None)
+        if cause is None:
+            raise
+        print(f"hydratrain: output error: writing {out} failed ({type(cause).__name__}: "
+              f"{str(cause).splitlines()[0]}); nothing was written", file=sys.stderr)
         return EXIT_CHECKPOINT
     tokenizer = tokenizer_path_for(out)
     print(f"wrote {out}" + (f" and {tokenizer}" if tokenizer.is_file() else ""))
