@@ -5,9 +5,9 @@ with new hyper-parameters, a checkpoint of another model size refused in one lin
 hydra.job.chdir. (Multi-rank runs: tests/e2e/.)"""
 from __future__ import annotations
 
-import sys
 import os
 import re
+import sys
 
 import pytest
 import torch
