@@ -213,6 +213,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(e, file=sys.stderr)
         return EXIT_CONFIG
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.out and rank == 0:  # before the check, not after it (tester 9's kind: export's OUT)
+        from hydratrain.paths import prepare_output_file
+
+        try:
+            prepare_output_file(cfg.out)
+        except OSError as err:
+            print(f"hydratrain: commcheck: out={cfg.out}: cannot write it ({err.strerror}: {err.filename})",
+                  file=sys.stderr)
+            return EXIT_CONFIG
     if n < 2:
         print("hydratrain: commcheck needs 2 or more ranks: torchrun --nproc_per_node N -m hydratrain.commcheck",
               file=sys.stderr)

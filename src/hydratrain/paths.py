@@ -64,3 +64,18 @@ def default_model_dir() -> Path:
     """Where ``python -m hydratrain.export`` writes a relative output file: ``$HYDRATRAIN_MODEL_DIR`` (the variable
     ``paths.model_dir`` reads), else the current directory."""
     return Path(os.environ.get(MODEL_DIR_ENV, ".")).expanduser()
+
+
+def prepare_output_file(path: "Path | str") -> None:
+    """Before a command's work, check that the file ``path`` can be written at its end: its directory is created
+    (with parents) and must take writes, and ``path`` must not be a directory. The CLIs that write one file (export,
+    the tokenizer, the comm check) call it first, so a bad path costs one line, not a traceback after minutes of
+    work. Raises OSError (its ``strerror`` and ``filename`` say what is in the way)."""
+    import errno
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+    if not os.access(path.parent, os.W_OK):
+        raise PermissionError(errno.EACCES, "permission denied", str(path.parent))

@@ -14,7 +14,6 @@ The CLI holds out the same files as ``data.val_fraction`` would (``--val-fractio
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import os
 import re
@@ -250,10 +249,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except FileNotFoundError as err:
         parser.error(str(err).replace("data.paths: ", ""))
     out = Path(args.out) if args.out.endswith(".json") else Path(args.out) / "tokenizer.json"
+    from hydratrain.paths import prepare_output_file
+
     try:  # before the training, which can take minutes
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.is_dir():
-            raise IsADirectoryError(errno.EISDIR, "is a directory", str(out))
+        prepare_output_file(out)
     except OSError as err:
         parser.error(f"--out {args.out}: cannot write {out} ({err.strerror}: {err.filename})")
     from hydratrain.tokenized import segment_texts, split_segments

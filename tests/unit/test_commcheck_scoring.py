@@ -59,3 +59,15 @@ def test_scoring_singles_out_a_late_rank_and_a_slow_link_end():
     node = score_ranks(_records(4, lambda r: 0.01 if r >= 2 else 0.0, lambda r, p: 0.001), 2.0)
     assert node["slow"] == [2, 3] and node["slow_nodes"] == ["h1"]
     assert lower_median([3, 1, 2, 4]) == 2 and commcheck.human(3 * 2**20) == "3 MiB"
+
+
+def test_an_out_file_that_cannot_be_written_is_refused_before_the_check(tmp_path, monkeypatch, capsys):
+    """Like export's OUT (tester 9): the JSON-lines file rank 0 writes at the end is checked first, one line and
+    status 2, instead of a failure after the whole check."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (tmp_path / "afile").write_text("x")
+    for out, why in ((tmp_path / "afile" / "c.jsonl", "File exists"), (tmp_path, "is a directory")):
+        assert main([f"commcheck.out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"hydratrain: commcheck: out={out}: cannot write it ({why}: ") and err.count("\n") == 1

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="where a relative OUT goes (default: $HYDRATRAIN_MODEL_DIR, else the current dir)")
     args = parser.parse_args(argv)
-    from hydratrain.paths import default_model_dir
+    from hydratrain.paths import default_model_dir, prepare_output_file
 
     out = args.out.expanduser()
     if not out.is_absolute():
@@ -104,9 +104,7 @@ def main(argv=None) -> int:
         parser.error(f"out={out}: must be a file path ending in .safetensors" + (" (that is a directory)"
                                                                                  if out.is_dir() else ""))
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(out.parent, os.W_OK):
-            raise PermissionError(13, "Permission denied", str(out.parent))
+        prepare_output_file(out)
     except OSError as err:  # tester 9: a traceback, after the whole checkpoint was read
         print(f"hydratrain: output error: cannot write {out} ({type(err).__name__}: {err.strerror}: {err.filename}); "
               "nothing was written", file=sys.stderr)
