@@ -2,6 +2,8 @@
 onto the plugin's own node; bad launcher values are one-line errors naming the key; Hydra finds the plugin."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hydratrain.config import ConfigError, validate
@@ -61,7 +63,7 @@ def test_a_launcher_started_inside_torchrun_is_refused_where_it_would_submit(com
 
 def test_presets_select_the_hydra_launcher_and_multirun(compose):
     for name, target in [("torchrun", "hydratrain_launcher.torchrun_launcher.TorchrunLauncher"),
-                         ("slurm", "hydra_submitit_launcher.submitit_launcher.SlurmLauncher"),
+                         ("slurm", "hydratrain_launcher.slurm_launcher.SlurmLauncher"),  # submitit's, subclassed
                          ("submitit_local", "hydra_submitit_launcher.submitit_launcher.LocalLauncher")]:
         cfg = compose([f"launcher={name}", "launcher.gpus_per_node=4"] if name == "slurm" else [f"launcher={name}"],
                       return_hydra_config=True)
@@ -86,3 +88,22 @@ def test_presets_select_the_hydra_launcher_and_multirun(compose):
 def test_plugin_is_discovered(cli):
     r = cli(["--info", "plugins"], fast=False)
     assert r.returncode == 0 and "TorchrunLauncher" in r.output, r.output
+
+
+def test_a_submission_sbatch_refuses_is_one_line(cli, tmp_path, monkeypatch):
+    """An unknown partition or account: sbatch refuses at submission, which was a 39-line submitit traceback
+    (tester 9). A stand-in sbatch fails as a real one does, with its one line on stderr."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("sbatch", "srun"):
+        (bin_dir / name).write_text("#!/bin/sh\necho 'sbatch: error: invalid partition specified: nosuch' >&2\n"
+                                    "exit 1\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    r = cli(["launcher=slurm", "launcher.gpus_per_node=2", "launcher.partition=nosuch",
+             f"hydra.sweep.dir={tmp_path / 'sweep'}"], fast=True)
+    assert r.returncode == 1, r.output[-3000:]
+    assert ("SlurmLauncher: sbatch refused the sweep's 1 job(s): sbatch: error: invalid partition specified: nosuch; "
+            "nothing was queued") in r.err, r.output[-3000:]
+    assert "Traceback" not in r.output and "CalledProcessError" not in r.output
