@@ -44,6 +44,7 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
         # torchao compiles its step over a tensor subclass; dynamo's note about that class's caching hash reached the
         # console at the first step with a source line (tester 8), and says nothing a run can act on
         warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching", category=UserWarning)
+        log.info("optimizer: torchao.optim.AdamW8bit, block_size %d", optim_cfg.block_size)
         return AdamW8bit(groups, block_size=optim_cfg.block_size, **kwargs)
     impl = adamw_impl(str(optim_cfg.get("impl", "auto")), params)
     log.info("optimizer: torch.optim.AdamW, %s implementation%s", impl,

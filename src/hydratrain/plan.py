@@ -452,6 +452,11 @@ def _report(cfg) -> int:
     strategy = build_strategy(cfg)
     cuda = str(cfg.device) == "cuda" or (str(cfg.device) == "auto" and torch.cuda.is_available())
     world = int(cfg.plan.world_size or os.environ.get("WORLD_SIZE", 1))
+    if strategy.name == "single" and world > 1:  # tester 9: planned on 1 rank with the budget split by 2
+        from hydratrain.errors import ConfigError
+
+        raise ConfigError("plan.world_size", world, "strategy=single runs one process, as a run refuses it on more; "
+                          "allowed with plan.world_size > 1: strategy=ddp, fsdp, hsdp")
     per_node = int(cfg.plan.ranks_per_node or (1 if cuda else world))  # CPU ranks share this node's RAM
     device = torch.device("cuda", 0) if cuda and torch.cuda.is_available() else torch.device("cuda" if cuda else "cpu")
     precision = Precision.resolve(cfg.precision, device).name

@@ -367,6 +367,8 @@ def test_planning_a_gpu_run_from_a_cpu_host_models_cudas_fused_rms_norm():
     (["model=nope"], "Could not find 'model/nope' (available: gpt_small, gpt_tiny, llama_1b, llama_8b)"),
     (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
     (["--cfg", "job"], "takes train.py's overrides (KEY=VALUE) and -h, not '--cfg'"),
+    # tester 9: a launch that cannot exist was planned with two world sizes
+    (["strategy=single", "plan.world_size=2"], "plan.world_size=2: strategy=single runs one process"),
 ])
 def test_the_cli_names_what_is_wrong_with_an_override_in_one_line(argv, says, capsys):
     from hydratrain.plan import main
