@@ -14,6 +14,35 @@ from typing import Iterable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
+MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml"))  # --model choices: the model presets
+
+
+def at_least(low: int):
+    """An argparse ``type``: an int >= ``low`` (tester 9: a 0 or a typo ran every launch of every round, each
+    failing, or divided by zero at the end)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise ValueError(text)
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def csv_of(choices: Optional[Sequence[str]] = None, item=str):
+    """An argparse ``type``: a comma-separated list, each item ``item(text)`` and, when ``choices`` is given, one of
+    them."""
+    def parse(text: str) -> list:
+        items = [item(x) for x in text.split(",") if x]
+        if not items or (choices is not None and any(x not in choices for x in items)):
+            raise ValueError(text)
+        return items
+
+    parse.__name__ = f"comma-separated list of {', '.join(choices) if choices else item.__name__}"
+    return parse
+
+
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "HYDRATRAIN_STAMP",
                "GROUP_RANK", "ROLE_RANK")
 

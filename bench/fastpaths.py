@@ -26,7 +26,9 @@ import sys
 
 from benchlib import (
     BENCH,
+    MODELS,
     Recorder,
+    at_least,
     auto_choices,
     clean_env,
     command,
@@ -44,12 +46,12 @@ from benchlib import (
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--model", default="gpt_tiny")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=31)
-    p.add_argument("--warm", type=int, default=11)
+    p.add_argument("--rounds", type=at_least(1), default=3)
+    p.add_argument("--model", choices=MODELS, default="gpt_tiny")
+    p.add_argument("--batch", type=at_least(1), default=16)
+    p.add_argument("--seq", type=at_least(2), default=256)
+    p.add_argument("--steps", type=at_least(2), default=31)
+    p.add_argument("--warm", type=at_least(1), default=11)
     p.add_argument("--device", default="auto")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile cases (slow to start on CPU)")
     p.add_argument("--timeout", type=float, default=1200)

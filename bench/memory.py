@@ -21,19 +21,33 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchlib import BENCH, Recorder, clean_env, command, fmt, load, out_dir, run_json, table, write_report
+from benchlib import (
+    BENCH,
+    MODELS,
+    Recorder,
+    at_least,
+    clean_env,
+    command,
+    csv_of,
+    fmt,
+    load,
+    out_dir,
+    run_json,
+    table,
+    write_report,
+)
 
 MB = 1e6
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt_small")
-    p.add_argument("--ranks", default="1,2,4", help="FSDP world sizes")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--precision", default="fp32")
+    p.add_argument("--model", choices=MODELS, default="gpt_small")
+    p.add_argument("--ranks", type=csv_of(item=at_least(1)), default="1,2,4", help="FSDP world sizes")
+    p.add_argument("--batch", type=at_least(1), default=2)
+    p.add_argument("--seq", type=at_least(2), default=128)
+    p.add_argument("--steps", type=at_least(2), default=3)
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--device", default="auto")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--malloc", choices=["mmap", "default"], default="mmap",
@@ -44,7 +58,7 @@ def main(argv=None) -> int:
     malloc_env = {"MALLOC_MMAP_THRESHOLD_": str(2 ** 17)} if args.malloc == "mmap" else {}
     out = out_dir("memory", args.out)
     rec = Recorder(out, "memory", vars(args))
-    runs = [("single", 1)] + [("fsdp", int(w)) for w in args.ranks.split(",") if w]
+    runs = [("single", 1)] + [("fsdp", w) for w in args.ranks]
     common = ["--impl", "hydratrain", "--memory", "--model", args.model, "--batch", str(args.batch), "--seq",
               str(args.seq), "--steps", str(args.steps), "--warm", "1", "--precision", args.precision,
               "--device", args.device]

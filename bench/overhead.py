@@ -21,10 +21,13 @@ import sys
 
 from benchlib import (
     BENCH,
+    MODELS,
     Recorder,
+    at_least,
     auto_choices,
     clean_env,
     command,
+    csv_of,
     fmt,
     load,
     median_min_max,
@@ -38,24 +41,27 @@ from benchlib import (
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--strategies", default="single,ddp,fsdp")
-    p.add_argument("--precisions", default="fp32,bf16", help="bf16 is skipped where it is not native")
-    p.add_argument("--model", default="gpt_tiny")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--steps", type=int, default=31)
-    p.add_argument("--warm", type=int, default=11)
-    p.add_argument("--nproc", type=int, default=2, help="ranks for ddp and fsdp")
+    p.add_argument("--rounds", type=at_least(1), default=4)
+    p.add_argument("--strategies", type=csv_of(("single", "ddp", "fsdp")), default="single,ddp,fsdp")
+    p.add_argument("--precisions", type=csv_of(("fp32", "bf16", "fp16")), default="fp32,bf16",
+                   help="bf16 is skipped where it is not native")
+    p.add_argument("--model", choices=MODELS, default="gpt_tiny")
+    p.add_argument("--batch", type=at_least(1), default=16)
+    p.add_argument("--seq", type=at_least(2), default=256)
+    p.add_argument("--steps", type=at_least(2), default=31)
+    p.add_argument("--warm", type=at_least(1), default=11)
+    p.add_argument("--nproc", type=at_least(1), default=2, help="ranks for ddp and fsdp")
     p.add_argument("--device", default="auto")
     p.add_argument("--no-defaults", action="store_true", help="skip the defaults-vs-hand-written-fp32 rows")
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.warm >= args.steps:
+        p.error(f"--warm {args.warm}: must be below --steps {args.steps} (the steps after it are timed)")
 
     auto, adamw = auto_choices(args.device)
-    precisions = [x for x in args.precisions.split(",") if x and (x != "bf16" or auto == "bf16")]
-    strategies = [s for s in args.strategies.split(",") if s]
+    precisions = [x for x in args.precisions if x != "bf16" or auto == "bf16"]
+    strategies = args.strategies
     out = out_dir("overhead", args.out)
     rec = Recorder(out, "overhead", {**vars(args), "auto_precision": auto, "auto_adamw": adamw})
     # runs: (impl, strategy, precision flag, --adamw). Overhead pairs run the same work on both sides: the hand loop

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import at_least
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2 ** 20
 MMAP_THRESHOLD = 2 ** 17  # MALLOC_MMAP_THRESHOLD_ of --malloc mmap: every allocation of 128 KiB or more is its own mmap
@@ -116,8 +118,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per configuration (>= 2)")
-    ap.add_argument("--only", nargs="*", help="configuration names to run")
+    ap.add_argument("--steps", type=at_least(2), default=3, help="optimizer steps per configuration (>= 2)")
+    ap.add_argument("--only", nargs="*", choices=[name for name, _, _ in CONFIGS], help="configuration names to run")
     ap.add_argument("--malloc", choices=("mmap", "default"), default="mmap",
                     help="mmap: glibc's mmap threshold fixed at 128 KiB, so the resident set tracks the tensors "
                          "(default); default: glibc as it comes (heap fragmentation included)")

@@ -38,8 +38,10 @@ from benchlib import (
     BENCH,
     ROOT,
     Recorder,
+    at_least,
     clean_env,
     command,
+    csv_of,
     fmt,
     load,
     median_min_max,
@@ -91,8 +93,8 @@ def run_one(kind: str, nproc: int, timeout: float, extra: list[str], root: Path 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--ranks", default="1,2")
+    p.add_argument("--rounds", type=at_least(1), default=5)
+    p.add_argument("--ranks", type=csv_of(item=at_least(1)), default="1,2")
     p.add_argument("--timeout", type=float, default=300)
     p.add_argument("--compare", action="append", default=[], help="another checkout to time too (repeatable)")
     p.add_argument("--out", default=None)
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     rec = Recorder(out, "startup", vars(args))
     roots = {"hydratrain": ROOT, **{f"hydratrain ({Path(d).resolve()})": Path(d).resolve() for d in args.compare}}
     kinds = ["pg", "loop", *roots]
-    ranks = [int(r) for r in args.ranks.split(",") if r]
+    ranks = args.ranks
     cases = [(k, n) for n in ranks for k in kinds]
     print(f"bench/startup.py: {len(cases)} commands x {args.rounds} rounds (+1 warm-up); results in {out}", flush=True)
     for kind, nproc in cases:  # warm-up: page cache, CPU peak cache, corpus cache

@@ -221,3 +221,27 @@ def test_cpu_threads_follow_the_affinity_mask_and_an_explicit_omp_num_threads(mo
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: mask)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)  # the host
     assert process_group.cpu_threads(ranks) == threads
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["overhead.py", "--model", "nope"], "argument --model: invalid choice: 'nope'"),
+    (["overhead.py", "--rounds", "0"], "argument --rounds: invalid int >= 1 value: '0'"),
+    (["overhead.py", "--precisions", "fp33"], "argument --precisions: invalid comma-separated list of fp32, bf16"),
+    (["overhead.py", "--steps", "5", "--warm", "5"], "--warm 5: must be below --steps 5"),
+    (["memory.py", "--ranks", "0"], "argument --ranks: invalid comma-separated list of int >= 1 value: '0'"),
+    (["plan_accuracy.py", "--only", "nope"], "argument --only: invalid choice: 'nope'"),
+    (["plan_accuracy.py", "--steps", "1"], "argument --steps: invalid int >= 2 value: '1'"),
+    (["startup.py", "--ranks", "0"], "argument --ranks: invalid comma-separated list of int >= 1 value: '0'"),
+    (["fastpaths.py", "--rounds", "0"], "argument --rounds: invalid int >= 1 value: '0'"),
+])
+def test_bench_scripts_refuse_bad_arguments_before_any_run(argv, says):
+    """tester 9: a typo ran every launch of every round (each failing with a traceback), --ranks 0 divided by zero
+    at the end, --only nope failed on an empty max(): each is now argparse's one line, status 2, at once."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / argv[0]), *argv[1:]], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
