@@ -180,9 +180,10 @@ class Preemption:
         for sig in signals:
             try:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
-            except ValueError:  # not the main thread
-                log.warning("checkpoint.save_on_sigterm: cannot install a %s handler outside the main thread",
-                            signal.Signals(sig).name)
+            except ValueError:  # not the main thread: a Ray Train worker runs the job in a thread (README: Ray)
+                log.info("checkpoint.save_on_sigterm: no %s handler outside the main thread (a Ray worker): a "
+                         "preemption is not saved here; the run resumes from its latest periodic checkpoint",
+                         signal.Signals(sig).name)
 
     def _on_signal(self, signum, frame) -> None:
         if self.received is None:
