@@ -116,6 +116,9 @@ def test_cfg_job_prints_composed_config(cli):
     (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer=tok.json", "data.vocab_size=999"],
      "data.vocab_size=999: unused with data.tokenizer=tok.json"),
     (["model=llama_1b", "model.ff_multiple_of=256"], "model.ff_multiple_of=256: unused with model.d_ff=8192"),
+    # tester 11: a nested list passed the List[str] schema, then a TypeError traceback in the start-up
+    (["data=text_files", "data.paths=[[notes/*.md]]"],
+     "data.paths=[['notes/*.md']]: each entry must be a str; entry 0 is a list"),
 ])
 def test_validate_names_the_key(compose, overrides, key):
     with pytest.raises(ConfigError) as err:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hydratrain.config.schema import DType, ModelConfig, StrategyName, WrapPolicyName
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError
@@ -88,8 +88,26 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
                    else f"has no value: give it one ({where}=VALUE)")
             raise ConfigError(where, _NO_VALUE, why)
         child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
-            _check_known_keys(child, where)
+        if isinstance(child, (DictConfig, ListConfig)) and not child._is_none() and not child._is_missing():
+            _check_entries(child, where)
+            if isinstance(child, DictConfig):
+                _check_known_keys(child, where)
+
+
+def _check_entries(node: DictConfig | ListConfig, where: str) -> None:
+    """The entries of a typed container (``List[str]`` like ``data.paths``, ``Dict[str, float]`` like
+    ``launcher.resources_per_worker``) are values of its element type. OmegaConf converts and checks scalar entries but
+    lets a nested list or dict through (``data.paths=[[notes/*.md]]``), which then failed deep in the start-up with a
+    ``TypeError`` traceback (tester 11)."""
+    etype = node._metadata.element_type
+    if etype not in (str, int, float, bool):
+        return
+    for index in range(len(node)) if isinstance(node, ListConfig) else node.keys():
+        entry = node._get_node(index)
+        if isinstance(entry, (DictConfig, ListConfig)):
+            kind = "list" if isinstance(entry, ListConfig) else "dict"
+            raise ConfigError(where, OmegaConf.to_container(node, resolve=False),
+                              f"each entry must be a {etype.__name__}; entry {index!r} is a {kind}")
 
 
 def _check_resolves(cfg: DictConfig) -> None:
