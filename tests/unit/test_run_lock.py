@@ -178,6 +178,19 @@ def test_a_run_dir_that_cannot_be_created_is_one_config_line(cli, tmp_path, mult
     assert "Traceback" not in run.output and len(run.err.strip().splitlines()) == 1, run.err
 
 
+@pytest.mark.parametrize("multirun", [False, True])
+def test_a_run_dir_under_an_unset_variable_is_one_config_line(cli, multirun, monkeypatch):
+    """paths.output_dir=${oc.env:SCRATCH}/runs, the cluster idiom, with SCRATCH unset: the one line every other
+    unresolvable key gives, exit status 2. It was Hydra's 190-line traceback of its run dir (tester 11)."""
+    monkeypatch.delenv("HT_UNSET_SCRATCH", raising=False)
+    run = cli([*(["-m"] if multirun else []), "paths.output_dir=${oc.env:HT_UNSET_SCRATCH}/runs",
+               "trainer.max_steps=1"])
+    assert run.returncode == 2, run.output[-3000:]
+    assert run.err.strip() == ("hydratrain: config error: paths.output_dir='${oc.env:HT_UNSET_SCRATCH}/runs': cannot "
+                               "be resolved: KeyError raised while resolving interpolation: \"Environment variable "
+                               "'HT_UNSET_SCRATCH' not found\""), run.err[-3000:]
+
+
 def test_printing_the_resolved_config_reserves_no_run_dir(cli, tmp_path):
     run = cli(["--cfg", "all", "--resolve", f"paths.output_dir={tmp_path}"])
     assert run.returncode == 0, run.output

@@ -126,8 +126,13 @@ def _check_resolves(cfg: DictConfig) -> None:
         raw: Any = OmegaConf.to_container(cfg, resolve=False)
         for part in key.split(".") if key else []:
             raw = raw.get(part) if isinstance(raw, dict) else None
-        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ConfigError(key or "<config>", raw, f"cannot be resolved: {why}") from None
+        raise unresolvable(key or "<config>", raw, err) from None
+
+
+def unresolvable(key: str, raw: Any, err: Exception) -> ConfigError:
+    """The config error for ``key``, whose text ``raw`` raised ``err`` (an OmegaConf error) when resolved."""
+    why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return ConfigError(key, raw, f"cannot be resolved: {why}")
 
 
 def validate(cfg: DictConfig) -> None:

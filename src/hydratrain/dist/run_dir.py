@@ -171,6 +171,25 @@ def _launch_key() -> str:
                  if k in os.environ), "none")
 
 
+def output_base(*, _root_: Any = None) -> str:
+    """``paths.output_dir`` for the default ``hydra.run.dir`` / ``hydra.sweep.dir`` (``${hydratrain.output_base:}``;
+    ``<paths.output_dir>`` when the key is gone). Resolved here, not by an interpolation in Hydra's own node, so a
+    value that cannot be resolved (``${oc.env:SCRATCH}/runs`` with SCRATCH unset) is the one-line config error, exit
+    status 2, as in every other key, not Hydra's 190-line traceback of its run dir (tester 11). ``_root_``: the whole
+    config (OmegaConf passes it)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return str(OmegaConf.select(_root_, "paths.output_dir", default="<paths.output_dir>"))
+    except OmegaConfBaseException as err:
+        from hydratrain.config.validate import unresolvable
+
+        problem = unresolvable("paths.output_dir", _root_.paths._get_node("output_dir")._value(), err)
+        print(f"hydratrain: {problem.label}: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG) from None  # (an exception would come out as Hydra's traceback)
+
+
 def output_subdir(*, _root_: Any = None) -> Optional[str]:
     """``.hydra`` on rank 0 and ``None`` (Hydra then writes no config copy) on the other ranks, and on rank 0 too
     when the job will stop before training (exit status 2) and the run dir's ``.hydra/`` belongs to another run:
@@ -263,13 +282,15 @@ def _of_another_trial(run_dir: Path, root: Any) -> bool:
 
 
 def register_resolvers() -> None:
-    """Register ``${hydratrain.stamp:}``, ``${hydratrain.unique_dir:BASE,KIND}``, ``${hydratrain.output_subdir:}``,
-    ``${hydratrain.rank:}`` and ``${hydratrain.path:BASE,REST}`` (:func:`hydratrain.paths.join`) (idempotent)."""
+    """Register ``${hydratrain.stamp:}``, ``${hydratrain.unique_dir:BASE,KIND}``, ``${hydratrain.output_base:}``,
+    ``${hydratrain.output_subdir:}``, ``${hydratrain.rank:}`` and ``${hydratrain.path:BASE,REST}``
+    (:func:`hydratrain.paths.join`) (idempotent)."""
     from omegaconf import OmegaConf
 
     from hydratrain.paths import join
 
     for name, fn in (("hydratrain.stamp", run_stamp), ("hydratrain.unique_dir", unique_dir),
+                     ("hydratrain.output_base", output_base),
                      ("hydratrain.output_subdir", output_subdir),
                      ("hydratrain.rank", env_rank), ("hydratrain.path", join)):
         if not OmegaConf.has_resolver(name):
