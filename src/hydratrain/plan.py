@@ -380,9 +380,42 @@ def _compose(overrides: list[str]):
 
     register_configs()
     register_resolvers()
-    conf = Path(os.environ.get("HYDRATRAIN_CONF", Path(__file__).resolve().parents[2] / "conf"))
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return compose("train", overrides=overrides)
+
+
+def conf_dir() -> Path:
+    """The ``conf/`` that ``train.py`` composes its run config from: ``$HYDRATRAIN_CONF`` when set, else the clone's
+    that this package is installed from in editable mode, else ``./conf`` (a non-editable install, ``pip install .``,
+    run from the clone: the wheel holds the package, not ``train.py`` and its ``conf/``).
+
+    Raises:
+        ConfigError: none of them holds ``train.yaml`` (it was Hydra's "Primary config directory not found", which
+            named neither the place nor the way out; tester 11).
+    """
+    from hydratrain.errors import ConfigError
+
+    if os.environ.get("HYDRATRAIN_CONF"):
+        places = [Path(os.environ["HYDRATRAIN_CONF"])]
+    else:
+        places = [Path(__file__).resolve().parents[2] / "conf", Path.cwd() / "conf"]
+    for place in places:
+        if (place / "train.yaml").is_file():
+            return place
+    if os.environ.get("HYDRATRAIN_CONF"):
+        raise ConfigError("$HYDRATRAIN_CONF", str(places[0]), "no train.yaml there: give the conf/ dir of a hydratrain "
+                          "clone (the one next to its train.py)")
+    raise ConfigError("$HYDRATRAIN_CONF", _UNSET, f"no train.yaml in {places[0]} (this package's source tree) or "
+                      f"{places[1]} (the current dir): run python -m hydratrain.plan from the clone that holds "
+                      "train.py and conf/ (pip install . installs neither), or set HYDRATRAIN_CONF=<clone>/conf")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET = _Unset()
 
 
 def _run_imports() -> None:

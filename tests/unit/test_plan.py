@@ -376,3 +376,33 @@ def test_the_cli_names_what_is_wrong_with_an_override_in_one_line(argv, says, ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_cli_finds_the_clones_conf_when_the_package_is_not_installed_from_it(capsys, monkeypatch, tmp_path):
+    """``pip install .`` (not editable) puts the package in site-packages without ``conf/``: the plan CLI said only
+    Hydra's "Primary config directory not found" (tester 11). It now reads ``./conf`` (run from the clone) or
+    ``$HYDRATRAIN_CONF``, and says where it looked when neither has ``train.yaml``."""
+    from pathlib import Path
+
+    import hydratrain.plan as plan
+
+    clone = Path(plan.__file__).resolve().parents[2]
+    monkeypatch.setattr(plan, "__file__", str(tmp_path / "site-packages" / "hydratrain" / "plan.py"))
+    monkeypatch.delenv("HYDRATRAIN_CONF", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert plan.main(["model=gpt_tiny"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hydratrain: config error: $HYDRATRAIN_CONF=<unset>: no train.yaml in {tmp_path}/conf (this package's source "
+        f"tree) or {tmp_path}/conf (the current dir): run python -m hydratrain.plan from the clone that holds "
+        "train.py and conf/ (pip install . installs neither), or set HYDRATRAIN_CONF=<clone>/conf")
+    monkeypatch.setenv("HYDRATRAIN_CONF", str(tmp_path / "nope"))
+    assert plan.main(["model=gpt_tiny"]) == 2
+    assert f"$HYDRATRAIN_CONF='{tmp_path}/nope': no train.yaml there" in capsys.readouterr().err
+    for how in ("cwd", "env"):
+        if how == "cwd":
+            monkeypatch.delenv("HYDRATRAIN_CONF")
+            monkeypatch.chdir(clone)
+        else:
+            monkeypatch.setenv("HYDRATRAIN_CONF", str(clone / "conf"))
+        assert plan.main(["model=gpt_tiny", "strategy=single", "plan.memory_gb=8"]) == 0
+        assert "memory plan per rank: model 4 x 128" in capsys.readouterr().out
