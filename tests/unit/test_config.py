@@ -180,6 +180,23 @@ def test_bad_values_found_at_run_time_are_one_line_config_errors(cli, args, expe
     assert "Traceback" not in r.output
 
 
+def test_a_users_own_option_needs_its_schema_line_and_the_error_says_so(cli, tmp_path):
+    """An option file in the user's --config-dir without ``defaults: [/schema/<group>/<schema>@_here_, _self_]``
+    was refused as 'removed with ~data?' (tester 11); with the line it trains."""
+    (tmp_path / "my_conf" / "data").mkdir(parents=True)
+    (tmp_path / "my_conf" / "data" / "bare.yaml").write_text("name: synthetic\nsynthetic_tokens: 6000\n")
+    (tmp_path / "my_conf" / "data" / "typed.yaml").write_text(
+        "defaults:\n  - /schema/data/synthetic@_here_\n  - _self_\nname: synthetic\nsynthetic_tokens: 6000\n")
+    config_dir = ["--config-dir", str(tmp_path / "my_conf"), "strategy=single", "precision=fp32"]
+    r = cli([*config_dir, "data=bare"], tmp_path / "bare")
+    assert r.returncode == 2 and r.err.strip() == (
+        "hydratrain: config error: data.name='synthetic': the data option is on no schema: begin its file with "
+        "'defaults: [/schema/data/synthetic@_here_, _self_]' (as conf/data/ does; schemas: python_stdlib, "
+        "text_files, synthetic, token_bin, tokenized_text, python_stdlib_bpe)"), r.output[-3000:]
+    r = cli([*config_dir, "data=typed", "trainer.max_steps=1"], tmp_path / "typed")
+    assert r.returncode == 0 and "synthetic_tokens: 6000" in (tmp_path / "typed" / ".hydra" / "config.yaml").read_text()
+
+
 def test_size_based_policy_never_picks_a_container_without_forward():
     from torch import nn
 

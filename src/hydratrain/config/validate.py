@@ -33,13 +33,28 @@ def _check_option_nodes(cfg: DictConfig) -> None:
         node = cfg.get(group)
         if node is None:
             continue
-        if not dataclasses.is_dataclass(OmegaConf.get_type(node)):  # ~group, then an overlay's keys: no option
-            raise ConfigError(group, _NO_VALUE, f"has no option (removed with ~{group}?): choose one with "
-                              f"{group}=NAME (conf/{group}/)")
+        if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            _refuse_an_untyped_option(group, node)
         option = getattr(OmegaConf.get_type(node), "option", None)
         if option is not None and node.name != option:
             raise ConfigError(f"{group}.name", node.name, f"the {group} node was composed as {option}; pick an "
                               f"option with {group}={node.name}, not by renaming it")
+
+
+def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
+    """A group node that no option schema types: a user's own option file without its schema line (tester 11:
+    that was reported as removed with ``~group``), or ``~group`` and then an overlay's keys."""
+    from hydratrain.config.schema import SCHEMAS
+
+    schemas = list(SCHEMAS[group])
+    name = node.get("name") if not OmegaConf.is_missing(node, "name") else None
+    if name is None:
+        raise ConfigError(group, _NO_VALUE, f"has no option (removed with ~{group}?): choose one with "
+                          f"{group}=NAME (conf/{group}/)")
+    schema = name if name in schemas else "SCHEMA"
+    raise ConfigError(f"{group}.name", name, f"the {group} option is on no schema: begin its file with 'defaults: "
+                      f"[/schema/{group}/{schema}@_here_, _self_]' (as conf/{group}/ does; schemas: "
+                      f"{', '.join(schemas)})")
 
 
 class _Deleted:
