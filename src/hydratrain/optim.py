@@ -164,23 +164,26 @@ def total_steps(trainer_cfg, batches, done: int = 0) -> int:
     return max(0, min(steps))
 
 
-def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int) -> None:
+def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int, done: int = 0) -> None:
     """Log one warning line each when the run's length is not what its keys suggest: ``trainer.max_epochs`` ends
     with micro-batches that fill no whole step of ``trainer.grad_accum_steps`` (they are not trained; tester 8),
     ``trainer.max_steps`` ends the run before ``trainer.max_epochs`` does (both set), or ``scheduler.warmup_steps``
     is not shorter than the ``steps`` optimizer steps it takes (:func:`total_steps`), so the lr reaches
     ``optim.lr`` only at the last step or never and ``warmup_cosine`` never decays. ``batches`` is the run's
-    ``hydratrain.data.ShardedBatches``."""
+    ``hydratrain.data.ShardedBatches``, at its restored position after a resume at step ``done`` (counted from there:
+    before the load they were the fresh config's counts, wrong after a resume on another batch geometry; tester 10)."""
     accum = trainer_cfg.grad_accum_steps
     if trainer_cfg.max_epochs is not None:
         left = batches.batches_left(trainer_cfg.max_epochs)
         epoch_steps, untrained = divmod(left, accum)
-        if untrained and (trainer_cfg.max_steps is None or trainer_cfg.max_steps >= epoch_steps):
+        which = f"its {left} micro-batches per rank" if not done else \
+            f"the {left} micro-batches per rank left after the resumed step {done}"
+        if untrained and (trainer_cfg.max_steps is None or trainer_cfg.max_steps >= done + epoch_steps):
             log.warning("trainer.max_epochs=%d leaves the run's last %d micro-batch(es) per rank (%d samples each "
-                        "rank) untrained: its %d micro-batches per rank fill %d optimizer steps of "
-                        "trainer.grad_accum_steps=%d; a grad_accum_steps that divides %d trains them all",
-                        trainer_cfg.max_epochs, untrained, untrained * batches.batch_size, left, epoch_steps, accum,
-                        left)
+                        "rank) untrained: %s fill %d optimizer steps of trainer.grad_accum_steps=%d; a "
+                        "grad_accum_steps that divides %d trains them all", trainer_cfg.max_epochs, untrained,
+                        untrained * batches.batch_size, which, epoch_steps, accum, left)
+        epoch_steps += done
     if trainer_cfg.max_steps is not None and trainer_cfg.max_epochs is not None:
         if trainer_cfg.max_steps < epoch_steps:
             log.warning("trainer.max_steps=%d ends the run before trainer.max_epochs=%d would (at %d optimizer "

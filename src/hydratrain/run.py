@@ -243,10 +243,12 @@ class Job:
     tokenizer: Any = None  # hydratrain.tokenizer.TextTokenizer of subword data, else None
 
 
-def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guard=None) -> Job:
+def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guard=None,
+          resuming: bool = False) -> Job:
     """Resolve the precision, seed, and build data, model, optimizer, schedule, scaler, logger, checkpoint manager,
     preemption and trainer for this rank (every rank calls; collectives inside). The memory plan is made before the
-    model exists and handed to ``oom_guard`` (a :class:`hydratrain.plan.OutOfMemoryGuard`), if given."""
+    model exists and handed to ``oom_guard`` (a :class:`hydratrain.plan.OutOfMemoryGuard`), if given. ``resuming``:
+    a checkpoint is loaded next, so the run length's warnings wait for its data position."""
     import random
 
     import numpy as np
@@ -303,7 +305,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         raise ConfigError("trainer.max_epochs", cfg.trainer.max_epochs,
                           f"gives 0 optimizer steps: an epoch has {train_batches.batches_per_epoch} micro-batches per "
                           f"rank, fewer than trainer.grad_accum_steps={cfg.trainer.grad_accum_steps}")
-    warn_run_length(cfg.trainer, cfg.scheduler, train_batches, max_steps)
+    if not resuming:  # else from the restored data position, after the load (_fit)
+        warn_run_length(cfg.trainer, cfg.scheduler, train_batches, max_steps)
     scheduler = build_scheduler(optimizer, cfg.scheduler, max_steps)
     scaler = precision.grad_scaler(device)
     progress = TrainProgress()
@@ -344,11 +347,11 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.dist.run_dir import resolve_path
     from hydratrain.errors import DamagedCheckpointError
     from hydratrain.metrics import peak_memory_bytes
-    from hydratrain.optim import state_bytes
+    from hydratrain.optim import state_bytes, warn_run_length
     from hydratrain.paths import Paths
     from hydratrain.train.outputs import write_outputs
 
-    job = build(cfg, strategy, info, run_dir, launch, oom_guard)
+    job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None)
     check_same_resume(resume)
     progress = job.trainer.progress
     if resume is not None:
@@ -364,6 +367,9 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
             log.warning("resumed at step %d, which is already at or past the %d steps this config trains "
                         "(trainer.max_steps / max_epochs): nothing to train, evaluating only", progress.step,
                         job.trainer.max_steps)
+        else:
+            warn_run_length(cfg.trainer, cfg.scheduler, job.trainer.train_batches, job.trainer.max_steps,
+                            done=progress.step)
     elif cfg.model.init_from:
         from dataclasses import asdict
 

@@ -152,6 +152,23 @@ def test_an_epoch_limit_holds_across_a_resume_on_another_batch_size(cli, tmp_pat
     assert lr[13] == pytest.approx(min(lr.values()))  # min_lr_ratio on the last step of the re-targeted schedule
 
 
+def test_the_untrained_micro_batches_warning_counts_from_the_resumed_data_position(cli, tmp_path):
+    """44 training samples, 2 epochs, trainer.grad_accum_steps=2: at batch 4 (11 micro-batches an epoch) 11 steps
+    train everything. Stopped at step 3 (24 samples) and resumed at batch 8: 2 micro-batches are left in epoch 0 and
+    5 in epoch 1, 3 steps and 1 micro-batch untrained. The warning was computed before the load, from the fresh
+    config's 10 micro-batches (5 steps, nothing left over), so it said nothing (tester 10)."""
+    common = ["strategy=single", "data.synthetic_tokens=3000", "trainer.max_epochs=2", "trainer.grad_accum_steps=2",
+              "scheduler.warmup_steps=1", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=3"]
+    r = cli([*common, "trainer.max_steps=3"], tmp_path).ok()
+    assert ") untrained:" not in r.output
+    r = cli([*common, "trainer.max_steps=null", "data.batch_size=8"], tmp_path).ok()
+    assert ("trainer.max_epochs=2 leaves the run's last 1 micro-batch(es) per rank (8 samples each rank) untrained: "
+            "the 7 micro-batches per rank left after the resumed step 3 fill 3 optimizer steps of "
+            "trainer.grad_accum_steps=2; a grad_accum_steps that divides 7 trains them all") in r.output, \
+        r.output[-3000:]
+    assert r.output.count(") untrained:") == 1 and results(tmp_path)["steps"] == 6
+
+
 @pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(cli, tmp_path):
     """Resuming a run dir from its step-2 checkpoint (auto_resume off) while steps 4 and 6 of the abandoned line are
