@@ -310,20 +310,33 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False,
 
 
 def peak_flops(device: torch.device, compute_dtype: Union[torch.dtype, str], override: Optional[float] = None,
-               tf32: Optional[bool] = None, cache_dir: Optional[Path] = None) -> float:
+               tf32: Optional[bool] = None, cache_dir: Optional[Path] = None, local_world_size: int = 1) -> float:
     """Peak FLOP/s of one device for matmuls in ``compute_dtype`` (torch dtype or "bfloat16"/"float16"/"float32"),
     or NaN when it is not known (then MFU is NaN; one warning per device and mode). See the module docstring.
+
+    On CPU "one device" is one rank's threads, measured on this process's thread count. When the node's
+    ``local_world_size`` ranks run more threads than the cores they may use (4 ranks of 1 thread on 2 cores), the
+    figure is scaled by cores / threads: the node's peak is its cores', not the sum of its ranks' (which made MFU read
+    2x low; tester 10).
 
     Args:
         override: ``logger.peak_flops``, FLOP/s of one device; wins when set.
         tf32: CUDA fp32 matmuls use TF32 tensor cores; None = as torch is configured (:func:`tf32_enabled`).
         cache_dir: where the CPU figure is cached; None = :func:`default_cache_dir`.
+        local_world_size: ranks on this node (CPU only).
     """
     if override:
         return float(override)
     dtype = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
     if device.type == "cpu":
         flops, where = cpu_peak_flops(dtype, cache_dir)
+        from hydratrain.dist.env import allowed_cores
+
+        threads, cores = torch.get_num_threads() * local_world_size, allowed_cores()
+        if threads > cores:
+            flops *= cores / threads
+            where += (f"; x {cores}/{threads}: {local_world_size} ranks of {torch.get_num_threads()} thread(s) share "
+                      f"{cores} cores")
         log.info("peak FLOP/s for MFU: %.1f GFLOP/s per rank, %s matmul %s; set logger.peak_flops to override",
                  flops / 1e9, dtype, where)
         return flops

@@ -316,7 +316,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     if slow:
         log.warning(slow)
     peak = peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32,
-                      cache_dir=paths.cache)
+                      cache_dir=paths.cache, local_world_size=info.local_world_size)
     timing.mark("peak FLOP/s")
     step_logger = StepLogger(run_dir, device, tokens_per_step, raw.flops_per_token(cfg.data.seq_len),
                              peak * info.world_size, cfg.trainer.log_every_n_steps, max_steps, info.is_main,

@@ -159,3 +159,9 @@ def quiet_console() -> None:
         console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
         if console and not any(isinstance(f, RankZeroConsoleFilter) for f in handler.filters):
             handler.addFilter(RankZeroConsoleFilter())
+
+
+def allowed_cores() -> int:
+    """CPU cores this process may run on: its affinity mask (``taskset``, a container's cpuset, a SLURM binding),
+    else ``os.cpu_count()``."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -31,7 +31,7 @@ from datetime import timedelta
 from typing import Iterator, Optional
 
 from hydratrain.checkpoint.preemption import hold_sigterm
-from hydratrain.dist.env import DistInfo, dist_info
+from hydratrain.dist.env import DistInfo, allowed_cores, dist_info
 from hydratrain.dist.run_lock import RunDirLock
 from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
 
@@ -163,7 +163,7 @@ def cpu_threads(local_world_size: int) -> int:
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0 and not (omp == "1" and "TORCHELASTIC_RUN_ID" in os.environ):
         return int(omp)
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    allowed = allowed_cores()
     if "SLURM_PROCID" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
         per_task = os.environ.get("SLURM_CPUS_PER_TASK", "").strip()
         if per_task.isdigit() and int(per_task) > 0:
