@@ -218,3 +218,30 @@ def test_a_divergence_after_a_resume_names_the_checkpoint_it_resumed_from(make_j
         job.trainer.fit()
     assert err.value.step == 3 and err.value.last_checkpoint == str(saved)
     assert str(err.value).endswith(f"last good checkpoint: {saved}")
+
+
+@pytest.mark.parametrize("other_loss, says", [
+    (float("nan"), "non-finite gradient norm (nan) at step 5 (loss nan: not finite on 1 of 2 ranks, whose batches or "
+                   "forward passes failed): its update was not applied (trainer.on_nonfinite=stop; check that step's "
+                   "data on those ranks)"),
+    (5.0, "non-finite gradient norm (nan) at step 5 (loss 5.126): its update was not applied (trainer.on_nonfinite="
+          "stop; lower optim.lr"),
+])
+def test_the_divergence_line_gives_the_steps_loss_over_ranks(monkeypatch, other_loss, says):
+    """Each rank recorded its own loss: with rank 1's loss NaN (a bad batch), rank 0 said "loss 5.252" and pointed
+    at the lr (tester 10). The line now gives the step's loss as train/loss does (the mean over ranks) and says when
+    only some ranks' loss was not finite. Rank 1's side of the all-reduce is played here."""
+    from hydratrain.dist import collectives
+    from hydratrain.train.nonfinite import NonFiniteGuard
+    from hydratrain.train.trainer import TrainProgress
+
+    guard = NonFiniteGuard("stop", 20, torch.device("cpu"), scaler_skips=False)
+    guard.update(5, torch.tensor(float("nan")), torch.tensor(5.252))
+    monkeypatch.setattr(collectives, "rank_and_world", lambda: (0, 2))
+
+    def with_rank_1(values, op=None):
+        values += torch.tensor([other_loss, 0.0 if math.isfinite(other_loss) else 1.0], dtype=values.dtype)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", with_rank_1)
+    err = guard.read(TrainProgress(), 5, lambda: None)
+    assert str(err).startswith(says), str(err)

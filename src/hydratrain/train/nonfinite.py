@@ -20,6 +20,7 @@ raises once ``trainer.max_consecutive_nonfinite`` steps in a row were skipped (w
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable, Optional
 
 import torch
@@ -87,6 +88,20 @@ class NonFiniteGuard:
         self._limit_step = torch.where(hit, step, self._limit_step)
         return skip.float()
 
+    def _loss_over_ranks(self, loss: float) -> tuple[float, int, int]:
+        """(the step's loss: the mean of the ranks' ``loss``, as ``train/loss``; how many ranks' loss was not finite;
+        the world size). A collective: :meth:`read` calls it on every rank alike when updates were dropped, which
+        the global gradient norm decides for all. Each rank used to report its own loss: rank 0's line read "loss
+        5.252", pointing at the lr, when rank 1's batch had given a NaN loss (tester 10)."""
+        from hydratrain.dist.collectives import rank_and_world
+
+        world = rank_and_world()[1]
+        both = torch.tensor([loss, 0.0 if math.isfinite(loss) else 1.0], dtype=torch.float64, device=self._count.device)
+        if world > 1:
+            torch.distributed.all_reduce(both)
+        total, ranks = both.tolist()
+        return total / world, int(ranks), world
+
     def read(self, progress, step: int, last_checkpoint: Callable[[], Optional[str]]) -> Optional[DivergenceError]:
         """Bring the counts to the host (one synchronisation) after optimizer step ``step``: add them to ``progress``
         (a ``TrainProgress``: ``skipped_steps``, ``consecutive_skipped``) and warn about skipped updates. Returns the
@@ -102,11 +117,16 @@ class NonFiniteGuard:
         if not count:
             return None
         first, last = int(first), int(last)
-        what = f"non-finite gradient norm ({norm}) at step {first} (loss {loss:.4g})"
+        loss, ranks, world = self._loss_over_ranks(loss)
+        what = f"non-finite gradient norm ({norm}) at step {first} (loss {loss:.4g}"
+        partial = 0 < ranks < world  # the weights are alike on every rank: some ranks' batches, not the weights
+        what += (f": not finite on {ranks} of {world} ranks, whose batches or forward passes failed)" if partial
+                 else ")")
         if self.stop:
             after = f", and every update after it up to step {step}," if step > first else ""
+            advice = "check that step's data on those ranks" if partial else STOP_ADVICE
             return DivergenceError(f"{what}: its update{after} was not applied (trainer.on_nonfinite=stop; "
-                                   f"{STOP_ADVICE})", first, last_checkpoint())
+                                   f"{advice})", first, last_checkpoint())
         if self.warn:
             more = f" and at {int(count) - 1} more step(s) up to step {last}" if count > 1 else ""
             log.warning("%s%s: update skipped on every rank (trainer.on_nonfinite=skip)", what, more)
