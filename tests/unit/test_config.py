@@ -116,6 +116,13 @@ def test_cfg_job_prints_composed_config(cli):
     (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer=tok.json", "data.vocab_size=999"],
      "data.vocab_size=999: unused with data.tokenizer=tok.json"),
     (["model=llama_1b", "model.ff_multiple_of=256"], "model.ff_multiple_of=256: unused with model.d_ff=8192"),
+    # tester 11: '' (key=$VAR with VAR unset) read as "not set": a fresh run instead of a resume, a new tokenizer
+    (["checkpoint.resume_from="], "checkpoint.resume_from='': empty (from an unset shell variable, as in "
+                                  "checkpoint.resume_from=$VAR?): give a path, or null for none"),
+    (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer="], "data.tokenizer='': empty"),
+    (["paths.cache_dir="], "paths.cache_dir='': empty (from an unset shell variable, as in paths.cache_dir=$VAR?): "
+                            "give a path, or '.' for the launch dir"),
+    (["data=text_files", "data.paths=[a.txt,'']"], "data.paths=['a.txt', '']: holds an empty entry"),
     # tester 11: a nested list passed the List[str] schema, then a TypeError traceback in the start-up
     (["data=text_files", "data.paths=[[notes/*.md]]"],
      "data.paths=[['notes/*.md']]: each entry must be a str; entry 0 is a list"),

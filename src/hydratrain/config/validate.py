@@ -150,6 +150,25 @@ def unresolvable(key: str, raw: Any, err: Exception) -> ConfigError:
     return ConfigError(key, raw, f"cannot be resolved: {why}")
 
 
+PATH_KEYS = ("checkpoint.resume_from", "model.init_from", "data.tokenizer", "data.train_path", "data.val_path",
+             "data.cache_dir", "paths.data_dir", "paths.output_dir", "paths.cache_dir", "paths.model_dir")
+
+
+def _refuse_empty_paths(cfg: DictConfig) -> None:
+    """An empty string is no path: ``checkpoint.resume_from=$CKPT`` with CKPT unset trained from scratch and
+    ``data.tokenizer=$TOK`` trained a new BPE, both without a word (tester 11), because '' read as "not set"."""
+    for key in PATH_KEYS:
+        value = _get(cfg, key)
+        if isinstance(value, str) and not value.strip():
+            none = "'.' for the launch dir" if key.startswith("paths.") else "null for none"
+            raise ConfigError(key, value, f"empty (from an unset shell variable, as in {key}=$VAR?): give a path, "
+                              f"or {none}")
+    for entry in _get(cfg, "data.paths") or ():
+        if isinstance(entry, str) and not entry.strip():
+            raise ConfigError("data.paths", list(cfg.data.paths), "holds an empty entry (from an unset shell "
+                              "variable?): give files or globs")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check values that the schema's types cannot. Raises :class:`ConfigError` on the first bad key (an
     interpolation that does not resolve, first)."""
@@ -237,6 +256,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("checkpoint.preempt_exit_code", code, f"must be in {max(RESERVED_EXIT_CODES) + 1}..125 "
                           f"({', '.join(map(str, RESERVED_EXIT_CODES))} are hydratrain's own exit statuses, 126+ "
                           "the shell's)")
+    _refuse_empty_paths(cfg)
     init_from = cfg.model.init_from
     if init_from is not None and not str(init_from).endswith(".safetensors"):
         raise ConfigError("model.init_from", init_from, "must be a .safetensors file (python -m hydratrain.export "
