@@ -40,6 +40,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain.checkpoint.preemption import guard
 
     env = lock = None
+    readonly = cfg._get_node_flag("readonly")
     exits.watch_interrupts()
     try:
         # from here to the first step a preemption signal ends the launch at once (the values are validated below)
@@ -59,7 +60,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
 
         timing.mark("imports")
         quiet_console()
-        OmegaConf.set_readonly(cfg, True)
+        OmegaConf.set_readonly(cfg, True)  # for the run; given back at the end, so a caller may change cfg and rerun
         env = dist_info()
         validate(cfg)
         launch = launch_dir()
@@ -85,6 +86,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         exits.end(err, env)
     finally:
         exits.leave(bool(_select(cfg, "checkpoint.save_on_sigterm", True)), lock)
+        OmegaConf.set_readonly(cfg, readonly)  # (tester 11: a second run from Python failed with ReadonlyConfigError)
     if result.preempted:
         if in_multirun():
             exits.end_the_sweep(cfg.checkpoint.preempt_exit_code, "preempted: stopped by a preemption signal after "
@@ -394,3 +396,11 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     write_outputs(cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
                   run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer)
     return result
+
+
+if __name__ == "__main__":  # tester 11: `python -m hydratrain.run` printed nothing and exited 0
+    import sys
+
+    print("hydratrain: hydratrain.run is the library's entry (main(cfg)); train with python train.py [OVERRIDES] (or "
+          "torchrun ... train.py) from the clone, whose conf/ holds the run config", file=sys.stderr)
+    raise SystemExit(2)

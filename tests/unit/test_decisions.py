@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -33,13 +34,21 @@ def test_main_never_writes_the_config_and_resolves_auto_into_a_new_object(compos
     cfg = compose(["+debug=fast", "strategy=single", "device=cpu", "trainer.max_steps=2", "logger.peak_flops=1e12"])
     before = OmegaConf.to_yaml(cfg)
     assert cfg.precision.name == "auto"
-    result = main(cfg, run_dir=tmp_path)
-    assert OmegaConf.to_yaml(cfg) == before and result.steps == 2
-    with pytest.raises(ReadonlyConfigError):  # read-only from main() on: any write is a bug, found at once
-        cfg.precision.name = "bf16"
+    writes = []
+
+    def write_inside(*args, **kwargs):  # read-only inside main(): any write is a bug, found at once
+        with pytest.raises(ReadonlyConfigError):
+            cfg.precision.name = "bf16"
+        writes.append("refused")
+        validate(cfg)  # validating a read-only config works: validate only reads
+
+    with patch("hydratrain.checkpoint.io.check_same_resume", write_inside):
+        result = main(cfg, run_dir=tmp_path / "a")
+    assert writes == ["refused"] and OmegaConf.to_yaml(cfg) == before and result.steps == 2
     p = Precision.resolve(cfg.precision, torch.device("cpu"))
     assert p.requested == "auto" and p.name in ("fp32", "bf16") and cfg.precision.name == "auto"
-    validate(cfg)  # validating a read-only config works: validate only reads
+    cfg.trainer.max_steps = 3  # the caller's object again: change one value, run again (tester 11: read-only for good)
+    assert main(cfg, run_dir=tmp_path / "b").steps == 3
 
 
 @pytest.mark.parametrize("overrides", [

@@ -36,6 +36,17 @@ def test_text_files_relative_paths_resolve_against_the_launch_dir(cli, tmp_path,
     assert re.search(r"data=text_files: .* \(train \d files / \d+ tokens, val \d files", log0), log0
 
 
+def test_running_the_library_module_says_how_to_train(capsys):
+    """``python -m hydratrain.run`` (a guess at an entry point) printed nothing and exited 0 (tester 11)."""
+    import runpy
+    import warnings
+
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as err:
+        warnings.simplefilter("ignore", RuntimeWarning)  # hydratrain.run is imported already
+        runpy.run_module("hydratrain.run", run_name="__main__")
+    assert err.value.code == 2 and "train with python train.py [OVERRIDES]" in capsys.readouterr().err
+
+
 def test_env_report(capsys, monkeypatch, tmp_path):
     """``python -m hydratrain.env`` prints the report; on a machine without SLURM's commands (a PATH without them)
     it says that slurm needs them."""
