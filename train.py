@@ -7,7 +7,8 @@
 """
 from hydratrain.checkpoint.preemption import early_guard
 
-early_guard()  # a SIGTERM while Hydra composes is recorded, and ends the launch as preempted once a run starts
+if __name__ == "__main__":  # (not when imported: a process that imports train.py would ignore SIGTERM for good)
+    early_guard()  # a SIGTERM while Hydra composes is recorded, and ends the launch as preempted once a run starts
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 

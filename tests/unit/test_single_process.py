@@ -47,6 +47,24 @@ def test_running_the_library_module_says_how_to_train(capsys):
     assert err.value.code == 2 and "train with python train.py [OVERRIDES]" in capsys.readouterr().err
 
 
+def test_importing_train_py_leaves_sigterm_alone(monkeypatch):
+    """train.py's early SIGTERM guard (for the seconds Hydra composes) was installed on import too: a wrapper script
+    or notebook that imported train.py, and every child it spawned, ignored SIGTERM for good (tester 11)."""
+    import importlib.util
+    import signal
+
+    from helpers import TRAIN
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        spec = importlib.util.spec_from_file_location("train_imported", TRAIN)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_env_report(capsys, monkeypatch, tmp_path):
     """``python -m hydratrain.env`` prints the report; on a machine without SLURM's commands (a PATH without them)
     it says that slurm needs them."""
