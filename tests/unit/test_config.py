@@ -123,6 +123,12 @@ def test_cfg_job_prints_composed_config(cli):
     (["paths.cache_dir="], "paths.cache_dir='': empty (from an unset shell variable, as in paths.cache_dir=$VAR?): "
                             "give a path, or '.' for the launch dir"),
     (["data=text_files", "data.paths=[a.txt,'']"], "data.paths=['a.txt', '']: holds an empty entry"),
+    # tester 11: tracebacks deep in the run (torch.manual_seed, the rotary tables); a list entry's text read None
+    (["trainer.seed=18446744073709551616"], "trainer.seed=18446744073709551616: out of range: integer keys take "
+                                            "values that fit torch's int64"),
+    (["model.max_seq_len=99999999999999999999"], "model.max_seq_len=99999999999999999999: out of range"),
+    (["data=text_files", "data.paths=['${oc.env:HT_UNSET_VARIABLE}/*.md']"],
+     "data.paths[0]='${oc.env:HT_UNSET_VARIABLE}/*.md': cannot be resolved"),
     # tester 11: a nested list passed the List[str] schema, then a TypeError traceback in the start-up
     (["data=text_files", "data.paths=[[notes/*.md]]"],
      "data.paths=[['notes/*.md']]: each entry must be a str; entry 0 is a list"),

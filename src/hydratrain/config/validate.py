@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -103,6 +104,10 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
                    else f"has no value: give it one ({where}=VALUE)")
             raise ConfigError(where, _NO_VALUE, why)
         child = node._get_node(key)
+        value = child._value()
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            raise ConfigError(where, value, "out of range: integer keys take values that fit torch's int64 "
+                              "(|value| < 2**63)")  # a traceback deep in the run (tester 11)
         if isinstance(child, (DictConfig, ListConfig)) and not child._is_none() and not child._is_missing():
             _check_entries(child, where)
             if isinstance(child, DictConfig):
@@ -139,8 +144,11 @@ def _check_resolves(cfg: DictConfig) -> None:
     except OmegaConfBaseException as err:
         key = str(getattr(err, "full_key", "") or "")
         raw: Any = OmegaConf.to_container(cfg, resolve=False)
-        for part in key.split(".") if key else []:
-            raw = raw.get(part) if isinstance(raw, dict) else None
+        for part in re.findall(r"[^.\[\]]+", key):  # data.paths[0]: a list's entry too (tester 11: it read None)
+            if isinstance(raw, dict):
+                raw = raw.get(part)
+            else:
+                raw = raw[int(part)] if isinstance(raw, list) and part.isdigit() and int(part) < len(raw) else None
         raise unresolvable(key or "<config>", raw, err) from None
 
 
