@@ -16,7 +16,7 @@ import pytest
 # tests/ is on sys.path: pytest puts a rootdir conftest's dir there
 from helpers import CONF, FAST, SHARED_RUNS, TRAIN, Run, Sweep, sweep_runs
 
-_FLAGS_WITH_VALUE = ("--cfg", "-c", "--info", "-i", "--package", "-p", "--config-dir", "-cd")
+_FLAGS_WITH_VALUE = ("--cfg", "-c", "--info", "-i", "--package", "-p", "--config-dir", "-cd", "--config-name", "-cn")
 
 
 @pytest.fixture(scope="session")

@@ -210,6 +210,16 @@ def test_a_users_own_option_needs_its_schema_line_and_the_error_says_so(cli, tmp
     assert r.returncode == 0 and "synthetic_tokens: 6000" in (tmp_path / "typed" / ".hydra" / "config.yaml").read_text()
 
 
+def test_a_runs_saved_config_composed_again_says_how_to_rerun_it(cli, tmp_path):
+    """``--config-dir RUN/.hydra --config-name config`` (a Hydra habit) composes an untyped config: it was refused as
+    'data=???: removed with ~data?' (tester 11)."""
+    cli(["strategy=single", "trainer.max_steps=1"], tmp_path / "a").ok()
+    r = cli(["--config-dir", str(tmp_path / "a" / ".hydra"), "--config-name", "config"], tmp_path / "b", fast=False)
+    assert r.returncode == 2 and r.err.strip().startswith(
+        "hydratrain: config error: --config-name=<another config>: not conf/train.yaml on its typed schema (a run's "
+        "saved .hydra/config.yaml?): to run a past run again, give train.py its overrides"), r.output[-3000:]
+
+
 def test_size_based_policy_never_picks_a_container_without_forward():
     from torch import nn
 

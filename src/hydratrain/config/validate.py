@@ -35,6 +35,12 @@ def _check_option_nodes(cfg: DictConfig) -> None:
         if node is None:
             continue
         if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
+            if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)) and "trainer" in cfg and \
+                    not dataclasses.is_dataclass(OmegaConf.get_type(cfg.trainer)):  # no node is typed (tester 11)
+                raise ConfigError("--config-name", _NotTheRunConfig(), "not conf/train.yaml on its typed schema (a "
+                                  "run's saved .hydra/config.yaml?): to run a past run again, give train.py its "
+                                  "overrides: python train.py $(sed 's/^- //' RUN/.hydra/overrides.yaml); to continue "
+                                  "it: checkpoint.resume_from=RUN")
             _refuse_an_untyped_option(group, node)
         option = getattr(OmegaConf.get_type(node), "option", None)
         if option is not None and node.name != option:
@@ -56,6 +62,11 @@ def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
     raise ConfigError(f"{group}.name", name, f"the {group} option is on no schema: begin its file with 'defaults: "
                       f"[/schema/{group}/{schema}@_here_, _self_]' (as conf/{group}/ does; schemas: "
                       f"{', '.join(schemas)})")
+
+
+class _NotTheRunConfig:
+    def __repr__(self) -> str:
+        return "<another config>"
 
 
 class _Deleted:
