@@ -401,7 +401,7 @@ def conf_dir() -> Path:
         places = [Path(__file__).resolve().parents[2] / "conf", Path.cwd() / "conf"]
     for place in places:
         if (place / "train.yaml").is_file():
-            return place
+            return place.resolve()  # (Hydra's initialize_config_dir takes an absolute path only)
     if os.environ.get("HYDRATRAIN_CONF"):
         raise ConfigError("$HYDRATRAIN_CONF", str(places[0]), "no train.yaml there: give the conf/ dir of a hydratrain "
                           "clone (the one next to its train.py)")

@@ -402,7 +402,8 @@ def test_the_cli_finds_the_clones_conf_when_the_package_is_not_installed_from_it
         if how == "cwd":
             monkeypatch.delenv("HYDRATRAIN_CONF")
             monkeypatch.chdir(clone)
-        else:
-            monkeypatch.setenv("HYDRATRAIN_CONF", str(clone / "conf"))
+        else:  # relative, from the clone's parent
+            monkeypatch.chdir(clone.parent)
+            monkeypatch.setenv("HYDRATRAIN_CONF", f"{clone.name}/conf")
         assert plan.main(["model=gpt_tiny", "strategy=single", "plan.memory_gb=8"]) == 0
         assert "memory plan per rank: model 4 x 128" in capsys.readouterr().out
