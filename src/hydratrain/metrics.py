@@ -314,10 +314,11 @@ def peak_flops(device: torch.device, compute_dtype: Union[torch.dtype, str], ove
     """Peak FLOP/s of one device for matmuls in ``compute_dtype`` (torch dtype or "bfloat16"/"float16"/"float32"),
     or NaN when it is not known (then MFU is NaN; one warning per device and mode). See the module docstring.
 
-    On CPU "one device" is one rank's threads, measured on this process's thread count. When the node's
-    ``local_world_size`` ranks run more threads than the cores they may use (4 ranks of 1 thread on 2 cores), the
-    figure is scaled by cores / threads: the node's peak is its cores', not the sum of its ranks' (which made MFU read
-    2x low; tester 10).
+    On CPU "one device" is one rank's threads, measured on this process's thread count (so on at most the cores it
+    may use). When the node's ``local_world_size`` ranks together run more threads than those cores (4 ranks of 1
+    thread on 2 cores), the figure is scaled by cores / (ranks x min(threads, cores)): the node's peak is its cores',
+    not the sum of its ranks' (which made MFU read 2x low; tester 10). One rank of more threads than cores measured
+    the cores already and is not scaled.
 
     Args:
         override: ``logger.peak_flops``, FLOP/s of one device; wins when set.
@@ -332,10 +333,11 @@ def peak_flops(device: torch.device, compute_dtype: Union[torch.dtype, str], ove
         flops, where = cpu_peak_flops(dtype, cache_dir)
         from hydratrain.dist.env import allowed_cores
 
-        threads, cores = torch.get_num_threads() * local_world_size, allowed_cores()
-        if threads > cores:
-            flops *= cores / threads
-            where += (f"; x {cores}/{threads}: {local_world_size} ranks of {torch.get_num_threads()} thread(s) share "
+        cores = allowed_cores()
+        busy = min(torch.get_num_threads(), cores) * local_world_size  # the figure measured min(threads, cores) cores
+        if busy > cores:
+            flops *= cores / busy
+            where += (f"; x {cores}/{busy}: {local_world_size} ranks of {torch.get_num_threads()} thread(s) share "
                       f"{cores} cores")
         log.info("peak FLOP/s for MFU: %.1f GFLOP/s per rank, %s matmul %s; set logger.peak_flops to override",
                  flops / 1e9, dtype, where)
