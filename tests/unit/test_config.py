@@ -127,6 +127,10 @@ def test_cfg_job_prints_composed_config(cli):
     (["trainer.seed=18446744073709551616"], "trainer.seed=18446744073709551616: out of range: integer keys take "
                                             "values that fit torch's int64"),
     (["model.max_seq_len=99999999999999999999"], "model.max_seq_len=99999999999999999999: out of range"),
+    (["trainer.seed=${oc.decode:'18446744073709551616'}"], "trainer.seed=18446744073709551616: out of range"),
+    (["paths=workspace", "paths.root="], "paths.root='': empty"),  # tester 12: before the keys built on it
+    (["data=token_bin", "data.train_path=", "data.val_path=v.bin"],
+     "data.train_path='': empty (from an unset shell variable, as in data.train_path=$VAR?): give a path"),
     (["data=text_files", "data.paths=['${oc.env:HT_UNSET_VARIABLE}/*.md']"],
      "data.paths[0]='${oc.env:HT_UNSET_VARIABLE}/*.md': cannot be resolved"),
     # tester 11: a nested list passed the List[str] schema, then a TypeError traceback in the start-up

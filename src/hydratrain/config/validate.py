@@ -39,8 +39,8 @@ def _check_option_nodes(cfg: DictConfig) -> None:
                     not dataclasses.is_dataclass(OmegaConf.get_type(cfg.trainer)):  # no node is typed (tester 11)
                 raise ConfigError("--config-name", _NotTheRunConfig(), "not conf/train.yaml on its typed schema (a "
                                   "run's saved .hydra/config.yaml?): to run a past run again, give train.py its "
-                                  "overrides: python train.py $(sed 's/^- //' RUN/.hydra/overrides.yaml); to continue "
-                                  "it: checkpoint.resume_from=RUN")
+                                  "overrides (and the --config-dir it used, if any): python train.py $(sed 's/^- //' "
+                                  "RUN/.hydra/overrides.yaml); to continue it: checkpoint.resume_from=RUN")
             _refuse_an_untyped_option(group, node)
         option = getattr(OmegaConf.get_type(node), "option", None)
         if option is not None and node.name != option:
@@ -115,7 +115,7 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
                    else f"has no value: give it one ({where}=VALUE)")
             raise ConfigError(where, _NO_VALUE, why)
         child = node._get_node(key)
-        value = child._value()
+        value = node[key] if not isinstance(child, (DictConfig, ListConfig)) else None  # resolved (tester 12)
         if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
             raise ConfigError(where, value, "out of range: integer keys take values that fit torch's int64 "
                               "(|value| < 2**63)")  # a traceback deep in the run (tester 11)
@@ -170,7 +170,8 @@ def unresolvable(key: str, raw: Any, err: Exception) -> ConfigError:
 
 
 PATH_KEYS = ("checkpoint.resume_from", "model.init_from", "data.tokenizer", "data.train_path", "data.val_path",
-             "data.cache_dir", "paths.data_dir", "paths.output_dir", "paths.cache_dir", "paths.model_dir")
+             "data.cache_dir", "paths.root", "paths.data_dir", "paths.output_dir", "paths.cache_dir", "paths.model_dir")
+REQUIRED_PATH_KEYS = ("data.train_path", "data.val_path")
 
 
 def _refuse_empty_paths(cfg: DictConfig) -> None:
@@ -179,9 +180,10 @@ def _refuse_empty_paths(cfg: DictConfig) -> None:
     for key in PATH_KEYS:
         value = _get(cfg, key)
         if isinstance(value, str) and not value.strip():
-            none = "'.' for the launch dir" if key.startswith("paths.") else "null for none"
-            raise ConfigError(key, value, f"empty (from an unset shell variable, as in {key}=$VAR?): give a path, "
-                              f"or {none}")
+            none = ("" if key in REQUIRED_PATH_KEYS else ", or '.' for the launch dir" if key.startswith("paths.")
+                    else ", or null for none")
+            raise ConfigError(key, value, f"empty (from an unset shell variable, as in {key}=$VAR?): give a path"
+                              f"{none}")
     for entry in _get(cfg, "data.paths") or ():
         if isinstance(entry, str) and not entry.strip():
             raise ConfigError("data.paths", list(cfg.data.paths), "holds an empty entry (from an unset shell "
