@@ -189,7 +189,8 @@ def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int, done: int =
             log.warning("trainer.max_steps=%d ends the run before trainer.max_epochs=%d would (at %d optimizer "
                         "steps): it stops after %.3g epochs; set trainer.max_steps=null to train every epoch",
                         trainer_cfg.max_steps, trainer_cfg.max_epochs, epoch_steps,
-                        trainer_cfg.max_steps * accum / batches.batches_per_epoch)
+                        (trainer_cfg.max_epochs * batches.batches_per_epoch - left  # trained before the resume
+                         + (trainer_cfg.max_steps - done) * accum) / batches.batches_per_epoch)
     warmup = scheduler_cfg.warmup_steps
     if warmup and warmup >= steps:
         reach = ("reaches optim.lr only at the last step" if warmup == steps

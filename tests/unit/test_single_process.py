@@ -196,6 +196,12 @@ def test_the_untrained_micro_batches_warning_counts_from_the_resumed_data_positi
             "trainer.grad_accum_steps=2; a grad_accum_steps that divides 7 trains them all") in r.output, \
         r.output[-3000:]
     assert r.output.count(") untrained:") == 1 and results(tmp_path)["steps"] == 6
+    # max_steps=5 ends it first: 12 micro-batches of 8 in the 2 epochs' 10, 3 before the resume, 4 after it (1.4
+    # epochs); the fraction was counted as if all 5 steps ran at batch 8 from the start (2 epochs; tester 12)
+    r = cli([*common, "trainer.max_steps=5", "data.batch_size=8",
+             f"checkpoint.resume_from={ckpt_of(tmp_path, 3)}"], tmp_path / "b").ok()
+    assert ("trainer.max_steps=5 ends the run before trainer.max_epochs=2 would (at 6 optimizer steps): it stops after "
+            "1.4 epochs") in r.output, r.output[-3000:]
 
 
 @pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
