@@ -111,7 +111,9 @@ def test_cfg_job_prints_composed_config(cli):
     (["data=text_files"], "data.paths=???: has no value: give it one (data.paths=VALUE)"),  # was a traceback
     (["data=token_bin"], "data.train_path=???: has no value"),  # not "removed with ~data.train_path"
     (["~model"], "model.name=???: has no value: choose an option with model=NAME (conf/model/)"),
-    (["~data", "+debug=fast"], "data=???: has no option (removed with ~data?): choose one with data=NAME"),
+    (["~data", "+debug=fast"], "data=???: has no option (removed with ~data, or a file of your own without its "
+                               "schema line?): choose one with data=NAME (conf/data/); an option file of your own "
+                               "begins with 'defaults: [/schema/data/SCHEMA@_here_, _self_]' and name: SCHEMA"),
     # tester 8: ignored (the tokenizer's vocabulary is used) yet recorded as a hyper-parameter
     (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer=tok.json", "data.vocab_size=999"],
      "data.vocab_size=999: unused with data.tokenizer=tok.json"),

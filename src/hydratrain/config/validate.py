@@ -55,9 +55,11 @@ def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
 
     schemas = list(SCHEMAS[group])
     name = node.get("name") if not OmegaConf.is_missing(node, "name") else None
-    if name is None:
-        raise ConfigError(group, _NO_VALUE, f"has no option (removed with ~{group}?): choose one with "
-                          f"{group}=NAME (conf/{group}/)")
+    if name is None:  # (tester 12: a user's option file with neither its schema line nor a name lands here too)
+        raise ConfigError(group, _NO_VALUE, f"has no option (removed with ~{group}, or a file of your own without "
+                          f"its schema line?): choose one with {group}=NAME (conf/{group}/); an option file of your "
+                          f"own begins with 'defaults: [/schema/{group}/SCHEMA@_here_, _self_]' and name: SCHEMA "
+                          f"(schemas: {', '.join(schemas)})")
     schema = name if name in schemas else "SCHEMA"
     raise ConfigError(f"{group}.name", name, f"the {group} option is on no schema: begin its file with 'defaults: "
                       f"[/schema/{group}/{schema}@_here_, _self_]' (as conf/{group}/ does; schemas: "
