@@ -122,16 +122,20 @@ class NonFiniteGuard:
         partial = 0 < ranks < world  # the weights are alike on every rank: some ranks' batches, not the weights
         what += (f": not finite on {ranks} of {world} ranks, whose batches or forward passes failed)" if partial
                  else ")")
+        err = None
         if self.stop:
             after = f", and every update after it up to step {step}," if step > first else ""
             advice = "check that step's data on those ranks" if partial else STOP_ADVICE
-            return DivergenceError(f"{what}: its update{after} was not applied (trainer.on_nonfinite=stop; "
-                                   f"{advice})", first, last_checkpoint())
-        if self.warn:
-            more = f" and at {int(count) - 1} more step(s) up to step {last}" if count > 1 else ""
-            log.warning("%s%s: update skipped on every rank (trainer.on_nonfinite=skip)", what, more)
-        if limit_step:
-            return DivergenceError(f"{self.max_consecutive} steps in a row up to step {int(limit_step)} had "
-                                   f"non-finite gradients and were skipped (trainer.max_consecutive_nonfinite="
-                                   f"{self.max_consecutive})", int(limit_step), last_checkpoint())
-        return None
+            err = DivergenceError(f"{what}: its update{after} was not applied (trainer.on_nonfinite=stop; "
+                                  f"{advice})", first, last_checkpoint())
+        else:
+            if self.warn:
+                more = f" and at {int(count) - 1} more step(s) up to step {last}" if count > 1 else ""
+                log.warning("%s%s: update skipped on every rank (trainer.on_nonfinite=skip)", what, more)
+            if limit_step:
+                err = DivergenceError(f"{self.max_consecutive} steps in a row up to step {int(limit_step)} had "
+                                      f"non-finite gradients and were skipped (trainer.max_consecutive_nonfinite="
+                                      f"{self.max_consecutive})", int(limit_step), last_checkpoint())
+        if err is not None:
+            err.same_on_every_rank = True  # the step's loss over ranks, the global norm: each node's first rank says it
+        return err
