@@ -191,6 +191,16 @@ def test_a_run_dir_under_an_unset_variable_is_one_config_line(cli, multirun, mon
                                "'HT_UNSET_SCRATCH' not found\""), run.err[-3000:]
 
 
+def test_a_run_without_paths_makes_no_placeholder_dir(cli, tmp_path, monkeypatch):
+    """``~paths`` made a dir literally named ``<paths.output_dir>`` in the launch dir before the config error
+    (tester 12)."""
+    monkeypatch.chdir(tmp_path)
+    run = cli(["~paths", "trainer.max_steps=1"])
+    assert run.returncode == 2 and run.err.strip().startswith(
+        "hydratrain: config error: paths.output_dir='<missing>': the run dir is built on it"), run.output[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_printing_the_resolved_config_reserves_no_run_dir(cli, tmp_path):
     run = cli(["--cfg", "all", "--resolve", f"paths.output_dir={tmp_path}"])
     assert run.returncode == 0, run.output

@@ -181,13 +181,17 @@ def output_base(*, _root_: Any = None) -> str:
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        return str(OmegaConf.select(_root_, "paths.output_dir", default="<paths.output_dir>"))
+        base = OmegaConf.select(_root_, "paths.output_dir", default=None)
+        if base is not None or "trainer" not in _root_:  # (Hydra's own node alone: --cfg hydra)
+            return str(base if base is not None else "<paths.output_dir>")
+        problem = ConfigError("paths.output_dir", "<missing>", "the run dir is built on it: choose a paths option "
+                              "with paths=NAME (conf/paths/), not ~paths")  # tester 12: it made a dir of that name
     except OmegaConfBaseException as err:
         from hydratrain.config.validate import unresolvable
 
         problem = unresolvable("paths.output_dir", _root_.paths._get_node("output_dir")._value(), err)
-        print(f"hydratrain: {problem.label}: {problem}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG) from None  # (an exception would come out as Hydra's traceback)
+    print(f"hydratrain: {problem.label}: {problem}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CONFIG) from None  # (an exception would come out as Hydra's traceback)
 
 
 def output_subdir(*, _root_: Any = None) -> Optional[str]:
