@@ -53,6 +53,8 @@ from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Optional
 
+from hydratrain.errors import say
+
 EXIT_SLOW, EXIT_CONFIG, EXIT_TIMEOUT = 1, 2, 124
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                 "reduce_scatter": lambda n: (n - 1) / n}
@@ -210,7 +212,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = parse_args(argv)
     except SystemExit as e:
         if os.environ.get("RANK", "0") == "0":  # every rank has the same arguments: one line, not one per rank
-            print(e, file=sys.stderr)
+            say(e)
         return EXIT_CONFIG
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.out and rank == 0:  # before the check, not after it (tester 9's kind: export's OUT)
@@ -219,12 +221,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             prepare_output_file(cfg.out)
         except OSError as err:
-            print(f"hydratrain: commcheck: out={cfg.out}: cannot write it ({err.strerror}: {err.filename})",
-                  file=sys.stderr)
+            say(f"hydratrain: commcheck: out={cfg.out}: cannot write it ({err.strerror}: {err.filename})")
             return EXIT_CONFIG
     if n < 2:
-        print("hydratrain: commcheck needs 2 or more ranks: torchrun --nproc_per_node N -m hydratrain.commcheck",
-              file=sys.stderr)
+        say("hydratrain: commcheck needs 2 or more ranks: torchrun --nproc_per_node N -m hydratrain.commcheck")
         return EXIT_CONFIG
     import torch  # noqa: F401  (not timed by the watchdog: a slow file system is not a dead peer)
 
@@ -232,8 +232,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return _run(cfg, dog, rank, n)
     except Exception as e:  # e.g. a peer died and closed its sockets: one line, then out
-        print(f"commcheck: rank {rank}: step '{dog.state[0]}' failed: {type(e).__name__}: "
-              f"{(str(e).strip().splitlines() or [''])[0]}", file=sys.stderr, flush=True)
+        say(f"commcheck: rank {rank}: step '{dog.state[0]}' failed: {type(e).__name__}: "
+              f"{(str(e).strip().splitlines() or [''])[0]}")
         os._exit(EXIT_SLOW)  # not sys.exit: tearing down a broken process group can block
 
 
@@ -329,8 +329,8 @@ def _run(cfg: CommCheckConfig, dog: Watchdog, rank: int, n: int) -> int:
     steps = [(coll, nbytes) for coll in chosen for nbytes in sizes]
     for coll, nbytes in steps:
         if coll == "all_gather" and nbytes == sizes[0] and rank == cfg.debug_hang_rank:
-            print(f"commcheck: rank {rank} (pid {os.getpid()}) stops itself before all_gather "
-                  f"(commcheck.debug_hang_rank; testing only)", file=sys.stderr, flush=True)
+            say(f"commcheck: rank {rank} (pid {os.getpid()}) stops itself before all_gather "
+                  f"(commcheck.debug_hang_rank; testing only)")
             os.kill(os.getpid(), signal.SIGSTOP)
         op = make(coll, nbytes, chosen[coll])
         for i in range(cfg.warmup + cfg.iters):

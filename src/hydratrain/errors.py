@@ -20,6 +20,7 @@ Importing this module imports nothing heavy (no torch).
 from __future__ import annotations
 
 import copyreg
+import sys
 from typing import Any, Optional
 
 from hydra.errors import CompactHydraException
@@ -89,6 +90,14 @@ class OutputError(HydratrainError, RuntimeError):
 
 #: errno values that mean "this filesystem takes no more writes" (ENOSPC, EDQUOT, EROFS, EFBIG), not a bad path
 UNWRITABLE_ERRNOS = (28, 122, 30, 27)
+
+
+def say(*parts: object) -> None:
+    """Print ``parts`` (joined by spaces) as one line on stderr, in one write: ``print(..., file=sys.stderr)`` writes
+    the text and its newline separately, and in a log that several processes share (torchrun's, SLURM's ``-o``,
+    ``2>&1 | tee``) another process's line was glued onto the end of a ``hydratrain: ...`` line (tester 13)."""
+    sys.stderr.write(" ".join(map(str, parts)) + "\n")
+    sys.stderr.flush()
 
 
 def unwritable_cause(err: BaseException) -> Optional[OSError]:

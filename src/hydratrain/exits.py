@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
-from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError
+from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError, say
 
 log = logging.getLogger("hydratrain")
 
@@ -53,7 +52,7 @@ def _end_with_error(err: HydratrainError, env) -> None:
         end_preempted(recorded_preemption(), env)  # to it), or what followed the signal (a peer left first)
     if env is None or env.local_rank == 0 or not (  # the same on every rank: each node's first rank says it
             err.exit_status == EXIT_CONFIG or getattr(err, "same_on_every_rank", False)):
-        print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
+        say(f"hydratrain: {err.label}: {err}")
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
     release_sigterm()
     if in_multirun():
@@ -100,7 +99,7 @@ def end_preempted(err: PreemptedError, env) -> None:
     from hydratrain.dist.env import env_rank
 
     if (env.rank if env is not None else env_rank()) == 0:
-        print(f"hydratrain: {err.label}: {err}", file=sys.stderr, flush=True)
+        say(f"hydratrain: {err.label}: {err}")
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
     if in_multirun():
         end_the_sweep(err.exit_status, f"{err.label}: {err}")
@@ -148,7 +147,7 @@ def _stop_interrupted(env) -> None:
     why = ("interrupted (SIGINT, Ctrl-C): stopped without saving (a checkpoint save it cut short is discarded at the "
            "next start); relaunch the same command to resume from the latest checkpoint")
     if env is None or env.rank == 0:
-        print(f"hydratrain: {why}", file=sys.stderr, flush=True)
+        say(f"hydratrain: {why}")
     log.error("hydratrain: %s", why, extra={"file_only": True})
     if in_multirun():
         end_the_sweep(EXIT_INTERRUPTED, why)

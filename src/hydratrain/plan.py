@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from hydratrain.errors import say
 from hydratrain.footprint import GiB, Plan, Setup, param_shapes, predict
 
 __all__ = ["GiB", "Plan", "Setup", "param_shapes", "predict", "suggestions", "budget_bytes", "plan_run", "main",
@@ -441,8 +442,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     flags = [a for a in argv if a.startswith("-")]
     if flags:
-        print(f"hydratrain: python -m hydratrain.plan takes train.py's overrides (KEY=VALUE) and -h, not {flags[0]!r} "
-              "(to print the composed config: python train.py --cfg job)", file=sys.stderr)
+        say(f"hydratrain: python -m hydratrain.plan takes train.py's overrides (KEY=VALUE) and -h, not {flags[0]!r} "
+              "(to print the composed config: python train.py --cfg job)")
         return EXIT_CONFIG
     try:
         cfg = _compose(argv)
@@ -452,11 +453,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         validate(cfg)
         return _report(cfg)
     except ConfigError as err:
-        print(f"hydratrain: config error: {err}", file=sys.stderr)
+        say(f"hydratrain: config error: {err}")
         return EXIT_CONFIG
     except Exception as err:  # Hydra's composition errors name the override
         if type(err).__module__.startswith(("hydra", "omegaconf")):
-            print(f"hydratrain: config error: {_one_line(err)}", file=sys.stderr)
+            say(f"hydratrain: config error: {_one_line(err)}")
             return EXIT_CONFIG
         raise
 

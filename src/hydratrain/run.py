@@ -17,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain import exits
-from hydratrain.errors import HydratrainError
+from hydratrain.errors import HydratrainError, say
 from hydratrain.exits import in_multirun
 
 log = logging.getLogger("hydratrain")
@@ -399,8 +399,6 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
 
 
 if __name__ == "__main__":  # tester 11: `python -m hydratrain.run` printed nothing and exited 0
-    import sys
-
-    print("hydratrain: hydratrain.run is the library's entry (main(cfg)); train with python train.py [OVERRIDES] (or "
-          "torchrun ... train.py) from the clone, whose conf/ holds the run config", file=sys.stderr)
+    say("hydratrain: hydratrain.run is the library's entry (main(cfg)); train with python train.py [OVERRIDES] (or "
+        "torchrun ... train.py) from the clone, whose conf/ holds the run config")
     raise SystemExit(2)

@@ -12,13 +12,14 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from hydratrain.errors import say
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +313,8 @@ class SweepReportCallback(Callback):
         if early is not None:
             code = config.get("checkpoint", {}).get("preempt_exit_code", 75)
             if _is_rank0():  # (a sweep inside each torchrun rank: one line)
-                print("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the "
-                      "same command", file=sys.stderr, flush=True)
+                say("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the "
+                      "same command")
             raise SystemExit(code if isinstance(code, int) else 75)
         if "launcher" in config:
             try:
@@ -325,7 +326,7 @@ class SweepReportCallback(Callback):
                 from hydratrain.errors import EXIT_CONFIG
 
                 if _is_rank0():
-                    print(f"hydratrain: config error: {err}", file=sys.stderr, flush=True)
+                    say(f"hydratrain: config error: {err}")
                 elif os.environ.get("TORCHELASTIC_RUN_ID"):
                     time.sleep(10)  # the same error on every rank: rank 0 says it and leaves first (root cause)
                 raise SystemExit(EXIT_CONFIG) from None

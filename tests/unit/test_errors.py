@@ -66,3 +66,26 @@ def test_config_error_keeps_its_key_and_exit_status_through_pickle():
     back = pickle.loads(pickle.dumps(ConfigError("optim.lr", -1.0, "must be finite and > 0")))
     assert (back.key, back.value, back.exit_status, back.label) == ("optim.lr", -1.0, EXIT_CONFIG, "config error")
     assert str(back) == "optim.lr=-1.0: must be finite and > 0"
+
+
+def test_every_stderr_line_of_ours_is_one_write(monkeypatch):
+    """print(..., file=sys.stderr) wrote the text and its newline in two writes; in a log that several processes
+    share, another process's line was glued onto the end of a 'hydratrain: ...' line (tester 13). No module of ours
+    prints to stderr any other way."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    from hydratrain.errors import say
+
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": lambda self, s: writes.append(s),
+                                                             "flush": lambda self: None})())
+    say("hydratrain: config error:", "x=1: why")
+    assert writes == ["hydratrain: config error: x=1: why\n"]
+    src = Path(__file__).resolve().parents[2] / "src"
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+                assert not any(k.arg == "file" and ast.unparse(k.value) == "sys.stderr" for k in node.keywords), \
+                    f"{path}:{node.lineno}: print to stderr; use hydratrain.errors.say"

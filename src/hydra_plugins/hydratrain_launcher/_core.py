@@ -207,7 +207,8 @@ def _stop_the_sweep(launcher, sweep_config: DictConfig, num: int, conf: Optional
                         "job continues from its own run dir)")
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, _failed_return(sweep_config, error))
-    print(f"TorchrunLauncher: sweep stopped: {error} (exit status {status})", file=sys.stderr, flush=True)
+    sys.stderr.write(f"TorchrunLauncher: sweep stopped: {error} (exit status {status})\n")  # one write: one line
+    sys.stderr.flush()  # in a log other processes share
     raise SystemExit(status) from None
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
+
+from hydratrain.errors import say
 
 
 def write_safetensors(tensors: dict, out: Path, metadata: dict) -> Path:
@@ -106,13 +107,13 @@ def main(argv=None) -> int:
     try:
         prepare_output_file(out)
     except OSError as err:  # tester 9: a traceback, after the whole checkpoint was read
-        print(f"hydratrain: output error: cannot write {out} ({type(err).__name__}: {err.strerror}: {err.filename}); "
-              "nothing was written", file=sys.stderr)
+        say(f"hydratrain: output error: cannot write {out} ({type(err).__name__}: {err.strerror}: {err.filename}); "
+              "nothing was written")
         return EXIT_CHECKPOINT
     try:
         out = export(args.checkpoint, out)
     except CheckpointError as err:
-        print(f"hydratrain: checkpoint error: {err}", file=sys.stderr)
+        say(f"hydratrain: checkpoint error: {err}")
         return EXIT_CHECKPOINT
     except Exception as err:  # the write itself: a full disk, a quota, a path the OS refuses (safetensors wraps the
         # OSError in its own SafetensorError)
@@ -120,8 +121,8 @@ def main(argv=None) -> int:
                                           else None)
         if cause is None:
             raise
-        print(f"hydratrain: output error: writing {out} failed ({type(cause).__name__}: "
-              f"{str(cause).splitlines()[0]}); nothing was written", file=sys.stderr)
+        say(f"hydratrain: output error: writing {out} failed ({type(cause).__name__}: "
+              f"{str(cause).splitlines()[0]}); nothing was written")
         return EXIT_CHECKPOINT
     tokenizer = tokenizer_path_for(out)
     print(f"wrote {out}" + (f" and {tokenizer}" if tokenizer.is_file() else ""))

@@ -15,6 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
+from hydratrain.errors import say
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,8 @@ class RunLogFileHandler(logging.FileHandler):
             return
         if not self.failed:
             self.failed = True
-            print(f"hydratrain: writing the log file {self.baseFilename} failed ({type(err).__name__}: {err}); its "
-                  "lines go to the console only from now on", file=sys.stderr, flush=True)
+            say(f"hydratrain: writing the log file {self.baseFilename} failed ({type(err).__name__}: {err}); its "
+                  "lines go to the console only from now on")
 
 
 def quiet_console() -> None:

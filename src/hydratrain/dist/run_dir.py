@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from hydratrain.dist.env import env_rank
-from hydratrain.errors import EXIT_CONFIG, ConfigError
+from hydratrain.errors import EXIT_CONFIG, ConfigError, say
 
 _FAILED = "\0failed"  # rank 0's answer in the store when it could not create the run dir
 
@@ -156,7 +156,7 @@ def _reserve(base: str, parent: str, stamp: str) -> str:
             problem = ConfigError("paths.output_dir", base,
                                   f"cannot create the run dir {os.path.join(parent, candidate)}: {err.strerror}; "
                                   "give a writable paths.output_dir (or hydra.run.dir / hydra.sweep.dir)")
-            print(f"hydratrain: {problem.label}: {problem}", file=sys.stderr, flush=True)
+            say(f"hydratrain: {problem.label}: {problem}")
             raise SystemExit(EXIT_CONFIG) from None
     raise FileExistsError(f"{parent}/{stamp}-N: 10000 dirs of this second exist")
 
@@ -190,7 +190,7 @@ def output_base(*, _root_: Any = None) -> str:
         from hydratrain.config.validate import unresolvable
 
         problem = unresolvable("paths.output_dir", _root_.paths._get_node("output_dir")._value(), err)
-    print(f"hydratrain: {problem.label}: {problem}", file=sys.stderr, flush=True)
+    say(f"hydratrain: {problem.label}: {problem}")
     raise SystemExit(EXIT_CONFIG) from None  # (an exception would come out as Hydra's traceback)
 
 
@@ -242,7 +242,7 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
                                   else None)
         message = unwritable_message(f"writing the {'sweep' if sweep else 'run'} dir", run_dir, cause, last,
                                      stopped=f"the {'sweep' if sweep else 'run'} did not start")
-        print(f"hydratrain: {OutputError.label}: {message}", file=sys.stderr, flush=True)
+        say(f"hydratrain: {OutputError.label}: {message}")
         with contextlib.suppress(OSError):
             probe.unlink()
         discard_if_unused(run_dir)  # the default run dir this launch made for nothing
