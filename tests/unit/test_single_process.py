@@ -275,3 +275,11 @@ def test_hydras_other_logging_options_replace_hydratrains(cli, tmp_path, logging
     cli([*logging_options, "strategy=single", "trainer.max_steps=1", "trainer.eval_every_n_steps=0"],
         tmp_path / "r").ok()
     assert results(tmp_path / "r")["steps"] == 1 and not (tmp_path / "r" / "train_rank0.log").exists()
+
+
+def test_the_sample_shows_control_characters_as_escapes():
+    """A byte-level model's sample held NUL, ESC, CR and backspace, written raw to the console and the log, where
+    grep then answered 'binary file matches' (tester 13)."""
+    from hydratrain.train.outputs import printable
+
+    assert printable("def f():\n\tx\x00\x1b[31m\r\x08é") == "def f():\n\tx\\x00\\x1b[31m\\r\\x08é"

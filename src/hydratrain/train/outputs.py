@@ -8,6 +8,8 @@ import json
 import logging
 import math
 import os
+import time
+import unicodedata
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -128,6 +130,14 @@ def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, a
     return "token ids: " + " ".join(map(str, ids))
 
 
+def printable(text: str) -> str:
+    """``text`` with its control characters other than newline and tab shown as escapes (``\\x1b``): a byte-level
+    model's sample held NUL, ESC, CR and backspace, which went raw into the console and the log, where ``grep`` then
+    saw a binary file (tester 13)."""
+    return "".join(ch if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cs")
+                   else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def results_payload(result, hparams: dict, previous: Optional[Path] = None) -> tuple[dict, list[str]]:
     """(what ``results.json`` holds: the FitResult fields and the hparams, non-finite figures as null; the keys taken
     from ``previous``).
@@ -192,9 +202,11 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
             saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
             log.info("wrote full model weights to %s%s", path, saved)
     if cfg.trainer.sample_tokens:
-        text = sample_text(cfg, strategy.unwrap(model), info.device, strategy.autocast(precision, info.device),
-                           tokenizer)
-        log.info("sample:\n%s", text)
+        started = time.perf_counter()
+        log.info("sampling %d tokens (trainer.sample_tokens) ...", cfg.trainer.sample_tokens)  # seconds to minutes
+        text = printable(sample_text(cfg, strategy.unwrap(model), info.device,
+                                     strategy.autocast(precision, info.device), tokenizer))
+        log.info("sample (%.1f s):\n%s", time.perf_counter() - started, text)
         tb.text("sample", text, result.steps)
     hparams = hparams_of(cfg, info.world_size, precision.name)
     payload, carried = results_payload(result, hparams, run_dir / "results.json" if info.is_main else None)
