@@ -191,6 +191,8 @@ def _write_corpus(out: Path, files: Sequence[Path], root: Path, val_fraction: fl
     from tqdm.auto import tqdm
 
     counts = {}
+    log.info("corpus: building %s from %d files (%.1f MB; once, cached) ...", out, len(files),
+             sum(s for _, s, _ in listing) / 1e6)  # proportional to the data, silent off a terminal (tester 13)
     bar = tqdm(total=sum(s for _, s, _ in listing), unit="B", unit_scale=True, desc=f"building corpus {out}",
                disable=None if progress else True)  # None: only on a terminal
     for split, paths in splits.items():

@@ -2,6 +2,7 @@
 CLI, vocab sizing, decoding. Tokenizers are trained on a few KB, so each test takes a second or two."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -211,13 +212,17 @@ def test_vocab_size_padding_and_explicit_values(tmp_path):
 
 # --- tokenized_text -----------------------------------------------------------------------------------------------
 
-def test_tokenized_text_trains_a_bpe_on_the_train_split_and_caches(tmp_path, monkeypatch):
+def test_tokenized_text_trains_a_bpe_on_the_train_split_and_caches(tmp_path, monkeypatch, caplog):
     files = make_texts(tmp_path)
     cfg = data_cfg(name="tokenized_text", paths=["docs/*.txt"], vocab_size=300, val_fraction=0.2,
                    cache_dir="cache")  # relative: to the launch dir
-    tok = tokenizer_for(cfg, tmp_path)
-    assert tok.path.parent.parent == tmp_path / "cache" and tok.vocab_size <= 300
-    splits = load_splits(cfg, vocab_size_for(cfg, tok, None), tmp_path, progress=False)
+    with caplog.at_level(logging.INFO, "hydratrain.tokenized"):
+        tok = tokenizer_for(cfg, tmp_path)
+        assert tok.path.parent.parent == tmp_path / "cache" and tok.vocab_size <= 300
+        splits = load_splits(cfg, vocab_size_for(cfg, tok, None), tmp_path, progress=False)
+    # each long phase says it starts (off a terminal there is no bar; tester 13), then what it did
+    said = [r.getMessage().split(" ")[0] for r in caplog.records if r.name == "hydratrain.tokenized"]
+    assert said[:2] == ["training", "trained"] and said[2:4] == ["tokenizing", "tokenized"], said
     by_file = split_files(files, tmp_path / "docs", 0.2)
     assert by_file["val"] and by_file["train"]
     for split in ("train", "val"):
@@ -415,8 +420,6 @@ def test_undecodable_bytes_and_a_smaller_vocab_than_asked_are_each_one_warning(t
     """Latin-1 bytes in a file are read as U+FFFD and a corpus too small for data.vocab_size gives a smaller BPE:
     each says so in one warning line (how many bytes on how many lines of which file; the size asked and had), on
     the run that builds the cache and on the ones that reuse it."""
-    import logging
-
     make_texts(tmp_path, n=4)
     bad = tmp_path / "docs" / "part01.txt"
     bad.write_bytes(bad.read_bytes() + "caf\u00e9 ok\nna\u00efve \u00fcber\n".encode("latin-1", "replace")
