@@ -360,7 +360,7 @@ def check_optuna_search(rc: int, out: str, sweep: Path, n_trials: int, fail_plan
     best = min(float(r["eval_loss"]) for r in rows if r["status"] == "COMPLETED")
     assert f"Best value: {best:.4f}"[:16] in out
     failed = sum(status == "FAILED" for status, _ in expected)
-    assert rc == 1 and f"hydratrain: {failed} sweep job(s) failed" in out, out[-2000:]
+    assert rc == 1 and f"hydratrain: {failed} of {len(rows)} sweep job(s) failed" in out, out[-2000:]
 
 
 def write_user_inputs(cli, launch_dir: Path) -> None:
