@@ -149,6 +149,7 @@ def test_fp16_without_native_bf16_compares_with_fp32(monkeypatch):
 
 def test_startup_timeline_charges_each_phase_the_time_since_the_previous_mark(monkeypatch):
     monkeypatch.setattr(timing, "_ORIGIN", None)
+    monkeypatch.setattr(timing, "_FROM", "process start")
     monkeypatch.setattr(timing, "_MARKS", [])
     timing.begin()
     time.sleep(0.02)
@@ -164,6 +165,9 @@ def test_startup_timeline_charges_each_phase_the_time_since_the_previous_mark(mo
     assert rec["ended_at"] - rec["process_started_at"] == pytest.approx(rec["total"])
     assert timing.summary().startswith(f"{rec['total']:.2f} s from process start to the first optimizer step (")
     assert 0 < time.time() - timing.process_start_time() < 24 * 3600
+    timing.begin()  # a later job of the process (a local sweep) counts from its own start, and says so (tester 13)
+    timing.mark("imports")
+    assert " s from the job's start to the first optimizer step (imports " in timing.summary()
 
 
 def _synthetic_stream_reference(n_tokens, vocab_size, seed=0):
