@@ -409,8 +409,10 @@ def _end_of_sweep(sweep_dir: Path) -> None:
 
 def basic_sweep_jobs(hydra_cfg: DictConfig) -> Optional[int]:
     """How many jobs Hydra's basic sweeper runs for this multirun (the product of the sweep overrides' and
-    ``hydra.sweeper.params``' choices, the command line winning), or None for another sweeper, batches
-    (``max_batch_size``: it stops at the first batch with a failure) or a sweep it cannot count (``glob``)."""
+    ``hydra.sweeper.params``' choices, keyed as its ``split_arguments`` keys them, the command line winning), or
+    None for another sweeper, batches (``max_batch_size``: it stops at the first batch with a failure) or a sweep it
+    cannot count (``glob``). A count below the real one would end the sweep early, so it follows the sweeper's own
+    expansion."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     sweeper = hydra_cfg.get("sweeper") or {}
@@ -419,7 +421,7 @@ def basic_sweep_jobs(hydra_cfg: DictConfig) -> Optional[int]:
     params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
     try:
         overrides = OverridesParser.create().parse_overrides([*params, *hydra_cfg.overrides.task])
-        counts = {o.key_or_group: len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
+        counts = {o.get_key_element(): len(list(o.sweep_string_iterator())) if o.is_sweep_override() else 1
                   for o in overrides}
     except Exception:  # (a glob sweep, or anything the parser reads otherwise than the sweeper)
         return None

@@ -42,3 +42,28 @@ def test_a_failed_job_does_not_show_the_figures_an_earlier_job_left_in_its_dir(t
     _job(tmp_path, 0, 5e-3, results=4.0, multirun=run_id, results_current=False)
     (row,) = sweep_rows(tmp_path)
     assert (row["status"], row["steps"], row["train_loss"], row["seconds"]) == ("FAILED", "", "", "")
+
+
+def test_the_basic_sweepers_job_count_follows_its_own_expansion():
+    """After the last job of a basic sweep with a failure, the report callback ends the sweep (tester 13): the count
+    must be the sweeper's, or a sweep would end early."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.sweep import basic_sweep_jobs
+
+    def hydra(task, **sweeper):
+        return OmegaConf.create({"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                                             "max_batch_size": None, "params": None, **sweeper},
+                                 "overrides": {"task": task}})
+
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    def hydras(args):  # what the sweeper itself runs
+        return sum(len(b) for b in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None))
+
+    for task in (["optim.lr=1e-3,1e-2", "a=range(3)", "b=5"], ["+a=1", "a=1,2"], ["a=choice(1,2)", "c=x,y,z"]):
+        assert basic_sweep_jobs(hydra(task)) == hydras(task), task
+    assert basic_sweep_jobs(hydra(["a=1,2,3"], params={"a": "1,2", "c": "x,y"})) == 6  # the command line wins
+    assert basic_sweep_jobs(hydra(["a=1,2"], max_batch_size=1)) is None
+    assert basic_sweep_jobs(hydra(["a=1,2"], _target_="hydra_plugins.hydra_optuna_sweeper.OptunaSweeper")) is None
