@@ -206,7 +206,8 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
         log.info("sampling %d tokens (trainer.sample_tokens) ...", cfg.trainer.sample_tokens)  # seconds to minutes
         text = printable(sample_text(cfg, strategy.unwrap(model), info.device,
                                      strategy.autocast(precision, info.device), tokenizer))
-        log.info("sample (%.1f s):\n%s", time.perf_counter() - started, text)
+        log.info("sampled in %.1f s", time.perf_counter() - started)
+        log.info("sample:\n%s", text)
         tb.text("sample", text, result.steps)
     hparams = hparams_of(cfg, info.world_size, precision.name)
     payload, carried = results_payload(result, hparams, run_dir / "results.json" if info.is_main else None)
