@@ -183,6 +183,17 @@ class OutOfMemoryError(HydratrainError, RuntimeError):
     own_failure = True  # an allocation failed here; when several ranks run out, each says so with status 6
 
 
+class Placeholder:
+    """A value a :class:`ConfigError` shows as its bare text (``<deleted>``, ``???``, ``<unset>``), not as a quoted
+    string: what stands where a config holds no value."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _show(value: Any) -> str:
     """``repr`` of a config value, but an option Enum shows as its plain name (``'fsdp'``)."""
     from enum import Enum

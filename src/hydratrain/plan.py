@@ -394,7 +394,7 @@ def conf_dir() -> Path:
         ConfigError: none of them holds ``train.yaml`` (it was Hydra's "Primary config directory not found", which
             named neither the place nor the way out; tester 11).
     """
-    from hydratrain.errors import ConfigError
+    from hydratrain.errors import ConfigError, Placeholder
 
     if os.environ.get("HYDRATRAIN_CONF"):
         places = [Path(os.environ["HYDRATRAIN_CONF"])]
@@ -406,17 +406,12 @@ def conf_dir() -> Path:
     if os.environ.get("HYDRATRAIN_CONF"):
         raise ConfigError("$HYDRATRAIN_CONF", str(places[0]), "no train.yaml there: give the conf/ dir of a hydratrain "
                           "clone (the one next to its train.py)")
-    raise ConfigError("$HYDRATRAIN_CONF", _UNSET, f"no train.yaml in {places[0]} (this package's source tree) or "
+    unset = Placeholder("<unset>")
+    raise ConfigError("$HYDRATRAIN_CONF", unset, f"no train.yaml in {places[0]} (this package's source tree) or "
                       f"{places[1]} (the current dir): run python -m hydratrain.plan from the clone that holds "
                       "train.py and conf/ (pip install . installs neither), or set HYDRATRAIN_CONF=<clone>/conf")
 
 
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-_UNSET = _Unset()
 
 
 def _run_imports() -> None:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from hydratrain.config.schema import DType, ModelConfig, StrategyName, WrapPolicyName
-from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError
+from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError, Placeholder
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
 GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths")
@@ -37,7 +37,7 @@ def _check_option_nodes(cfg: DictConfig) -> None:
         if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
             if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)) and "trainer" in cfg and \
                     not dataclasses.is_dataclass(OmegaConf.get_type(cfg.trainer)):  # no node is typed (tester 11)
-                raise ConfigError("--config-name", _NotTheRunConfig(), "not conf/train.yaml on its typed schema (a "
+                raise ConfigError("--config-name", _ANOTHER_CONFIG, "not conf/train.yaml on its typed schema (a "
                                   "run's saved .hydra/config.yaml?): to run a past run again, give train.py its "
                                   "overrides (and the --config-dir it used, if any): python train.py $(sed 's/^- //' "
                                   "RUN/.hydra/overrides.yaml); to continue it: checkpoint.resume_from=RUN")
@@ -66,25 +66,7 @@ def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
                       f"{', '.join(schemas)})")
 
 
-class _NotTheRunConfig:
-    def __repr__(self) -> str:
-        return "<another config>"
-
-
-class _Deleted:
-    def __repr__(self) -> str:
-        return "<deleted>"
-
-
-_DELETED = _Deleted()
-
-
-class _NoValue:
-    def __repr__(self) -> str:
-        return "???"
-
-
-_NO_VALUE = _NoValue()
+_DELETED, _NO_VALUE, _ANOTHER_CONFIG = Placeholder("<deleted>"), Placeholder("???"), Placeholder("<another config>")
 
 
 def _check_known_keys(node: DictConfig, path: str = "") -> None:
