@@ -233,7 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _run(cfg, dog, rank, n)
     except Exception as e:  # e.g. a peer died and closed its sockets: one line, then out
         say(f"commcheck: rank {rank}: step '{dog.state[0]}' failed: {type(e).__name__}: "
-              f"{(str(e).strip().splitlines() or [''])[0]}")
+            f"{(str(e).strip().splitlines() or [''])[0]}")
         os._exit(EXIT_SLOW)  # not sys.exit: tearing down a broken process group can block
 
 
@@ -330,7 +330,7 @@ def _run(cfg: CommCheckConfig, dog: Watchdog, rank: int, n: int) -> int:
     for coll, nbytes in steps:
         if coll == "all_gather" and nbytes == sizes[0] and rank == cfg.debug_hang_rank:
             say(f"commcheck: rank {rank} (pid {os.getpid()}) stops itself before all_gather "
-                  f"(commcheck.debug_hang_rank; testing only)")
+                f"(commcheck.debug_hang_rank; testing only)")
             os.kill(os.getpid(), signal.SIGSTOP)
         op = make(coll, nbytes, chosen[coll])
         for i in range(cfg.warmup + cfg.iters):

@@ -438,7 +438,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     flags = [a for a in argv if a.startswith("-")]
     if flags:
         say(f"hydratrain: python -m hydratrain.plan takes train.py's overrides (KEY=VALUE) and -h, not {flags[0]!r} "
-              "(to print the composed config: python train.py --cfg job)")
+            "(to print the composed config: python train.py --cfg job)")
         return EXIT_CONFIG
     try:
         cfg = _compose(argv)

@@ -314,7 +314,7 @@ class SweepReportCallback(Callback):
             code = config.get("checkpoint", {}).get("preempt_exit_code", 75)
             if _is_rank0():  # (a sweep inside each torchrun rank: one line)
                 say("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the "
-                      "same command")
+                    "same command")
             raise SystemExit(code if isinstance(code, int) else 75)
         if "launcher" in config:
             try:

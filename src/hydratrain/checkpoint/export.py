@@ -108,7 +108,7 @@ def main(argv=None) -> int:
         prepare_output_file(out)
     except OSError as err:  # tester 9: a traceback, after the whole checkpoint was read
         say(f"hydratrain: output error: cannot write {out} ({type(err).__name__}: {err.strerror}: {err.filename}); "
-              "nothing was written")
+            "nothing was written")
         return EXIT_CHECKPOINT
     try:
         out = export(args.checkpoint, out)
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         if cause is None:
             raise
         say(f"hydratrain: output error: writing {out} failed ({type(cause).__name__}: "
-              f"{str(cause).splitlines()[0]}); nothing was written")
+            f"{str(cause).splitlines()[0]}); nothing was written")
         return EXIT_CHECKPOINT
     tokenizer = tokenizer_path_for(out)
     print(f"wrote {out}" + (f" and {tokenizer}" if tokenizer.is_file() else ""))

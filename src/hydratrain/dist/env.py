@@ -148,7 +148,7 @@ class RunLogFileHandler(logging.FileHandler):
         if not self.failed:
             self.failed = True
             say(f"hydratrain: writing the log file {self.baseFilename} failed ({type(err).__name__}: {err}); its "
-                  "lines go to the console only from now on")
+                "lines go to the console only from now on")
 
 
 def quiet_console() -> None:
