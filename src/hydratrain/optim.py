@@ -165,7 +165,9 @@ def total_steps(trainer_cfg, batches, done: int = 0) -> int:
 
 
 def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int, done: int = 0) -> None:
-    """Log one warning line each when the run's length is not what its keys suggest: ``trainer.max_epochs`` ends
+    """Log one warning line each when the run's length is not what its keys suggest: one optimizer step of
+    ``trainer.grad_accum_steps`` micro-batches spans more than an epoch (a typo such as 2**32 would make the first step
+    run for days without a word), ``trainer.max_epochs`` ends
     with micro-batches that fill no whole step of ``trainer.grad_accum_steps`` (they are not trained; tester 8),
     ``trainer.max_steps`` ends the run before ``trainer.max_epochs`` does (both set), or ``scheduler.warmup_steps``
     is not shorter than the ``steps`` optimizer steps it takes (:func:`total_steps`), so the lr reaches
@@ -173,6 +175,12 @@ def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int, done: int =
     ``hydratrain.data.ShardedBatches``, at its restored position after a resume at step ``done`` (counted from there:
     before the load they were the fresh config's counts, wrong after a resume on another batch geometry; tester 10)."""
     accum = trainer_cfg.grad_accum_steps
+    if accum > batches.batches_per_epoch:
+        log.warning("trainer.grad_accum_steps=%d makes every optimizer step %d micro-batches per rank: %.3g epochs "
+                    "of the training data (%d micro-batches per rank an epoch at data.batch_size=%d); a "
+                    "grad_accum_steps of at most %d keeps a step within an epoch", accum, accum,
+                    accum / batches.batches_per_epoch, batches.batches_per_epoch, batches.batch_size,
+                    batches.batches_per_epoch)
     if trainer_cfg.max_epochs is not None:
         left = batches.batches_left(trainer_cfg.max_epochs)
         epoch_steps, untrained = divmod(left, accum)

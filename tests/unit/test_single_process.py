@@ -204,6 +204,31 @@ def test_the_untrained_micro_batches_warning_counts_from_the_resumed_data_positi
             "1.4 epochs") in r.output, r.output[-3000:]
 
 
+def test_a_step_longer_than_an_epoch_is_warned_about(caplog):
+    """``trainer.grad_accum_steps=2**32`` (a typo, or a size meant for tokens) made the first step run for days without
+    a word: one step of more micro-batches than an epoch has now says so at start, with the factor and the largest
+    accumulation that keeps a step within an epoch. An accumulation that fits says nothing."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from hydratrain.optim import warn_run_length
+
+    batches = SimpleNamespace(batches_per_epoch=11, batch_size=4)
+    scheduler = OmegaConf.create({"name": "constant", "warmup_steps": 0})
+    for accum, said in ((11, False), (12, True), (2**32, True)):
+        trainer = OmegaConf.create({"grad_accum_steps": accum, "max_epochs": None, "max_steps": 10})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hydratrain"):
+            warn_run_length(trainer, scheduler, batches, steps=10)
+        lines = [r.getMessage() for r in caplog.records if "grad_accum_steps=" in r.getMessage()]
+        assert len(lines) == int(said), lines
+    assert lines[0] == (
+        "trainer.grad_accum_steps=4294967296 makes every optimizer step 4294967296 micro-batches per rank: 3.9e+08 "
+        "epochs of the training data (11 micro-batches per rank an epoch at data.batch_size=4); a grad_accum_steps of "
+        "at most 11 keeps a step within an epoch")
+
+
 @pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_going_back_to_an_earlier_checkpoint_sets_the_later_ones_aside(cli, tmp_path):
     """Resuming a run dir from its step-2 checkpoint (auto_resume off) while steps 4 and 6 of the abandoned line are
