@@ -363,6 +363,9 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
             raise with_previous(err, resume) if resume.parent == run_dir / "checkpoints" else err from None
         if cfg.trainer.max_epochs is not None:
             _keep_the_epoch_limit(job)
+        lr_change = job.checkpoints.components["scheduler"].lr_change(progress.step)
+        if lr_change and progress.step < job.trainer.max_steps:
+            log.warning(lr_change)
         if cfg.model.init_from:
             log.info("model.init_from=%s not used: resuming from %s", cfg.model.init_from, resume)
         if progress.step >= job.trainer.max_steps:

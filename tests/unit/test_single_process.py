@@ -165,6 +165,24 @@ def test_resume_with_a_new_lr_trains_with_it_and_records_it(cli, tmp_path):
     assert results(tmp_path / "a")["hparams"]["optim.lr"] == 2e-3
 
 
+def test_a_resume_that_moves_the_lr_says_by_how_much(cli, tmp_path):
+    """A finished 10-step warmup_cosine run extended to 20 steps: its lr went from 2e-4 (the floor, step 10) back up
+    to 1.1e-3 at step 11 without a word (a public report against another trainer; tester 15). The resume now says
+    so, with both values. A resume whose schedule gives the same lr (constant, a longer run) says nothing."""
+    common = ["strategy=single", "optim.lr=2e-3", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=0",
+              "checkpoint.save_last=true"]
+    cli([*common, "scheduler=constant", "trainer.max_steps=4"], tmp_path / "a").ok()
+    r = cli([*common, "scheduler=constant", "trainer.max_steps=6"], tmp_path / "a").ok()
+    assert "resumed from" in r.output and "the lr of step" not in r.output
+    cosine = [*common, "scheduler=warmup_cosine", "scheduler.warmup_steps=2"]
+    cli([*cosine, "trainer.max_steps=10"], tmp_path / "b").ok()
+    r = cli([*cosine, "trainer.max_steps=20"], tmp_path / "b").ok()
+    assert ("resumed at step 10: the lr of step 11 is 1.100e-03 on this launch's schedule (warmup_cosine over 20 "
+            "steps, base lr 0.002) and was 2.000e-04 on the saved run's (x5.5)") in r.output, r.output[-3000:]
+    lr = tb_scalars(tmp_path / "b", "train/lr")
+    assert lr[10] == pytest.approx(2e-4) and lr[11] == pytest.approx(1.1e-3)
+
+
 @pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
 def test_an_epoch_limit_holds_across_a_resume_on_another_batch_size(cli, tmp_path):
     """44 training samples, trainer.max_epochs=2: 22 steps at batch 4. Stopped at step 5 (20 samples) and resumed at

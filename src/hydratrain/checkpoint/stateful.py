@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -137,13 +137,17 @@ def _dequantised(value: torch.Tensor) -> torch.Tensor:
 
 class SchedulerState:
     """A ``LambdaLR``'s step count; on load the lr of every group is recomputed from the configured base lr and
-    schedule (the scheduler's own ``lr_lambdas``, built from this run's config) at the saved step."""
+    schedule (the scheduler's own ``lr_lambdas``, built from this run's config) at the saved step. The saved run's
+    own lr for the next step (``lr``, from checkpoints of 2026-12 on) is kept as :attr:`saved_lr` to compare
+    (:meth:`lr_change`)."""
 
     def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR):
         self.scheduler = scheduler
+        self.saved_lr: Optional[float] = None
 
     def state_dict(self) -> dict:
-        return {"last_epoch": self.scheduler.last_epoch, "_step_count": self.scheduler._step_count}
+        return {"last_epoch": self.scheduler.last_epoch, "_step_count": self.scheduler._step_count,
+                "lr": float(self.scheduler.get_last_lr()[0])}
 
     def load_state_dict(self, state: dict) -> None:
         s = self.scheduler
@@ -153,6 +157,24 @@ class SchedulerState:
         for group, lr in zip(s.optimizer.param_groups, lrs):
             set_group_value(group, "lr", lr)
         s._last_lr = [float(lr) for lr in lrs]
+        self.saved_lr = float(state["lr"]) if state.get("lr") is not None else None
+
+    def lr_change(self, step: int) -> Optional[str]:
+        """One line when the lr of optimizer step ``step + 1`` (the first after a resume at ``step``) on this run's
+        schedule differs (by more than 1e-6 relative) from the one the saved run's schedule gave it: an extended
+        ``trainer.max_steps`` under a decaying schedule sends the lr back up (a public report against another
+        trainer; tester 15), a changed ``optim.lr`` or schedule moves it. None when they agree or the checkpoint
+        predates the saved ``lr``."""
+        now = float(self.scheduler.get_last_lr()[0])
+        if self.saved_lr is None or abs(now - self.saved_lr) <= 1e-6 * max(abs(now), abs(self.saved_lr)):
+            return None
+        schedule = self.scheduler.lr_lambdas[0]
+        which = (f"{schedule.name} over {schedule.total_steps} steps" if hasattr(schedule, "total_steps")
+                 else "this run's schedule")
+        ratio = f"x{now / self.saved_lr:.3g}" if self.saved_lr else "from 0"
+        return (f"resumed at step {step}: the lr of step {step + 1} is {now:.3e} on this launch's schedule ({which}, "
+                f"base lr {self.scheduler.base_lrs[0]:.3g}) and was {self.saved_lr:.3e} on the saved run's "
+                f"({ratio}): the lr follows this launch's config (README: Resuming with other hyper-parameters)")
 
 
 class RNGState:
