@@ -255,6 +255,39 @@ def _refuse_swept_executor_keys(config: DictConfig) -> None:
                               "said its own; run one sweep per value (launcher=torchrun and ray take it per job)")
 
 
+def _refuse_a_stored_study_over_its_job_dirs(hc: Any) -> None:
+    """An Optuna sweep (``hydra.sweeper.storage`` set) whose study already holds trials, relaunched into a
+    ``hydra.sweep.dir`` that holds job dirs: Hydra's Optuna sweeper numbers the relaunch's trials from job 0 again
+    (hydra issue #3328), so each new trial lands in an earlier trial's dir, where it is refused as another trial
+    or, when the seeded sampler proposes the same values again, only re-evaluates the finished one and is told to
+    the study as a new observation (tester 15: the study held 4 trials, two of them copies). Raises
+    :class:`~hydratrain.errors.ConfigError` on ``hydra.sweeper.storage``; a storage optuna cannot read is left to the
+    sweeper."""
+    from hydratrain.errors import ConfigError
+
+    sweeper = hc.get("sweeper", {})
+    storage, name = sweeper.get("storage"), sweeper.get("study_name")
+    sweep_dir = _sweep_dir(hc)
+    jobs = [d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()] if sweep_dir.is_dir() else []
+    if not storage or "optuna" not in str(sweeper.get("_target_", "")).lower() or not jobs:
+        return
+    try:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        trials = next((s.n_trials for s in optuna.study.get_all_study_summaries(storage=str(storage))
+                       if s.study_name == name), 0)
+    except Exception:  # noqa: BLE001 (not ours to report: the sweeper says what is wrong with its storage)
+        return
+    if trials:
+        raise ConfigError("hydra.sweeper.storage", storage,
+                          f"its study {name!r} already holds {trials} trial(s) and hydra.sweep.dir={sweep_dir} holds "
+                          f"{len(jobs)} job dir(s): Hydra's Optuna sweeper numbers a relaunch's trials from job 0 "
+                          "again, so each would land in an earlier trial's dir; to add trials to the study give a new "
+                          "hydra.sweep.dir (and another hydra.sweeper.sampler.seed, or the seeded sampler proposes "
+                          "the first trials' values again)")
+
+
 def _sweep_dir(hc: Any) -> Path:
     """``hydra.sweep.dir``, a relative one resolved against the launch dir (``hydra.runtime.cwd``): with
     ``hydra.job.chdir=true`` a job's callbacks run in its own dir."""
@@ -316,12 +349,14 @@ class SweepReportCallback(Callback):
                 say("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the "
                     "same command")
             raise SystemExit(code if isinstance(code, int) else 75)
-        if "launcher" in config:
+        if "launcher" in config or config.hydra.get("sweeper", {}).get("storage"):
             try:
-                validate_launcher(config.launcher, submitting=True)
-                if config.launcher.get("name") in ("slurm", "submitit_local"):
-                    _check_before_submitting(config)
-                    _refuse_swept_executor_keys(config)
+                _refuse_a_stored_study_over_its_job_dirs(config.hydra)
+                if "launcher" in config:
+                    validate_launcher(config.launcher, submitting=True)
+                    if config.launcher.get("name") in ("slurm", "submitit_local"):
+                        _check_before_submitting(config)
+                        _refuse_swept_executor_keys(config)
             except ConfigError as err:
                 from hydratrain.errors import EXIT_CONFIG
 

@@ -63,6 +63,22 @@ def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
     study = optuna.load_study(study_name="lr", storage=f"sqlite:///{db}")
     assert sorted(t.value for t in study.trials) == pytest.approx(sorted(float(r["eval_loss"]) for r in rows),
                                                                   abs=1e-4)
+    # the same command again: Hydra's sweeper would number the new trials from job 0, into the old trials' dirs
+    # (the seeded sampler proposed trial 0's values again, which only re-evaluated dir 0 and added a copy to the
+    # study; tester 15); refused before any trial, the study untouched
+    again = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=3", "strategy=single", "trainer.max_steps=3",
+                 f"hydra.sweep.dir={sweep}", f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=lr"])
+    assert again.returncode == 2, again.output[-3000:]
+    assert (f"hydratrain: config error: hydra.sweeper.storage='sqlite:///{db}': its study 'lr' already holds 3 "
+            f"trial(s) and hydra.sweep.dir={sweep} holds 3 job dir(s): Hydra's Optuna sweeper numbers a relaunch's "
+            "trials from job 0 again") in again.err
+    assert len(optuna.load_study(study_name="lr", storage=f"sqlite:///{db}").trials) == 3
+    # what the line advises adds a trial
+    more = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=1", "strategy=single", "trainer.max_steps=3",
+                f"hydra.sweep.dir={tmp_path / 'more'}", f"hydra.sweeper.storage=sqlite:///{db}",
+                "hydra.sweeper.study_name=lr", "hydra.sweeper.sampler.seed=7"])
+    assert more.returncode == 0, more.output[-3000:]
+    assert len(optuna.load_study(study_name="lr", storage=f"sqlite:///{db}").trials) == 4
 
 
 @pytest.mark.slow  # five in-process trials
