@@ -145,6 +145,25 @@ def test_validate_names_the_key(compose, overrides, key):
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("group,off", [("checkpoint", "checkpoint.every_n_steps=0"),
+                                       ("logger", "logger.tensorboard=false"), ("trainer", None),
+                                       ("distributed", None), ("plan", "plan.enabled=false")])
+def test_removing_a_group_whose_schema_has_defaults_is_refused(compose, group, off):
+    """``~checkpoint ~logger`` (to save disk in a sweep) left the schema's defaults in the groups' place: the run
+    still wrote checkpoints and events, without a word (tester 15). Every group of the defaults list is read by the
+    run, so removing one is a config error that names the key turning its work off."""
+    from hydratrain.config.validate import DEFAULT_GROUPS
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose([f"~{group}"], return_hydra_config=True))
+    assert str(err.value).startswith(f"{group}=<deleted>: removed with ~{group}, but the run reads every key of it")
+    assert (off in str(err.value)) if off else "to turn it off" not in str(err.value)
+    validate(compose([], return_hydra_config=True))  # nothing removed: fine
+    defaults = OmegaConf.to_container(OmegaConf.load(CONF / "train.yaml").defaults)
+    listed = [next(iter(d)) for d in defaults if isinstance(d, dict) and not next(iter(d)).startswith("override ")]
+    assert list(DEFAULT_GROUPS) == listed
+
+
 @pytest.mark.parametrize("args,expect", [
     (["optim.lr=-1"], "optim.lr"),
     (["wrap_policy=size_based", "wrap_policy.min_num_params=0"], "wrap_policy.min_num_params"),

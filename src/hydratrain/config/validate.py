@@ -66,6 +66,40 @@ def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
                       f"{', '.join(schemas)})")
 
 
+#: the groups of conf/train.yaml's defaults list (a test keeps the two alike): the run reads every one
+DEFAULT_GROUPS = ("model", "data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths",
+                  "trainer", "logger", "checkpoint", "distributed", "plan")
+#: how to turn off what a group does, for the message on ``~group``
+_OFF_SWITCHES = {"checkpoint": "checkpoint.every_n_steps=0 saves no periodic checkpoints (and "
+                               "checkpoint.save_on_sigterm=false none at all)",
+                 "logger": "logger.tensorboard=false writes no TensorBoard events",
+                 "plan": "plan.enabled=false makes no memory plan",
+                 "launcher": "launcher=local runs in this process"}
+
+
+def _refuse_removed_groups(cfg: DictConfig) -> None:
+    """``~group`` (Hydra's removal from the defaults list) of a group the run reads: where the group's schema has a
+    default for every key (``~checkpoint``, ``~logger``, ``~trainer``), the schema's defaults took the option's place
+    and the run went on as if nothing had been removed (tester 15: ``~checkpoint ~logger`` to save disk in a sweep
+    still wrote checkpoints and events). Reads Hydra's ``runtime.choices`` (the config's own ``hydra`` node, or the
+    running app's); without either, checks nothing. Raises :class:`ConfigError` naming the group and, where there is
+    one, the key that turns its work off."""
+    if "hydra" in cfg:
+        choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None)
+    else:
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else None
+    if not choices:
+        return
+    for group in DEFAULT_GROUPS:
+        if choices.get(group) is None:
+            off = f"; to turn it off: {_OFF_SWITCHES[group]}" if group in _OFF_SWITCHES else ""
+            raise ConfigError(group, _DELETED, f"removed with ~{group}, but the run reads every key of it (the "
+                              f"schema's defaults would take the option's place): choose an option with "
+                              f"{group}=NAME (conf/{group}/){off}")
+
+
 _DELETED, _NO_VALUE, _ANOTHER_CONFIG = Placeholder("<deleted>"), Placeholder("???"), Placeholder("<another config>")
 
 
@@ -180,6 +214,7 @@ def validate(cfg: DictConfig) -> None:
     _check_resolves(cfg)
     _check_known_keys(cfg)
     _check_option_nodes(cfg)
+    _refuse_removed_groups(cfg)
 
     def positive(key: str, allow_zero: bool = False, allow_none: bool = False) -> None:
         value = _get(cfg, key)
