@@ -28,6 +28,19 @@ from hydratrain.dist.run_dir import resolve_path
 MODEL_DIR_ENV = "HYDRATRAIN_MODEL_DIR"
 
 
+def temporary_sibling(path: Path) -> Path:
+    """Where to write ``path`` before renaming it into place: ``.<name>.tmp<pid>`` in the same dir (so the rename is
+    atomic, on one filesystem), or ``.<sha1 of the name, 16 hex>.tmp<pid>`` when that name would pass the
+    filesystem's 255-byte limit on a name: a valid 250-byte target name failed with ``File name too long`` for its
+    temporary name alone (tester 14)."""
+    import hashlib
+
+    name = f".{path.name}.tmp{os.getpid()}"
+    if len(os.fsencode(name)) > 255:
+        name = f".{hashlib.sha1(os.fsencode(path.name)).hexdigest()[:16]}.tmp{os.getpid()}"
+    return path.with_name(name)
+
+
 @dataclass(frozen=True)
 class Paths:
     """Absolute directories of one run (never written back into the config)."""

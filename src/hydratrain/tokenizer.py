@@ -26,6 +26,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import numpy as np
 
 from hydratrain.errors import ConfigError
+from hydratrain.paths import temporary_sibling
 
 EOT = "<|endoftext|>"  # special token written between files; id 0 in the tokenizers we train
 PIECE_BYTES = 1 << 20  # files are read (for training and tokenizing) in pieces of about this many bytes
@@ -181,7 +182,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path, progress: b
     tok.train_from_iterator(bounded_words(texts), trainer)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f"{out_path.name}.tmp{os.getpid()}")
+    tmp = temporary_sibling(out_path)
     tok.save(str(tmp))
     os.replace(tmp, out_path)
     return load_tokenizer(out_path)
@@ -213,7 +214,7 @@ def bounded_words(texts: Iterable[str], limit: int = MAX_WORD) -> Iterator[str]:
 def copy_atomic(src: Path, dst: Path) -> Path:
     """Copy ``src`` to ``dst`` through a temporary name in ``dst``'s dir (created if missing). Returns ``dst``."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+    tmp = temporary_sibling(dst)
     shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
     return dst

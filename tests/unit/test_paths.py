@@ -101,3 +101,18 @@ def test_export_writes_a_relative_file_under_the_model_dir(monkeypatch, tmp_path
     export.main(["ckpt", str(tmp_path / "c.safetensors")])
     assert written == [tmp_path / "env" / "a.safetensors", tmp_path / "flag" / "b.safetensors",
                        tmp_path / "c.safetensors"]
+
+
+def test_a_valid_long_file_name_is_written_through_a_temporary_name_that_fits(tmp_path):
+    """A 252-byte export name is valid, but its temporary name ``.<name>.tmp<pid>`` passed the 255-byte limit:
+    ``File name too long``, nothing written (tester 14)."""
+    import torch
+
+    from hydratrain.checkpoint.export import write_safetensors
+    from hydratrain.paths import temporary_sibling
+
+    out = tmp_path / ("b" * 240 + ".safetensors")
+    assert temporary_sibling(out).parent == tmp_path and len(temporary_sibling(out).name) <= 255
+    assert temporary_sibling(tmp_path / "w.safetensors").name.startswith(".w.safetensors.tmp")
+    write_safetensors({"w": torch.ones(2)}, out, metadata={})
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]

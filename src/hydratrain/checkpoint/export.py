@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from hydratrain.errors import say
+from hydratrain.paths import temporary_sibling
 
 
 def write_safetensors(tensors: dict, out: Path, metadata: dict) -> Path:
@@ -31,7 +32,7 @@ def write_safetensors(tensors: dict, out: Path, metadata: dict) -> Path:
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp = temporary_sibling(out)
     try:
         save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
         umask = os.umask(0)
