@@ -40,7 +40,8 @@ FILE_SEPARATOR = b"\n\n"
 @contextmanager
 def build_lock(out: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``.<out name>.lock`` beside ``out`` (another process building ``out`` waits, then
-    finds it built); stale temporary files in ``out`` from a killed build are removed."""
+    finds it built); stale temporary files in ``out`` from a killed build are removed, and so are this build's when
+    it fails (a full disk kept the partial file that filled it; tester 14)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(f".{out.name}.lock"), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -48,6 +49,10 @@ def build_lock(out: Path) -> Iterator[None]:
             for stale in out.glob("*.tmp*") if out.is_dir() else ():
                 stale.unlink()
             yield
+        except BaseException:
+            for partial in out.glob("*.tmp*") if out.is_dir() else ():
+                partial.unlink(missing_ok=True)
+            raise
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
 

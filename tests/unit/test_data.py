@@ -209,3 +209,19 @@ def test_double_star_does_not_walk_symlinked_dirs(tmp_path):
     assert expand_paths(["**/*.py"], tmp_path) == [tmp_path / "a.py", tmp_path / "real/r.py", tmp_path / "sub/b.py"]
     assert time.monotonic() - started < 5
     assert expand_paths(["linked/*.py"], tmp_path) == [tmp_path / "real/r.py"]
+
+
+def test_a_failed_cache_build_leaves_no_partial_file(tmp_path):
+    """A corpus build that a full disk stopped kept its partial ``train.bin.tmp<pid>``, the file that filled the
+    disk, until a later build (tester 14). A failed build removes it; the error goes on."""
+    import errno
+
+    from hydratrain.data import build_lock
+
+    out = tmp_path / "cache" / "abc"
+    with pytest.raises(OSError):
+        with build_lock(out):
+            out.mkdir(parents=True)
+            (out / "train.bin.tmp42").write_bytes(b"x" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert list(out.iterdir()) == []
