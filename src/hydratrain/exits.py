@@ -165,8 +165,10 @@ def end_the_sweep(status: int, why: str) -> None:
 
 
 def _refused_by_lock(err: HydratrainError) -> bool:
-    """A config error about the run dir itself (held by another job): that dir is not this launch's to remove."""
-    return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
+    """A config error about the run dir itself (held by another job): that dir is not this launch's to remove
+    (unless the error says it is: ``discard_run_dir``)."""
+    return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir") and \
+        not getattr(err, "discard_run_dir", False)
 
 
 def in_multirun() -> bool:

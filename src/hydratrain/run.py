@@ -65,6 +65,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         validate(cfg)
         launch = launch_dir()
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
+        _refuse_a_path_that_is_not_utf8(run_dir)
         check_environment(cfg, env.world_size, launch, env.local_world_size)
         if in_multirun():
             _refuse_another_jobs_dir(run_dir)
@@ -93,6 +94,24 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                                 "saving a checkpoint; relaunch the same command to resume")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
+
+
+def _refuse_a_path_that_is_not_utf8(run_dir: Path) -> None:
+    """A run dir whose path holds bytes that are not UTF-8 (a dir name in a legacy encoding, which Python keeps as
+    surrogates): every log line naming it was a ``--- Logging error ---`` and TensorBoard's writer then failed with a
+    ``UnicodeEncodeError`` traceback (tester 14). Raises :class:`~hydratrain.errors.ConfigError` on
+    ``hydra.run.dir`` (``hydra.sweep.dir`` in a sweep)."""
+    try:
+        str(run_dir).encode("utf-8")
+    except UnicodeEncodeError as err:
+        from hydratrain.errors import ConfigError
+
+        bad = os.fsencode(str(run_dir)[err.start:err.end])
+        refused = ConfigError("hydra.sweep.dir" if in_multirun() else "hydra.run.dir", str(run_dir),
+                              f"holds bytes that are not UTF-8 ({bad!r}: a dir name in another encoding?), which the "
+                              "logs and TensorBoard cannot write; launch from, or give, a dir whose path is UTF-8")
+        refused.discard_run_dir = True  # this launch made it for nothing (hydratrain.exits)
+        raise refused from None
 
 
 @contextlib.contextmanager

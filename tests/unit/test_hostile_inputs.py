@@ -154,3 +154,19 @@ def test_export_onto_a_directory_is_refused_and_leaves_no_file(cli, tmp_path, ca
         err = capsys.readouterr().err
         assert err.startswith("hydratrain: output error: ") and str(out) in err and why in err, err
         assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_run_dir_whose_path_is_not_utf8_is_one_config_line(cli, tmp_path, monkeypatch):
+    """A launch from a dir whose name is in a legacy encoding (Latin-1 ``lat\\xe9n``): every log line naming the run
+    dir was a ``--- Logging error ---`` and TensorBoard's writer then failed with a traceback, exit 1 (tester 14)."""
+    import os
+
+    launch = tmp_path / os.fsdecode(b"lat\xe9n")
+    launch.mkdir()
+    monkeypatch.chdir(launch)
+    r = cli(["strategy=single", "trainer.max_steps=1"])
+    assert r.returncode == 2, r.output[-3000:]
+    assert r.err.strip().startswith("hydratrain: config error: hydra.run.dir=") and "holds bytes that are not UTF-8 " \
+        "(b'\\xe9': a dir name in another encoding?)" in r.err, r.err[-3000:]
+    assert "Logging error" not in r.output and "Traceback" not in r.output
+    assert list(launch.iterdir()) == []  # the run dir this launch made for nothing is removed
