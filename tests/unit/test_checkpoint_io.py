@@ -361,3 +361,23 @@ def test_an_architecture_named_as_the_preset_derives_it_is_the_same_architecture
     assert architecture_diff(saved, {**saved, "d_ff": 256}) == ["model.d_ff: 192 -> 256"]
     assert architecture_diff(saved, {**saved, "ff_multiple_of": 128}) == ["model.d_ff: 192 -> 256"]
     assert architecture_diff(saved, {**saved, "n_kv_head": 1}) == ["model.n_kv_head: 2 -> 1"]
+
+
+def test_an_unfinished_save_that_cannot_be_removed_is_not_said_to_be_removed(tmp_path, monkeypatch, caplog):
+    """``removing .tmp-step_...`` was logged while a checkpoints dir that took no writes kept it (``rmtree`` ignored
+    the error), and the save of that step then failed with a misleading ``FileExistsError`` (tester 14)."""
+    import shutil
+
+    from hydratrain.checkpoint.manager import recover_unfinished_saves
+
+    stale = tmp_path / ".tmp-step_00000012"
+    stale.mkdir()
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", refused)
+    with caplog.at_level("WARNING", logger="hydratrain"):
+        recover_unfinished_saves(tmp_path)
+    assert stale.is_dir() and "could not remove" in caplog.text and "Operation not permitted" in caplog.text
+    assert "removed " not in caplog.text
