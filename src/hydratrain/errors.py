@@ -7,7 +7,8 @@
 | 2 | :class:`ConfigError`: a bad config value, found before any process group exists |
 | 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used (nothing was trained), or a
   save cannot be written; :class:`OutputError`: another output (TensorBoard events, weights, results.json) cannot be
-  written (a full, over-quota or read-only filesystem): training stopped, the latest complete checkpoint is intact |
+  written (a full, over-quota or read-only filesystem, a file-size limit, a dir whose permissions refuse the write):
+  training stopped, the latest complete checkpoint is intact |
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
 | 5 | another rank failed or died; this rank stopped after it (``distributed.failure_timeout_s``) |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
@@ -20,8 +21,9 @@ Importing this module imports nothing heavy (no torch).
 from __future__ import annotations
 
 import copyreg
+import os
 import sys
-from typing import Any, Optional
+from typing import Any, Iterable, Optional, Union
 
 from hydra.errors import CompactHydraException
 
@@ -79,17 +81,24 @@ class CheckpointError(HydratrainError, RuntimeError):
 
 
 class OutputError(HydratrainError, RuntimeError):
-    """A run's output could not be written because its filesystem is full, over quota or read-only
-    (:data:`UNWRITABLE_ERRNOS`); ``str(err)`` is one line: what, where, why, the free space and how to go on
-    (:func:`unwritable_message`)."""
+    """A run's output could not be written because its filesystem is full, over quota or read-only, a file-size
+    limit or the permissions of its dir refused it (:data:`UNWRITABLE_ERRNOS`); ``str(err)`` is one line: what,
+    where, why, what tells the cause (the free space, the limit) and how to go on (:func:`unwritable_message`)."""
 
     label = "output error"
     exit_status = EXIT_CHECKPOINT
     own_failure = True  # this rank's filesystem refused the write
 
 
-#: errno values that mean "this filesystem takes no more writes" (ENOSPC, EDQUOT, EROFS, EFBIG), not a bad path
-UNWRITABLE_ERRNOS = (28, 122, 30, 27)
+#: errno values that mean "this filesystem takes no more writes" (ENOSPC, EDQUOT, EROFS, EFBIG), not a bad path, and
+#: those of a write that the permissions refused (:data:`DENIED_ERRNOS`)
+UNWRITABLE_ERRNOS = (28, 122, 30, 27, 13, 1)
+#: EACCES, EPERM (a dir's mode or owner, an immutable or append-only attribute): on a read they mean an unreadable
+#: input, not an output that cannot be written, so :func:`unwritable_cause` counts them only for writes it is told of
+DENIED_ERRNOS = (13, 1)
+#: below this many free bytes, a failed write that lost its errno is put down to a full filesystem
+#: (:func:`unwritable_message`)
+LOW_SPACE_BYTES = 1 << 30
 
 
 def say(*parts: object) -> None:
@@ -100,55 +109,178 @@ def say(*parts: object) -> None:
     sys.stderr.flush()
 
 
-def unwritable_cause(err: BaseException) -> Optional[OSError]:
+def unwritable_cause(err: BaseException, writes: Iterable[Union[str, os.PathLike]] = ()) -> Optional[OSError]:
     """The OSError with an :data:`UNWRITABLE_ERRNOS` errno in ``err`` or its ``__cause__`` / ``__context__`` chain
     (TensorBoard's writer thread, logging, a library that wraps it), or one made from the text of an error of a
     library's own type that only quotes it (safetensors' ``SafetensorError: ... No space left on device (os error
-    28)``); else None."""
-    import os
+    28)``); else None.
 
+    A permission error (:data:`DENIED_ERRNOS`) counts only when it names a path that ``writes`` (the dirs the failed
+    code writes to) covers: one of those dirs, a path below one (but not an existing file this process may not read:
+    that was the read of an input) or above one (a dir made on the way to it). So an unreadable data file or
+    checkpoint elsewhere is not reported as an output that cannot be written; without ``writes`` none counts."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, OSError):
-            if err.errno in UNWRITABLE_ERRNOS:
+            if err.errno in UNWRITABLE_ERRNOS and (err.errno not in DENIED_ERRNOS
+                                                   or _written(err.filename, writes)):
                 return err
         else:
             for errno in UNWRITABLE_ERRNOS:
-                if f"(os error {errno})" in str(err) or os.strerror(errno) in str(err):
+                if errno not in DENIED_ERRNOS and (f"(os error {errno})" in str(err)
+                                                   or os.strerror(errno) in str(err)):
                     return OSError(errno, os.strerror(errno))
         err = err.__cause__ or err.__context__
     return None
 
 
+def _written(filename: Any, writes: Iterable[Union[str, os.PathLike]]) -> bool:
+    """Whether ``filename`` (an OSError's) is a path in, below or above one of the dirs ``writes``, and not an
+    existing file that this process may not read."""
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        return False
+    path = os.path.abspath(os.fsdecode(filename))
+    if os.path.isfile(path) and not os.access(path, os.R_OK):
+        return False
+    for out in writes:
+        out = os.path.abspath(os.fsdecode(out))
+        if path == out or path.startswith(out.rstrip(os.sep) + os.sep) or out.startswith(path.rstrip(os.sep) + os.sep):
+            return True
+    return False
+
+
 def unwritable_message(what: str, where: Any, cause: Optional[BaseException], last_checkpoint: Any,
-                       room: Optional[str] = None, stopped: str = "training stopped") -> str:
-    """``<what> under <where> failed (<cause>; <N> MB free there); <stopped>. The latest complete checkpoint,
+                       room: Optional[str] = None, stopped: str = "training stopped", frees: str = "") -> str:
+    """``<what> under <where> failed (<cause>; <what tells the cause>); <stopped>. The latest complete checkpoint,
     <last>, is intact: <room> and relaunch the same command to resume from it`` (or, without a checkpoint, ``No
     checkpoint was written before: <room> and relaunch``; with ``last_checkpoint=...`` (Ellipsis: not this call's to
-    say, a sweep's), ``<Room> and relaunch the same command``). ``room`` defaults to the remedy for ``cause``'s errno:
-    make it writable (read-only), free some of the quota, or make room."""
-    import errno as errnos
-    import shutil
+    say, a sweep's), ``<Room> and relaunch the same command``).
 
+    ``room`` defaults to the remedy for the cause (:func:`write_refusal`): make room (no space; ``frees``, e.g. ``"lower
+    checkpoint.keep_last"``, is offered too), free some of the quota (also ``frees``), make it writable (a read-only
+    filesystem), fix the permissions of the dir that refused the write, raise the file-size limit (``ulimit -f``).
+    A cause without an errno (torch's checkpoint writer raises a ``RuntimeError`` that lost it) is told from
+    ``where``: a finite file-size limit, a dir this process may not write, little free space; else the cause is
+    said to be unknown. Raises nothing."""
     why = (f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None
            else "another rank could not write its part")
-    try:
-        why += f"; {shutil.disk_usage(where).free / 1e6:.1f} MB free there"
-    except OSError:
-        pass
-    if room is None:
-        code = getattr(cause, "errno", None)
-        room = {errnos.EROFS: "make it writable (or write elsewhere)", errnos.EDQUOT: "free some of your quota"}.get(
-            code, "make room")
+    told, remedy = write_refusal(cause, where, frees)
+    return _tail(f"{what} under {where} failed ({why}{'; ' + told if told else ''}); {stopped}.", room or remedy,
+                 last_checkpoint)
+
+
+def _tail(head: str, room: str, last_checkpoint: Any) -> str:
     if last_checkpoint is ...:
-        tail = f"{room[0].upper()}{room[1:]} and relaunch the same command"
-    elif last_checkpoint:
-        tail = (f"The latest complete checkpoint, {last_checkpoint}, is intact: {room} and relaunch the same command "
-                "to resume from it")
+        return f"{head} {room[0].upper()}{room[1:]} and relaunch the same command"
+    if last_checkpoint:
+        return (f"{head} The latest complete checkpoint, {last_checkpoint}, is intact: {room} and relaunch the same "
+                "command to resume from it")
+    return f"{head} No checkpoint was written before: {room} and relaunch"
+
+
+def write_refusal(cause: Optional[BaseException], where: Any, frees: str = "") -> tuple[str, str]:
+    """``(what tells the cause, or "", the remedy)`` of a write under ``where`` that failed with ``cause`` (see
+    :func:`unwritable_message`): by its errno, else (none: a library's error that lost it, or another rank's) by
+    what ``where`` shows now. Raises nothing."""
+    import errno as errnos
+
+    code = getattr(cause, "errno", None)
+    guessed = code not in UNWRITABLE_ERRNOS
+    if guessed:
+        code = _likely_errno(where)
+    free = _free_bytes(where)
+    space = f"{free / 1e6:.1f} MB free there" if free is not None else "free space unknown"
+    also = f" (or {frees})" if frees else ""
+    limit = _file_size_limit()
+    if code == errnos.ENOSPC:
+        detail, remedy = space, f"make room{also}"
+    elif code == errnos.EDQUOT:
+        detail, remedy = space, f"free some of your quota{also}"
+    elif code == errnos.EROFS:
+        detail, remedy = "", "make it writable (or write elsewhere)"
+    elif code in DENIED_ERRNOS:
+        refused = _refusing_dir(cause, _existing(where) or where)
+        detail = ""
+        remedy = (f"fix the permissions{' or attributes (lsattr -d)' if code == errnos.EPERM else ''} of "
+                  f"{refused} (or write elsewhere)")
+    elif code == errnos.EFBIG and limit is not None:
+        size = f"{limit // 1024} KiB" if limit % 1024 == 0 else f"{limit} bytes"
+        detail = f"this process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) is {size}"
+        remedy = "raise the file-size limit (`ulimit -f`, in the shell or job script that launches the run)"
+    elif code == errnos.EFBIG:
+        detail, remedy = "no file-size limit: the file is larger than this filesystem takes", "write elsewhere"
     else:
-        tail = f"No checkpoint was written before: {room} and relaunch"
-    return f"{what} under {where} failed ({why}); {stopped}. {tail}"
+        return (f"the cause is unknown: {'the error has no errno' if cause is not None else 'not this rank'}, and "
+                f"{_existing(where) or where} is writable, with {space} and no file-size limit"), (
+            "find and fix what refused the write (the error above)")
+    if guessed:
+        detail = f"the error has no errno; likely {os.strerror(code)}" + (f": {detail}" if detail else "")
+    return detail, remedy
+
+
+def _likely_errno(where: Any) -> Optional[int]:
+    """The errno a write under ``where`` most likely failed with, from what it shows now: EFBIG under a finite
+    file-size limit, EROFS / EACCES when this process may not write there, ENOSPC with under
+    :data:`LOW_SPACE_BYTES` free; else None."""
+    import errno as errnos
+
+    if _file_size_limit() is not None:
+        return errnos.EFBIG
+    path = _existing(where)
+    if path is not None and not os.access(path, os.W_OK):
+        try:
+            return errnos.EROFS if os.statvfs(path).f_flag & os.ST_RDONLY else errnos.EACCES
+        except OSError:
+            return errnos.EACCES
+    free = _free_bytes(where)
+    if free is not None and free < LOW_SPACE_BYTES:
+        return errnos.ENOSPC
+    return None
+
+
+def _file_size_limit() -> Optional[int]:
+    """This process's RLIMIT_FSIZE in bytes (``ulimit -f``), None when unlimited (or unknown)."""
+    try:
+        import resource
+    except ImportError:  # (not on Windows)
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _existing(where: Any) -> Optional[str]:
+    """``where``, or its nearest dir above that exists (a dir not yet made); None when there is none."""
+    try:
+        path = os.path.abspath(os.fsdecode(where))
+    except TypeError:
+        return None
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+    return path
+
+
+def _free_bytes(where: Any) -> Optional[int]:
+    import shutil
+
+    path = _existing(where)
+    try:
+        return shutil.disk_usage(path).free if path is not None else None
+    except OSError:
+        return None
+
+
+def _refusing_dir(cause: Optional[BaseException], where: Any) -> str:
+    """The path whose permissions refused a write: the error's file when it exists (a file it may not replace, a
+    dir), else the dir it was to be made in; ``where`` when the error names none."""
+    name = getattr(cause, "filename", None)
+    if not isinstance(name, (str, bytes, os.PathLike)):
+        return str(where)
+    path = os.fsdecode(name)
+    return path if os.path.lexists(path) else os.path.dirname(path)
 
 
 class DamagedCheckpointError(CheckpointError):

@@ -351,6 +351,55 @@ def test_a_save_that_cannot_be_written_stops_with_one_line_and_keeps_the_last_ch
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
 
 
+@pytest.mark.parametrize("cause", ["quota", "permission", "file size"])
+def test_a_save_refused_for_another_cause_than_space_gives_that_causes_remedy(make_job, tmp_path, monkeypatch, cause):
+    """Tester 14 (F1): every failed save but a read-only one said "make room (or lower checkpoint.keep_last)": with a
+    quota, a ``chattr +i`` checkpoints dir (EPERM) and under ``ulimit -f``, where torch's writer raises a
+    ``RuntimeError`` that lost the errno (EFBIG) and 43 GB were free."""
+    import errno
+    import resource
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    run_dir = tmp_path / "r"
+    job = make_job(run_dir)
+    job.checkpoints.save(2)
+    root = run_dir / "checkpoints"
+    raised = {"quota": OSError(errno.EDQUOT, "Disk quota exceeded"),
+              "file size": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")}
+
+    def refuse(*args, **kwargs):
+        raise raised[cause]
+
+    mkdir = Path.mkdir
+
+    def immutable(self, *args, **kwargs):  # chattr +i checkpoints/: rank 0 cannot make the save's dir in it
+        if self.parent == root:
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    if cause == "permission":
+        monkeypatch.setattr(Path, "mkdir", immutable)
+    else:
+        monkeypatch.setattr(FileSystemWriter, "write_data", refuse)
+    getrlimit = resource.getrlimit
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (
+        ((1000 * 1024 if cause == "file size" else resource.RLIM_INFINITY), resource.RLIM_INFINITY)
+        if which == resource.RLIMIT_FSIZE else getrlimit(which)))
+    with pytest.raises(CheckpointError) as err:
+        job.checkpoints.save(4)
+    remedy = {"quota": "free some of your quota (or lower checkpoint.keep_last)",
+              "permission": f"fix the permissions or attributes (lsattr -d) of {root} (or write elsewhere)",
+              "file size": "raise the file-size limit (`ulimit -f`, in the shell or job script that launches the "
+                           "run)"}[cause]
+    assert str(err.value).endswith(f"is intact: {remedy} and relaunch the same command to resume from it"), (
+        str(err.value))
+    if cause == "file size":
+        assert ("unexpected pos 704 vs 598; the error has no errno; likely File too large: this process's file-size "
+                "limit (RLIMIT_FSIZE, `ulimit -f`) is 1000 KiB); training stopped.") in str(err.value), str(err.value)
+    assert [p.name for p in root.iterdir()] == ["step_00000002"]
+
+
 def test_an_architecture_named_as_the_preset_derives_it_is_the_same_architecture():
     """d_ff=null derives the width from d_model (192 for 64) and n_kv_head=null is n_head: naming those values
     explicitly on resume or init_from is no architecture change (tester 7 saw d_ff=192 refused); another width is."""

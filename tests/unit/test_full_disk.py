@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,7 +33,17 @@ def test_the_cause_is_found_through_the_chain_and_only_for_errnos_of_a_full_or_r
     assert quoted is not None and quoted.errno == errno.ENOSPC
 
 
-def test_the_advice_fits_the_errno(tmp_path):
+def _file_size_limit(monkeypatch, limit):
+    """This process's RLIMIT_FSIZE as hydratrain.errors reads it: ``limit`` bytes (None: unlimited)."""
+    import resource
+
+    getrlimit = resource.getrlimit
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (
+        (resource.RLIM_INFINITY if limit is None else limit, resource.RLIM_INFINITY)
+        if which == resource.RLIMIT_FSIZE else getrlimit(which)))
+
+
+def test_the_advice_fits_the_errno(tmp_path, monkeypatch):
     from hydratrain.errors import unwritable_message
 
     read_only = unwritable_message("writing x", tmp_path, OSError(errno.EROFS, "Read-only file system"), None,
@@ -39,6 +51,102 @@ def test_the_advice_fits_the_errno(tmp_path):
     assert read_only.endswith("the run stopped. No checkpoint was written before: make it writable (or write "
                               "elsewhere) and relaunch"), read_only
     assert "make room" in unwritable_message("saving step 2", tmp_path, _full(), tmp_path / "step_00000001")
+
+
+@pytest.mark.parametrize("code, remedy", [
+    (errno.ENOSPC, "make room (or lower checkpoint.keep_last)"),
+    (errno.EDQUOT, "free some of your quota (or lower checkpoint.keep_last)"),
+    (errno.EROFS, "make it writable (or write elsewhere)"),
+    (errno.EACCES, "fix the permissions of {dir} (or write elsewhere)"),
+    (errno.EPERM, "fix the permissions or attributes (lsattr -d) of {dir} (or write elsewhere)"),
+    (errno.EFBIG, "raise the file-size limit (`ulimit -f`, in the shell or job script that launches the run)"),
+])
+def test_each_cause_gets_its_own_remedy(tmp_path, monkeypatch, code, remedy):
+    """Tester 14 (F1): every errno but EROFS and EDQUOT was told to "make room", a file-size limit (``ulimit -f``,
+    EFBIG) with 43 GB free and a dir made unwritable (``chmod a-w``: EACCES, ``chattr +i``: EPERM) alike. A
+    permission error names the dir that refused (the one the new file was to be made in); a file-size limit gives
+    its value."""
+    from hydratrain.errors import unwritable_message
+
+    _file_size_limit(monkeypatch, 1000 * 1024)
+    refused = tmp_path / "checkpoints"
+    refused.mkdir()
+    cause = OSError(code, os.strerror(code), str(refused / ".tmp-step_00000004"))
+    message = unwritable_message("saving step 4", refused, cause, refused / "step_00000002",
+                                 frees="lower checkpoint.keep_last")
+    assert message.endswith(f"is intact: {remedy.format(dir=refused)} and relaunch the same command to resume from "
+                            "it"), message
+    assert ("MB free there" in message) == (code in (errno.ENOSPC, errno.EDQUOT)), message  # only where it tells
+    if code == errno.EFBIG:
+        assert "this process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) is 1000 KiB)" in message, message
+
+
+def test_an_error_that_lost_its_errno_is_told_from_the_dir(tmp_path, monkeypatch):
+    """Torch's checkpoint writer raises ``RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos
+    ...`` on a failed write, without the errno: the line was "make room" with 43 GB free under ``ulimit -f``. The
+    likely cause comes from the dir (a file-size limit, a dir this process may not write, little free space), else
+    the cause is said to be unknown, with the error's text."""
+    import shutil
+
+    from hydratrain.errors import unwritable_message
+
+    lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    def message():
+        return unwritable_message("saving step 2", tmp_path, lost, None, frees="lower checkpoint.keep_last")
+
+    _file_size_limit(monkeypatch, None)
+    unknown = message()
+    assert unknown.startswith(f"saving step 2 under {tmp_path} failed (RuntimeError: [enforce fail at "
+                              "inline_container.cc:672] . unexpected pos 704 vs 598; the cause is unknown: the error "
+                              f"has no errno, and {tmp_path} is writable, with "), unknown
+    assert unknown.endswith("MB free there and no file-size limit); training stopped. No checkpoint was written "
+                            "before: find and fix what refused the write (the error above) and relaunch"), unknown
+    _file_size_limit(monkeypatch, 1000 * 1024)
+    assert ("(RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598; the error has no "
+            "errno; likely File too large: this process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) is 1000 KiB); "
+            "training stopped. No checkpoint was written before: raise the file-size limit") in message(), message()
+    _file_size_limit(monkeypatch, None)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **k: mode != os.W_OK and access(path, mode, **k))
+    assert message().endswith("; the error has no errno; likely Permission denied); training stopped. No checkpoint "
+                              f"was written before: fix the permissions of {tmp_path} (or write elsewhere) and "
+                              "relaunch"), message()
+    statvfs = os.statvfs
+    fields = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail", "f_namemax")
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(
+        f_flag=os.ST_RDONLY, **{k: getattr(statvfs(path), k) for k in fields}))
+    assert "likely Read-only file system); training stopped. No checkpoint was written before: make it writable" in (
+        message()), message()
+    monkeypatch.setattr(os, "access", access)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2_000_000))
+    assert message().endswith("; the error has no errno; likely No space left on device: 2.0 MB free there); "
+                              "training stopped. No checkpoint was written before: make room (or lower "
+                              "checkpoint.keep_last) and relaunch"), message()
+
+
+def test_a_permission_error_is_an_unwritable_output_only_where_the_run_writes(tmp_path, monkeypatch):
+    """EACCES / EPERM (tester 14, F2: a TensorBoard dir made unwritable mid-run gave a traceback and exit 1) count
+    for the dirs the run writes (in, below, or above them: a dir made on the way), not for another path, nor for a
+    file there that this process may not read (a read of an input): those keep their own report."""
+    run_dir = tmp_path / "runs" / "a"
+
+    def denied(path, code=errno.EACCES):
+        return PermissionError(code, os.strerror(code), str(path))
+
+    assert unwritable_cause(denied(run_dir / "tensorboard" / "hparams"), writes=(run_dir,)) is not None
+    assert unwritable_cause(denied(run_dir / "checkpoints" / ".tmp-step_00000004", errno.EPERM),
+                            writes=(run_dir,)).errno == errno.EPERM
+    assert unwritable_cause(denied(tmp_path / "runs"), writes=(run_dir,)) is not None  # makedirs on the way
+    assert unwritable_cause(denied(run_dir / "tensorboard" / "hparams")) is None  # a write no caller vouched for
+    assert unwritable_cause(denied(tmp_path / "data" / "train.txt"), writes=(run_dir,)) is None  # an input
+    assert unwritable_cause(RuntimeError("could not open x: Permission denied"), writes=(run_dir,)) is None
+    run_dir.mkdir(parents=True)
+    (run_dir / "results.json").write_text("{}")
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **k: mode != os.R_OK and access(path, mode, **k))
+    assert unwritable_cause(denied(run_dir / "results.json"), writes=(run_dir,)) is None  # reading it was refused
 
 
 def test_a_log_file_that_cannot_be_written_is_reported_once_and_dropped(tmp_path, capsys):
@@ -134,3 +242,4 @@ def test_a_run_dir_that_takes_no_writes_ends_the_start_with_one_line_and_status_
     monkeypatch.undo()
     run_dir.refuse_a_full_run_dir(tmp_path)  # a writable dir: nothing said, nothing left behind
     assert capsys.readouterr().err == "" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sweep"]
+

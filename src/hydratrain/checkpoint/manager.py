@@ -20,7 +20,6 @@ and the model's shapes against this run's model, so an unusable checkpoint stops
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -409,14 +408,14 @@ class CheckpointManager:
         return final
 
     def _save_failed(self, step: int, tmp: Path, cause: Optional[BaseException]) -> CheckpointError:
-        """The one-line error of a save that could not be written (a full or read-only filesystem, a lost mount);
+        """The one-line error of a save that could not be written, with the remedy for its cause
+        (:func:`hydratrain.errors.unwritable_message`: no space, quota, read-only, permissions, file-size limit, or
+        told from the dir when the error lost its errno, as torch's checkpoint writer's ``RuntimeError`` does); then
         rank 0 removes the partial ``tmp`` dir, which frees its space (the next start would remove it anyway)."""
+        err = CheckpointError(unwritable_message(f"saving step {step}", self.root, cause, self.last_good(),
+                                                 frees="lower checkpoint.keep_last" if self.keep_last != 1 else ""))
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        room = None if getattr(cause, "errno", None) == errno.EROFS else (
-            "make room" + (" (or lower checkpoint.keep_last)" if self.keep_last != 1 else ""))
-        err = CheckpointError(unwritable_message(f"saving step {step}", self.root, cause, self.last_good(),
-                                                 room))
         err.same_on_every_rank = True  # every rank raises it (DCP gathers the failures): rank 0 prints it
         err.own_failure = True  # ... as its own, whichever rank recorded it first (not "another rank failed first")
         return err
