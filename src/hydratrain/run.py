@@ -116,11 +116,12 @@ def _refuse_a_path_that_is_not_utf8(run_dir: Path) -> None:
 
 @contextlib.contextmanager
 def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir: Path):
-    """A write that a full, over-quota or read-only filesystem refused anywhere in the run (TensorBoard's events,
-    the weights, results.json, a data cache under ``cache_dir``; :func:`hydratrain.errors.unwritable_cause`) ends it
-    as an :class:`~hydratrain.errors.OutputError`: one line naming what was written where, the free space there and
-    the checkpoint to resume from, exit status 3, as a failed checkpoint save does, instead of the library's
-    traceback."""
+    """A write that a full, over-quota or read-only filesystem, or the permissions of a dir under ``run_dir`` or
+    ``cache_dir``, refused anywhere in the run (TensorBoard's events, the weights, results.json, a data cache under
+    ``cache_dir``; :func:`hydratrain.errors.unwritable_cause`) ends it as an :class:`~hydratrain.errors.OutputError`:
+    one line naming what was written where, the cause and its remedy and the checkpoint to resume from, exit status 3,
+    as a failed checkpoint save does, instead of the library's traceback. A permission error on another path (an
+    input that cannot be read) is raised as it was."""
     from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
 
     try:
@@ -128,7 +129,7 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
     except HydratrainError:
         raise
     except Exception as err:
-        cause = unwritable_cause(err)
+        cause = unwritable_cause(err, writes=(run_dir, cache_dir))
         if cause is None:
             raise
         import traceback

@@ -4,8 +4,10 @@ traceback and the library's traceback at the next write. (A failed checkpoint sa
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -242,4 +244,53 @@ def test_a_run_dir_that_takes_no_writes_ends_the_start_with_one_line_and_status_
     monkeypatch.undo()
     run_dir.refuse_a_full_run_dir(tmp_path)  # a writable dir: nothing said, nothing left behind
     assert capsys.readouterr().err == "" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sweep"]
+
+
+def test_a_tensorboard_dir_that_refuses_by_permission_ends_with_one_line_and_results_json_is_written(
+        cli, tmp_path, monkeypatch):
+    """Tester 14 (F2): ``chmod a-w <run>/tensorboard`` (or ``chattr +i``) mid-run: the hparams row's writer could
+    not make its dir, and the run ended in a 30-line traceback, exit 1, without results.json (written after the
+    hparams row) although the run dir took writes. Now: the output-error line naming the TensorBoard dir and how to
+    fix it, exit 3, and results.json, the run's figures, written."""
+    run_dir = tmp_path / "r"
+    refused = run_dir / "tensorboard" / "hparams"
+    makedirs = os.makedirs
+
+    def denied(name, *args, **kwargs):  # what a dir without write permission answers (this test may run as root)
+        if os.path.abspath(name).startswith(str(refused)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(refused))
+        return makedirs(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", denied)
+    run = cli(["strategy=single", "trainer.max_steps=4", "checkpoint.every_n_steps=2", "trainer.eval_every_n_steps=0"],
+              run_dir)
+    assert run.returncode == 3, run.output[-3000:]
+    assert "Traceback" not in run.output, run.output[-3000:]
+    lines = [ln for ln in run.output.splitlines() if ln.startswith("hydratrain: ")]
+    assert lines == [f"hydratrain: output error: writing TensorBoard events under {run_dir / 'tensorboard'} failed "
+                     "(PermissionError: [Errno 13] Permission denied); the run stopped. The latest complete "
+                     f"checkpoint, {run_dir / 'checkpoints' / 'step_00000004'}, is intact: fix the permissions of "
+                     f"{run_dir / 'tensorboard'} (or write elsewhere) and relaunch the same command to resume from it"]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["steps"] == 4 and results["train_loss"] is not None
+
+
+def test_a_permission_error_reading_an_input_is_not_an_output_error(cli, tmp_path, monkeypatch):
+    """The other side of EACCES counting as an output that cannot be written: an input that cannot be read (a text
+    file of the corpus) is not reported as "writing the data cache ... failed"."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    read_bytes = Path.read_bytes
+
+    def unreadable(self):  # what a file without read permission answers (this test may run as root)
+        if str(self).startswith(str(data)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return read_bytes(self)
+
+    monkeypatch.setattr(Path, "read_bytes", unreadable)
+    run = cli(["strategy=single", "trainer.max_steps=2", "data=text_files", f"data.paths=[{data}/a.txt]"],
+              tmp_path / "r")
+    assert run.returncode != 3 and "output error" not in run.output, run.output[-3000:]
+    assert "Permission denied" in run.output, run.output[-3000:]
 

@@ -4,6 +4,7 @@ collective); rank 0 writes the files.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -194,13 +195,19 @@ def done_line(payload: dict, carried: list[str]) -> str:
 def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, tb,
                   tokenizer=None) -> None:
     """Weights (with the tokenizer next to them), sample, hparams row and results.json of a finished run (every rank
-    calls), then close ``tb``. The hparams metrics are the figures results.json gets (:func:`results_payload`)."""
-    if cfg.trainer.save_weights:
-        path = save_weights(model, run_dir / "model.safetensors", info.is_main,
-                            {"model_config": model_config_json(raw)})
-        if path:
-            saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
-            log.info("wrote full model weights to %s%s", path, saved)
+    calls), then close ``tb``. The hparams metrics are the figures results.json gets (:func:`results_payload`).
+
+    An output whose dir takes no writes (full, read-only, permissions: :func:`hydratrain.errors.unwritable_cause`)
+    does not keep the others from being written: the first such error is raised once the rest are written (so a
+    TensorBoard dir that refuses leaves results.json, the run's figures, written); other errors are raised at once."""
+    refused: list = []
+    with _keep_going(refused, run_dir):
+        if cfg.trainer.save_weights:
+            path = save_weights(model, run_dir / "model.safetensors", info.is_main,
+                                {"model_config": model_config_json(raw)})
+            if path:
+                saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
+                log.info("wrote full model weights to %s%s", path, saved)
     if cfg.trainer.sample_tokens:
         started = time.perf_counter()
         log.info("sampling %d tokens (trainer.sample_tokens) ...", cfg.trainer.sample_tokens)  # seconds to minutes
@@ -208,13 +215,33 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
                                      strategy.autocast(precision, info.device), tokenizer))
         log.info("sampled in %.1f s", time.perf_counter() - started)
         log.info("sample:\n%s", text)
-        tb.text("sample", text, result.steps)
+        with _keep_going(refused, run_dir):
+            tb.text("sample", text, result.steps)
     hparams = hparams_of(cfg, info.world_size, precision.name)
     payload, carried = results_payload(result, hparams, run_dir / "results.json" if info.is_main else None)
     metrics = {k: payload[k] for k in ("train_loss", "eval_loss", "eval_perplexity", "tokens_per_sec", "mfu")}
     metrics["peak_memory_bytes"] = float(payload["peak_memory_bytes"])
-    tb.hparams(hparams, metrics, result.steps)
-    tb.close()
+    with _keep_going(refused, run_dir):
+        tb.hparams(hparams, metrics, result.steps)
+    with _keep_going(refused, run_dir):
+        tb.close()
     if info.is_main:
-        write_results(run_dir, payload)
+        with _keep_going(refused, run_dir):
+            write_results(run_dir, payload)
     log.info(done_line(payload, carried))
+    if refused:
+        raise refused[0]
+
+
+@contextlib.contextmanager
+def _keep_going(refused: list, run_dir: Path):
+    """Append to ``refused`` an error of the block that is an output refused by its dir under ``run_dir``
+    (:func:`hydratrain.errors.unwritable_cause`), instead of raising it; raise any other."""
+    from hydratrain.errors import HydratrainError, unwritable_cause
+
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, HydratrainError) or unwritable_cause(err, writes=(run_dir,)) is None:
+            raise
+        refused.append(err)
