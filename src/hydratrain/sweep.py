@@ -334,7 +334,15 @@ class SweepReportCallback(Callback):
     here, fails before anything is submitted); after each job (rank 0, or the launcher process for a job whose
     workers failed), record its status and refresh the report; at multirun end, refresh it, log where it is, and exit
     with status 1 when any job failed (a sweeper that tolerates failed trials, like the Optuna preset, otherwise exits
-    0). Does nothing in single runs."""
+    0). In a single run it only probes the run dir before Hydra makes it (:meth:`on_run_start`)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A single run, every rank: a run dir that takes no writes ends the launch with one line and exit status 3
+        (``SystemExit``) before Hydra makes it and opens the log file there
+        (:func:`hydratrain.dist.run_dir.refuse_an_unwritable_run_dir`)."""
+        from hydratrain.dist.run_dir import refuse_an_unwritable_run_dir
+
+        refuse_an_unwritable_run_dir(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydratrain.checkpoint.preemption import take_early_signal

@@ -294,3 +294,102 @@ def test_a_permission_error_reading_an_input_is_not_an_output_error(cli, tmp_pat
     assert run.returncode != 3 and "output error" not in run.output, run.output[-3000:]
     assert "Permission denied" in run.output, run.output[-3000:]
 
+
+def test_a_run_dir_that_cannot_be_made_ends_the_start_with_one_line_before_hydra_makes_it(cli, tmp_path,
+                                                                                          monkeypatch):
+    """Tester 14 (F3): a new ``hydra.run.dir`` under a read-only mount was Hydra's traceback from its ``mkdir`` and
+    exit 1 (the write probe came after, when Hydra resolves ``hydra.output_subdir``). The run's start callback
+    probes first: one line, exit status 3, nothing of Hydra's."""
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    mkdir = Path.mkdir
+
+    def refused(self, *args, **kwargs):  # what a read-only filesystem answers (a mount needs root)
+        if str(self.absolute()).startswith(str(read_only)):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    run = cli(["strategy=single", "trainer.max_steps=2"], read_only / "new")
+    assert run.returncode == 3, run.output[-3000:]
+    assert run.output.strip().splitlines() == [
+        f"hydratrain: output error: writing the run dir under {read_only / 'new'} failed (OSError: [Errno 30] "
+        f"Read-only file system: '{read_only / 'new'}'); the run did not start. No checkpoint was written before: "
+        "make it writable (or write elsewhere) and relaunch"], run.output[-3000:]
+
+
+def _without_dac_override() -> list:
+    """``setpriv`` that runs a command as root without CAP_DAC_OVERRIDE, so that a dir's permissions refuse it as
+    they refuse any other user; skips the test where that cannot be done (no setpriv, no root, a container that
+    refuses it)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    nocap = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    if shutil.which("setpriv") is None or os.geteuid() != 0:
+        pytest.skip("needs setpriv and root to emulate a user without write permission")
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chmod(scratch, 0o555)
+        probe = subprocess.run([*nocap, "touch", os.path.join(scratch, "x")], capture_output=True)
+        os.chmod(scratch, 0o755)
+    if probe.returncode == 0:
+        pytest.skip("setpriv could not drop CAP_DAC_OVERRIDE here")
+    return nocap
+
+
+def test_a_run_or_sweep_dir_without_write_permission_ends_the_start_with_one_line(tmp_path):
+    """Tester 14 (F3): as a user without write permission (``chmod 555``), an existing run dir (to resume) was
+    Hydra's traceback from opening ``train_rank0.log`` there, a new dir under it Hydra's traceback from its
+    ``mkdir``, and a sweep dir under it a traceback from ``multirun.yaml``: exit 1 each. Now exit 3 and one line
+    naming the dir whose permissions refused and that they must be fixed."""
+    from helpers import command, sh
+
+    nocap = _without_dac_override()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        for args, dir_, kind in (([f"hydra.run.dir={locked}"], locked, "run"),
+                                 ([f"hydra.run.dir={locked / 'new'}"], locked / "new", "run"),
+                                 (["-m", f"hydra.sweep.dir={locked / 'sweep'}"], locked / "sweep", "sweep")):
+            run = sh([*nocap, *command(["strategy=single", "trainer.max_steps=2", *args])], timeout=120)
+            assert run.returncode == 3, run.output[-3000:]
+            lines = run.output.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(
+                f"hydratrain: output error: writing the {kind} dir under {dir_} failed (PermissionError: [Errno 13] "
+                "Permission denied: "), run.output[-3000:]
+            remedy = f"fix the permissions of {locked} (or write elsewhere) and relaunch"
+            assert lines[0].endswith(f"; the {kind} did not start. " + (
+                f"No checkpoint was written before: {remedy}" if kind == "run" else f"F{remedy[1:]} the same command")
+            ), lines[0]
+        assert sorted(p.name for p in locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+
+
+@pytest.mark.slow  # a torchrun launch of 2 ranks (about 30 s on 2 busy cores)
+def test_a_run_dir_without_write_permission_under_torchrun_ends_every_rank_with_status_3(tmp_path):
+    """Tester 14 (F3), under torchrun: every rank probes the run dir before Hydra opens its log file there; rank 0
+    says the one line and leaves first with status 3 (the agent's root cause), the others say nothing."""
+    import re
+
+    from helpers import command, sh
+
+    nocap = _without_dac_override()
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        run = sh([*nocap, *command(["strategy=ddp", "trainer.max_steps=2", f"hydra.run.dir={locked}"], nproc=2)],
+                 timeout=180)
+    finally:
+        locked.chmod(0o755)
+    assert run.returncode != 0
+    lines = [ln for ln in run.output.splitlines() if ln.startswith("hydratrain:")]
+    assert len(lines) == 1 and lines[0].startswith(f"hydratrain: output error: writing the run dir under {locked} "
+                                                   "failed (PermissionError: [Errno 13] Permission denied: "), (
+        run.output[-3000:])
+    root = run.output.split("Root Cause", 1)[-1]
+    assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: 3 ", root), run.output[-3000:]
+    assert "train_rank0.log" not in run.output and list(locked.iterdir()) == []

@@ -219,21 +219,25 @@ def output_subdir(*, _root_: Any = None) -> Optional[str]:
 
 
 def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool = False) -> None:
-    """Before Hydra writes the job's ``.hydra/`` into ``run_dir`` (rank 0; :func:`output_subdir` runs just before;
-    ``sweep``: the sweep dir, which this creates, before Hydra's ``multirun.yaml``), write and remove ``probe_bytes``
-    there: a filesystem that takes no more writes (full, over quota, read-only:
-    :func:`hydratrain.errors.unwritable_cause`) ends the launch with one ``hydratrain: output error:`` line and exit
-    status 3, instead of Hydra's traceback from its config copy. Other errors are left to what writes next."""
+    """Make ``run_dir`` (with the dirs above it) and write and remove ``probe_bytes`` there: a dir that takes no
+    writes (a full, over-quota or read-only filesystem, a file-size limit below ``probe_bytes``, permissions that
+    refuse this process: :func:`hydratrain.errors.unwritable_cause`) ends the launch with one ``hydratrain: output
+    error:`` line, the cause and its remedy, and exit status 3 (``SystemExit``: an exception would come out as
+    Hydra's or OmegaConf's traceback). Other errors are left to what writes next.
+
+    Called before Hydra makes a single run's dir and opens its log file there (:func:`refuse_an_unwritable_run_dir`,
+    every rank), before Hydra writes a job's ``.hydra/`` (:func:`output_subdir`, rank 0), and for the sweep dir
+    (``sweep``) before Hydra's ``multirun.yaml`` (``hydratrain.sweep``). Under torchrun each node's first rank says the
+    line, and the other ranks leave after rank 0 (the agent's root cause)."""
     from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
 
     probe = run_dir / f".hydratrain-write-probe-{os.getpid()}"
     try:
-        if sweep:
-            run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as fh:
             fh.write(bytes(probe_bytes))
     except OSError as err:
-        cause = unwritable_cause(err)
+        cause = unwritable_cause(err, writes=(run_dir,))
         if cause is None:
             return
         from hydratrain.checkpoint.manager import latest_checkpoint
@@ -242,13 +246,32 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
                                   else None)
         message = unwritable_message(f"writing the {'sweep' if sweep else 'run'} dir", run_dir, cause, last,
                                      stopped=f"the {'sweep' if sweep else 'run'} did not start")
-        say(f"hydratrain: {OutputError.label}: {message}")
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            say(f"hydratrain: {OutputError.label}: {message}")
         with contextlib.suppress(OSError):
             probe.unlink()
         discard_if_unused(run_dir)  # the default run dir this launch made for nothing
-        raise SystemExit(OutputError.exit_status) from None  # not an exception: OmegaConf would wrap it
+        if env_rank() != 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(10.0)  # rank 0, which says it, leaves first (as for a config error: hydratrain.exits)
+        raise SystemExit(OutputError.exit_status) from None
     with contextlib.suppress(OSError):
         probe.unlink()
+
+
+def refuse_an_unwritable_run_dir(config: Any) -> None:
+    """Hydra's ``on_run_start`` (``hydratrain.sweep.SweepReportCallback``), on every rank of a single run: the
+    earliest point before Hydra makes ``hydra.run.dir`` and opens ``train_rank<R>.log`` in it, whose errors are
+    Hydra's traceback. Probes the run dir (:func:`refuse_a_full_run_dir`: one line and ``SystemExit(3)`` when it takes
+    no writes). A ``hydra.run.dir`` that does not resolve is left to Hydra (its resolvers say why)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        value = OmegaConf.select(config, "hydra.run.dir")
+    except OmegaConfBaseException:
+        return
+    if value:
+        refuse_a_full_run_dir(Path(str(value)))
 
 
 def _of_another_job(run_dir: Path) -> bool:
