@@ -129,7 +129,8 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
     except HydratrainError:
         raise
     except Exception as err:
-        cause = unwritable_cause(err, writes=(run_dir, cache_dir))
+        compile_cache = _compile_cache_dir()
+        cause = unwritable_cause(err, writes=(run_dir, cache_dir) + ((compile_cache,) if compile_cache else ()))
         if cause is None:
             raise
         import traceback
@@ -138,9 +139,13 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
 
         done = list_checkpoints(run_dir / "checkpoints")
         frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(err.__traceback__)]
+        room = None
         # which output, from the code that wrote it (write() errors name no file; an open() error names a lock's)
-        if any(f.endswith(("/hydratrain/data.py", "/hydratrain/tokenized.py", "/hydratrain/tokenizer.py"))
-               for f in frames):
+        if any("/torch/_inductor/" in f for f in frames):  # (tester 14: it was "the run's outputs under <run dir>")
+            what, where = "writing torch.compile's cache (trainer.compile=true)", compile_cache or "its cache dir"
+            room = "set TORCHINDUCTOR_CACHE_DIR to a dir this process can write (or trainer.compile=false)"
+        elif any(f.endswith(("/hydratrain/data.py", "/hydratrain/tokenized.py", "/hydratrain/tokenizer.py"))
+                 for f in frames):
             what, where = "writing the data cache", cache_dir
         elif any("/tensorboard/" in f for f in frames):
             what, where = "writing TensorBoard events", run_dir / "tensorboard"
@@ -151,7 +156,20 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
         else:
             what, where = "writing the run's outputs", run_dir
         raise OutputError(unwritable_message(what, where, OSError(cause.errno, cause.strerror),
-                                             done[-1][1] if done else resume, stopped="the run stopped")) from err
+                                             done[-1][1] if done else resume, room=room,
+                                             stopped="the run stopped")) from err
+
+
+def _compile_cache_dir() -> Optional[Path]:
+    """torch.compile's cache dir (``TORCHINDUCTOR_CACHE_DIR``, else inductor's default under the temp dir) when
+    inductor has been imported (``trainer.compile=true``), else None."""
+    import sys
+
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    try:
+        return Path(utils.cache_dir()) if utils is not None else None
+    except Exception:  # noqa: BLE001 (only a name for the message)
+        return None
 
 
 def _select(cfg: DictConfig, key: str, default: Any) -> Any:

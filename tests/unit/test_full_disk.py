@@ -393,3 +393,30 @@ def test_a_run_dir_without_write_permission_under_torchrun_ends_every_rank_with_
     root = run.output.split("Root Cause", 1)[-1]
     assert re.search(r"rank\s*: 0 \(local_rank: 0\)\s*\n\s*exitcode\s*: 3 ", root), run.output[-3000:]
     assert "train_rank0.log" not in run.output and list(locked.iterdir()) == []
+
+
+def test_a_compile_cache_that_takes_no_writes_is_named_not_the_run_dir(tmp_path, monkeypatch):
+    """torch.compile's cache on a read-only mount (``TORCHINDUCTOR_CACHE_DIR``) ended the run with "writing the
+    run's outputs under <run dir> failed (... Read-only file system ...)": the run dir was writable, and the cache was
+    named nowhere (tester 14). The error from inductor's code names its cache and how to move it."""
+    import errno
+    import sys
+    import types
+
+    from hydratrain.errors import OutputError
+    from hydratrain.run import _unwritable_as_output_error
+
+    cache = tmp_path / "inductor"
+    monkeypatch.setitem(sys.modules, "torch._inductor.runtime.cache_dir_utils",
+                        types.SimpleNamespace(cache_dir=lambda: str(cache)))
+    code = compile("def codegen():\n    raise RuntimeError('InductorError: OSError: [Errno 30] Read-only file "
+                   "system')\n", "/site-packages/torch/_inductor/codecache.py", "exec")
+    inductor = {}
+    exec(code, inductor)  # a frame whose file is inductor's, as in a real compile
+    with pytest.raises(OutputError) as raised:
+        with _unwritable_as_output_error(tmp_path / "run", None, tmp_path / "data-cache"):
+            inductor["codegen"]()
+    line = str(raised.value)
+    assert line.startswith(f"writing torch.compile's cache (trainer.compile=true) under {cache} failed "
+                           f"(OSError: [Errno {errno.EROFS}] Read-only file system"), line
+    assert "set TORCHINDUCTOR_CACHE_DIR to a dir this process can write (or trainer.compile=false)" in line
