@@ -146,7 +146,7 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
             room = "set TORCHINDUCTOR_CACHE_DIR to a dir this process can write (or trainer.compile=false)"
         elif any(f.endswith(("/hydratrain/data.py", "/hydratrain/tokenized.py", "/hydratrain/tokenizer.py"))
                  for f in frames):
-            what, where = "writing the data cache", cache_dir
+            what, where = "writing the data cache (paths.cache_dir, or data.cache_dir, chooses where)", cache_dir
         elif any("/tensorboard/" in f for f in frames):
             what, where = "writing TensorBoard events", run_dir / "tensorboard"
         elif any("/safetensors/" in f or f.endswith("/hydratrain/checkpoint/export.py") for f in frames):

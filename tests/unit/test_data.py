@@ -225,3 +225,28 @@ def test_a_failed_cache_build_leaves_no_partial_file(tmp_path):
             (out / "train.bin.tmp42").write_bytes(b"x" * 1000)
             raise OSError(errno.ENOSPC, "No space left on device")
     assert list(out.iterdir()) == []
+
+
+def test_a_complete_cache_is_used_without_a_write(tmp_path, monkeypatch):
+    """A corpus cache built once on a shared or read-only dir stopped every later run at its lock file (``Read-only
+    file system`` / ``Permission denied`` on ``.<key>.lock``) before the complete cache was even read (tester 14)."""
+    import errno
+    from pathlib import Path
+
+    from hydratrain import data
+
+    root = tmp_path / "text"
+    root.mkdir()
+    files = []
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (root / name).write_text(name * 200)
+        files.append(root / name)
+    out = data.build_corpus(files, root, 0.34, tmp_path / "cache", progress=False)
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    monkeypatch.setattr(data.fcntl, "flock", refused)
+    monkeypatch.setattr(Path, "write_bytes", refused)
+    assert data.build_corpus(files, root, 0.34, tmp_path / "cache", progress=False) == out
