@@ -151,6 +151,36 @@ def test_a_permission_error_is_an_unwritable_output_only_where_the_run_writes(tm
     assert unwritable_cause(denied(run_dir / "results.json"), writes=(run_dir,)) is None  # reading it was refused
 
 
+def test_a_console_that_is_gone_is_reported_once_and_dropped(capsys):
+    """``train.py ... | head -2``: once head had left, every log record printed logging's 30-line ``--- Logging error
+    --- ... BrokenPipeError`` block on stderr (642 lines for an 8-step run), burying the one-line errors there
+    (tester 14). The console handler says it once and drops the rest; a console that works is unchanged."""
+    import errno
+    import io
+
+    from hydratrain.dist.env import RunConsoleHandler
+
+    class GonePipe(io.StringIO):
+        def write(self, _):
+            raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    logger = logging.getLogger("test_full_disk.console")
+    logger.propagate = False
+    works, gone = RunConsoleHandler(io.StringIO()), RunConsoleHandler(GonePipe())
+    logger.addHandler(works)
+    logger.addHandler(gone)
+    try:
+        for i in range(3):
+            logger.warning("line %d", i)
+    finally:
+        logger.removeHandler(works)
+        logger.removeHandler(gone)
+    err = capsys.readouterr().err
+    assert err == ("hydratrain: writing to the console failed (BrokenPipeError: [Errno 32] Broken pipe); its lines "
+                   "go to the log file only from now on\n"), err
+    assert works.stream.getvalue() == "line 0\nline 1\nline 2\n"
+
+
 def test_a_log_file_that_cannot_be_written_is_reported_once_and_dropped(tmp_path, capsys):
     from hydratrain.dist.env import RunLogFileHandler
 

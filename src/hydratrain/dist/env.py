@@ -10,6 +10,7 @@ Importing this module does not import torch.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -125,6 +126,33 @@ class RankZeroConsoleFilter(logging.Filter):
             record.msg = f"[rank {rank}] {record.msg}"
             record._rank_prefixed = True
         return True
+
+
+class RunConsoleHandler(logging.StreamHandler):
+    """The console handler of the default ``hydra/job_logging`` (``conf/hydra/job_logging/hydratrain.yaml``) that,
+    when its stream can no longer be written (``| head`` or a ``| tee`` that ended: a broken pipe), says so once on
+    stderr and drops its later records, instead of ``logging``'s 30-line ``--- Logging error ---`` block per record,
+    which buried hydratrain's one-line errors on stderr (tester 14). The log file keeps every line. A broken stdout
+    is pointed at ``os.devnull``, so the interpreter's flush at exit raises nothing either."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        if self.stream is sys.stdout:
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        with contextlib.suppress(OSError):
+            say(f"hydratrain: writing to the console failed ({type(err).__name__}: {err}); its lines go to the "
+                "log file only from now on")
 
 
 class RunLogFileHandler(logging.FileHandler):
