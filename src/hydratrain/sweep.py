@@ -210,12 +210,14 @@ def _hopeless(hc: Any, err: BaseException, rows: List[dict], launching: bool) ->
         return ""
     if any(r["status"] == "COMPLETED" for r in rows):
         return ""
-    sampled = [str(k) for k in (sweeper.get("params") or {})]
+    sampled = [str(k) for k in (sweeper.get("params") or {})] + _swept_on_the_command_line(_sweep_dir(hc))
     message = f"{getattr(err, 'label', type(err).__name__)}: {err}".splitlines()[0]
     key = getattr(err, "key", None)
+    # caused by a sampled value: the error's key is one (or holds one, or is under one), or its text names one (a
+    # check across keys, "model.n_head=4: must divide model.d_model=66", has the other key; tester 15)
     if isinstance(err, HydratrainError) and (
             (isinstance(err, ConfigError) and not any(key == p or str(key).startswith(p + ".") or
-                                                      p.startswith(f"{key}.") for p in sampled))
+                                                      p.startswith(f"{key}.") or p in str(err) for p in sampled))
             or err.exit_status == 3):  # a checkpoint error: the checkpoint, not the trial's values
         return (f"{message}; no sampled value ({', '.join(sampled) or 'none'}) causes it, so every trial would fail "
                 "alike")
@@ -223,6 +225,22 @@ def _hopeless(hc: Any, err: BaseException, rows: List[dict], launching: bool) ->
     if isinstance(n_trials, int) and hc.job.num >= n_trials - 1:
         return f"all {len(rows)} trials failed; the last: {message}"
     return ""
+
+
+def _swept_on_the_command_line(sweep_dir: Path) -> List[str]:
+    """The keys the sweep's command line gives a search space or several values (``'model.d_model=choice(64,66)'``,
+    ``optim.lr=1e-3,2e-3``), from the sweep dir's ``multirun.yaml`` (Hydra writes it before the first job): Optuna
+    samples those as it samples ``hydra.sweeper.params`` (tester 15: they were not counted as sampled, and a value
+    sampled there that a check refused stopped the search as hopeless). Empty when it cannot be read."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    try:
+        task = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task
+        return [o.get_key_element() for o in OverridesParser.create().parse_overrides([str(t) for t in task])
+                if o.is_sweep_override()]
+    except Exception:  # noqa: BLE001 (no multirun.yaml, another Hydra's layout: the sweeper.params alone)
+        return []
 
 
 def _check_before_submitting(config: DictConfig) -> None:

@@ -67,3 +67,27 @@ def test_the_basic_sweepers_job_count_follows_its_own_expansion():
     assert basic_sweep_jobs(hydra(["a=1,2,3"], params={"a": "1,2", "c": "x,y"})) == 6  # the command line wins
     assert basic_sweep_jobs(hydra(["a=1,2"], max_batch_size=1)) is None
     assert basic_sweep_jobs(hydra(["a=1,2"], _target_="hydra_plugins.hydra_optuna_sweeper.OptunaSweeper")) is None
+
+
+def test_a_search_goes_on_after_a_trial_whose_sampled_value_a_check_refused(tmp_path):
+    """``-m +hparams_search=lr_optuna 'model.d_model=choice(64,66)'``: trial 0 sampled d_model=66, the check refused it
+    as ``model.n_head=4: must divide model.d_model=66``, and the search stopped as hopeless ("no sampled value
+    (optim.lr, ...) causes it"): keys swept on the command line were not counted as sampled, and the error's key is
+    the other one of the check (tester 15). Either alone now counts; an error naming no sampled key still stops."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.sweep import _hopeless
+
+    OmegaConf.save({"hydra": {"overrides": {"task": ["+hparams_search=lr_optuna", "model.d_model=choice(64,66)"]}}},
+                   tmp_path / "multirun.yaml")
+    hc = OmegaConf.create({"sweeper": {"max_failure_rate": 1.0, "n_trials": 4, "params": {"optim.lr": "x"}},
+                           "launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"},
+                           "job": {"num": 0}, "sweep": {"dir": str(tmp_path)}, "runtime": {"cwd": str(tmp_path)}})
+    sampled_cross_key = ConfigError("model.n_head", 4, "must divide model.d_model=66")
+    assert _hopeless(hc, sampled_cross_key, [], launching=True) == ""
+    fixed = ConfigError("data.paths", "nope", "matches no file")
+    assert _hopeless(hc, fixed, [], launching=True).endswith(
+        "no sampled value (optim.lr, model.d_model) causes it, so every trial would fail alike")
+    (tmp_path / "multirun.yaml").unlink()  # the search space from hydra.sweeper.params alone, as before
+    assert _hopeless(hc, ConfigError("model.n_head", 4, "must divide model.d_model=66"), [], launching=True) != ""
