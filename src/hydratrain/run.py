@@ -75,6 +75,12 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         resume = find_resume(cfg.checkpoint, run_dir, launch)
         if resume is not None and in_multirun() and resume.parent == run_dir / "checkpoints":
             _refuse_another_trial(cfg, resume, run_dir)
+        elif resume is None and in_multirun() and (run_dir / "results.json").is_file():
+            from hydratrain.dist.run_dir import trial_record
+
+            finished = trial_record(run_dir, cfg.checkpoint.auto_resume)
+            if finished is not None:
+                _refuse_another_trial(cfg, finished, run_dir)
         strategy = build_strategy(cfg)
         dcfg = cfg.distributed
         timing.mark("checks")
@@ -233,10 +239,12 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
     differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                           list(hydra_cfg.overrides.task))
     if differs:
+        what = (f"a checkpoint of another trial ({resume.name}" if resume.name != ".hydra" else
+                "the results of another trial, finished without a checkpoint (its .hydra/config.yaml")
         raise ConfigError("hydra.sweep.dir", hydra_cfg.sweep.dir,
-                          f"job {hydra_cfg.job.num}'s run dir {run_dir} holds a checkpoint of another trial "
-                          f"({resume.name}; {', '.join(differs)}): sweep into a new hydra.sweep.dir, or add "
-                          "checkpoint.auto_resume=false to start every trial over")
+                          f"job {hydra_cfg.job.num}'s run dir {run_dir} holds {what}; {', '.join(differs)}): sweep "
+                          "into a new hydra.sweep.dir" + (", or add checkpoint.auto_resume=false to start every "
+                                                          "trial over" if resume.name != ".hydra" else ""))
 
 
 def _refuse_another_jobs_dir(run_dir: Path) -> None:

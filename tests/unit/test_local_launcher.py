@@ -220,6 +220,25 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
         again.output[-3000:]
 
 
+def test_a_sweep_run_again_with_other_values_keeps_a_trial_that_finished_without_a_checkpoint(cli, tmp_path):
+    """The refusal of another trial's dir needed a checkpoint there: a short trial (no save_last, fewer steps than
+    checkpoint.every_n_steps) had its results.json, .hydra/ and curves replaced by a re-run with other values, with
+    only a TensorBoard warning (tester 15). Its .hydra/config.yaml now tells the trial; the same trial runs again."""
+    sweep = tmp_path / "sweep"
+    common = ["-m", "strategy=single", "trainer.max_steps=2", "trainer.eval_every_n_steps=0",
+              f"hydra.sweep.dir={sweep}"]
+    assert cli([*common, "optim.lr=1e-3"]).returncode == 0 and not (sweep / "0" / "checkpoints").exists()
+    other = cli([*common, "optim.lr=2e-2"])
+    assert other.returncode == 1, other.output[-3000:]
+    assert report_rows(sweep)[0]["error"].startswith(
+        f"ConfigError: hydra.sweep.dir='{sweep}': job 0's run dir {sweep}/0 holds the results of another trial, "
+        "finished without a checkpoint (its .hydra/config.yaml; optim.lr: 0.001 -> 0.02): sweep into a new "
+        "hydra.sweep.dir"), other.output[-3000:]
+    assert results(sweep / "0")["hparams"]["optim.lr"] == 1e-3
+    assert "optim.lr=0.001" in (sweep / "0" / ".hydra" / "overrides.yaml").read_text()
+    assert cli([*common, "optim.lr=1e-3"]).returncode == 0  # the same trial: trained again
+
+
 @pytest.mark.parametrize("launcher", [pytest.param("local", marks=pytest.mark.slow),
                                       pytest.param("torchrun", marks=pytest.mark.slow)])
 def test_two_jobs_whose_subdir_is_one_dir_keep_the_first_jobs_results(cli, tmp_path, launcher):

@@ -500,9 +500,13 @@ class CheckpointManager:
         if not path.is_file():
             return None
         try:
-            return OmegaConf.to_container(OmegaConf.load(path))
+            saved = OmegaConf.load(path)
         except Exception:  # a config file we cannot read is not a reason to refuse the checkpoint
             return None
+        try:  # (a run's .hydra/config.yaml keeps its interpolations; a checkpoint's is resolved)
+            return OmegaConf.to_container(saved, resolve=True)
+        except Exception:  # noqa: BLE001 (one that no longer resolves: compared as written)
+            return OmegaConf.to_container(saved)
 
 
 def with_previous(err: DamagedCheckpointError, ckpt: Path) -> DamagedCheckpointError:

@@ -294,18 +294,31 @@ def _of_another_trial(run_dir: Path, root: Any) -> bool:
     from omegaconf import OmegaConf
 
     hydra_cfg = HydraConfig.get()
-    if root is None or hydra_cfg.mode != RunMode.MULTIRUN or not (run_dir / "checkpoints").is_dir():
+    if root is None or hydra_cfg.mode != RunMode.MULTIRUN:
         return False
-    if not OmegaConf.select(root, "checkpoint.auto_resume", default=True):
+    record = trial_record(run_dir, OmegaConf.select(root, "checkpoint.auto_resume", default=True))
+    if record is None:
         return False
-    from hydratrain.checkpoint.manager import list_checkpoints, other_trial
+    from hydratrain.checkpoint.manager import other_trial
 
-    own = list_checkpoints(run_dir / "checkpoints")
-    if not own:
-        return False
     task = OmegaConf.masked_copy(root, [k for k in root if k != "hydra"])
-    return bool(other_trial(own[-1][1], OmegaConf.to_container(task, resolve=True, enum_to_str=True),
+    return bool(other_trial(record, OmegaConf.to_container(task, resolve=True, enum_to_str=True),
                             list(hydra_cfg.overrides.task)))
+
+
+def trial_record(run_dir: Path, auto_resume: bool) -> Optional[Path]:
+    """The dir whose ``config.yaml`` says which trial a sweep job's ``run_dir`` holds: its latest checkpoint (which
+    the job would resume; with ``checkpoint.auto_resume``), else, for a trial that finished without one (a short
+    run, no ``save_last``: its ``results.json`` is there), its ``.hydra/``. Tester 15: a sweep re-run with other
+    values replaced such a trial's results, ``.hydra/`` and curves without a word. None when the dir holds neither."""
+    from hydratrain.checkpoint.manager import list_checkpoints
+
+    own = list_checkpoints(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
+    if own:
+        return own[-1][1] if auto_resume else None
+    if (run_dir / "results.json").is_file() and (run_dir / ".hydra" / "config.yaml").is_file():
+        return run_dir / ".hydra"
+    return None
 
 
 def register_resolvers() -> None:
