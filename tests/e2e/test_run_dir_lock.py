@@ -3,13 +3,16 @@ exit status 2 and leaves the first run's checkpoints alone; once the first run i
 next launch takes its lock over and trains."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 
 import pytest
 
-from helpers import command, finish, free_port, log_of, run, spawn
+from helpers import ROOT, command, finish, free_port, log_of, run, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +47,41 @@ def test_a_second_launch_into_a_running_jobs_run_dir_stops_and_a_killed_jobs_loc
     assert third.returncode == 0, third.output[-3000:]
     assert f"its holder, pid {first.pid} on this host, is not running" in third.output
     assert not lock.exists()
+
+
+def _new_pid_namespaces() -> bool:
+    """Whether ``unshare -pf --mount-proc`` works here (root, or user namespaces allowed)."""
+    return bool(shutil.which("unshare")) and subprocess.run(["unshare", "-pf", "--mount-proc", "true"],
+                                                             capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _new_pid_namespaces(), reason="cannot make a PID namespace (unshare -pf --mount-proc)")
+def test_a_container_killed_and_restarted_takes_its_lock_at_once(tmp_path):
+    """A container restart after a SIGKILL (docker restart, a pod after OOMKilled): the same torchrun command in a
+    fresh PID namespace, on the same host, whose processes get the pids the killed ones had. The lock's pid is then
+    alive (the relaunch's own rank 0's): its start time tells it apart, and the relaunch resumes at once; it was
+    refused for 120 s as "in use by another job (host vm, pid 6, ...)" (tester 14, F4)."""
+    lock = tmp_path / "hydratrain.lock"
+    cmd = ["unshare", "-pf", "--mount-proc",
+           *command(["strategy=single", "trainer.max_steps=16", "checkpoint.every_n_steps=2",
+                     "trainer.eval_every_n_steps=0", f"hydra.run.dir={tmp_path}"],
+                    torchrun=["--standalone", "--nproc_per_node=1"])]
+    first = spawn(cmd)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("checkpoints/step_*")) and time.monotonic() < deadline:
+            assert first.poll() is None, first.communicate()[0][-3000:]
+            time.sleep(0.1)
+        init = int(open(f"/proc/{first.pid}/task/{first.pid}/children").read().split()[0])  # the namespace's pid 1
+        os.kill(init, signal.SIGKILL)  # the kernel kills every process of the namespace: the container is gone
+    finally:
+        out = finish(first, timeout=60).output
+    holder = json.loads(lock.read_text())  # SIGKILL: left behind
+    second = finish(spawn(cmd, cwd=ROOT), timeout=180)
+    assert second.returncode == 0, (out[-2000:], second.output[-3000:])
+    assert (f"its holder, pid {holder['pid']} on this host, is not running (that pid is now another process)"
+            in second.output), second.output[-3000:]
+    assert "in use by another job" not in second.output and not lock.exists()
 
 
 def test_launches_started_together_without_a_run_dir_each_get_their_own(tmp_path):

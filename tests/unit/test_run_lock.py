@@ -61,6 +61,63 @@ def test_which_locks_are_left_behind():
     assert "has not refreshed" in left_behind({"host": "n1", "pid": 5, "launch": "x"}, me, 121.0, alive)  # pid reused
 
 
+def test_a_pid_that_is_now_another_process_is_not_running():
+    """A container restarted after a SIGKILL (docker restart, a pod after OOMKilled) has a fresh PID namespace and the
+    same hostname: its processes get the pids the killed ones had, possibly the relaunch's own rank 0's. The start
+    time recorded with the pid tells them apart (tester 14, F4: refused for 120 s as "in use by another job")."""
+    me = {"host": "n1", "pid": 6, "launch": "torchelastic:new@localhost:2", "pid_start": 9000, "boot": "b1"}
+    alive, dead = (lambda pid: True), (lambda pid: False)
+    started = {7: 100}.get  # pid 7 runs since tick 100; other pids' start times cannot be read
+
+    def why(age_s=3.0, pid_alive=alive, me=me, **holder):
+        holder = {"host": "n1", "pid": 7, "launch": "torchelastic:old@localhost:1", "pid_start": 100, "boot": "b1",
+                  **holder}
+        return left_behind(holder, me, age_s, pid_alive, started)
+
+    assert why() is None  # pid 7 is the process that wrote the lock
+    assert why(pid_start=50) == "its holder, pid 7 on this host, is not running (that pid is now another process)"
+    assert why(pid=6) == "its holder, pid 6 on this host, is not running (that pid is now another process)"  # me
+    assert "is not running" in why(pid=6, launch=me["launch"])
+    assert why(pid=6, pid_start=9000) is None  # this very process holds it (for another launch): running
+    assert "this launch's own" in why(pid=6, pid_start=9000, launch=me["launch"])
+    assert why(pid_start=50, pid_alive=dead) == "its holder, pid 7 on this host, is not running"
+    assert why(pid=8) is None  # alive, its start time hidden (/proc mounted with hidepid): the pid alone
+    # another boot id: a machine of the same name, or this one rebooted: start times say nothing; the heartbeat does
+    assert why(boot="b0", pid_start=50, pid_alive=dead) is None
+    assert "has not refreshed it for 121 s" in why(121.0, boot="b0", pid_start=50, pid_alive=dead)
+    # a lock of the previous version (no start time): the pid alone; but this process, which records its start
+    # time, did not write one without it
+    assert why(pid_start=None, boot=None) is None
+    assert "is not running" in why(pid_start=None, boot=None, pid_alive=dead)
+    assert why(pid=6, pid_start=None, boot=None) == ("its holder, pid 6 on this host, is not running (that pid is now "
+                                                     "another process)")
+    # no /proc here (not Linux): the previous rules
+    old_me = {**me, "pid_start": None, "boot": None}
+    assert why(pid=6, me=old_me) is None and why(pid_start=50, me=old_me) is None
+    assert "is not running" in why(pid_start=50, me=old_me, pid_alive=dead)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="no /proc (not Linux)")
+def test_a_lock_of_a_pid_reused_by_a_restarted_container_is_taken_over_at_once(tmp_path, caplog):
+    """The lock names this very process's pid (and its parent's, alive), each with another start time: both are
+    left behind by processes that had those pids before, and taken over at once. With the right start time the
+    parent holds it."""
+    boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    for pid in (os.getpid(), os.getppid()):
+        _write_lock(tmp_path, pid=pid, launch="torchelastic:killed@localhost:43075", pid_start=1, boot=boot)
+        with caplog.at_level(logging.WARNING, logger="hydratrain.dist.run_lock"):
+            lock = RunDirLock(tmp_path).acquire()
+        assert f"pid {pid} on this host, is not running (that pid is now another process)" in caplog.text
+        assert json.loads(lock.path.read_text())["pid_start"] == int(open("/proc/self/stat").read().split(")")[-1]
+                                                                     .split()[19])
+        lock.release()
+        caplog.clear()
+    parent_start = int(open(f"/proc/{os.getppid()}/stat").read().rpartition(")")[2].split()[19])
+    _write_lock(tmp_path, pid=os.getppid(), pid_start=parent_start, boot=boot)
+    with pytest.raises(RunDirBusy, match=f"in use by another job .*pid {os.getppid()}"):
+        RunDirLock(tmp_path).acquire()
+
+
 @pytest.mark.parametrize("holder, age_s, why", [
     ({"pid": "dead"}, 0.0, "is not running"),  # killed with SIGKILL on this host
     ({"host": "other-node"}, 300.0, "has not refreshed it for 300 s"),  # died on another host

@@ -7,14 +7,18 @@ the second job stops with exit status 2 before it reads or writes a checkpoint, 
     hydratrain: config error: hydra.run.dir='runs/a': in use by another job (host n1, pid 4242, launch
     torchelastic:..., started 2026-12-01 06:10:03, alive 3 s ago); wait for it to end, or use another hydra.run.dir
 
-The lock file holds its holder as JSON (host, pid, launch, started); the holder refreshes its mtime every
+The lock file holds its holder as JSON (host, pid, launch, started; on Linux also the pid's start time, in clock
+ticks since boot, and the boot id, which tell a reused pid apart); the holder refreshes its mtime every
 :data:`HEARTBEAT_S` seconds. A lock found in place is the job's own or left behind, and taken over with a warning,
 when
 
-- its holder ran on this host and that pid is gone (a job killed with SIGKILL);
+- its holder ran on this host and that pid is gone (a job killed with SIGKILL), or is now another process: one
+  started at another time than the holder, such as a process of a restarted container (a fresh PID namespace hands
+  out the same pids again, and the hostname stays), possibly this very process;
 - it carries this launch's identity (:func:`launch_identity`) and no live process of this host holds it: ranks that
   torchrun's agent restarted (``--max-restarts``), a requeued SLURM job;
-- its heartbeat is older than :data:`STALE_S` seconds (a holder on another host that died).
+- its heartbeat is older than :data:`STALE_S` seconds (a holder on another host that died; also one of this host
+  name with another boot id: another machine of the same name, or this one before a reboot).
 
 Hydra opens its log files in the run dir before the job starts: the refused job's lines are appended to the running
 job's logs. Its config copy (``.hydra/``) is not written (:func:`hydratrain.dist.run_dir.output_subdir`).
@@ -58,6 +62,15 @@ def launch_identity() -> str:
     return f"pid:{socket.gethostname()}:{os.getpid()}"
 
 
+def _stat_fields(pid: int) -> Optional[list]:
+    """The fields of ``/proc/<pid>/stat`` from the third (state) on; None where it cannot be read (no such process,
+    no /proc: not Linux, or a /proc that hides other users' processes)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs on this host; a zombie (killed, not yet reaped by its parent) does not."""
     try:
@@ -66,21 +79,67 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # another user's live process
         return True
+    fields = _stat_fields(pid)
+    return not fields or fields[0] != "Z"  # no /proc (not Linux): alive
+
+
+def _pid_start(pid: int) -> Optional[int]:
+    """When ``pid`` started, in clock ticks since boot (field 22 of ``/proc/<pid>/stat``): with the pid, it names one
+    process of one boot. None where it cannot be read."""
+    fields = _stat_fields(pid)
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):  # no /proc (not Linux)
-        return True
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
+        return None
 
 
-def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int], bool] = _pid_alive) -> Optional[str]:
-    """Why the lock of ``holder`` (its JSON; ``{}`` when unreadable) untouched for ``age_s`` seconds is no longer
-    held, for the job ``me``; None when a live job holds it."""
+def _boot_id() -> Optional[str]:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``, the same in every container of the machine); None
+    without it (not Linux)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _holder_running(holder: dict, me: dict, pid_alive: Callable[[int], bool],
+                    pid_start: Callable[[int], Optional[int]]) -> Optional[bool]:
+    """Whether the process that wrote ``holder`` runs now, as far as this process (``me``) can tell: None when it
+    cannot (another host, another boot id: another machine of the same name, or this one rebooted; no pid), True
+    for ``me``'s own pid when nothing tells the two apart (a lock without start times, as the previous version
+    wrote them, while ``me`` has none either)."""
     pid = holder.get("pid")
-    if holder.get("host") == me["host"] and isinstance(pid, int) and pid != me["pid"]:
+    if holder.get("host") != me["host"] or not isinstance(pid, int) or isinstance(pid, bool):
+        return None
+    recorded, mine = holder.get("pid_start"), me.get("pid_start")
+    if isinstance(recorded, int) and mine is not None:  # start times on both sides (Linux)
+        if holder.get("boot") != me.get("boot"):
+            return None  # start times of another boot: not comparable here
+        if pid == me["pid"]:
+            return recorded == mine
         if not pid_alive(pid):
-            return f"its holder, pid {pid} on this host, is not running"
-        if age_s <= STALE_S:  # a live process here, even of this launch (two jobs of one SLURM allocation)
-            return None
+            return False
+        now = pid_start(pid)
+        return now is None or now == recorded  # unreadable (hidden): the pid alone
+    if pid == me["pid"]:  # the holder recorded no start time; this process, which records one, did not write it
+        return mine is None
+    return pid_alive(pid)
+
+
+def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int], bool] = _pid_alive,
+                pid_start: Callable[[int], Optional[int]] = _pid_start) -> Optional[str]:
+    """Why the lock of ``holder`` (its JSON; ``{}`` when unreadable) untouched for ``age_s`` seconds is no longer
+    held, for the job ``me`` (its JSON); None when a live job holds it. A holder's pid on this host counts as not
+    running when it is gone, or when it is now another process (it started at another time than the holder's
+    recorded start time: a pid reused, as in a restarted container); a lock without a start time (written by the
+    previous version, or where there is no /proc) is judged by the pid alone."""
+    pid = holder.get("pid")
+    running = _holder_running(holder, me, pid_alive, pid_start)
+    if running is False:
+        again = " (that pid is now another process)" if pid_alive(pid) or pid == me["pid"] else ""
+        return f"its holder, pid {pid} on this host, is not running{again}"
+    if running and pid != me["pid"] and age_s <= STALE_S:
+        return None  # a live process here, even of this launch (two jobs of one SLURM allocation)
     if holder.get("launch") == me["launch"]:
         return f"it is this launch's own ({me['launch']}), left by an earlier attempt"
     if age_s > STALE_S:
@@ -106,7 +165,7 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_NAME
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "launch": launch_identity(),
-                   "started": time.time()}
+                   "started": time.time(), "pid_start": _pid_start(os.getpid()), "boot": _boot_id()}
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
