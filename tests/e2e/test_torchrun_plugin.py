@@ -155,3 +155,30 @@ def test_bad_setting_fails_the_job_naming_the_key(hydra_sweep_runner, tmp_path, 
         with _sweep(hydra_sweep_runner, tmp_path, ["n=0"]):
             pass
     assert not list(tmp_path.glob("ran_*"))
+
+
+@pytest.mark.slow  # ~12 s
+def test_a_rendezvous_that_fails_at_once_says_why_and_not_that_it_timed_out(tmp_path):
+    """One node with 10 file descriptors (``ulimit -n 10``): the rendezvous store cannot bind, and the job fails
+    within a second. Its line was "no rendezvous with all 1 node(s) within hydra.launcher.rdzv_timeout=600 s (is node
+    0 running the same sweep?): RendezvousConnectionError: ... See inner exception for details.", the inner exception
+    shown nowhere (tester 14, F5); now it says that the rendezvous failed, and why. (With 12, the store may bind and
+    its client retry until the rendezvous timeout, 30 s here.)"""
+    import resource
+
+    app = tmp_path / "app.py"
+    app.write_text("import sys\n\nimport hydra\n\n"
+                   f"sys.path.insert(0, {str(Path(PLUGIN_APP).parent)!r})  # _plugin_app\n\n\n"
+                   f"@hydra.main(version_base=None, config_path={PLUGIN_APP!r}, config_name='config')\n"
+                   "def main(cfg):\n    return 0\n\n\nmain()\n")
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    proc = subprocess.run([sys.executable, str(app), "-m", "n=2", "hydra.launcher.rdzv_timeout=30",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (10, hard)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    error = json.loads((tmp_path / "sweep" / "callbacks.jsonl").read_text().splitlines()[0])["error"]
+    assert error.startswith("LaunchError: job #0: hydra.launcher.rdzv_endpoint=None: the rendezvous of 1 node(s) "
+                            "failed: RendezvousConnectionError: "), error
+    assert "; caused by " in error and "too many open files" in error.lower(), error
+    assert "rdzv_timeout" not in out and "running the same sweep" not in out and error in out, out[-3000:]

@@ -96,12 +96,13 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
     """Check this job, start its workers, wait for them; returns the :class:`JobReturn` of the lowest global rank
     on this node (rank 0's on the node that hosts it).
 
-    Failures (bad settings, the app's check raising, a port that cannot be had, a rendezvous timeout, a worker that
-    failed after ``max_restarts``) come back as a FAILED JobReturn whose ``return_value`` raises: the check's own
-    exception, :class:`LauncherConfigError`, or :class:`LaunchError` with a one-line reason. Ctrl-C / SIGTERM to
-    this process (torch's ``SignalException``) ends the sweep: once the agent has passed the signal on to the workers
-    and they are gone, the job is reported FAILED to the callbacks and this process exits with one line and
-    ``preempt_exit_code`` (SIGTERM), 130 (SIGINT) or 128 + the signal.
+    Failures (bad settings, the app's check raising, a port that cannot be had, a rendezvous that timed out or
+    failed, a worker that failed after ``max_restarts``) come back as a FAILED JobReturn whose ``return_value``
+    raises: the check's own exception, :class:`LauncherConfigError`, or :class:`LaunchError` with a one-line reason
+    (for a rendezvous, :func:`rendezvous_failure`'s). Ctrl-C / SIGTERM to this process (torch's ``SignalException``)
+    ends the sweep: once the agent has passed the signal on to the workers and they are gone, the job is reported
+    FAILED to the callbacks and this process exits with one line and ``preempt_exit_code`` (SIGTERM), 130 (SIGINT)
+    or 128 + the signal.
     """
     import cloudpickle
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -145,11 +146,8 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
         _stop_the_sweep(launcher, sweep_config, num, conf, err.sigval, before_workers=_BEFORE_WORKERS["signal"])
     except Exception as err:  # the check's own error, bad settings, a port, a rendezvous error: report, don't hang
         error = err
-        if "Rendezvous" in type(err).__name__ and conf is not None:
-            error = LaunchError(
-                f"job #{num}: hydra.launcher.rdzv_endpoint={conf.rdzv_endpoint}: no rendezvous with all "
-                f"{conf.nnodes} node(s) within hydra.launcher.rdzv_timeout={conf.rdzv_timeout} s (is node 0 "
-                f"running the same sweep?): {_one_line(err)}")
+        if conf is not None and _is_rendezvous_error(err):
+            error = LaunchError(rendezvous_failure(num, conf, err))
     ret = _failed_return(sweep_config, error)
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, ret)
@@ -281,8 +279,57 @@ def _job_end_callbacks(launcher, sweep_config: DictConfig, ret: JobReturn) -> No
         hydra_config.cfg = saved
 
 
+def _causes(err: BaseException) -> List[BaseException]:
+    """``err`` and the exceptions behind it: its ``__cause__`` (``raise ... from``), else its ``__context__`` unless
+    suppressed (``from None``), and so on."""
+    chain: List[BaseException] = []
+    while err is not None and not any(err is seen for seen in chain):
+        chain.append(err)
+        err = err.__cause__ if err.__cause__ is not None else (None if err.__suppress_context__ else err.__context__)
+    return chain
+
+
 def _one_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}".splitlines()[0]
+    """``Type: message`` of ``err`` and of each exception behind it (first line of each), joined by ``; caused by``:
+    torch's "See inner exception for details." shows the inner exception."""
+    lines: List[str] = []
+    for e in _causes(err):
+        first = (str(e).strip().splitlines() or [""])[0].strip()
+        if lines and first and first in lines[-1]:  # a wrapper that repeats its cause's message
+            continue
+        lines.append(f"{type(e).__name__}: {first}" if first else type(e).__name__)
+    return "; caused by ".join(lines)
+
+
+def _is_rendezvous_error(err: BaseException) -> bool:
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    return isinstance(err, RendezvousError) or "Rendezvous" in type(err).__name__
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether ``err`` (a rendezvous error) is a wait that ran out: the rendezvous's own timeout, or a store that could
+    not be reached in time (torch's "The client socket has timed out after ...")."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
+    return any(isinstance(e, (RendezvousTimeoutError, TimeoutError)) or "timed out" in str(e).lower()
+               for e in _causes(err))
+
+
+def rendezvous_failure(num: int, conf: TorchrunLauncherConf, err: BaseException) -> str:
+    """The one line for job ``num`` whose rendezvous raised ``err``: a wait for other nodes that ran out
+    (``no rendezvous with all N node(s) within hydra.launcher.rdzv_timeout=...``, asking after the other nodes when
+    there are any) or, for anything else (a store that could not be created: too many open files, an address that
+    does not resolve), that the rendezvous failed; either way with the error and the errors behind it."""
+    where = f"hydra.launcher.rdzv_endpoint={conf.rdzv_endpoint}"
+    if _timed_out(err):
+        ask = ""
+        if conf.nnodes > 1:
+            ask = (" (is node 0 running the same sweep?)" if conf.node_rank != 0 else
+                   " (are the other nodes running the same sweep?)")
+        return (f"job #{num}: {where}: no rendezvous with all {conf.nnodes} node(s) within "
+                f"hydra.launcher.rdzv_timeout={conf.rdzv_timeout} s{ask}: {_one_line(err)}")
+    return f"job #{num}: {where}: the rendezvous of {conf.nnodes} node(s) failed: {_one_line(err)}"
 
 
 @record
