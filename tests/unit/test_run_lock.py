@@ -82,6 +82,10 @@ def test_a_pid_that_is_now_another_process_is_not_running():
     assert "this launch's own" in why(pid=6, pid_start=9000, launch=me["launch"])
     assert why(pid_start=50, pid_alive=dead) == "its holder, pid 7 on this host, is not running"
     assert why(pid=8) is None  # alive, its start time hidden (/proc mounted with hidepid): the pid alone
+    # the very process that wrote it, stopped (Ctrl-Z, scontrol suspend) for longer than the heartbeat: still its
+    # (tester 14, F10: taken over, it carried on after SIGCONT into the same run dir); unproven, the heartbeat rules
+    assert why(500.0) is None
+    assert "has not refreshed it for 500 s" in why(500.0, pid=8)
     # another boot id: a machine of the same name, or this one rebooted: start times say nothing; the heartbeat does
     assert why(boot="b0", pid_start=50, pid_alive=dead) is None
     assert "has not refreshed it for 121 s" in why(121.0, boot="b0", pid_start=50, pid_alive=dead)

@@ -132,7 +132,8 @@ def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int],
     held, for the job ``me`` (its JSON); None when a live job holds it. A holder's pid on this host counts as not
     running when it is gone, or when it is now another process (it started at another time than the holder's
     recorded start time: a pid reused, as in a restarted container); a lock without a start time (written by the
-    previous version, or where there is no /proc) is judged by the pid alone."""
+    previous version, or where there is no /proc) is judged by the pid alone. A holder proven to be the same
+    process (its start time) keeps the lock whatever its age: a stopped job does not refresh it."""
     pid = holder.get("pid")
     running = _holder_running(holder, me, pid_alive, pid_start)
     if running is False:
@@ -140,6 +141,11 @@ def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int],
         return f"its holder, pid {pid} on this host, is not running{again}"
     if running and pid != me["pid"] and age_s <= STALE_S:
         return None  # a live process here, even of this launch (two jobs of one SLURM allocation)
+    if running and pid != me["pid"] and isinstance(holder.get("pid_start"), int) and pid_start(pid) == \
+            holder["pid_start"]:
+        # the very process that took it, however long since it refreshed: stopped (Ctrl-Z, scontrol suspend,
+        # docker pause) or hung; taken over, it carried on after SIGCONT into the same run dir (tester 14)
+        return None
     if holder.get("launch") == me["launch"]:
         return f"it is this launch's own ({me['launch']}), left by an earlier attempt"
     if age_s > STALE_S:
