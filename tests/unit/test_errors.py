@@ -89,3 +89,35 @@ def test_every_stderr_line_of_ours_is_one_write(monkeypatch):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
                 assert not any(k.arg == "file" and ast.unparse(k.value) == "sys.stderr" for k in node.keywords), \
                     f"{path}:{node.lineno}: print to stderr; use hydratrain.errors.say"
+
+
+def test_a_rank_waits_for_the_rank_that_failed_to_say_it_is_exiting():
+    """Rank 0 ran out of memory and took more than the fixed 3 s to tear down after its line (a 3 GiB step, a loaded
+    machine): rank 1 left first with status 5, torchrun named it the root cause and rank 0 showed -15, its status 6
+    lost (tester 14, F17). A peer now waits until the rank that recorded the failure marks itself exiting (bounded
+    by half of distributed.failure_timeout_s); a failure it did not record itself (a killed rank) keeps the 3 s."""
+    import threading
+    import time
+
+    from hydratrain.dist.process_group import FailureWatch
+
+    class Store:
+        def __init__(self, after_s):
+            self.at = time.monotonic() + after_s
+
+        def check(self, keys):
+            assert keys == ["exiting/0"]
+            return time.monotonic() >= self.at
+
+    watch = object.__new__(FailureWatch)
+    watch.rank, watch.linger_s, watch._timeout_s, watch._stop = 1, 0.2, 60.0, threading.Event()
+    started = time.monotonic()
+    assert watch._leave_after(Store(1.0), "rank 0: OutOfMemoryError: out of memory") is False
+    assert 1.9 < time.monotonic() - started < 4.0  # its mark at 1 s, then a second more (not the 0.2 s linger)
+    started = time.monotonic()
+    assert watch._leave_after(Store(99.0), "rank 0 stopped responding (no heartbeat for 31 s)") is False
+    assert time.monotonic() - started < 1.0  # not recorded by rank 0 itself: the linger alone
+    watch._timeout_s = 1.0  # a rank that never marks: at most half of failure_timeout_s
+    started = time.monotonic()
+    assert watch._leave_after(Store(99.0), "rank 0: RuntimeError: boom") is False
+    assert time.monotonic() - started < 2.0

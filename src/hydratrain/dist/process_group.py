@@ -293,7 +293,7 @@ class FailureWatch:
                     if failure and not self._stop.is_set():
                         # let the failed rank leave first (its launcher then reports it as the root cause); if this
                         # rank's main thread raises meanwhile, it decides this rank's exit status, not this thread
-                        if not self._stop.wait(self.linger_s):
+                        if not self._leave_after(store, failure):
                             self._die(failure)
                         self._stopped()
                         return
@@ -316,6 +316,34 @@ class FailureWatch:
                 return
         self._stopped()
 
+    def _leave_after(self, store, failure: str) -> bool:
+        """Wait before this rank stops for ``failure`` so that the rank that failed exits first (torchrun names the
+        first worker to exit as the root cause): ``linger_s``, or, when that rank recorded the failure itself
+        (``rank N: Type: text``: it is alive and on its way out), until it says it is exiting
+        (:func:`_mark_exiting`) and a second more, for at most half of ``distributed.failure_timeout_s``. A rank whose
+        teardown after a large failed step took more than the fixed 3 s (tester 14: an out-of-memory rank 0, status
+        6) was reported as SIGTERMed behind its peer's status 5. Returns whether this rank's own main thread stopped
+        the wait (``stop``)."""
+        failed = failure.partition(":")[0]
+        rank = int(failed[5:]) if failed.startswith("rank ") and failed[5:].isdigit() else None
+        if rank is None or rank == self.rank:
+            return self._stop.wait(self.linger_s)
+        deadline = time.monotonic() + max(self.linger_s, self._timeout_s / 2)
+        while time.monotonic() < deadline:
+            if self._stop.wait(0.2):
+                return True
+            with contextlib.suppress(Exception):
+                if store.check([f"exiting/{rank}"]):
+                    return self._stop.wait(1.0)
+        return self._stop.is_set()
+
+    def mark_exiting_at_exit(self) -> None:
+        """This rank failed first: record, as the process exits (``atexit``, after its teardown), that it is
+        leaving, for the peers that wait to leave after it (:meth:`_leave_after`)."""
+        import atexit
+
+        atexit.register(_mark_exiting, self._main_store, self.rank)
+
     def _die(self, failure: str) -> None:
         from hydratrain.checkpoint.preemption import recorded_preemption
 
@@ -331,6 +359,11 @@ class FailureWatch:
         sys.stderr.flush()
         RunDirLock.release_held()  # os._exit runs no finally: the next launch should not find this job's lock
         os._exit(EXIT_PEER_FAILED)
+
+
+def _mark_exiting(store, rank: int) -> None:
+    with contextlib.suppress(Exception):
+        store.set(f"exiting/{rank}", f"{time.time():.3f}")
 
 
 def adopt_group(info: DistInfo, wanted: str) -> str:
@@ -454,6 +487,8 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
                 failed_with = EXIT_PEER_FAILED
                 raise PeerFailedError(f"another rank failed first ({first}); this rank stopped with "
                                       f"{type(err).__name__}", watch.linger_s) from err
+            if first == mine:
+                watch.mark_exiting_at_exit()
         raise
     finally:
         if watch is not None:  # after a failure its thread bounds the teardown, which could hang on a peer
