@@ -72,6 +72,7 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
     import torch
 
     from hydratrain.dist import run_dir as run_dir_module
+    from hydratrain.sweep import end_of_process
 
     monkeypatch.setenv("HYDRATRAIN_CACHE", str(cache_dir))
     monkeypatch.delenv("HYDRATRAIN_STAMP", raising=False)
@@ -113,6 +114,7 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
         finally:
             torch.set_num_threads(threads)
             monkeypatch.setattr(run_dir_module, "_STAMP", None)
+            end_of_process()  # the sweep's exit hook, as the interpreter would run it now (not at pytest's exit)
         out = capsys.readouterr()
         result = Run(status, out.out + out.err, time.monotonic() - t0, ["python", script, *argv])
         result.out, result.err = out.out, out.err

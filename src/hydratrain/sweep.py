@@ -352,7 +352,9 @@ class SweepReportCallback(Callback):
     here, fails before anything is submitted); after each job (rank 0, or the launcher process for a job whose
     workers failed), record its status and refresh the report; at multirun end, refresh it, log where it is, and exit
     with status 1 when any job failed (a sweeper that tolerates failed trials, like the Optuna preset, otherwise exits
-    0). In a single run it only probes the run dir before Hydra makes it (:meth:`on_run_start`)."""
+    0). A sweep that Hydra's sweeper ends by raising a failed job's error gets the same report and line when the
+    sweeping process exits (:func:`await_the_end`). In a single run it only probes the run dir before Hydra makes it
+    (:meth:`on_run_start`)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         """A single run, every rank: a run dir that takes no writes ends the launch with one line and exit status 3
@@ -397,6 +399,7 @@ class SweepReportCallback(Callback):
             refuse_a_full_run_dir(_sweep_dir(config.hydra), sweep=True)
             mark_multirun(_sweep_dir(config.hydra))
             self._jobs = basic_sweep_jobs(config.hydra), os.getpid()  # (a launcher's workers get a copy of self)
+            await_the_end(_sweep_dir(config.hydra))
         keep_early_sigterm(config.hydra, config.get("checkpoint", {}).get("save_on_sigterm", True))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -431,9 +434,13 @@ class SweepReportCallback(Callback):
                              multirun, current and not refused, refused)
         write_sweep_report(sweep_dir)
         if job_return.status.name == "FAILED":
+            if getattr(job_return._return_value, "ends_the_sweep", False):
+                sweep_ended()  # a signal to the torchrun launcher's process: its own line and status end the sweep
+                return
             log.warning("job #%d failed: %s (the sweep goes on; %s)", hc.job.num, error, sweep_dir / "sweep_report.md")
             why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir), launching=started is None)
             if why:
+                sweep_ended()
                 raise SystemExit(f"hydratrain: sweep stopped after job {hc.job.num}: {why} (see "
                                  f"{sweep_dir / 'sweep_report.md'})")
         if (hc.job.num + 1, os.getpid()) == getattr(self, "_jobs", None) and any(r["status"] == "FAILED"
@@ -456,16 +463,90 @@ class SweepReportCallback(Callback):
 
 def _end_of_sweep(sweep_dir: Path) -> None:
     """Refresh the report and log it; exit with status 1 and one line when any job failed."""
+    sweep_ended()
+    _log_report(sweep_dir)
+    line = _closing_line(sweep_dir)
+    if line:
+        raise SystemExit(line)
+
+
+def _log_report(sweep_dir: Path) -> None:
+    """Refresh the report and log it (the table, on the console in the sweeping process)."""
     path = write_sweep_report(sweep_dir)
     if path:
         log.info("sweep report: %s\n%s", path, path.with_suffix(".md").read_text())
+
+
+def _closing_line(sweep_dir: Path) -> str:
+    """``hydratrain: N of M sweep job(s) failed (see .../sweep_report.md); first: job ...``, or '' when none
+    failed."""
     rows = sweep_rows(sweep_dir)
     failed = [r for r in rows if r["status"] == "FAILED"]
-    if failed:
-        first = failed[0]
-        raise SystemExit(f"hydratrain: {len(failed)} of {len(rows)} sweep job(s) failed (see "
-                         f"{sweep_dir / 'sweep_report.md'}); first: job {first['job']} ({first['overrides']}): "
-                         f"{first['error']}")
+    if not failed:
+        return ""
+    first = failed[0]
+    return (f"hydratrain: {len(failed)} of {len(rows)} sweep job(s) failed (see {sweep_dir / 'sweep_report.md'}); "
+            f"first: job {first['job']} ({first['overrides']}): {first['error']}")
+
+
+#: the sweep this process launched and whose end is still to be said: {"pid": ..., "sweep_dir": Path}; "hooked":
+#: whether :func:`end_of_process` is registered with ``atexit`` (once per process)
+_AWAITED: dict = {}
+
+
+def await_the_end(sweep_dir: Path) -> None:
+    """Make sure that a sweep with a failed job ends with its report and the closing line (:func:`_end_of_sweep`)
+    whatever launcher ran its jobs. Called once per multirun by the sweeping process (``on_multirun_start``, rank 0 of
+    node 0); :func:`sweep_ended` takes it back on every way a sweep ends with a line of ours (the closing line after
+    the last job or in ``on_multirun_end``, a search stopped early, a preemption or Ctrl-C that stopped a job), and
+    :func:`end_of_process`, an ``atexit`` hook, says the end for a sweep that ended otherwise.
+
+    Why at the exit of this process: with Hydra's basic sweeper, a sweep whose jobs include a failure ends with the
+    sweeper raising the first failure once the launcher has returned, so ``on_multirun_end`` never runs; and when
+    the jobs run in other processes nothing of ours runs in this one after the last job: the torchrun and Ray
+    plugins call ``on_job_end`` here only for a job that failed without its workers reporting it,
+    hydra-submitit-launcher never (tester 15: no report and no closing line when the last job completed). The
+    launchers' return is no place to hook either: hydra-submitit-launcher's is not ours, and the torchrun plugin
+    knows no app. The exit of this process is the one point every launcher and sweeper reaches after the last job,
+    and after Hydra has printed the failure, so the report and the line come last. An exit hook runs on
+    ``sys.exit`` and on an uncaught exception; not when a signal kills the process or on ``os._exit`` (the workers
+    that ``multiprocessing`` forks leave that way; the pid check is for such a copy). It cannot change the exit
+    status, and need not: a sweeper that returns calls ``on_multirun_end``, which ends the sweep itself, so with a
+    failed job this process only gets here through Hydra's error exit, status 1. A sweep ended by Ctrl-C outside any
+    job (Python's ``KeyboardInterrupt`` traceback) is left as it is."""
+    import atexit
+
+    if not _AWAITED.get("hooked"):
+        atexit.register(end_of_process)
+        _AWAITED["hooked"] = True
+    _AWAITED.update(pid=os.getpid(), sweep_dir=Path(sweep_dir))
+
+
+def sweep_ended() -> None:
+    """The sweep this process launched ended with a line of ours (or its own launcher's): nothing to add at exit."""
+    _AWAITED.pop("sweep_dir", None)
+
+
+def end_of_process() -> None:
+    """At the exit of the sweeping process (``atexit``; see :func:`await_the_end`): when its sweep ended with no line
+    of ours and its report has a FAILED row, log the report and print the closing line. Does nothing in another
+    process (a forked copy), after Ctrl-C, or when :func:`sweep_ended` was called. Never raises."""
+    import sys
+
+    sweep_dir = _AWAITED.pop("sweep_dir", None)
+    if sweep_dir is None or _AWAITED.get("pid") != os.getpid() or isinstance(getattr(sys, "last_value", None),
+                                                                           KeyboardInterrupt):
+        return
+    try:
+        from hydratrain.checkpoint.preemption import take_early_signal
+
+        take_early_signal()  # as on_multirun_end: every job has ended
+        line = _closing_line(sweep_dir)
+        if line:
+            _log_report(sweep_dir)
+            say(line)
+    except Exception as err:  # noqa: BLE001 (the process is ending with its own status; one line, no traceback)
+        say(f"hydratrain: could not write the sweep report in {sweep_dir}: {type(err).__name__}: {err}")
 
 
 def basic_sweep_jobs(hydra_cfg: DictConfig) -> Optional[int]:
@@ -502,6 +583,7 @@ def record_stopped_job(why: str) -> None:
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return
+    sweep_ended()  # the caller's line ends the sweep
     sweep_dir = _sweep_dir(hc)
     job_dir = _job_dir(hc)
     write_job_status(job_dir, hc.job.num, list(hc.overrides.task), "FAILED", why, math.nan,

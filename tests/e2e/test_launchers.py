@@ -119,6 +119,34 @@ def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_torchrun(tmp_path)
     assert "ConfigError: trainer.max_steps=-1: must be finite and > 0" in out
 
 
+@pytest.mark.slow  # a 2-job sweep of worker processes: ~25 s under torchrun, ~40 s under submitit on 2 busy cores
+@pytest.mark.parametrize("launcher", ["torchrun", "submitit_local"])
+def test_a_sweep_whose_last_job_completes_after_a_failed_one_ends_with_the_report_and_its_line(tmp_path, launcher):
+    """Job 0 diverges, job 1 (the last) completes, each in processes of the launcher's own. The launching process saw
+    no job end after the last one, and Hydra's basic sweeper then raised job 0's failure: the output ended with
+    Hydra's error (its HYDRA_FULL_ERROR hint, or its traceback), no report, no closing line (tester 15). Now the
+    report and the closing line come last, once, with status 1."""
+    if launcher == "submitit_local":
+        pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    one_rank = {"torchrun": "launcher.nproc_per_node=1", "submitit_local": "launcher.tasks_per_node=1"}[launcher]
+    r = run(["-m", f"launcher={launcher}", one_rank, "strategy=ddp", "trainer.max_steps=2",
+             "trainer.eval_every_n_steps=0", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path,
+            script=FAULTY, env={"HT_FAULT_JOBS": "0:raise"}, timeout=400)
+    rows = report_rows(sweep)
+    assert [row["status"] for row in rows] == ["FAILED", "COMPLETED"], (rows, r.output[-3000:])
+    assert r.returncode == 1, r.output[-3000:]
+    lines = r.output.rstrip("\n").splitlines()
+    assert lines[-1] == (f"hydratrain: 1 of 2 sweep job(s) failed (see {sweep / 'sweep_report.md'}); first: job 0 "
+                         f"({rows[0]['overrides']}): {rows[0]['error']}"), r.output[-3000:]
+    assert "FloatingPointError: loss diverged (test)" in rows[0]["error"]
+    report = max(i for i, line in enumerate(lines) if "sweep report: " in line)
+    hydras = max(i for i, line in enumerate(lines) if line.startswith("Error executing job with overrides: "))
+    assert hydras < report and lines[report + 1].startswith("| job | overrides | status |"), lines[hydras:]
+    assert [line[:4] for line in lines[report + 3:]] == ["| 0 ", "| 1 ", "", "hydr"], lines[report:]  # table, line
+    assert r.output.count("sweep job(s) failed") == 1 and r.output.count("sweep report: ") == 1, r.output[-3000:]
+
+
 @pytest.mark.slow  # ~40-70 s on 2 busy cores
 def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
     procs = [start(["launcher=torchrun", "launcher.nproc_per_node=2", "strategy=ddp",
@@ -139,6 +167,8 @@ def test_sigterm_while_the_torchrun_launcher_prepares_a_job_ends_the_sweep_as_pr
                       "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"], script=FAULTY, cwd=tmp_path), 120)
     assert r.returncode == 76, r.output[-3000:]
     assert "TorchrunLauncher: sweep stopped: job #0: stopped by SIGTERM, before its workers started" in r.output
+    assert r.output.rstrip("\n").splitlines()[-1].startswith("TorchrunLauncher: sweep stopped: ")  # its line last
+    assert "sweep job(s) failed" not in r.output and "the sweep goes on" not in r.output, r.output[-3000:]
     assert "Traceback" not in r.output and not (sweep / "0" / "train_rank0.log").exists() \
         and not (sweep / "1").exists(), r.output[-3000:]
     (row,) = report_rows(sweep)
@@ -164,6 +194,7 @@ def test_a_signal_to_the_launching_process_ends_the_sweep(tmp_path, sig):
     r = finish(proc, 90)
     assert r.returncode == (130 if sig == signal.SIGINT else 75) and time.time() - t0 < 60, r.output[-3000:]
     assert f"TorchrunLauncher: sweep stopped: job #0: stopped by {sig.name}" in r.output
+    assert "sweep job(s) failed" not in r.output, r.output[-3000:]  # the stop's one line, not a failed sweep's
     assert "SignalException" not in r.output and not (sweep / "1").exists()
     (row,) = report_rows(sweep)
     assert row["status"] == "FAILED" and f"stopped by {sig.name}" in row["error"], row

@@ -139,6 +139,7 @@ def test_sigterm_between_a_local_sweeps_jobs_ends_the_sweep_as_preempted(tmp_pat
                      env={"HT_FAULT_JOBS": f"0:{when}"}, cwd=tmp_path), timeout=180)
     assert r.returncode == 76, r.output[-3000:]
     assert "hydratrain: preempted: SIGTERM during start-up" in r.output and "Traceback" not in r.output, r.output
+    assert "sweep job(s) failed" not in r.output, r.output[-3000:]
     assert (sweep / "0" / "results.json").exists() == (when == "term_after")
     assert not (sweep / "1" / "results.json").exists() and not (sweep / "2").exists()
 
@@ -172,6 +173,7 @@ def test_ctrl_c_ends_a_run_and_its_sweep_with_one_line_and_status_130(tmp_path):
     r = finish(proc, timeout=60)
     assert r.returncode == 130, r.output[-3000:]
     assert r.output.count("hydratrain: interrupted (SIGINT, Ctrl-C): stopped without saving") == 1
+    assert "sweep job(s) failed" not in r.output, r.output[-3000:]  # the interrupt's one line, not a failed sweep's
     assert "Traceback" not in r.output and not (sweep / "1").exists()
     (row,) = report_rows(sweep)
     assert row["status"] == "FAILED" and row["error"].startswith("interrupted (SIGINT, Ctrl-C)"), row

@@ -45,6 +45,22 @@ def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_local(cli, tmp_pat
     assert (sweep / "1" / "results.json").exists() and results(sweep / "1")["steps"] == 3
 
 
+def test_a_sweep_that_hydras_sweeper_ends_with_a_failure_ends_with_the_report_and_its_line(cli, tmp_path):
+    """hydra.sweeper.max_batch_size=1: Hydra's basic sweeper raises the first batch's failure itself and runs no
+    later job; the report callback cannot count such a sweep's jobs, so its end comes from the sweeping process's
+    exit hook (the cli fixture runs it as the interpreter would), after Hydra's error: the report and the line, once.
+    The same end under launchers whose jobs run in other processes (tester 15): tests/e2e/test_launchers.py."""
+    sweep = tmp_path / "batches"
+    r = cli(["-m", "strategy=single", "trainer.max_steps=-1,2", "hydra.sweeper.max_batch_size=1",
+             f"hydra.sweep.dir={sweep}"])
+    assert r.returncode == 1 and not (sweep / "1").exists(), r.output[-3000:]
+    (row,) = report_rows(sweep)
+    assert r.err.rstrip("\n").splitlines()[-1] == (
+        f"hydratrain: 1 of 1 sweep job(s) failed (see {sweep / 'sweep_report.md'}); first: job 0 ({row['overrides']}): "
+        "ConfigError: trainer.max_steps=-1: must be finite and > 0"), r.err[-3000:]
+    assert r.output.count("sweep report: ") == 1 and r.output.count("sweep job(s) failed") == 1
+
+
 def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
     """Kept in the README's sqlite storage (tester 8: the optuna extra installed SQLAlchemy 2, which optuna 2 cannot
     use: an AssertionError traceback before any trial)."""
@@ -143,6 +159,9 @@ def test_stop_on_failure_ends_the_sweep(cli, tmp_path):
              "hydra.launcher.stop_on_failure=true", "trainer.max_steps=-1,3", f"hydra.sweep.dir={sweep}"])
     assert r.returncode != 0 and [row["status"] for row in report_rows(sweep)] == ["FAILED"]
     assert not (sweep / "1").exists()
+    # Hydra's sweeper raised the failure before the last job's end: the report and the line at the process's exit
+    assert r.output.rstrip("\n").splitlines()[-1].startswith(f"hydratrain: 1 of 1 sweep job(s) failed (see {sweep}"), \
+        r.output[-3000:]
 
 
 def test_submitit_gpu_task_mismatch_fails_before_submitting(cli, tmp_path):

@@ -91,3 +91,39 @@ def test_a_search_goes_on_after_a_trial_whose_sampled_value_a_check_refused(tmp_
         "no sampled value (optim.lr, model.d_model) causes it, so every trial would fail alike")
     (tmp_path / "multirun.yaml").unlink()  # the search space from hydra.sweeper.params alone, as before
     assert _hopeless(hc, ConfigError("model.n_head", 4, "must divide model.d_model=66"), [], launching=True) != ""
+
+
+def test_the_exit_hook_ends_a_sweep_that_ended_without_its_line_once(tmp_path, capsys, monkeypatch):
+    """The sweeping process's exit hook (tester 15: under launchers whose jobs run in other processes, a sweep whose
+    last job completed after a failed one ended with Hydra's error, no report and no closing line): the report and
+    the line, once; nothing when the sweep ended with a line of ours (sweep_ended: the closing line, a search
+    stopped early, a preemption or Ctrl-C in a job), in a forked copy of the process, after Ctrl-C outside any job
+    (Python's KeyboardInterrupt), or when no job failed."""
+    import sys
+
+    from hydratrain import sweep
+
+    run_id = mark_multirun(tmp_path)
+    _job(tmp_path, 0, 1e-3, multirun=run_id, results_current=False)  # FAILED
+    _job(tmp_path, 1, 2e-3, results=4.0, multirun=run_id)
+    closing = f"hydratrain: 1 of 2 sweep job(s) failed (see {tmp_path / 'sweep_report.md'}); first: job 0 " \
+              "(optim.lr=0.001): \n"
+    sweep.await_the_end(tmp_path)
+    sweep.end_of_process()
+    sweep.end_of_process()  # (once)
+    assert capsys.readouterr().err == closing and (tmp_path / "sweep_report.md").exists()
+
+    sweep.await_the_end(tmp_path)
+    sweep.sweep_ended()
+    sweep.end_of_process()
+    sweep.await_the_end(tmp_path)
+    monkeypatch.setitem(sweep._AWAITED, "pid", -1)  # another process
+    sweep.end_of_process()
+    sweep.await_the_end(tmp_path)
+    monkeypatch.setattr(sys, "last_value", KeyboardInterrupt(), raising=False)
+    sweep.end_of_process()
+    monkeypatch.delattr(sys, "last_value")
+    write_job_status(tmp_path / "0", 0, ["optim.lr=0.001"], "COMPLETED", multirun=run_id)
+    sweep.await_the_end(tmp_path)
+    sweep.end_of_process()
+    assert capsys.readouterr().err == ""

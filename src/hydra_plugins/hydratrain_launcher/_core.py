@@ -35,7 +35,13 @@ log = logging.getLogger(__name__)
 
 class LaunchError(CompactHydraException, RuntimeError):
     """A job's workers could not be started or did not finish (rendezvous failure, a worker that failed). Compact:
-    when the sweeper raises it at the end of a sweep, Hydra prints its one line, not a traceback."""
+    when the sweeper raises it at the end of a sweep, Hydra prints its one line, not a traceback.
+
+    ``ends_the_sweep``: True for the job that a signal to the launcher's process stopped (``_stop_the_sweep``),
+    which ends the whole sweep with the launcher's own line and status; callbacks that say how a sweep ended (the
+    app's sweep report) read it from the failed job's ``return_value`` in ``on_job_end``."""
+
+    ends_the_sweep = False
 
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
@@ -203,6 +209,7 @@ def _stop_the_sweep(launcher, sweep_config: DictConfig, num: int, conf: Optional
     how = ("before its workers started" if before_workers else "which the agent passed on to the job's workers")
     error = LaunchError(f"job #{num}: stopped by {name}, {how}; run the same command again to resume the sweep (each "
                         "job continues from its own run dir)")
+    error.ends_the_sweep = True
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, _failed_return(sweep_config, error))
     sys.stderr.write(f"TorchrunLauncher: sweep stopped: {error} (exit status {status})\n")  # one write: one line
