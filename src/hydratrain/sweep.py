@@ -437,7 +437,9 @@ class SweepReportCallback(Callback):
             if getattr(job_return._return_value, "ends_the_sweep", False):
                 sweep_ended()  # a signal to the torchrun launcher's process: its own line and status end the sweep
                 return
-            log.warning("job #%d failed: %s (the sweep goes on; %s)", hc.job.num, error, sweep_dir / "sweep_report.md")
+            if started is not None:  # (the launcher's process: the torchrun and Ray plugins log the failure there)
+                log.warning("job #%d failed: %s (the sweep goes on; %s)", hc.job.num, error,
+                            sweep_dir / "sweep_report.md")
             why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir), launching=started is None)
             if why:
                 sweep_ended()

@@ -125,7 +125,8 @@ def test_a_sweep_whose_last_job_completes_after_a_failed_one_ends_with_the_repor
     """Job 0 diverges, job 1 (the last) completes, each in processes of the launcher's own. The launching process saw
     no job end after the last one, and Hydra's basic sweeper then raised job 0's failure: the output ended with
     Hydra's error (its HYDRA_FULL_ERROR hint, or its traceback), no report, no closing line (tester 15). Now the
-    report and the closing line come last, once, with status 1."""
+    report and the closing line come last, once, with status 1; under torchrun the launcher's process says that job
+    0 failed once (it said it twice)."""
     if launcher == "submitit_local":
         pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
@@ -145,6 +146,8 @@ def test_a_sweep_whose_last_job_completes_after_a_failed_one_ends_with_the_repor
     assert hydras < report and lines[report + 1].startswith("| job | overrides | status |"), lines[hydras:]
     assert [line[:4] for line in lines[report + 3:]] == ["| 0 ", "| 1 ", "", "hydr"], lines[report:]  # table, line
     assert r.output.count("sweep job(s) failed") == 1 and r.output.count("sweep report: ") == 1, r.output[-3000:]
+    if launcher == "torchrun":
+        assert r.output.count("job #0 failed: LaunchError") == 1, r.output[-3000:]
 
 
 @pytest.mark.slow  # ~40-70 s on 2 busy cores
