@@ -363,3 +363,24 @@ def test_run_dirs_that_differ_only_in_the_start_dir_are_blamed_on_the_start_dirs
            "directories" in same_tail and "${now" not in same_tail
     stamped = run_lock._split("/a/outputs/12-00-01", "rank 1: /a/outputs/12-00-02", "hydra.run.dir")
     assert "such as ${now:...}, is in hydra.run.dir; build it from ${hydratrain.stamp:}" in stamped
+
+
+def test_a_lock_copied_with_its_run_dir_is_not_the_original_runs(tmp_path, caplog):
+    """``cp -a runs/a runs/b`` while run a goes on (to branch off it): a launch into the copy was refused as "in use
+    by another job" -- run a, which holds runs/a, not the copy (tester 14, F21). The lock records its dir's inode;
+    on this host a lock in another dir is taken over at once, and the original stays held."""
+    original, copy = tmp_path / "a", tmp_path / "b"
+    original.mkdir()
+    held = RunDirLock(original).acquire()  # this process: alive, with its start time
+    try:
+        copy.mkdir()
+        (copy / LOCK_NAME).write_text((original / LOCK_NAME).read_text())
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SLURM_JOB_ID", "78")  # another launch on this host, while the holder lives
+            with caplog.at_level(logging.WARNING, logger="hydratrain.dist.run_lock"):
+                RunDirLock(copy).acquire().release()
+            assert "it was copied here with the run dir" in caplog.text
+            with pytest.raises(RunDirBusy, match="in use by another job"):
+                RunDirLock(original).acquire()
+    finally:
+        held.release()

@@ -135,6 +135,10 @@ def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int],
     previous version, or where there is no /proc) is judged by the pid alone. A holder proven to be the same
     process (its start time) keeps the lock whatever its age: a stopped job does not refresh it."""
     pid = holder.get("pid")
+    if holder.get("host") == me["host"] and isinstance(holder.get("dir_ino"), int) and \
+            isinstance(me.get("dir_ino"), int) and holder["dir_ino"] != me["dir_ino"]:
+        # (tester 14: a run dir copied with `cp -a` while its run went on was refused as held by that run)
+        return "it was copied here with the run dir: its holder holds the dir it was written in, not this one"
     running = _holder_running(holder, me, pid_alive, pid_start)
     if running is False:
         again = " (that pid is now another process)" if pid_alive(pid) or pid == me["pid"] else ""
@@ -161,6 +165,13 @@ def _describe(holder: dict, age_s: float) -> str:
             f"alive {age_s:.0f} s ago")
 
 
+def _inode(path: Path) -> Optional[int]:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
 class RunDirBusy(Exception):
     """The run dir's lock is held by a live job; ``str(err)`` says by whom."""
 
@@ -171,7 +182,8 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_NAME
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "launch": launch_identity(),
-                   "started": time.time(), "pid_start": _pid_start(os.getpid()), "boot": _boot_id()}
+                   "started": time.time(), "pid_start": _pid_start(os.getpid()), "boot": _boot_id(),
+                   "dir_ino": _inode(run_dir)}  # which dir it guards: a copy of the lock is not the lock
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -187,6 +199,7 @@ class RunDirLock:
         heartbeat thread. Raises :class:`RunDirBusy` when a live job holds it, OSError when the run dir is not
         writable."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.me["dir_ino"] = _inode(self.path.parent)
         for _ in range(5):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
