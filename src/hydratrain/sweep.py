@@ -278,13 +278,20 @@ def _refuse_a_stored_study_over_its_job_dirs(hc: Any) -> None:
     ``hydra.sweep.dir`` that holds job dirs: Hydra's Optuna sweeper numbers the relaunch's trials from job 0 again
     (hydra issue #3328), so each new trial lands in an earlier trial's dir, where it is refused as another trial
     or, when the seeded sampler proposes the same values again, only re-evaluates the finished one and is told to
-    the study as a new observation (tester 15: the study held 4 trials, two of them copies). Raises
-    :class:`~hydratrain.errors.ConfigError` on ``hydra.sweeper.storage``; a storage optuna cannot read is left to the
-    sweeper."""
+    the study as a new observation (tester 15: the study held 4 trials, two of them copies). Also a stored study
+    searched inside each torchrun rank (one sweeper per rank). Raises :class:`~hydratrain.errors.ConfigError` on
+    ``hydra.sweeper.storage``; a storage optuna cannot read is left to the sweeper."""
     from hydratrain.errors import ConfigError
 
     sweeper = hc.get("sweeper", {})
     storage, name = sweeper.get("storage"), sweeper.get("study_name")
+    if storage and "optuna" in str(sweeper.get("_target_", "")).lower() and \
+            int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        # (tester 15: every rank created the study at once: sqlite's IntegrityError traceback, a trial left RUNNING)
+        raise ConfigError("hydra.sweeper.storage", storage, "a search run inside each torchrun rank (torchrun "
+                          "train.py -m) has a sweeper per rank, and all of them would write the study: launch the "
+                          "search with launcher=torchrun instead (python train.py -m launcher=torchrun "
+                          "launcher.nproc_per_node=N ...)")
     sweep_dir = _sweep_dir(hc)
     jobs = [d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()] if sweep_dir.is_dir() else []
     if not storage or "optuna" not in str(sweeper.get("_target_", "")).lower() or not jobs:

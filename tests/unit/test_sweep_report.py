@@ -127,3 +127,23 @@ def test_the_exit_hook_ends_a_sweep_that_ended_without_its_line_once(tmp_path, c
     sweep.await_the_end(tmp_path)
     sweep.end_of_process()
     assert capsys.readouterr().err == ""
+
+
+def test_a_stored_optuna_study_is_not_searched_inside_each_torchrun_rank(tmp_path, monkeypatch):
+    """``torchrun ... train.py -m +hparams_search=lr_optuna hydra.sweeper.storage=sqlite:///...``: every rank ran
+    its own sweeper and created the study at once (sqlite's IntegrityError traceback, a trial left RUNNING for good;
+    tester 15). Refused before any trial, naming launcher=torchrun."""
+    import pytest
+    from omegaconf import OmegaConf
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.sweep import _refuse_a_stored_study_over_its_job_dirs
+
+    hc = OmegaConf.create({"sweeper": {"_target_": "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper",
+                                       "storage": f"sqlite:///{tmp_path}/o.db", "study_name": "s"},
+                           "sweep": {"dir": str(tmp_path / "sweep")}, "runtime": {"cwd": str(tmp_path)}})
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    _refuse_a_stored_study_over_its_job_dirs(hc)  # one process, a new sweep dir: fine
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="a search run inside each torchrun rank .* launcher=torchrun"):
+        _refuse_a_stored_study_over_its_job_dirs(hc)
