@@ -174,7 +174,11 @@ def _signals_end_the_launch() -> Iterator[None]:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from hydratrain.checkpoint.preemption import take_early_signal
+    try:  # (hydratrain's early SIGTERM record, when the app is hydratrain: the plugin runs any app)
+        from hydratrain.checkpoint.preemption import take_early_signal
+    except ImportError:
+        def take_early_signal():
+            return None
 
     def raise_it(signum, frame):
         _BEFORE_WORKERS["signal"] = True
