@@ -166,8 +166,10 @@ def test_ctrl_c_ends_a_run_and_its_sweep_with_one_line_and_status_130(tmp_path):
     """SIGINT to an in-process sweep while job 0 trains: one line (it was a 75-line traceback, 130 lines in a sweep),
     exit status 130, job 1 never starts, and the report records job 0 as stopped by the interrupt."""
     sweep = tmp_path / "s"
+    # keep_last=0: on a fast machine step 4's checkpoint was pruned (at step 8) before the poll saw it
     proc = start(["-m", "strategy=single", "trainer.max_steps=100000", "trainer.eval_every_n_steps=0",
-                  "checkpoint.every_n_steps=2", "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+                  "checkpoint.every_n_steps=2", "checkpoint.keep_last=0", "optim.lr=1e-3,3e-3",
+                  f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     _wait_for(sweep / "0" / "checkpoints" / "step_00000004", proc, "job 0 did not save step 4")
     os.kill(proc.pid, signal.SIGINT)
     r = finish(proc, timeout=60)
