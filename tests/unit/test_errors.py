@@ -114,6 +114,11 @@ def test_a_rank_waits_for_the_rank_that_failed_to_say_it_is_exiting():
     started = time.monotonic()
     assert watch._leave_after(Store(1.0), "rank 0: OutOfMemoryError: out of memory") is False
     assert 1.9 < time.monotonic() - started < 4.0  # its mark at 1 s, then a second more (not the 0.2 s linger)
+    watch.linger_s = 3.0  # a mark that comes early: still the linger in all
+    started = time.monotonic()
+    assert watch._leave_after(Store(0.0), "rank 0: OutOfMemoryError: out of memory") is False
+    assert 2.9 < time.monotonic() - started < 4.5
+    watch.linger_s = 0.2
     started = time.monotonic()
     assert watch._leave_after(Store(99.0), "rank 0 stopped responding (no heartbeat for 31 s)") is False
     assert time.monotonic() - started < 1.0  # not recorded by rank 0 itself: the linger alone

@@ -320,7 +320,8 @@ class FailureWatch:
         """Wait before this rank stops for ``failure`` so that the rank that failed exits first (torchrun names the
         first worker to exit as the root cause): ``linger_s``, or, when that rank recorded the failure itself
         (``rank N: Type: text``: it is alive and on its way out), until it says it is exiting
-        (:func:`_mark_exiting`) and a second more, for at most half of ``distributed.failure_timeout_s``. A rank whose
+        (:func:`_mark_exiting`) and a second more, and never less than ``linger_s`` (this rank's own failure in the
+        meantime, an out-of-memory of its own, keeps its own status), for at most half of ``distributed.failure_timeout_s``. A rank whose
         teardown after a large failed step took more than the fixed 3 s (tester 14: an out-of-memory rank 0, status
         6) was reported as SIGTERMed behind its peer's status 5. Returns whether this rank's own main thread stopped
         the wait (``stop``)."""
@@ -328,13 +329,14 @@ class FailureWatch:
         rank = int(failed[5:]) if failed.startswith("rank ") and failed[5:].isdigit() else None
         if rank is None or rank == self.rank:
             return self._stop.wait(self.linger_s)
-        deadline = time.monotonic() + max(self.linger_s, self._timeout_s / 2)
+        started = time.monotonic()
+        deadline = started + max(self.linger_s, self._timeout_s / 2)
         while time.monotonic() < deadline:
             if self._stop.wait(0.2):
                 return True
             with contextlib.suppress(Exception):
-                if store.check([f"exiting/{rank}"]):
-                    return self._stop.wait(1.0)
+                if store.check([f"exiting/{rank}"]):  # never less than linger_s in all: this rank may fail too
+                    return self._stop.wait(max(1.0, started + self.linger_s - time.monotonic()))
         return self._stop.is_set()
 
     def mark_exiting_at_exit(self) -> None:
