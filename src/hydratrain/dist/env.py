@@ -128,39 +128,10 @@ class RankZeroConsoleFilter(logging.Filter):
         return True
 
 
-class RunConsoleHandler(logging.StreamHandler):
-    """The console handler of the default ``hydra/job_logging`` (``conf/hydra/job_logging/hydratrain.yaml``) that,
-    when its stream can no longer be written (``| head`` or a ``| tee`` that ended: a broken pipe), says so once on
-    stderr and drops its later records, instead of ``logging``'s 30-line ``--- Logging error ---`` block per record,
-    which buried hydratrain's one-line errors on stderr (tester 14). The log file keeps every line. A broken stdout
-    is pointed at ``os.devnull``, so the interpreter's flush at exit raises nothing either."""
-
-    failed = False
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if not self.failed:
-            super().emit(record)
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        err = sys.exc_info()[1]
-        if not isinstance(err, OSError):
-            super().handleError(record)
-            return
-        self.failed = True
-        if self.stream is sys.stdout:
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        with contextlib.suppress(OSError):
-            say(f"hydratrain: writing to the console failed ({type(err).__name__}: {err}); its lines go to the "
-                "log file only from now on")
-
-
-class RunLogFileHandler(logging.FileHandler):
-    """The log file handler (``train_rank<R>.log``) of the default ``hydra/job_logging``
-    (``conf/hydra/job_logging/hydratrain.yaml``) that, when its file can no longer be written (a full or read-only
-    disk), says so once on stderr and drops its later records, instead of the traceback block per record that
-    ``logging`` prints; the console keeps every line. What else the disk refuses ends the run with one line
-    (``hydratrain.run``)."""
+class _DropsWhenUnwritable:
+    """A logging handler mixin: when writing a record fails with an OSError, :meth:`failed_once` says so once
+    (the subclass's line) and every later record is dropped, instead of ``logging``'s traceback block per record.
+    Other errors go to ``logging`` as usual."""
 
     failed = False
 
@@ -175,8 +146,38 @@ class RunLogFileHandler(logging.FileHandler):
             return
         if not self.failed:
             self.failed = True
-            say(f"hydratrain: writing the log file {self.baseFilename} failed ({type(err).__name__}: {err}); its "
-                "lines go to the console only from now on")
+            with contextlib.suppress(OSError):
+                self.failed_once(err)
+
+    def failed_once(self, err: OSError) -> None:
+        raise NotImplementedError
+
+
+class RunConsoleHandler(_DropsWhenUnwritable, logging.StreamHandler):
+    """The console handler of the default ``hydra/job_logging`` (``conf/hydra/job_logging/hydratrain.yaml``) that,
+    when its stream can no longer be written (``| head`` or a ``| tee`` that ended: a broken pipe), says so once on
+    stderr and drops its later records, instead of ``logging``'s 30-line ``--- Logging error ---`` block per record,
+    which buried hydratrain's one-line errors on stderr (tester 14). The log file keeps every line. A broken stdout
+    is pointed at ``os.devnull``, so the interpreter's flush at exit raises nothing either."""
+
+    def failed_once(self, err: OSError) -> None:
+        if self.stream is sys.stdout:
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        say(f"hydratrain: writing to the console failed ({type(err).__name__}: {err}); its lines go to the log file "
+            "only from now on")
+
+
+class RunLogFileHandler(_DropsWhenUnwritable, logging.FileHandler):
+    """The log file handler (``train_rank<R>.log``) of the default ``hydra/job_logging``
+    (``conf/hydra/job_logging/hydratrain.yaml``) that, when its file can no longer be written (a full or read-only
+    disk), says so once on stderr and drops its later records, instead of the traceback block per record that
+    ``logging`` prints; the console keeps every line. What else the disk refuses ends the run with one line
+    (``hydratrain.run``)."""
+
+    def failed_once(self, err: OSError) -> None:
+        say(f"hydratrain: writing the log file {self.baseFilename} failed ({type(err).__name__}: {err}); its lines "
+            "go to the console only from now on")
 
 
 def quiet_console() -> None:
