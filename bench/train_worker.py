@@ -6,7 +6,8 @@ more); usable alone:
     torchrun --standalone --nproc_per_node 2 bench/train_worker.py --impl hydratrain --strategy fsdp --precision bf16
 
 Both implementations train ``hydratrain.models.gpt.GPT`` (shapes from ``conf/model/<model>.yaml``) on the same
-synthetic token stream (``hydratrain.data.synthetic_stream``), ``--batch`` x ``--seq`` tokens per rank and step, with
+synthetic token stream (``hydratrain.data.corpora.synthetic_stream``), ``--batch`` x ``--seq`` tokens per rank and
+step, with
 AdamW (decay on matrices only, lr 2e-3, betas 0.9/0.95; ``--adamw``: the implementation, by default torch's choice
 for the hand-written loop and ``optim.impl=auto`` for hydratrain), global
 grad-norm clipping at 1.0 and a warm-up + cosine ``LambdaLR``; the CPU thread count per rank is the same
@@ -126,7 +127,7 @@ def run_hand(args) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from hydratrain.data import synthetic_stream
+    from hydratrain.data.corpora import synthetic_stream
     from hydratrain.models.gpt import GPT, GPTConfig
 
     rank, local_rank, world, local_world = dist_env()

@@ -152,9 +152,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg, total_steps
 
 def total_steps(trainer_cfg, batches, done: int = 0) -> int:
     """Optimizer steps the run takes in all: ``trainer.max_steps`` capped by ``trainer.max_epochs``, counted as
-    ``done`` steps already taken plus the micro-batches ``batches`` (a ``hydratrain.data.ShardedBatches``) has left
-    before that epoch ends from its current position, ``trainer.grad_accum_steps`` per step. From a fresh position
-    that is ``max_epochs * batches_per_epoch // grad_accum_steps``; after a resume on another batch size,
+    ``done`` steps already taken plus the micro-batches ``batches`` (a ``hydratrain.data.streams.ShardedBatches``)
+    has left before that epoch ends from its current position, ``trainer.grad_accum_steps`` per step. From a fresh
+    position that is ``max_epochs * batches_per_epoch // grad_accum_steps``; after a resume on another batch size,
     accumulation or world size it still ends the run at the end of that epoch."""
     steps = []
     if trainer_cfg.max_steps is not None:
@@ -172,8 +172,8 @@ def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int, done: int =
     ``trainer.max_steps`` ends the run before ``trainer.max_epochs`` does (both set), or ``scheduler.warmup_steps``
     is not shorter than the ``steps`` optimizer steps it takes (:func:`total_steps`), so the lr reaches
     ``optim.lr`` only at the last step or never and ``warmup_cosine`` never decays. ``batches`` is the run's
-    ``hydratrain.data.ShardedBatches``, at its restored position after a resume at step ``done`` (counted from there:
-    before the load they were the fresh config's counts, wrong after a resume on another batch geometry; tester 10)."""
+    ``hydratrain.data.streams.ShardedBatches``, at its restored position after a resume at step ``done`` (counted from
+    there: before the load they were the fresh config's counts, wrong after a resume on another batch geometry)."""
     accum = trainer_cfg.grad_accum_steps
     if accum > batches.batches_per_epoch:
         log.warning("trainer.grad_accum_steps=%d makes every optimizer step %d micro-batches per rank: %.3g epochs "

@@ -55,7 +55,7 @@ class Paths:
     def resolve(cls, cfg, launch: Path) -> "Paths":
         """The paths of the run config ``cfg`` with relative values made absolute against ``launch``. A config
         without a ``paths`` node (composed by hand) gets the default layout."""
-        from hydratrain.data import default_cache_dir
+        from hydratrain.data.cache import default_cache_dir
 
         node = cfg.get("paths")
         data_cache = cfg.data.get("cache_dir") if cfg.get("data") is not None else None

@@ -361,8 +361,8 @@ class OutOfMemoryGuard:
 def planned_vocab_size(cfg, launch_dir) -> int:
     """The vocabulary a run of ``cfg`` would resolve, without building data: ``model.vocab_size``, else the
     tokenizer file's size or the BPE's ``data.vocab_size`` padded to 64, else 256 (bytes, synthetic)."""
-    from hydratrain.tokenized import bpe_vocab_size, vocab_size_for
-    from hydratrain.tokenizer import load_tokenizer, padded_vocab_size
+    from hydratrain.data.tokenized import bpe_vocab_size, vocab_size_for
+    from hydratrain.data.tokenizer import load_tokenizer, padded_vocab_size
 
     data, explicit = cfg.data, cfg.model.vocab_size
     if data.get("tokenizer"):

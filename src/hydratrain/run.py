@@ -150,8 +150,7 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
         if any("/torch/_inductor/" in f for f in frames):  # (tester 14: it was "the run's outputs under <run dir>")
             what, where = "writing torch.compile's cache (trainer.compile=true)", compile_cache or "its cache dir"
             room = "set TORCHINDUCTOR_CACHE_DIR to a dir this process can write (or trainer.compile=false)"
-        elif any(f.endswith(("/hydratrain/data.py", "/hydratrain/tokenized.py", "/hydratrain/tokenizer.py"))
-                 for f in frames):
+        elif any("/hydratrain/data/" in f for f in frames):
             what, where = "writing the data cache (paths.cache_dir, or data.cache_dir, chooses where)", cache_dir
         elif any("/tensorboard/" in f for f in frames):
             what, where = "writing TensorBoard events", run_dir / "tensorboard"
@@ -288,7 +287,7 @@ class Job:
     trainer: Any
     checkpoints: Any
     step_logger: Any
-    tokenizer: Any = None  # hydratrain.tokenizer.TextTokenizer of subword data, else None
+    tokenizer: Any = None  # hydratrain.data.tokenizer.TextTokenizer of subword data, else None
 
 
 def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guard=None,
@@ -306,7 +305,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     from hydratrain.checkpoint.manager import CheckpointManager
     from hydratrain.checkpoint.preemption import Preemption
     from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, SchedulerState
-    from hydratrain.data import build_data, data_vocabulary
+    from hydratrain.data.build import build_data, data_vocabulary
     from hydratrain.dist.env import under_submitit
     from hydratrain.errors import ConfigError
     from hydratrain.metrics import peak_flops, reset_peak_memory

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import FAULTY, ckpt_of, log_of, run, tb_scalars
-from hydratrain.data import synthetic_stream
+from hydratrain.data.corpora import synthetic_stream
 
 KILL_AFTER_5 = {"HT_FAULT": "kill", "HT_FAULT_STEP": "5", "HT_FAULT_AT": "after_step", "HT_FAULT_RANK": "all"}
 

@@ -18,7 +18,7 @@ import torch
 from helpers import assert_same_tensors, ckpt_of
 from hydratrain.checkpoint.io import SafeLoadPlanner, read_all, read_metadata, verify
 from hydratrain.checkpoint.manager import find_resume, latest_checkpoint, list_checkpoints, resolve_checkpoint
-from hydratrain.data import ShardedBatches, TokenDataset
+from hydratrain.data.streams import ShardedBatches, TokenDataset
 from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError
 
 

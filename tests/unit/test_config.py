@@ -73,7 +73,8 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
         opt.step()
         sched.step()
     if group == "data":
-        from hydratrain.data import load_splits, stdlib_files
+        from hydratrain.data.build import load_splits
+        from hydratrain.data.corpora import stdlib_files
 
         files = stdlib_files()[1][:20] if option == "python_stdlib_bpe" else None  # a BPE on 20 files: seconds
         splits = load_splits(cfg.data, cfg.model.vocab_size or 256, ROOT, progress=False, files=files)

@@ -7,16 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from hydratrain.data import (
-    LoaderState,
-    ShardedBatches,
-    TokenDataset,
-    build_corpus,
-    data_fingerprint,
-    expand_paths,
-    stdlib_files,
-    synthetic_stream,
-)
+from hydratrain.data.build import data_fingerprint
+from hydratrain.data.corpora import build_corpus, expand_paths, stdlib_files, synthetic_stream
+from hydratrain.data.streams import LoaderState, ShardedBatches, TokenDataset
 
 
 def test_token_dataset_windows_shift_by_one():
@@ -119,7 +112,7 @@ def test_synthetic_stream_is_deterministic_and_in_vocab():
 def test_a_split_too_short_names_its_key_and_files(compose, tmp_path, empty):
     """Two text files, one empty: the split it lands in is a one-line error naming data.paths and that file (the
     last file goes to val when the hash leaves val empty); a short token_bin file names data.val_path and its path."""
-    from hydratrain.data import build_data
+    from hydratrain.data.build import build_data
     from hydratrain.dist.env import DistInfo
     from hydratrain.errors import ConfigError
 
@@ -216,7 +209,7 @@ def test_a_failed_cache_build_leaves_no_partial_file(tmp_path):
     disk, until a later build (tester 14). A failed build removes it; the error goes on."""
     import errno
 
-    from hydratrain.data import build_lock
+    from hydratrain.data.cache import build_lock
 
     out = tmp_path / "cache" / "abc"
     with pytest.raises(OSError):
@@ -233,7 +226,7 @@ def test_a_complete_cache_is_used_without_a_write(tmp_path, monkeypatch):
     import errno
     from pathlib import Path
 
-    from hydratrain import data
+    from hydratrain.data import cache, corpora
 
     root = tmp_path / "text"
     root.mkdir()
@@ -241,12 +234,12 @@ def test_a_complete_cache_is_used_without_a_write(tmp_path, monkeypatch):
     for name in ("a.txt", "b.txt", "c.txt"):
         (root / name).write_text(name * 200)
         files.append(root / name)
-    out = data.build_corpus(files, root, 0.34, tmp_path / "cache", progress=False)
+    out = corpora.build_corpus(files, root, 0.34, tmp_path / "cache", progress=False)
 
     def refused(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(Path, "mkdir", refused)
-    monkeypatch.setattr(data.fcntl, "flock", refused)
+    monkeypatch.setattr(cache.fcntl, "flock", refused)
     monkeypatch.setattr(Path, "write_bytes", refused)
-    assert data.build_corpus(files, root, 0.34, tmp_path / "cache", progress=False) == out
+    assert corpora.build_corpus(files, root, 0.34, tmp_path / "cache", progress=False) == out

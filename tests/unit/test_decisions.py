@@ -163,7 +163,7 @@ def test_fsdp_shards_a_checkpointed_block_at_its_wrapper(policy):
 def test_eval_set_counts_each_sample_once_at_any_world_size_and_batch(n_samples):
     import numpy as np
 
-    from hydratrain.data import EvalBatches, TokenDataset
+    from hydratrain.data.streams import EvalBatches, TokenDataset
 
     ds = TokenDataset(np.arange(40 * 8 + 1), 8)  # sample i starts with token 8 * i
     want = None
@@ -186,7 +186,7 @@ def test_eval_loss_is_the_same_when_the_last_batch_is_padded():
 
     import numpy as np
 
-    from hydratrain.data import EvalBatches, TokenDataset
+    from hydratrain.data.streams import EvalBatches, TokenDataset
     from hydratrain.models.gpt import GPT, GPTConfig
     from hydratrain.train.evaluate import Evaluator
 

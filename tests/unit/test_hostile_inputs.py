@@ -81,7 +81,7 @@ def test_an_interpolation_that_does_not_resolve_is_one_line(cli, tmp_path, overr
 
 
 def test_a_token_id_beyond_the_vocabulary_is_a_config_error_at_its_batch():
-    from hydratrain.data import TokenDataset
+    from hydratrain.data.streams import TokenDataset
 
     tokens = np.arange(100) % 50
     tokens[77] = 300  # where a start-up sample of the file may not look

@@ -181,7 +181,7 @@ def _synthetic_stream_reference(n_tokens, vocab_size, seed=0):
 
 @pytest.mark.parametrize("n, vocab, seed", [(200_000, 256, 0), (1, 256, 0), (7, 300, 3), (12_345, 50_000, 1)])
 def test_synthetic_stream_is_bit_identical_to_the_original(n, vocab, seed):
-    from hydratrain.data import synthetic_stream
+    from hydratrain.data.corpora import synthetic_stream
 
     got, want = synthetic_stream(n, vocab, seed), _synthetic_stream_reference(n, vocab, seed)
     assert got.dtype == want.dtype and np.array_equal(got, want)

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from hydratrain.data import load_splits, split_files, stdlib_files
-from hydratrain.errors import ConfigError
-from hydratrain.tokenized import (
+from hydratrain.data.build import load_splits
+from hydratrain.data.corpora import split_files, stdlib_files
+from hydratrain.data.tokenized import (
     SAMPLE_TOKENS,
     build_token_cache,
     check_token_ids,
@@ -26,7 +26,8 @@ from hydratrain.tokenized import (
     tokenizer_for,
     vocab_size_for,
 )
-from hydratrain.tokenizer import EOT, load_tokenizer, padded_vocab_size, read_pieces, train_bpe, undecodable
+from hydratrain.data.tokenizer import EOT, load_tokenizer, padded_vocab_size, read_pieces, train_bpe, undecodable
+from hydratrain.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ("def add(a, b):\n    return a + b\n\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n"
@@ -216,12 +217,12 @@ def test_tokenized_text_trains_a_bpe_on_the_train_split_and_caches(tmp_path, mon
     files = make_texts(tmp_path)
     cfg = data_cfg(name="tokenized_text", paths=["docs/*.txt"], vocab_size=300, val_fraction=0.2,
                    cache_dir="cache")  # relative: to the launch dir
-    with caplog.at_level(logging.INFO, "hydratrain.tokenized"):
+    with caplog.at_level(logging.INFO, "hydratrain.data.tokenized"):
         tok = tokenizer_for(cfg, tmp_path)
         assert tok.path.parent.parent == tmp_path / "cache" and tok.vocab_size <= 300
         splits = load_splits(cfg, vocab_size_for(cfg, tok, None), tmp_path, progress=False)
     # each long phase says it starts (off a terminal there is no bar; tester 13), then what it did
-    said = [r.getMessage().split(" ")[0] for r in caplog.records if r.name == "hydratrain.tokenized"]
+    said = [r.getMessage().split(" ")[0] for r in caplog.records if r.name == "hydratrain.data.tokenized"]
     assert said[:2] == ["training", "trained"] and said[2:4] == ["tokenizing", "tokenized"], said
     by_file = split_files(files, tmp_path / "docs", 0.2)
     assert by_file["val"] and by_file["train"]
@@ -236,8 +237,8 @@ def test_tokenized_text_trains_a_bpe_on_the_train_split_and_caches(tmp_path, mon
     def fail(*a, **k):
         raise AssertionError("did the same work twice")
 
-    monkeypatch.setattr("hydratrain.tokenized.train_bpe", fail)
-    monkeypatch.setattr("hydratrain.tokenizer.TextTokenizer.encode_batch", fail)
+    monkeypatch.setattr("hydratrain.data.tokenized.train_bpe", fail)
+    monkeypatch.setattr("hydratrain.data.tokenizer.TextTokenizer.encode_batch", fail)
     again = load_splits(cfg, 320, tmp_path, progress=False)  # reused: no retraining, no retokenizing
     assert Path(again["train"].filename).parent == out
     assert {p.name: p.stat().st_mtime_ns for p in [*out.iterdir(), tok.path]} == stamps
@@ -294,7 +295,7 @@ def test_one_file_is_split_at_a_line_start(tmp_path):
 def test_concurrent_builders_tokenize_once(tmp_path, monkeypatch):
     make_texts(tmp_path, n=6)
     tok = train_bpe([TEXT * 20], 300, tmp_path / "tokenizer.json")
-    from hydratrain.data import expand_paths
+    from hydratrain.data.corpora import expand_paths
 
     files = expand_paths(["docs/*.txt"], tmp_path)
     calls, real = [], type(tok).encode_batch
@@ -341,11 +342,12 @@ def test_tokenizer_cli_trains_on_the_train_split(tmp_path):
 def test_tokenizer_cli_checks_out_before_training_and_takes_a_json_file_name(tmp_path, monkeypatch, capsys):
     """tester 8: --out naming a file gave a traceback after the whole training, and --out tok/tokenizer.json made a
     directory of that name, which data.tokenizer then called "no such file"."""
-    from hydratrain.tokenizer import main
+    from hydratrain.data.tokenizer import main
 
     make_texts(tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("hydratrain.tokenizer.train_bpe", lambda *a, **k: pytest.fail("trained before --out's check"))
+    monkeypatch.setattr("hydratrain.data.tokenizer.train_bpe",
+                        lambda *a, **k: pytest.fail("trained before --out's check"))
     (tmp_path / "a_file").write_text("x")
     for out, why in (("a_file", "File exists"), ("a_file/tok.json", "Not a directory"), ("docs", None)):
         (tmp_path / "docs" / "tokenizer.json").mkdir(exist_ok=True) if why is None else None
@@ -428,7 +430,7 @@ def test_undecodable_bytes_and_a_smaller_vocab_than_asked_are_each_one_warning(t
     tok = tokenizer_for(cfg, tmp_path)
     for _ in range(2):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, "hydratrain.tokenized"):
+        with caplog.at_level(logging.WARNING, "hydratrain.data.tokenized"):
             load_splits(cfg, 5000, tmp_path, progress=False)
         lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert lines == [
@@ -460,7 +462,7 @@ def test_bpe_training_is_bounded_on_a_huge_run_without_whitespace(tmp_path):
     """A 400 KB run of one letter (a blob in a text corpus) is one pre-token, on which BPE training took seconds per
     100 KB and minutes for megabytes; it is handed to the trainer in pieces of MAX_WORD characters. Text without
     such runs passes unchanged."""
-    from hydratrain.tokenizer import MAX_WORD, bounded_words, train_bpe
+    from hydratrain.data.tokenizer import MAX_WORD, bounded_words, train_bpe
 
     normal = ["def f(x):\n    return x\n", "word " * 5000]
     assert list(bounded_words(normal)) == normal
@@ -507,7 +509,7 @@ def test_token_corpora_inputs_are_checked_with_the_environment_before_any_proces
     """A missing token file, tokenizer or corpus is found by the launch's environment check, before the process
     group (it was found only when the data was built, after it), and the default BPE is 4096 tokens."""
     from hydratrain.config.validate import check_environment
-    from hydratrain.tokenized import bpe_vocab_size
+    from hydratrain.data.tokenized import bpe_vocab_size
 
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text(TEXT)

@@ -71,7 +71,7 @@ def export(checkpoint: Path, out: Path) -> Path:
         meta["tokenizer"] = tokenizer.name
     write_safetensors(weights, out, meta)
     if (ckpt / "tokenizer.json").is_file():
-        from hydratrain.tokenizer import copy_atomic
+        from hydratrain.data.tokenizer import copy_atomic
 
         copy_atomic(ckpt / "tokenizer.json", tokenizer)
     else:  # a byte-level model: an earlier export's tokenizer of the same name would be taken as this model's

@@ -154,7 +154,7 @@ class ModelConfig:
 # ------------------------------------------------------------------------------------------------------- data
 @dataclass
 class DataConfig:
-    """Keys every ``data`` option has (see ``hydratrain.data``; the subword options in ``hydratrain.tokenized``)."""
+    """Keys every built-in ``data`` option has (see :mod:`hydratrain.data`)."""
 
     option: ClassVar[Optional[DataName]] = None
     name: DataName = MISSING

@@ -441,13 +441,13 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
 
     paths = Paths.resolve(cfg, launch_dir)
     if cfg.data.name == "text_files":
-        from hydratrain.data import expand_paths
+        from hydratrain.data.corpora import expand_paths
 
         try:
             expand_paths(list(cfg.data.paths), paths.data)
         except FileNotFoundError as err:
             raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
-    from hydratrain.tokenized import preflight_data
+    from hydratrain.data.tokenized import preflight_data
 
     preflight_data(cfg.data, paths.data)  # token files, the tokenizer, tokenized_text's globs
     for key, base, what in (("model.init_from", paths.model, "paths.model_dir"),

@@ -1,4 +1,4 @@
-"""Evaluation over the fixed eval set (``hydratrain.data.EvalBatches``): the same samples, each counted once,
+"""Evaluation over the fixed eval set (``hydratrain.data.streams.EvalBatches``): the same samples, each counted once,
 whatever the world size and batch size, so ``eval/loss`` is comparable across the runs of a sweep that varies them.
 """
 from __future__ import annotations

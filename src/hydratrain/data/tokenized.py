@@ -6,17 +6,18 @@
   or, when that is null, a byte-level BPE of ``data.vocab_size`` trained on their training split.
 - ``python_stdlib_bpe``: the same, on the standard-library files ``python_stdlib`` uses, split the same way.
 
-Text is split into train/val by file exactly as the byte corpora are (:func:`hydratrain.data.split_files`),
+Text is split into train/val by file exactly as the byte corpora are (:func:`hydratrain.data.corpora.split_files`),
 tokenized once in parallel (``tokenizers``' own thread pool: on the stdlib corpus on 2 cores it was as fast as a
 process pool over files, without starting processes) and written as ``<cache>/tok-<key>/{train,val}.bin``
 (headerless, uint16 when the vocab fits, else uint32), keyed by the files' names, sizes and mtimes and the
 tokenizer's hash. A trained tokenizer is cached the same way (``<cache>/bpe-<key>/tokenizer.json``). Every cache is
 built under a file lock (concurrent builders wait and reuse it), written to temporary names and renamed;
 ``meta.json`` is written last, records every file's size (and tokenizer.json's SHA-256) and marks it complete; each
-use checks the files against it and rebuilds a damaged cache with one warning (:func:`hydratrain.data.verified_cache`).
+use checks the files against it and rebuilds a damaged cache with one warning
+(:func:`hydratrain.data.cache.verified_cache`).
 
 Entry points: :func:`tokenizer_for`, :func:`vocab_size_for`, :func:`load_token_splits` (through
-:func:`hydratrain.data.load_splits`) and :func:`preflight_data`. Each returned split is a 1-D ``np.memmap`` that
+:func:`hydratrain.data.build.load_splits`) and :func:`preflight_data`. Each returned split is a 1-D ``np.memmap`` that
 each rank reads only the windows of its share from.
 """
 from __future__ import annotations
@@ -31,18 +32,9 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from hydratrain.data import (
-    build_lock,
-    default_cache_dir,
-    expand_paths,
-    relative_name,
-    split_files,
-    stdlib_files,
-    verified_cache,
-    write_manifest,
-)
-from hydratrain.errors import ConfigError
-from hydratrain.tokenizer import (
+from hydratrain.data.cache import build_lock, default_cache_dir, verified_cache, write_manifest
+from hydratrain.data.corpora import expand_paths, relative_name, split_files, stdlib_files
+from hydratrain.data.tokenizer import (
     PIECE_BYTES,
     TextTokenizer,
     line_cut,
@@ -51,6 +43,7 @@ from hydratrain.tokenizer import (
     read_pieces,
     train_bpe,
 )
+from hydratrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +159,9 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, key: str, path: Path,
 
 
 def split_segments(files: Sequence[Path], root: Path, val_fraction: float) -> dict[str, list[Segment]]:
-    """``{"train": [...], "val": [...]}`` segments: whole files split as :func:`hydratrain.data.split_files` does;
-    one file alone is cut at a line start near ``1 - val_fraction`` of its bytes (:func:`line_cut`)."""
+    """``{"train": [...], "val": [...]}`` segments: whole files split as
+    :func:`hydratrain.data.corpora.split_files` does; one file alone is cut at a line start near
+    ``1 - val_fraction`` of its bytes (:func:`line_cut`)."""
     if len(files) == 1:
         cut = line_cut(files[0], 1 - val_fraction)
         return {"train": [(files[0], 0, cut)], "val": [(files[0], cut, None)]}
@@ -175,7 +169,7 @@ def split_segments(files: Sequence[Path], root: Path, val_fraction: float) -> di
 
 
 def segment_texts(segments: Sequence[Segment]) -> Iterator[str]:
-    """The text pieces of ``segments`` in order (:func:`hydratrain.tokenizer.read_pieces`)."""
+    """The text pieces of ``segments`` in order (:func:`hydratrain.data.tokenizer.read_pieces`)."""
     for path, start, stop in segments:
         yield from read_pieces(path, start, stop)
 

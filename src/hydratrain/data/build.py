@@ -1,0 +1,167 @@
+"""The run's data: the token splits of ``cfg.data`` (any built-in corpus), this rank's train micro-batches and
+the eval set, with the checks that every rank read the same data and that each split is long enough.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from hydratrain.data.corpora import build_corpus, expand_paths, split_files, stdlib_files, synthetic_stream
+from hydratrain.data.streams import EvalBatches, ShardedBatches, TokenDataset
+
+log = logging.getLogger(__name__)
+
+def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
+                files: Optional[Sequence[Path]] = None, cache_dir: Optional[Path] = None) -> dict[str, np.ndarray]:
+    """Token arrays ``{"train", "val"}`` (1-D; read-only memmaps: uint8 for the byte corpora, uint16/uint32 for
+    token_bin, tokenized_text and python_stdlib_bpe, see :mod:`hydratrain.data.tokenized`) for ``data_cfg`` (a
+    DataConfig). ``files``: python_stdlib(_bpe)'s files instead of the whole stdlib (tests). Relative data paths
+    resolve against ``launch_dir`` (the run passes ``paths.data_dir``); caches go to ``cache_dir`` (the run passes
+    ``data.cache_dir`` or ``paths.cache_dir``, see :class:`hydratrain.paths.Paths`), by default
+    :func:`hydratrain.data.tokenized.cache_root`'s.
+
+    Builds the cache when it is missing: call it on local rank 0 first, then barrier, then on the other ranks.
+    Raises FileNotFoundError when a text_files ``data.paths`` pattern matches no file, and ConfigError for the token
+    corpora (an id not below ``vocab_size``, a bad file or setting).
+    """
+    if data_cfg.name == "synthetic":
+        stream = synthetic_stream(data_cfg.synthetic_tokens, vocab_size)
+        cut = int(len(stream) * (1 - data_cfg.val_fraction))
+        return {"train": stream[:cut], "val": stream[cut:]}
+    from hydratrain.data.tokenized import TOKEN_CORPORA, cache_root, load_token_splits
+
+    if data_cfg.name in TOKEN_CORPORA:
+        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files, cache_dir)
+    if data_cfg.name == "python_stdlib":
+        root, all_files = stdlib_files()
+        files = list(files) if files is not None else all_files
+    else:
+        files = expand_paths(list(data_cfg.paths), launch_dir)
+        root = Path(os.path.commonpath([str(f.parent) for f in files]))
+    out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir, cache_dir), progress)
+    splits = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
+    meta = json.loads((out / "meta.json").read_text())["splits"]
+    log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
+             meta["train"]["files"], meta["train"]["tokens"], meta["val"]["files"], meta["val"]["tokens"])
+    return splits
+
+
+def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Optional[Path] = None):
+    """(the data's tokenizer or None, the model's vocab size): ``model.vocab_size`` when set, else the data's (256
+    for bytes, the tokenizer's size padded to a multiple of 64). Local rank 0 trains a missing BPE first while the
+    node's other ranks wait. Raises :class:`~hydratrain.errors.ConfigError` (see
+    :func:`hydratrain.data.tokenized.vocab_size_for`)."""
+    from hydratrain.data.tokenized import tokenizer_for, vocab_size_for
+    from hydratrain.dist.collectives import barrier
+
+    tokenizer = tokenizer_for(cfg.data, launch_dir, progress and info.is_main, cache_dir=cache_dir) \
+        if info.local_rank == 0 else None
+    barrier()
+    if info.local_rank != 0:
+        tokenizer = tokenizer_for(cfg.data, launch_dir, cache_dir=cache_dir)
+    return tokenizer, vocab_size_for(cfg.data, tokenizer, cfg.model.vocab_size)
+
+
+def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
+               cache_dir: Optional[Path] = None) -> tuple[ShardedBatches, EvalBatches]:
+    """This rank's train micro-batches and eval set for the run config ``cfg`` and the model's ``vocab_size``.
+
+    Local rank 0 builds missing caches first while the node's other ranks wait at a barrier. ``info`` is the
+    :class:`~hydratrain.dist.env.DistInfo` (with its device). Raises :class:`~hydratrain.errors.ConfigError` when a
+    split is too small for ``data.seq_len`` x ``data.batch_size`` x world size (naming its files, see
+    :func:`split_error`), or holds an id >= ``vocab_size``.
+    """
+    from hydratrain.dist.collectives import barrier
+
+    kwargs = dict(data_cfg=cfg.data, vocab_size=vocab_size, launch_dir=launch_dir,
+                  progress=progress and info.is_main, cache_dir=cache_dir)
+    splits = load_splits(**kwargs) if info.local_rank == 0 else None
+    barrier()
+    if splits is None:
+        splits = load_splits(**kwargs)
+    if info.world_size > 1:
+        check_same_data(cfg.data, splits)
+    try:
+        train = ShardedBatches(TokenDataset(splits["train"], cfg.data.seq_len, vocab_size, "the train split"),
+                               cfg.data.batch_size, info.rank,
+                               info.world_size, seed=cfg.trainer.seed, device=info.device,
+                               strict_position=cfg.checkpoint.restore_data_position)
+    except ValueError as err:
+        raise split_error(cfg.data, launch_dir, "train", len(splits["train"]), err) from None
+    try:
+        evals = EvalBatches(TokenDataset(splits["val"], cfg.data.seq_len, vocab_size, "the val split"),
+                            cfg.trainer.eval_samples,
+                            cfg.data.batch_size, info.rank, info.world_size, device=info.device)
+    except ValueError as err:
+        raise split_error(cfg.data, launch_dir, "val", len(splits["val"]), err) from None
+    return train, evals
+
+
+def data_fingerprint(splits: dict, windows: int = 64, window_tokens: int = 4096) -> str:
+    """``train N tokens, val M tokens, <hash>`` of the token splits ``{"train", "val"}`` (1-D arrays): their lengths
+    and dtypes and :func:`~hydratrain.dist.collectives.sampled_digest` of ``windows + 1`` windows of
+    ``window_tokens`` tokens of each (the first and last included). Tells two copies of a corpus apart in
+    milliseconds whatever its size (a sample, not a proof of identity)."""
+    from hydratrain.dist.collectives import sampled_digest
+
+    digest = hashlib.blake2b(digest_size=8)
+    for name in ("train", "val"):
+        tokens = splits[name]
+        digest.update(f"{name}:{len(tokens)}:{tokens.dtype}".encode())
+        sampled_digest(lambda start, n, tokens=tokens: np.ascontiguousarray(tokens[start:start + n]).tobytes(),
+                       len(tokens), window_tokens, windows, digest)
+    return f"train {len(splits['train']):,} tokens, val {len(splits['val']):,} tokens, {digest.hexdigest()}"
+
+
+def check_same_data(data_cfg, splits: dict) -> None:
+    """Every rank of the process group read the same data (:func:`data_fingerprint`, compared over ranks): the data
+    paths may differ per node (node-local copies), and a copy that differs (stale, partial, another Python's
+    stdlib for ``data=python_stdlib``) had each node train on its own corpus without a word, and hang at an eval of
+    another length. Raises :class:`~hydratrain.errors.ConfigError` on every rank, naming the data key, the first
+    rank whose data differs from rank 0's and both fingerprints."""
+    from hydratrain.dist.collectives import unlike_rank0
+    from hydratrain.errors import ConfigError
+
+    unlike = unlike_rank0("", data_fingerprint(splits))
+    if unlike is None:
+        return
+    other, every = unlike
+    key, value = {"token_bin": ("data.train_path", data_cfg.get("train_path")),
+                  "text_files": ("data.paths", list(data_cfg.get("paths") or [])),
+                  "tokenized_text": ("data.paths", list(data_cfg.get("paths") or []))}.get(
+        data_cfg.name, ("data", data_cfg.name))
+    raise ConfigError(key, value, f"rank {other} read other data than rank 0 ({every[other][1]}; rank 0: "
+                      f"{every[0][1]}): every rank, on every node, must read the same data (a node-local copy that "
+                      "differs, a stale cache, another Python's standard library)")
+
+
+def split_error(data_cfg, launch_dir: Path, split: str, tokens: int, err: Exception, shown: int = 5):
+    """The :class:`~hydratrain.errors.ConfigError` for ``split`` ("train" or "val", ``tokens`` long) being too short
+    (``err``), naming where its tokens come from: ``data.train_path`` / ``data.val_path`` and the file for
+    token_bin; ``data.paths`` and the split's files (the first ``shown``; ``(empty)`` after a file of 0 bytes) for
+    text_files and tokenized_text; ``data`` and its name for the built-in corpora."""
+    from hydratrain.errors import ConfigError
+
+    key, value, source = "data", data_cfg.name, ""
+    if data_cfg.name == "token_bin":
+        key, value = f"data.{split}_path", getattr(data_cfg, f"{split}_path")
+        source = f" from {launch_dir / Path(value).expanduser()}"
+    elif data_cfg.name in ("text_files", "tokenized_text"):
+        key, value = "data.paths", list(data_cfg.paths)
+        files = expand_paths(value, launch_dir)
+        if len(files) == 1:
+            share = 1 - data_cfg.val_fraction if split == "train" else data_cfg.val_fraction
+            source = f" from the {'first' if split == 'train' else 'last'} {share:.0%} of {files[0]}"
+        else:
+            part = split_files(files, Path(os.path.commonpath([str(f.parent) for f in files])),
+                               data_cfg.val_fraction)[split]
+            named = [f"{f}{' (empty)' if f.stat().st_size == 0 else ''}" for f in part[:shown]]
+            more = f" and {len(part) - shown} more" if len(part) > shown else ""
+            source = f" from {', '.join(named)}{more}"
+    return ConfigError(key, value, f"{split} split ({tokens} tokens){source}: {err}")

@@ -1,0 +1,230 @@
+"""Token streams as fixed windows, and this rank's resumable micro-batches and eval set over them.
+
+Each rank reads only its share: sample indices come from ``torch.utils.data.DistributedSampler`` (shuffled with the
+run seed, ``set_epoch`` every epoch), so the order is reproducible and changes every epoch; the position in it is
+one global sample count, which checkpoints store and a resume on another world size continues from.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+class TokenDataset:
+    """Fixed windows over a 1-D token array: sample ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + 1)``.
+
+    ``batch(indices)`` returns ``(x, y)``, each ``(len(indices), seq_len)`` int64, ``y`` shifted by one. With
+    ``vocab_size``, a batch holding an id >= it raises :class:`~hydratrain.errors.ConfigError` naming
+    ``model.vocab_size`` and ``source`` (the start-up check of a large token file reads a sample only; an embedding
+    lookup out of range would be an opaque IndexError on CPU and a device-side assert on CUDA). The check is one
+    ``max`` over the batch's B x (T + 1) ids on the host.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: Optional[int] = None, source: str = "data"):
+        self.tokens, self.seq_len, self.vocab_size, self.source = tokens, seq_len, vocab_size, source
+        self.n = max(0, (len(tokens) - 1) // seq_len)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
+        import torch
+
+        window = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
+        if self.vocab_size is not None and window.size and int(window.max()) >= self.vocab_size:
+            from hydratrain.errors import ConfigError
+
+            bad = int(window.max())
+            at = int(starts[int(np.argwhere(window == bad)[0][0]), 0]) + int(np.argwhere(window == bad)[0][1])
+            raise ConfigError("model.vocab_size", self.vocab_size, f"{self.source} holds token id {bad} (at token "
+                              f"{at}), which needs model.vocab_size > {bad}")
+        t = torch.from_numpy(window)
+        return t[:, :-1], t[:, 1:]
+
+
+@dataclass
+class LoaderState:
+    """Position of a :class:`ShardedBatches` iterator: ``epoch`` and micro-batches already taken in it.
+
+    ``start_sample``: samples of the epoch's global order consumed (by all ranks together) before its micro-batch 0;
+    0 except after :meth:`ShardedBatches.seek` to a position that another world size or batch size reached.
+    """
+
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    start_sample: int = 0
+
+
+class ShardedBatches:
+    """This rank's micro-batches of a :class:`TokenDataset`, epoch after epoch, resumable from a LoaderState.
+
+    Each epoch has one global order of samples: ``DistributedSampler(shuffle, seed, drop_last=True)`` with
+    ``set_epoch(epoch)`` over one replica, i.e. a permutation that does not depend on the world size, cut to
+    ``len(dataset) // world_size * world_size`` samples. Micro-batch ``k`` of rank ``r`` takes positions
+    ``start + k*B*W + r + W*j`` (``j < B``), which is exactly what a per-rank ``DistributedSampler`` gives rank ``r``
+    (every rank ``len(dataset) // world_size`` samples per epoch, disjoint from the other ranks'). So after any
+    number of micro-batches all ranks together have consumed a prefix of the order, :meth:`position` is one number,
+    and :meth:`seek` continues at that sample on any world size or batch size: nothing skipped or repeated.
+    An epoch has ``batches_per_epoch`` micro-batches (a trailing partial global batch is dropped).
+    """
+
+    def __init__(self, dataset: TokenDataset, batch_size: int, rank: int, world_size: int, seed: int,
+                 shuffle: bool = True, device: Optional[torch.device] = None, strict_position: bool = True):
+        from torch.utils.data import DistributedSampler  # imported here: the corpus helpers need no torch
+
+        if len(dataset) < world_size:
+            raise ValueError(f"the split has {len(dataset)} samples of data.seq_len tokens, fewer than "
+                             f"world_size={world_size}: use more data or a smaller data.seq_len")
+        self.dataset, self.batch_size, self.device = dataset, batch_size, device
+        self.rank, self.world_size, self.seed, self.strict_position = rank, world_size, seed, strict_position
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
+                                          drop_last=True)
+        # The global order: the same permutation the per-rank samplers slice, independent of world_size.
+        self.order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=True)
+        self.epoch_samples = len(self.sampler) * world_size  # samples of the order used per epoch
+        self.state = LoaderState()
+        self.batches_per_epoch = len(self.sampler) // batch_size
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"each rank has {len(self.sampler)} samples per epoch, fewer than data.batch_size="
+                             f"{batch_size}: use more data or a smaller data.batch_size / data.seq_len")
+
+    def batches_left_in_epoch(self) -> int:
+        """Micro-batches per rank still to come in the current epoch."""
+        total = max(0, self.epoch_samples - self.state.start_sample) // (self.batch_size * self.world_size)
+        return max(0, total - self.state.batch_in_epoch)
+
+    def batches_left(self, until_epoch: int) -> int:
+        """Micro-batches per rank from the current position to the end of epoch ``until_epoch - 1`` (0-based)."""
+        epoch = self.state.epoch
+        if epoch >= until_epoch:
+            return 0
+        return self.batches_left_in_epoch() + (until_epoch - epoch - 1) * self.batches_per_epoch
+
+    def position(self) -> tuple[int, int]:
+        """(epoch, samples of its global order consumed by all ranks together)."""
+        s = self.state
+        return s.epoch, s.start_sample + s.batch_in_epoch * self.batch_size * self.world_size
+
+    def seek(self, epoch: int, samples_consumed: int) -> None:
+        """Continue at sample ``samples_consumed`` of epoch ``epoch``'s global order (see :meth:`position`)."""
+        self.state = LoaderState(epoch, 0, samples_consumed)
+
+    # --------------------------------------------------------------------------------------------- Stateful
+    def state_dict(self) -> dict:
+        """The data position and what the order depends on (so a resume can check it is the same order)."""
+        epoch, consumed = self.position()
+        return {"epoch": epoch, "samples_in_epoch": consumed, "world_size": self.world_size,
+                "batch_size": self.batch_size, "seed": self.seed, "train_samples": len(self.dataset),
+                "seq_len": self.dataset.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved position, remapped to this world size and batch size (nothing skipped or repeated).
+
+        Raises :class:`~hydratrain.errors.CheckpointError` when the saved order differs (another ``trainer.seed``,
+        ``data.seq_len`` or train split), unless the iterator was made with ``strict_position=False``: then the
+        saved epoch starts over from its first sample.
+        """
+        from hydratrain.errors import CheckpointError
+
+        mismatch = [(key, state[name], now) for key, name, now in (
+            ("trainer.seed", "seed", self.seed), ("data.seq_len", "seq_len", self.dataset.seq_len),
+            ("data (train split size, in samples)", "train_samples", len(self.dataset))) if state[name] != now]
+        if mismatch and self.strict_position:
+            what = "; ".join(f"{k} was {a}, now {b}" for k, a, b in mismatch)
+            raise CheckpointError(f"cannot restore the data position ({what}): the sample order would differ and "
+                                  "samples would be skipped or repeated. Use the saved values, or set "
+                                  "checkpoint.restore_data_position=false to start that epoch over")
+        if not self.strict_position:
+            log.warning("checkpoint.restore_data_position=false: epoch %d starts over from its first sample "
+                        "(samples already seen in it will be seen again)", state["epoch"])
+            self.seek(int(state["epoch"]), 0)
+            return
+        self.seek(int(state["epoch"]), int(state["samples_in_epoch"]))
+        if state["world_size"] != self.world_size or state["batch_size"] != self.batch_size:
+            log.warning("data position remapped: %d ranks x batch %d -> %d ranks x batch %d; epoch %d continues at "
+                        "sample %d of its order (nothing skipped or repeated); %d micro-batches per rank left in it",
+                        state["world_size"], state["batch_size"], self.world_size, self.batch_size, state["epoch"],
+                        state["samples_in_epoch"], self.batches_left_in_epoch())
+
+    def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, LoaderState]]:
+        """Micro-batches from the current position on, each with the position after it, already on the device."""
+        B, W = self.batch_size, self.world_size
+        cursor = LoaderState(**vars(self.state))
+        pin = self.device is not None and self.device.type == "cuda"
+        while True:
+            self.order.set_epoch(cursor.epoch)
+            order = list(self.order)
+            while True:
+                left = max(0, self.epoch_samples - cursor.start_sample) // (B * W) - cursor.batch_in_epoch
+                if left <= 0:
+                    break
+                first = cursor.start_sample + cursor.batch_in_epoch * B * W + self.rank
+                x, y = self.dataset.batch(order[first:first + B * W:W])
+                cursor = LoaderState(cursor.epoch, cursor.batch_in_epoch + 1, cursor.start_sample)
+                if self.device is not None:  # pinned + non_blocking: the copy overlaps the step before it
+                    x = (x.pin_memory() if pin else x).to(self.device, non_blocking=True)
+                    y = (y.pin_memory() if pin else y).to(self.device, non_blocking=True)
+                yield x, y, cursor
+            cursor = LoaderState(cursor.epoch + 1, 0)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches ``(x, y)``, each ``(batch_size, seq_len)`` int64, from the current position on.
+
+        The next micro-batch is gathered and its copy to the device started before the current one is handed out
+        (one batch ahead), so a step never waits for its data; :meth:`position` counts only batches handed out.
+        """
+        ahead = None
+        for produced in self._produce():
+            if ahead is not None:
+                x, y, self.state = ahead
+                yield x, y
+            ahead = produced
+
+
+class EvalBatches:
+    """The eval set: the first ``n_samples`` samples (all when 0 or more than there are) of a fixed shuffled order
+    of a split (seed 0, independent of the run), in global batches of ``world_size x batch_size``.
+
+    Rank ``r`` takes positions ``g*W*B + r + W*j`` (``j < B``) of global batch ``g``; the last global batch is padded
+    with sample 0 and the padding is flagged invalid, so every rank runs the same number of forwards (FSDP needs
+    that) and each sample of the set counts exactly once, whatever the world size and batch size. Iterating yields
+    ``(x, y, valid)``: ``x, y`` ``(B, seq_len)`` int64 and ``valid`` ``(B,)`` bool.
+    """
+
+    def __init__(self, dataset: TokenDataset, n_samples: int, batch_size: int, rank: int, world_size: int,
+                 device: Optional[torch.device] = None):
+        if len(dataset) == 0:
+            raise ValueError("the split has no sample of data.seq_len + 1 tokens: use more data or a smaller "
+                             "data.seq_len")
+        from torch.utils.data import DistributedSampler
+
+        self.dataset, self.batch_size, self.rank, self.world_size, self.device = (dataset, batch_size, rank,
+                                                                                  world_size, device)
+        order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        order.set_epoch(0)
+        self.order = list(order)[:n_samples or None]
+        self.n_samples = len(self.order)
+        self.global_batches = -(-self.n_samples // (batch_size * world_size))
+
+    def __len__(self) -> int:
+        return self.global_batches
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        import torch
+
+        B, W = self.batch_size, self.world_size
+        for g in range(self.global_batches):
+            positions = [g * W * B + self.rank + W * j for j in range(B)]
+            valid = torch.tensor([p < self.n_samples for p in positions])
+            x, y = self.dataset.batch([self.order[p] if p < self.n_samples else self.order[0] for p in positions])
+            if self.device is not None:
+                x, y, valid = (t.to(self.device, non_blocking=True) for t in (x, y, valid))
+            yield x, y, valid

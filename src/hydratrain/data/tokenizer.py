@@ -1,0 +1,271 @@
+"""Subword tokenizers (Hugging Face ``tokenizers``): byte-level BPE training, loading, decoding, saving.
+
+A tokenizer is one ``tokenizer.json`` file (the ``tokenizers`` library's format), wrapped in :class:`TextTokenizer`
+together with its path and content hash (the hash keys the token caches built with it).
+
+Train one on your training files from the command line (globs are expanded here, relative to the current dir)::
+
+    python -m hydratrain.tokenizer train --vocab-size 8192 --out tok 'notes/**/*.md'
+    python train.py data=tokenized_text 'data.paths=[notes/**/*.md]' data.tokenizer=tok/tokenizer.json
+
+The CLI holds out the same files as ``data.val_fraction`` would (``--val-fraction``, default 0.05 as in
+``conf/data/tokenized_text.yaml``), so the tokenizer never sees the val split.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from hydratrain.errors import ConfigError
+from hydratrain.paths import temporary_sibling
+
+EOT = "<|endoftext|>"  # special token written between files; id 0 in the tokenizers we train
+PIECE_BYTES = 1 << 20  # files are read (for training and tokenizing) in pieces of about this many bytes
+VOCAB_MULTIPLE = 64  # the vocab a model gets from a tokenizer is padded up to a multiple of this
+
+
+@dataclass
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` loaded from ``path`` (a tokenizer.json); build with :func:`load_tokenizer`.
+
+    ``vocab_size``: tokens including added/special ones (every id it emits is below it). ``sha``: 16 hex digits of
+    the SHA-256 of the file's bytes. ``separator``: the ids written after each file (``<|endoftext|>`` when the
+    tokenizer has it, else the encoding of ``"\\n\\n"``, as the byte corpora use).
+    """
+
+    path: Path
+    tok: object = field(repr=False)  # tokenizers.Tokenizer
+    sha: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def separator(self) -> list[int]:
+        eot = self.tok.token_to_id(EOT)
+        return [eot] if eot is not None else self.tok.encode("\n\n", add_special_tokens=False).ids
+
+    @property
+    def dtype(self) -> np.dtype:
+        """uint16 when every id fits (vocab <= 65536), else uint32."""
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids of each text, encoded in parallel by ``tokenizers`` (its Rust thread pool; offsets not computed)."""
+        return [e.ids for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` (ints, or a 1-D integer array/tensor). Special tokens are kept (``<|endoftext|>`` shows
+        where a file ended); ids the tokenizer does not have (the padding above :attr:`vocab_size`) are dropped;
+        bytes that are not valid UTF-8 become U+FFFD."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save(self, out_dir: Path) -> Path:
+        """Copy tokenizer.json into ``out_dir`` (created if missing; written to a temporary name, then renamed), e.g.
+        next to a run's ``model.safetensors``. Returns the new file's path."""
+        return copy_atomic(self.path, Path(out_dir) / "tokenizer.json")
+
+
+def load_tokenizer(path: Path | str, key: str = "data.tokenizer") -> TextTokenizer:
+    """Load a tokenizer.json. Raises :class:`ConfigError` naming ``key`` when it is missing or not one."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        inside = " (its tokenizer.json: give that file)" if (path / "tokenizer.json").is_file() else ""
+        raise ConfigError(key, str(path), f"is a directory{inside}; a tokenizers tokenizer.json file is needed")
+    if not path.is_file():
+        raise ConfigError(key, str(path), "no such file (a tokenizers tokenizer.json; python -m hydratrain.tokenizer "
+                          "train makes one)")
+    data = path.read_bytes()
+    try:
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as err:  # tokenizers raises a bare Exception on a malformed file
+        raise ConfigError(key, str(path), f"not a tokenizers tokenizer.json ({err})") from None
+    return TextTokenizer(path, tok, hashlib.sha256(data).hexdigest()[:16])
+
+
+def padded_vocab_size(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (embedding and output matmuls run faster on such sizes)."""
+    return -(-n // multiple) * multiple
+
+
+def undecodable(chunk: bytes, text: str) -> tuple[int, int]:
+    """``(bytes, lines)`` of ``chunk`` that are not UTF-8, where ``text`` is ``chunk.decode("utf-8",
+    errors="replace")``: each undecodable run of 1-3 bytes became one U+FFFD (3 bytes in UTF-8) and the rest
+    round-trips, so the byte count is exact; a U+FFFD the file itself holds is not counted."""
+    marks = text.count("\ufffd") - chunk.count("\ufffd".encode())
+    if not marks:
+        return 0, 0
+    lines = 0
+    for line in chunk.split(b"\n"):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError:
+            lines += 1
+    return len(chunk) - len(text.encode("utf-8")) + 3 * marks, lines
+
+
+def read_pieces(path: Path, start: int = 0, stop: Optional[int] = None, piece_bytes: int = PIECE_BYTES,
+                replaced: Optional[list] = None) -> Iterator[str]:
+    """The text of bytes ``[start, stop)`` of ``path`` in pieces of about ``piece_bytes`` bytes, each extended to the
+    end of its line (a line longer than ``piece_bytes`` is cut at a character boundary), so a file of any size
+    streams through bounded memory and the pieces do not depend on anything but the file. UTF-8; undecodable bytes
+    become U+FFFD (``replaced``, a ``[bytes, lines]`` list, is added their count, see :func:`undecodable`); line
+    ends are kept as they are. ``start`` must be at a character boundary."""
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        pos = start
+        while stop is None or pos < stop:
+            chunk = fh.read(piece_bytes if stop is None else min(piece_bytes, stop - pos))
+            if not chunk:
+                return
+            room = None if stop is None else stop - pos - len(chunk)
+            if room is None or room > 0:
+                chunk += fh.readline(piece_bytes if room is None else min(piece_bytes, room))
+                while (room is None or pos + len(chunk) < stop) and 0x80 <= (fh.peek(1)[:1] or b"\0")[0] < 0xC0:
+                    chunk += fh.read(1)  # finish a UTF-8 character cut by the length limit
+            pos += len(chunk)
+            text = chunk.decode("utf-8", errors="replace")
+            if replaced is not None:
+                n_bytes, lines = undecodable(chunk, text)
+                replaced[0] += n_bytes
+                replaced[1] += lines
+            yield text
+
+
+def line_cut(path: Path, fraction: float) -> int:
+    """Byte offset where a single file's val part starts: the first line start at or after ``fraction`` of its
+    size (or, in a last line without an end, the next character boundary). Used when one file is split."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        fh.seek(int(size * fraction))
+        rest = fh.readline()
+        if rest.endswith(b"\n"):
+            return fh.tell()
+        fh.seek(int(size * fraction))
+        pos = int(size * fraction)
+        while 0x80 <= (fh.read(1) or b"\0")[0] < 0xC0:
+            pos += 1
+        return pos
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path, progress: bool = False) -> TextTokenizer:
+    """Train a byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` = id 0, the 256 byte symbols, merges) on
+    ``texts`` and write it to ``out_path`` (a temporary name, then renamed). Any text is encodable (no unknown
+    token). A corpus too small for ``vocab_size`` yields fewer tokens. Raises ValueError when vocab_size < 257."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs >= 257 (256 bytes + {EOT})")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(bounded_words(texts), trainer)
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(out_path)
+    tok.save(str(tmp))
+    os.replace(tmp, out_path)
+    return load_tokenizer(out_path)
+
+
+MAX_WORD = 1000  # characters of a whitespace-free run that BPE training sees as one piece (see bounded_words)
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_WORD + 1))
+
+
+def bounded_words(texts: Iterable[str], limit: int = MAX_WORD) -> Iterator[str]:
+    """``texts`` for BPE training, with every whitespace-free run longer than ``limit`` characters (a base64 blob, a
+    minified file) handed over in pieces of ``limit``: the trainer's time grows faster than linearly in the length of
+    one pre-token (a 100 KB run took 5 s, a 3 MB one more than 300 s). Merges inside such runs are all it loses;
+    text without them passes unchanged."""
+    for text in texts:
+        if len(text) <= limit or _LONG_RUN.search(text) is None:
+            yield text
+            continue
+        pos = 0
+        for m in _LONG_RUN.finditer(text):
+            if m.start() > pos:
+                yield text[pos:m.start()]
+            yield from (text[i:min(i + limit, m.end())] for i in range(m.start(), m.end(), limit))
+            pos = m.end()
+        if pos < len(text):
+            yield text[pos:]
+
+
+def copy_atomic(src: Path, dst: Path) -> Path:
+    """Copy ``src`` to ``dst`` through a temporary name in ``dst``'s dir (created if missing). Returns ``dst``."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(dst)
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return dst
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m hydratrain.tokenizer train --vocab-size N [--out DIR|FILE.json] [--val-fraction F] FILES...``.
+
+    Trains a byte-level BPE on the training split of the files (split by file as ``data.val_fraction`` does),
+    writes ``DIR/tokenizer.json`` (or ``FILE.json``) and prints its path. Exit status 2 on a bad argument, a glob
+    matching nothing or an ``--out`` that cannot be written, each found before the training.
+    """
+    from hydratrain.data.corpora import expand_paths
+
+    parser = argparse.ArgumentParser(prog="python -m hydratrain.tokenizer",
+                                     description="Train a byte-level BPE tokenizer (Hugging Face tokenizers).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a byte-level BPE on text files")
+    train.add_argument("--vocab-size", type=int, required=True, help="tokens, >= 257 (e.g. 4096, 32768)")
+    train.add_argument("--out", default="tokenizer", help="dir to write tokenizer.json into (default: ./tokenizer), "
+                       "or a file name ending in .json")
+    train.add_argument("--val-fraction", type=float, default=0.05,
+                       help="share of files held out as data.val_fraction does (default 0.05; 0 = train on all)")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.add_argument("files", nargs="+", help="files or globs (** allowed), relative to the current dir")
+    args = parser.parse_args(argv)
+    if args.vocab_size < 257:
+        parser.error(f"--vocab-size {args.vocab_size}: a byte-level BPE needs >= 257")
+    if not 0.0 <= args.val_fraction < 1.0:
+        parser.error(f"--val-fraction {args.val_fraction}: must be in [0, 1)")
+    try:
+        files = expand_paths(args.files, Path.cwd())
+    except FileNotFoundError as err:
+        parser.error(str(err).replace("data.paths: ", ""))
+    out = Path(args.out) if args.out.endswith(".json") else Path(args.out) / "tokenizer.json"
+    from hydratrain.paths import prepare_output_file
+
+    try:  # before the training, which can take minutes
+        prepare_output_file(out)
+    except OSError as err:
+        parser.error(f"--out {args.out}: cannot write {out} ({err.strerror}: {err.filename})")
+    from hydratrain.data.tokenized import segment_texts, split_segments
+
+    root = Path(os.path.commonpath([str(f.parent) for f in files]))
+    train_part = split_segments(files, root, args.val_fraction)["train"] if args.val_fraction > 0 else [
+        (f, 0, None) for f in files]
+    texts = segment_texts(train_part)
+    tok = train_bpe(texts, args.vocab_size, out, progress=not args.quiet)
+    print(f"wrote {out.resolve()} ({tok.vocab_size} tokens, trained on {len(train_part)} of {len(files)} file(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
