@@ -200,12 +200,16 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: int
     """The :class:`Setup` of the run config ``cfg`` with its :class:`~hydratrain.parallel.strategy.Strategy`, on
     ``world_size`` ranks (``local_world_size`` per node: hsdp's default shard group), with the resolved
     ``precision`` preset and vocabulary. Raises :class:`PlanUnavailable` for a strategy the planner does not model."""
-    from hydratrain.models.gpt import GPTConfig
+    from dataclasses import asdict
+
+    from hydratrain import components
+    from hydratrain.models.gpt import GPT, GPTConfig
 
     if strategy.name not in ("single", "ddp", "fsdp", "hsdp"):
         raise PlanUnavailable(f"strategy={strategy.name} is not modelled by the planner")
-    model = {k: cfg.model[k] for k in GPTConfig.__dataclass_fields__}
-    model["vocab_size"] = vocab_size
+    if components.model_class(cfg) is not GPT:
+        raise PlanUnavailable(f"model._target_={cfg.model._target_} is not modelled by the planner")
+    model = asdict(GPTConfig(**{**components.model_kwargs(cfg), "vocab_size": vocab_size}))
     return Setup(model=tuple(sorted(model.items())), strategy=strategy.name,
                  world_size=1 if strategy.name == "single" else world_size, precision=precision,
                  reduce_dtype=str(cfg.precision.reduce_dtype), wrap_policy=str(cfg.wrap_policy.name),
@@ -364,7 +368,7 @@ def planned_vocab_size(cfg, launch_dir) -> int:
     from hydratrain.data.tokenized import bpe_vocab_size, vocab_size_for
     from hydratrain.data.tokenizer import load_tokenizer, padded_vocab_size
 
-    data, explicit = cfg.data, cfg.model.vocab_size
+    data, explicit = cfg.data, cfg.model.get("vocab_size")
     if data.get("tokenizer"):
         tokenizer = load_tokenizer(Path(launch_dir) / Path(data.tokenizer).expanduser())
         return vocab_size_for(data, tokenizer, explicit)

@@ -283,11 +283,12 @@ class Job:
     strategy: Any
     precision: Any
     model: Any
-    raw: Any  # the plain GPT under any wrapper
+    raw: Any  # the plain model under any wrapper
     trainer: Any
     checkpoints: Any
     step_logger: Any
     tokenizer: Any = None  # hydratrain.data.tokenizer.TextTokenizer of subword data, else None
+    vocab_size: Optional[int] = None  # the data's vocabulary the model was built for (token data), else None
 
 
 def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guard=None,
@@ -301,7 +302,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     import numpy as np
     import torch
 
-    from hydratrain import timing
+    from hydratrain import components, timing
     from hydratrain.checkpoint.manager import CheckpointManager
     from hydratrain.checkpoint.preemption import Preemption
     from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, SchedulerState
@@ -342,8 +343,9 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     timing.mark("memory plan")
     model, raw, n_params, summary = build_model(cfg, strategy, precision, device, vocab_size)
     timing.mark("model")
-    log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", cfg.model.name, n_params / 1e6,
-             strategy.local_param_bytes(model) / 1e6, summary)
+    log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", components.model_name(cfg),
+             n_params / 1e6, strategy.local_param_bytes(model) / 1e6, summary)
+    loss_fn, metrics = components.build_loss(cfg), components.build_metrics(cfg)
     optimizer = build_optimizer(model, cfg.optim)
     optimizer_state = OptimizerState(model, optimizer)  # the configured hyper-parameters, before the scheduler
     timing.mark("optimizer")
@@ -357,7 +359,9 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     scheduler = build_scheduler(optimizer, cfg.scheduler, max_steps)
     scaler = precision.grad_scaler(device)
     progress = TrainProgress()
-    tokens_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * cfg.data.seq_len * info.world_size
+    seq_len = int(cfg.data.get("seq_len") or 0)  # token data; a dataset's samples are counted as samples
+    per_sample = seq_len or 1
+    items_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * per_sample * info.world_size
     timing.mark("optimizer")
     slow = precision.slow_path(device, cache_dir=paths.cache)
     if slow:
@@ -365,24 +369,42 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     peak = peak_flops(device, precision.compute_dtype, cfg.logger.peak_flops, tf32=precision.tf32,
                       cache_dir=paths.cache, local_world_size=info.local_world_size)
     timing.mark("peak FLOP/s")
-    step_logger = StepLogger(run_dir, device, tokens_per_step, raw.flops_per_token(cfg.data.seq_len),
+    flops_per_item = model_flops(cfg, raw, train_batches, loss_fn, vocab_size, seq_len)
+    timing.mark("model FLOPs")
+    step_logger = StepLogger(run_dir, device, items_per_step, flops_per_item,
                              peak * info.world_size, cfg.trainer.log_every_n_steps, max_steps, info.is_main,
-                             cfg.logger.tensorboard, cfg.trainer.progress_bar, progress=progress)
+                             cfg.logger.tensorboard, cfg.trainer.progress_bar, progress=progress,
+                             unit="tokens" if seq_len else "samples", tokens_per_sample=per_sample)
     checkpoints = CheckpointManager(
         run_dir / "checkpoints",
         components={"model": ModelState(model), "optim": optimizer_state, "scheduler": SchedulerState(scheduler),
                     "scaler": scaler, "progress": progress, "data": train_batches},
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), keep_last=cfg.checkpoint.keep_last,
-        device=device, attachments=model_files(raw, tokenizer))
+        device=device, attachments=model_files(cfg, vocab_size, tokenizer))
     preemption = Preemption(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())
     trainer = Trainer(tcfg=cfg.trainer, model=model, strategy=strategy, precision=precision, device=device,
                       optimizer=optimizer, scheduler=scheduler, scaler=scaler, train_batches=train_batches,
-                      evaluator=Evaluator(eval_batches, device), step_logger=step_logger, checkpoints=checkpoints,
-                      preemption=preemption, progress=progress, max_steps=max_steps,
-                      save_every=cfg.checkpoint.every_n_steps, save_last=cfg.checkpoint.save_last)
+                      evaluator=Evaluator(eval_batches, device, loss_fn, metrics), step_logger=step_logger,
+                      checkpoints=checkpoints, preemption=preemption, progress=progress, max_steps=max_steps,
+                      save_every=cfg.checkpoint.every_n_steps, save_last=cfg.checkpoint.save_last, loss_fn=loss_fn,
+                      contract=(cfg.model.get("_target_"), cfg.loss.get("_target_")))
     timing.mark("logger, checkpoints, trainer")
-    return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer)
+    return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer, vocab_size)
+
+
+def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Optional[int], seq_len: int) -> float:
+    """Training FLOPs per item (token for token data, else sample) for MFU: the model's own formula
+    (``flops_per_token(seq_len)``) where it has one and the data has tokens, else counted on a meta copy of the
+    model (:func:`hydratrain.flops.counted_flops_per_sample`)."""
+    from hydratrain import components
+    from hydratrain.flops import counted_flops_per_sample
+
+    if seq_len and callable(getattr(raw, "flops_per_token", None)):
+        return float(raw.flops_per_token(seq_len))
+    per_sample = counted_flops_per_sample(lambda: components.build_model(cfg, "meta", vocab_size),
+                                          train_batches.example(), loss_fn)
+    return per_sample / seq_len if seq_len else per_sample
 
 
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
@@ -390,6 +412,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.checkpoint.io import check_same_resume
     from hydratrain.checkpoint.manager import with_previous
     from hydratrain.checkpoint.preemption import guard
+    from hydratrain.components import model_settings
     from hydratrain.dist.collectives import max_over_ranks
     from hydratrain.dist.run_dir import resolve_path
     from hydratrain.errors import DamagedCheckpointError
@@ -399,6 +422,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.train.outputs import write_outputs
 
     job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None)
+    init_from = model_settings(cfg)["init_from"]
     check_same_resume(resume)
     progress = job.trainer.progress
     if resume is not None:
@@ -411,8 +435,8 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
         lr_change = job.checkpoints.components["scheduler"].lr_change(progress.step)
         if lr_change and progress.step < job.trainer.max_steps:
             log.warning(lr_change)
-        if cfg.model.init_from:
-            log.info("model.init_from=%s not used: resuming from %s", cfg.model.init_from, resume)
+        if init_from:
+            log.info("model.init_from=%s not used: resuming from %s", init_from, resume)
         if progress.step >= job.trainer.max_steps:
             log.warning("resumed at step %d, which is already at or past the %d steps this config trains "
                         "(trainer.max_steps / max_epochs): nothing to train, evaluating only", progress.step,
@@ -420,13 +444,12 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
         else:
             warn_run_length(cfg.trainer, cfg.scheduler, job.trainer.train_batches, job.trainer.max_steps,
                             done=progress.step)
-    elif cfg.model.init_from:
-        from dataclasses import asdict
-
+    elif init_from:
         from hydratrain.checkpoint.io import init_from_file  # (torch.distributed.checkpoint: only when needed)
+        from hydratrain.train.outputs import model_record
 
-        init_from_file(job.model, resolve_path(cfg.model.init_from, Paths.resolve(cfg, launch).model),
-                       asdict(job.raw.cfg))
+        init_from_file(job.model, resolve_path(init_from, Paths.resolve(cfg, launch).model),
+                       model_record(cfg, job.vocab_size))
     job.checkpoints.supersede_after(progress.step)
     timing.mark("resume / init_from")
     result = job.trainer.fit()
@@ -442,7 +465,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
         job.step_logger.tb.close()
         return result
     write_outputs(cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
-                  run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer)
+                  run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer, vocab_size=job.vocab_size)
     return result
 
 

@@ -75,7 +75,7 @@ def _is_the_default_config_run(job: Path, world_size: int) -> None:
     config the launcher hands its ranks passes the checks as composed."""
     res = results(job)
     assert res["steps"] == 3 and res["hparams"]["world_size"] == world_size
-    assert res["hparams"]["precision.name"] == "auto" and res["hparams"]["data.name"] == "python_stdlib"
+    assert res["hparams"]["precision.name"] == "auto" and res["hparams"]["data"] == "python_stdlib"
     saved = OmegaConf.load(job / ".hydra" / "config.yaml")
     assert (saved.precision.name, saved.strategy.name) == ("auto", "fsdp")
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from helpers import CONF, ROOT
 from hydratrain.config import ConfigError, validate
 
-GROUPS = ["model", "data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "trainer",
+GROUPS = ["model", "data", "loss", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "trainer",
           "logger"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF / g).glob("*.yaml"))]
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
@@ -41,21 +41,29 @@ def _extra(group: str, option: str, tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_validates_and_instantiates(compose, group, option, tmp_path):
+    from hydratrain import components
     from hydratrain.models.gpt import GPT, GPTConfig
     from hydratrain.optim import build_optimizer, build_scheduler
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.wrap_policy import shard_units
 
+    if "digits" in option:
+        pytest.importorskip("sklearn", reason="the digits example needs the extra [examples] (scikit-learn)")
     cfg = compose([f"{group}={option}", *_extra(group, option, tmp_path)])
     assert OmegaConf.select(cfg, f"{group}.name") in (option, None) or group in ("trainer", "logger")
     validate(cfg)
-    with torch.device("meta"):
-        model = GPT(GPTConfig(**{**{k: cfg.model[k] for k in GPTConfig.__dataclass_fields__},
-                                 "vocab_size": cfg.model.vocab_size or 256}))
-    assert model.num_params() > 0
+    model = components.build_model(cfg, "meta", cfg.model.get("vocab_size") or 256)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params > 0
     if group == "model":
-        expected = {"gpt_tiny": 0.89e6, "gpt_small": 85e6, "llama_1b": 1.1e9, "llama_8b": 7.3e9}[option]
-        assert abs(model.num_params() / expected - 1) < 0.1, model.num_params()
+        expected = {"gpt_tiny": 0.89e6, "gpt_small": 85e6, "llama_1b": 1.1e9, "llama_8b": 7.3e9,
+                    "digits_cnn": 28.5e3}[option]
+        assert abs(n_params / expected - 1) < 0.1, n_params
+    if group == "loss":
+        loss = components.build_loss(cfg)
+        logits, labels = torch.randn(4, 3), torch.tensor([0, 2, 1, 0])
+        value = loss(logits, labels) if option != "mse" else loss(logits, torch.randn(4, 3))
+        assert value.dim() == 0 and torch.isfinite(value)
     small = GPT(GPTConfig(d_model=32, n_layer=2, n_head=2))
     if group == "precision":
         precision = Precision.resolve(cfg.precision, torch.device("cpu"))
@@ -72,12 +80,17 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
         sched = build_scheduler(opt, cfg.scheduler, total_steps=10)
         opt.step()
         sched.step()
-    if group == "data":
+    if group == "data" and option == "digits":
+        from hydratrain.data.loader import load_datasets
+
+        splits = load_datasets(cfg.data)
+        assert len(splits["train"]) == 1437 and len(splits["val"]) == 360
+    elif group == "data":
         from hydratrain.data.build import load_splits
         from hydratrain.data.corpora import stdlib_files
 
         files = stdlib_files()[1][:20] if option == "python_stdlib_bpe" else None  # a BPE on 20 files: seconds
-        splits = load_splits(cfg.data, cfg.model.vocab_size or 256, ROOT, progress=False, files=files)
+        splits = load_splits(cfg.data, cfg.model.get("vocab_size") or 256, ROOT, progress=False, files=files)
         assert len(splits["train"]) > 0 and len(splits["val"]) > 0
 
 
@@ -93,7 +106,7 @@ def test_cfg_job_prints_composed_config(cli):
     r = cli(["--cfg", "job", "strategy=ddp", "optim.lr=3e-4"], fast=False)
     assert r.returncode == 0, r.output
     cfg = OmegaConf.create(r.out)
-    assert cfg.strategy.name == "ddp" and cfg.optim.lr == 3e-4 and cfg.model.name == "gpt_tiny"
+    assert cfg.strategy.name == "ddp" and cfg.optim.lr == 3e-4 and cfg.model._target_ == "hydratrain.models.GPT"
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -111,7 +124,8 @@ def test_cfg_job_prints_composed_config(cli):
                   "default: device=auto"),
     (["data=text_files"], "data.paths=???: has no value: give it one (data.paths=VALUE)"),  # was a traceback
     (["data=token_bin"], "data.train_path=???: has no value"),  # not "removed with ~data.train_path"
-    (["~model"], "model.name=???: has no value: choose an option with model=NAME (conf/model/)"),
+    (["~model"], "model=???: has no option: choose one with model=NAME (conf/model/), or give a file of your own "
+                 "with _target_"),
     (["~data", "+debug=fast"], "data=???: has no option (removed with ~data, or a file of your own without its "
                                "schema line?): choose one with data=NAME (conf/data/); an option file of your own "
                                "begins with 'defaults: [/schema/data/SCHEMA@_here_, _self_]' and name: SCHEMA"),

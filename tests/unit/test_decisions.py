@@ -172,7 +172,7 @@ def test_eval_set_counts_each_sample_once_at_any_world_size_and_batch(n_samples)
         for rank in range(world):
             batches = list(EvalBatches(ds, n_samples, batch, rank, world))
             counts.add(len(batches))
-            seen += [int(x[i, 0]) // 8 for x, _, valid in batches for i in range(batch) if valid[i]]
+            seen += [int(x[i, 0]) // 8 for (x, _), valid in batches for i in range(batch) if valid[i]]
         assert len(counts) == 1  # every rank runs the same number of forwards
         assert len(seen) == len(set(seen)) == (n_samples or 40)
         want = want or sorted(seen)
@@ -187,15 +187,15 @@ def test_eval_loss_is_the_same_when_the_last_batch_is_padded():
     import numpy as np
 
     from hydratrain.data.streams import EvalBatches, TokenDataset
+    from hydratrain.losses import NextTokenLoss
     from hydratrain.models.gpt import GPT, GPTConfig
     from hydratrain.train.evaluate import Evaluator
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(d_model=32, n_layer=1, n_head=2, max_seq_len=16))
     ds = TokenDataset(np.random.default_rng(0).integers(0, 256, 40 * 16 + 1), 16)
-    losses = [Evaluator(EvalBatches(ds, 24, batch, 0, 1), torch.device("cpu")).evaluate(model,
-                                                                                         contextlib.nullcontext())[0]
-              for batch in (8, 5)]
+    losses = [Evaluator(EvalBatches(ds, 24, batch, 0, 1), torch.device("cpu"), NextTokenLoss()).evaluate(
+        model, contextlib.nullcontext())["loss"] for batch in (8, 5)]
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
 
 

@@ -26,7 +26,7 @@ def test_local_launcher_runs_the_default_config(cli, tmp_path):
     assert [p.parent for p in out_dir.rglob("results.json")] == [out_dir]
     res = results(out_dir)
     assert res["steps"] == 3 and res["hparams"]["world_size"] == 1
-    assert res["hparams"]["precision.name"] == "auto" and res["hparams"]["data.name"] == "python_stdlib"
+    assert res["hparams"]["precision.name"] == "auto" and res["hparams"]["data"] == "python_stdlib"
     saved = OmegaConf.load(out_dir / ".hydra" / "config.yaml")
     assert (saved.precision.name, saved.strategy.name) == ("auto", "fsdp")
 

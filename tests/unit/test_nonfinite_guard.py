@@ -36,8 +36,8 @@ def _poison(trainer, steps: set[int]) -> None:
     """Make the loss (so the gradient norm) NaN at optimizer ``steps``, without reading anything on the host."""
     loss_of = trainer.loss_of
 
-    def poisoned(x, y):
-        loss = loss_of(x, y)
+    def poisoned(batch):
+        loss = loss_of(batch)
         return loss * float("nan") if trainer.progress.step + 1 in steps else loss
 
     trainer.loss_of = poisoned

@@ -289,13 +289,14 @@ def test_checkpointing_model_matches_the_real_wrapper(autocast):
 
     from hydratrain.models.gpt import Block
     from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+    from hydratrain.parallel.blocks import find_blocks
 
     cfg = GPTConfig(**SMALL)
     device, tracker = torch.device("cpu"), memsim.Tracker()
     with torch.device("meta"):
         holder = nn.Module()
         holder.block = Block(cfg)
-    apply_activation_checkpointing(holder)
+    assert apply_activation_checkpointing(holder, find_blocks(holder, ["Block"])) == 1
     memsim.shadow_module(holder, torch.float32, device, tracker)
     cos, sin = (memsim.shadow((64, cfg.head_dim), torch.float32, device) for _ in range(2))
     tracker.ignore(cos)
@@ -364,7 +365,7 @@ def test_planning_a_gpu_run_from_a_cpu_host_models_cudas_fused_rms_norm():
 
 @pytest.mark.parametrize("argv, says", [
     (["plan.memory_gb=abc"], "plan.memory_gb=abc: Value 'abc' of type 'str' could not be converted to Float"),
-    (["model=nope"], "Could not find 'model/nope' (available: gpt_small, gpt_tiny, llama_1b, llama_8b)"),
+    (["model=nope"], "Could not find 'model/nope' (available: digits_cnn, gpt_small, gpt_tiny, llama_1b, llama_8b)"),
     (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
     (["--cfg", "job"], "takes train.py's overrides (KEY=VALUE) and -h, not '--cfg'"),
     # tester 9: a launch that cannot exist was planned with two world sizes

@@ -231,32 +231,38 @@ def _from_format_1(loaded: dict, rank_key: str, components: Mapping) -> dict:
     return loaded
 
 
-# model keys that change what the weights compute without changing their shapes: a checkpoint loads into any of
-# these values without a shape error, and would then train a different function (max_seq_len, init_* and init_from
-# may change: the rotary table is recomputed, initialisation is replaced by the loaded weights)
-ARCHITECTURE_KEYS = ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "ff_multiple_of", "tie_embeddings",
-                     "rope_theta", "norm_eps")
+#: the model a saved model node without ``_target_`` describes (checkpoints written before models were components)
+LEGACY_MODEL = "hydratrain.models.GPT"
 
 
 def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[str]:
-    """``model.KEY: old -> new`` for each :data:`ARCHITECTURE_KEYS` entry whose effective value differs (none when
-    ``saved_model`` is unknown). Effective: ``n_kv_head`` null is ``n_head``; ``d_ff`` is the feed-forward width the
-    model builds (``GPTConfig.ff_dim``: null derives it from ``d_model`` and ``ff_multiple_of``), so naming the
-    width a preset derives anyway is no difference, and ``ff_multiple_of`` counts only through it."""
+    """``model.KEY: old -> new`` for each difference between two model nodes (a checkpoint's or weights file's, and
+    this run's) that changes what weights of the same shapes compute: another ``_target_``, or a key of the class's
+    ``architecture(kwargs) -> {key: effective value}`` (hydratrain's GPT: ``ARCHITECTURE_KEYS``, with derived values
+    such as the feed-forward width compared as built). None when ``saved_model`` is unknown; a class without
+    ``architecture`` has no keys compared (the resume's config-difference warning lists them)."""
     if not saved_model:
         return []
-    from hydratrain.models.gpt import GPTConfig
+    from hydratrain import components
+    from hydratrain.errors import ConfigError
 
-    def value(cfg: Mapping, key: str) -> Any:
-        if key == "n_kv_head":
-            return cfg.get(key) or cfg.get("n_head")
-        if key == "d_ff" and not cfg.get("d_ff") and isinstance(cfg.get("d_model"), int):
-            return GPTConfig(d_model=cfg["d_model"], d_ff=None,
-                             ff_multiple_of=cfg.get("ff_multiple_of") or GPTConfig.ff_multiple_of).ff_dim
-        return cfg.get(key)
+    before, now = saved_model.get("_target_") or LEGACY_MODEL, model.get("_target_") or LEGACY_MODEL
+    if _canonical_target(before) != _canonical_target(now):
+        return [f"model._target_: {before!r} -> {now!r}"]
+    try:
+        cls = components.locate(now, "model")
+    except ConfigError:
+        return []
+    arch = getattr(cls, "architecture", None)
+    if not callable(arch):
+        return []
+    old, new = arch(dict(saved_model)), arch(dict(model))
+    return [f"model.{k}: {old[k]!r} -> {new.get(k)!r}" for k in old if old[k] != new.get(k)]
 
-    return [f"model.{k}: {value(saved_model, k)!r} -> {value(model, k)!r}" for k in ARCHITECTURE_KEYS
-            if k in saved_model and k != "ff_multiple_of" and value(saved_model, k) != value(model, k)]
+
+def _canonical_target(target: str) -> str:
+    """A target with the ``hydratrain.models.gpt`` spelling of the GPT made ``hydratrain.models``'."""
+    return target.replace("hydratrain.models.gpt.GPT", "hydratrain.models.GPT")
 
 
 def check_architecture(saved_model: Optional[Mapping], model: Mapping, where: str) -> None:

@@ -109,13 +109,6 @@ class Device(Option):
     cuda = "cuda"
 
 
-class InitDevice(Option):
-    auto = "auto"
-    meta = "meta"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
 class Backend(Option):
     gloo = "gloo"
     nccl = "nccl"
@@ -124,31 +117,6 @@ class Backend(Option):
 class NonFinitePolicy(Option):
     stop = "stop"
     skip = "skip"
-
-
-# ------------------------------------------------------------------------------------------------------ model
-@dataclass
-class ModelConfig:
-    """Decoder-only transformer size (see ``hydratrain.models.gpt``)."""
-
-    name: str = MISSING  # preset name: gpt_tiny, gpt_small, llama_1b, llama_8b (free text: presets are files)
-    vocab_size: Optional[int] = None  # tokens; null = the data's (256 bytes, or the tokenizer's padded to 64)
-    max_seq_len: int = 256  # longest sequence the rotary table covers, tokens
-    d_model: int = 128  # residual width
-    n_layer: int = 4  # decoder blocks
-    n_head: int = 4  # query heads; head_dim = d_model // n_head
-    n_kv_head: Optional[int] = None  # key/value heads for grouped-query attention; null = n_head
-    d_ff: Optional[int] = None  # SwiGLU hidden width; null = 8/3 * d_model rounded up to ff_multiple_of
-    ff_multiple_of: int = 64  # rounds the width d_ff=null derives; another value next to d_ff is a config error
-    tie_embeddings: bool = True  # share the token embedding with the output projection
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    # meta: build without storage, shard, then materialise and initialise (no rank ever holds the whole model);
-    # cpu/cuda: build with storage on that device kind; auto: meta under strategy=fsdp or hsdp, else the run's device.
-    # Every choice gives the same weights (each parameter is drawn from its own generator seeded by trainer.seed).
-    init_device: InitDevice = InitDevice.auto
-    init_from: Optional[str] = None  # a .safetensors file of full weights to start from (fine-tuning)
 
 
 # ------------------------------------------------------------------------------------------------------- data
@@ -325,7 +293,17 @@ class WrapPolicyConfig:
 
 @dataclass
 class NamedWrapPolicy(WrapPolicyConfig):
-    """``auto`` (transformer_block under fsdp), ``none`` or ``transformer_block``: no further keys."""
+    """``none``: the root only; no further keys."""
+
+
+@dataclass
+class BlockWrapPolicy(WrapPolicyConfig):
+    """``auto`` (transformer_block under fsdp, else none) and ``transformer_block``: each block is its own unit."""
+
+    # the block classes, as dotted names (mypkg.nets.Block) or class names (LlamaDecoderLayer); null = found in the
+    # model: a Hugging Face model's _no_split_modules, else the class of the children of its largest nn.ModuleList.
+    # Activation checkpointing and trainer.compile use the same blocks.
+    block_classes: Optional[List[str]] = None
 
 
 @dataclass
@@ -502,12 +480,15 @@ class TrainerConfig:
     eval_samples: int = 256  # val samples per eval, the same set whatever the world size and batch; 0 = all
     log_every_n_steps: int = 10
     seed: int = 1234
-    compile: bool = False  # torch.compile each decoder block
+    compile: bool = False  # torch.compile each block (wrap_policy.block_classes)
     progress_bar: bool = True  # rank-0 tqdm bar
     sample_tokens: int = 120  # tokens generated at the end (text for byte corpora, ids otherwise); 0 = none
     save_weights: bool = True  # write the full model as model.safetensors in the run dir at the end
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop  # non-finite loss/grad norm (outside fp16): stop | skip
     max_consecutive_nonfinite: int = 20  # skip (and fp16's scaler): stop after this many skipped steps in a row
+    # what the run returns to a sweeper (Optuna minimises or maximises it): eval/loss, eval/perplexity (token data)
+    # or eval/<name> of a metric in `metrics`; the final evaluation's value
+    objective: str = "eval/loss"
 
 
 @dataclass
@@ -556,7 +537,13 @@ class PlanConfig:
 class TrainConfig:
     """The whole run config: one field per config group, plus a few top-level switches."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # Components, each a Hydra node built with hydra.utils.instantiate (see hydratrain.components): the model
+    # (_target_ + keyword arguments; init_device and init_from are hydratrain's), the loss (a callable
+    # loss(outputs, targets) -> mean), the eval metrics ({name: torchmetrics node}, logged as eval/<name>); data is
+    # a built-in corpus (name: ...) or a _target_ node returning datasets.
+    model: Any = MISSING
+    loss: Any = MISSING
+    metrics: Dict[str, Any] = field(default_factory=dict)
     data: Any = MISSING
     strategy: Any = MISSING
     precision: Any = MISSING
@@ -580,7 +567,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
                                   PythonStdlibBPEData) for o in [c.option]},
     "strategy": {o.value: c for c in (SingleStrategy, DDPStrategy, FSDPStrategy, HSDPStrategy) for o in [c.option]},
     "precision": {o.value: c for c in (AutoPrecision, FP32Precision, BF16Precision, FP16Precision) for o in [c.option]},
-    "wrap_policy": {"auto": NamedWrapPolicy, "none": NamedWrapPolicy, "transformer_block": NamedWrapPolicy,
+    "wrap_policy": {"auto": BlockWrapPolicy, "none": NamedWrapPolicy, "transformer_block": BlockWrapPolicy,
                     "size_based": SizeBasedWrapPolicy},
     "launcher": {o.value: c for c in (LocalLauncher, TorchrunLauncher, SlurmLauncher, SubmititLocalLauncher,
                                       RayLauncher) for o in [c.option]},

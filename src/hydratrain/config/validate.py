@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hydratrain.config.schema import DType, ModelConfig, StrategyName, WrapPolicyName
+from hydratrain.config.schema import DType, StrategyName, WrapPolicyName
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError, Placeholder
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
@@ -32,8 +32,8 @@ def _check_option_nodes(cfg: DictConfig) -> None:
     keep fsdp's keys under ddp's name): choose options with ``<group>=<option>``."""
     for group in GROUPS_WITH_OPTIONS:
         node = cfg.get(group)
-        if node is None:
-            continue
+        if node is None or (group == "data" and OmegaConf.is_dict(node) and "_target_" in node):
+            continue  # (a dataset node: hydratrain.components checks it)
         if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
             if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)) and "trainer" in cfg and \
                     not dataclasses.is_dataclass(OmegaConf.get_type(cfg.trainer)):  # no node is typed (tester 11)
@@ -67,8 +67,8 @@ def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
 
 
 #: the groups of conf/train.yaml's defaults list (a test keeps the two alike): the run reads every one
-DEFAULT_GROUPS = ("model", "data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths",
-                  "trainer", "logger", "checkpoint", "distributed", "plan")
+DEFAULT_GROUPS = ("model", "data", "loss", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler",
+                  "paths", "trainer", "logger", "checkpoint", "distributed", "plan")
 #: how to turn off what a group does, for the message on ``~group``
 _OFF_SWITCHES = {"checkpoint": "checkpoint.every_n_steps=0 saves no periodic checkpoints (and "
                                "checkpoint.save_on_sigterm=false none at all)",
@@ -133,10 +133,6 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
                    else f"has no value: give it one ({where}=VALUE)")
             raise ConfigError(where, _NO_VALUE, why)
         child = node._get_node(key)
-        value = node[key] if not isinstance(child, (DictConfig, ListConfig)) else None  # resolved (tester 12)
-        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
-            raise ConfigError(where, value, "out of range: integer keys take values that fit torch's int64 "
-                              "(|value| < 2**63)")  # a traceback deep in the run (tester 11)
         if isinstance(child, (DictConfig, ListConfig)) and not child._is_none() and not child._is_missing():
             _check_entries(child, where)
             if isinstance(child, DictConfig):
@@ -208,10 +204,44 @@ def _refuse_empty_paths(cfg: DictConfig) -> None:
                               "variable?): give files or globs")
 
 
+def _refuse_missing_components(cfg: DictConfig) -> None:
+    """A component group with no node (``~model``, or a config composed without it): one line naming the group."""
+    for group in ("model", "loss", "data"):
+        node = cfg._get_node(group, throw_on_missing_key=False) if isinstance(cfg, DictConfig) else None
+        if node is not None and node._is_missing():
+            raise ConfigError(group, _NO_VALUE, f"has no option: choose one with {group}=NAME (conf/{group}/), or "
+                              f"give a file of your own with _target_ in a --config-dir (docs/own-model.md)")
+
+
+def _check_int_ranges(node: Any, path: str = "") -> None:
+    """Every integer in the config fits torch's int64, in typed and untyped nodes alike (a component's keyword
+    arguments too): a value past it was a traceback deep in the run (``torch.manual_seed``, a tensor's size)."""
+    if isinstance(node, DictConfig):
+        items = [(k, node._get_node(k)) for k in node.keys() if not (path == "" and k == "hydra")]
+    elif isinstance(node, ListConfig):
+        items = [(i, node._get_node(i)) for i in range(len(node))]
+    else:
+        return
+    for key, child in items:
+        where = f"{path}.{key}" if path and isinstance(key, str) else f"{path}[{key}]" if path else str(key)
+        if isinstance(child, (DictConfig, ListConfig)):
+            if not child._is_none() and not child._is_missing():
+                _check_int_ranges(child, where)
+            continue
+        if child._is_missing():
+            continue
+        value = node[key]
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+            raise ConfigError(where, value, "out of range: integer keys take values that fit torch's int64 "
+                              "(|value| < 2**63)")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check values that the schema's types cannot. Raises :class:`ConfigError` on the first bad key (an
     interpolation that does not resolve, first)."""
+    _refuse_missing_components(cfg)
     _check_resolves(cfg)
+    _check_int_ranges(cfg)
     _check_known_keys(cfg)
     _check_option_nodes(cfg)
     _refuse_removed_groups(cfg)
@@ -223,9 +253,7 @@ def validate(cfg: DictConfig) -> None:
         if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(key, value, "must be finite and " + (">= 0" if allow_zero else "> 0"))
 
-    for key in ("model.max_seq_len", "model.d_model", "model.n_layer", "model.n_head", "model.rope_theta",
-                "model.norm_eps", "model.init_std", "model.ff_multiple_of", "data.seq_len", "data.batch_size",
-                "data.synthetic_tokens",
+    for key in ("data.seq_len", "data.batch_size", "data.synthetic_tokens",
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",
                 "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb",
@@ -236,27 +264,17 @@ def validate(cfg: DictConfig) -> None:
     for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",
                 "trainer.eval_samples", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
         positive(key, allow_zero=True)
-    for key in ("trainer.max_steps", "trainer.max_epochs", "model.vocab_size", "model.n_kv_head", "model.d_ff",
-                "logger.peak_flops", "plan.memory_gb", "plan.world_size", "plan.ranks_per_node"):
+    for key in ("trainer.max_steps", "trainer.max_epochs", "logger.peak_flops", "plan.memory_gb", "plan.world_size",
+                "plan.ranks_per_node"):
         positive(key, allow_none=True)
 
-    m = cfg.model
-    if m.vocab_size is not None and m.vocab_size < 2:
-        raise ConfigError("model.vocab_size", m.vocab_size, "must be >= 2 (one token has nothing to predict)")
-    if m.d_model % m.n_head:
-        raise ConfigError("model.n_head", m.n_head, f"must divide model.d_model={m.d_model}")
-    if (m.d_model // m.n_head) % 2:
-        raise ConfigError("model.n_head", m.n_head, "head_dim = d_model // n_head must be even for rotary embeddings")
-    if m.d_ff and m.ff_multiple_of != ModelConfig.ff_multiple_of:  # tester 8: ignored, yet recorded as an hparam
-        raise ConfigError("model.ff_multiple_of", m.ff_multiple_of, f"unused with model.d_ff={m.d_ff} (it rounds only "
-                          "the width that d_ff=null derives); drop one of the two")
-    kv = m.n_kv_head or m.n_head
-    if m.n_head % kv:
-        raise ConfigError("model.n_kv_head", m.n_kv_head, f"must divide model.n_head={m.n_head}")
-    if cfg.data.seq_len > m.max_seq_len:
-        raise ConfigError("data.seq_len", cfg.data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
-    if cfg.data.name in BYTE_LEVEL_DATA and m.vocab_size is not None and m.vocab_size < 256:
-        raise ConfigError("model.vocab_size", m.vocab_size, f"byte-level data={cfg.data.name} needs >= 256")
+    # conventions on the model's keywords, whatever the model: a context length and a vocabulary
+    max_seq_len, vocab_size, seq_len = _get(cfg, "model.max_seq_len"), _get(cfg, "model.vocab_size"), \
+        _get(cfg, "data.seq_len")
+    if _number(max_seq_len) and _number(seq_len) and seq_len > max_seq_len:
+        raise ConfigError("data.seq_len", seq_len, f"must be <= model.max_seq_len={max_seq_len}")
+    if _get(cfg, "data.name") in BYTE_LEVEL_DATA and _number(vocab_size) and vocab_size < 256:
+        raise ConfigError("model.vocab_size", vocab_size, f"byte-level data={cfg.data.name} needs >= 256")
     if "paths" in cfg.data and not cfg.data.paths:
         raise ConfigError("data.paths", list(cfg.data.paths), f"data={cfg.data.name} needs at least one file or glob")
     val_fraction = _get(cfg, "data.val_fraction")
@@ -289,7 +307,10 @@ def validate(cfg: DictConfig) -> None:
     if strategy == StrategyName.single and cfg.precision.reduce_dtype != DType.float32:
         raise ConfigError("precision.reduce_dtype", cfg.precision.reduce_dtype, "strategy=single reduces no "
                           "gradients across ranks; allowed: float32")
-    if cfg.model.init_device == "cuda" and cfg.device == "cpu":
+    from hydratrain.components import check_components, model_settings
+
+    settings = model_settings(cfg)
+    if settings["init_device"] == "cuda" and cfg.device == "cpu":
         raise ConfigError("model.init_device", "cuda", "the run's device is cpu; allowed: auto, meta, cpu")
     code = cfg.checkpoint.preempt_exit_code
     if not 0 < code < 126 or code in RESERVED_EXIT_CODES:
@@ -297,7 +318,7 @@ def validate(cfg: DictConfig) -> None:
                           f"({', '.join(map(str, RESERVED_EXIT_CODES))} are hydratrain's own exit statuses, 126+ "
                           "the shell's)")
     _refuse_empty_paths(cfg)
-    init_from = cfg.model.init_from
+    init_from = settings["init_from"]
     if init_from is not None and not str(init_from).endswith(".safetensors"):
         raise ConfigError("model.init_from", init_from, "must be a .safetensors file (python -m hydratrain.export "
                           "CHECKPOINT_DIR OUT.safetensors makes one)")
@@ -310,6 +331,15 @@ def validate(cfg: DictConfig) -> None:
     if strategy == StrategyName.single and launched > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
                           f"{launched}; allowed: ddp, fsdp, hsdp")
+    objective = cfg.trainer.objective
+    allowed = ["eval/loss", "eval/perplexity", *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
+    if objective not in allowed:
+        raise ConfigError("trainer.objective", objective, f"allowed: {', '.join(allowed)}")
+    check_components(cfg)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def launched_processes(launcher: DictConfig) -> int:
@@ -408,7 +438,7 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     from hydratrain.dist.run_dir import resolve_path
 
     cuda = torch.cuda.is_available()
-    if "cuda" in (cfg.device, cfg.model.init_device) and not cuda:
+    if "cuda" in (cfg.device, _get(cfg, "model.init_device")) and not cuda:
         key = "device" if cfg.device == "cuda" else "model.init_device"
         raise ConfigError(key, "cuda", "torch sees no CUDA device here; allowed: auto, cpu" +
                           (", meta" if key != "device" else ""))
@@ -440,7 +470,7 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     from hydratrain.paths import Paths
 
     paths = Paths.resolve(cfg, launch_dir)
-    if cfg.data.name == "text_files":
+    if _get(cfg, "data.name") == "text_files":
         from hydratrain.data.corpora import expand_paths
 
         try:
@@ -449,7 +479,8 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
             raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
     from hydratrain.data.tokenized import preflight_data
 
-    preflight_data(cfg.data, paths.data)  # token files, the tokenizer, tokenized_text's globs
+    if "name" in cfg.data:
+        preflight_data(cfg.data, paths.data)  # token files, the tokenizer, tokenized_text's globs
     for key, base, what in (("model.init_from", paths.model, "paths.model_dir"),
                             ("checkpoint.resume_from", launch_dir, "the launch dir")):
         value = _get(cfg, key)

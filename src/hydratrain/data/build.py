@@ -56,16 +56,20 @@ def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Opti
     """(the data's tokenizer or None, the model's vocab size): ``model.vocab_size`` when set, else the data's (256
     for bytes, the tokenizer's size padded to a multiple of 64). Local rank 0 trains a missing BPE first while the
     node's other ranks wait. Raises :class:`~hydratrain.errors.ConfigError` (see
-    :func:`hydratrain.data.tokenized.vocab_size_for`)."""
+    :func:`hydratrain.data.tokenized.vocab_size_for`). A dataset node (:mod:`hydratrain.data.loader`) has no
+    vocabulary of its own: (None, ``model.vocab_size`` or None)."""
+    from hydratrain.data.loader import is_dataset_node
     from hydratrain.data.tokenized import tokenizer_for, vocab_size_for
     from hydratrain.dist.collectives import barrier
 
+    if is_dataset_node(cfg.data):
+        return None, cfg.model.get("vocab_size")
     tokenizer = tokenizer_for(cfg.data, launch_dir, progress and info.is_main, cache_dir=cache_dir) \
         if info.local_rank == 0 else None
     barrier()
     if info.local_rank != 0:
         tokenizer = tokenizer_for(cfg.data, launch_dir, cache_dir=cache_dir)
-    return tokenizer, vocab_size_for(cfg.data, tokenizer, cfg.model.vocab_size)
+    return tokenizer, vocab_size_for(cfg.data, tokenizer, cfg.model.get("vocab_size"))
 
 
 def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
@@ -75,10 +79,14 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
     Local rank 0 builds missing caches first while the node's other ranks wait at a barrier. ``info`` is the
     :class:`~hydratrain.dist.env.DistInfo` (with its device). Raises :class:`~hydratrain.errors.ConfigError` when a
     split is too small for ``data.seq_len`` x ``data.batch_size`` x world size (naming its files, see
-    :func:`split_error`), or holds an id >= ``vocab_size``.
+    :func:`split_error`), or holds an id >= ``vocab_size``. A dataset node: :func:`hydratrain.data.loader.
+    build_dataset_batches`.
     """
+    from hydratrain.data.loader import build_dataset_batches, is_dataset_node
     from hydratrain.dist.collectives import barrier
 
+    if is_dataset_node(cfg.data):
+        return build_dataset_batches(cfg, info)
     kwargs = dict(data_cfg=cfg.data, vocab_size=vocab_size, launch_dir=launch_dir,
                   progress=progress and info.is_main, cache_dir=cache_dir)
     splits = load_splits(**kwargs) if info.local_rank == 0 else None

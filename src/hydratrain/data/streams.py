@@ -1,14 +1,20 @@
-"""Token streams as fixed windows, and this rank's resumable micro-batches and eval set over them.
+"""This rank's resumable micro-batches and the eval set, over token streams or any map-style dataset.
 
 Each rank reads only its share: sample indices come from ``torch.utils.data.DistributedSampler`` (shuffled with the
 run seed, ``set_epoch`` every epoch), so the order is reproducible and changes every epoch; the position in it is
 one global sample count, which checkpoints store and a resume on another world size continues from.
+
+Samples are fetched either by the dataset itself (:class:`TokenDataset`: ``batch(indices)``, windows of a token
+stream) or by a ``fetch`` function that turns an iterable of index lists into batches
+(:mod:`hydratrain.data.loader`: a ``torch.utils.data.DataLoader`` with that iterable as its batch sampler, so its
+workers never choose samples and a resume continues exactly where the checkpoint's position says).
 """
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -16,6 +22,28 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+#: ``fetch(index lists) -> batches``: one batch per index list, in order
+Fetch = Callable[[Iterable[list]], Iterator[Any]]
+
+
+def to_device(batch: Any, device: Optional[torch.device]) -> Any:
+    """``batch`` (a tensor, or tuples, lists and dicts of them) with every tensor on ``device``, copied
+    ``non_blocking`` (from pinned memory on CUDA, so the copy overlaps the step before it)."""
+    import torch
+
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        if device.type == "cuda" and not batch.is_pinned():
+            batch = batch.pin_memory()
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        moved = [to_device(v, device) for v in batch]
+        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+    return batch
 
 class TokenDataset:
     """Fixed windows over a 1-D token array: sample ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + 1)``.
@@ -77,13 +105,15 @@ class ShardedBatches:
     """
 
     def __init__(self, dataset: TokenDataset, batch_size: int, rank: int, world_size: int, seed: int,
-                 shuffle: bool = True, device: Optional[torch.device] = None, strict_position: bool = True):
+                 shuffle: bool = True, device: Optional[torch.device] = None, strict_position: bool = True,
+                 fetch: Optional[Fetch] = None):
         from torch.utils.data import DistributedSampler  # imported here: the corpus helpers need no torch
 
+        samples = "samples of data.seq_len tokens" if fetch is None else "samples"
         if len(dataset) < world_size:
-            raise ValueError(f"the split has {len(dataset)} samples of data.seq_len tokens, fewer than "
-                             f"world_size={world_size}: use more data or a smaller data.seq_len")
-        self.dataset, self.batch_size, self.device = dataset, batch_size, device
+            raise ValueError(f"the split has {len(dataset)} {samples}, fewer than world_size={world_size}: use more "
+                             f"data{' or a smaller data.seq_len' if fetch is None else ''}")
+        self.dataset, self.batch_size, self.device, self.fetch = dataset, batch_size, device, fetch
         self.rank, self.world_size, self.seed, self.strict_position = rank, world_size, seed, strict_position
         self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
                                           drop_last=True)
@@ -94,7 +124,14 @@ class ShardedBatches:
         self.batches_per_epoch = len(self.sampler) // batch_size
         if self.batches_per_epoch == 0:
             raise ValueError(f"each rank has {len(self.sampler)} samples per epoch, fewer than data.batch_size="
-                             f"{batch_size}: use more data or a smaller data.batch_size / data.seq_len")
+                             f"{batch_size}: use more data or a smaller data.batch_size"
+                             f"{' / data.seq_len' if fetch is None else ''}")
+
+    def example(self, n: int = 2) -> Any:
+        """A batch of the dataset's first ``n`` samples, on the host (for counting FLOPs and building fake inputs);
+        the data position does not move."""
+        indices = list(range(min(n, len(self.dataset))))
+        return self.dataset.batch(indices) if self.fetch is None else next(iter(self.fetch([indices])))
 
     def batches_left_in_epoch(self) -> int:
         """Micro-batches per rank still to come in the current epoch."""
@@ -123,7 +160,7 @@ class ShardedBatches:
         epoch, consumed = self.position()
         return {"epoch": epoch, "samples_in_epoch": consumed, "world_size": self.world_size,
                 "batch_size": self.batch_size, "seed": self.seed, "train_samples": len(self.dataset),
-                "seq_len": self.dataset.seq_len}
+                "seq_len": getattr(self.dataset, "seq_len", 0)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the saved position, remapped to this world size and batch size (nothing skipped or repeated).
@@ -135,7 +172,7 @@ class ShardedBatches:
         from hydratrain.errors import CheckpointError
 
         mismatch = [(key, state[name], now) for key, name, now in (
-            ("trainer.seed", "seed", self.seed), ("data.seq_len", "seq_len", self.dataset.seq_len),
+            ("trainer.seed", "seed", self.seed), ("data.seq_len", "seq_len", getattr(self.dataset, "seq_len", 0)),
             ("data (train split size, in samples)", "train_samples", len(self.dataset))) if state[name] != now]
         if mismatch and self.strict_position:
             what = "; ".join(f"{k} was {a}, now {b}" for k, a, b in mismatch)
@@ -154,11 +191,10 @@ class ShardedBatches:
                         state["world_size"], state["batch_size"], self.world_size, self.batch_size, state["epoch"],
                         state["samples_in_epoch"], self.batches_left_in_epoch())
 
-    def _produce(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, LoaderState]]:
-        """Micro-batches from the current position on, each with the position after it, already on the device."""
+    def _positions(self) -> Iterator[tuple[list[int], LoaderState]]:
+        """This rank's index lists from the current position on, each with the position after it."""
         B, W = self.batch_size, self.world_size
         cursor = LoaderState(**vars(self.state))
-        pin = self.device is not None and self.device.type == "cuda"
         while True:
             self.order.set_epoch(cursor.epoch)
             order = list(self.order)
@@ -167,16 +203,29 @@ class ShardedBatches:
                 if left <= 0:
                     break
                 first = cursor.start_sample + cursor.batch_in_epoch * B * W + self.rank
-                x, y = self.dataset.batch(order[first:first + B * W:W])
                 cursor = LoaderState(cursor.epoch, cursor.batch_in_epoch + 1, cursor.start_sample)
-                if self.device is not None:  # pinned + non_blocking: the copy overlaps the step before it
-                    x = (x.pin_memory() if pin else x).to(self.device, non_blocking=True)
-                    y = (y.pin_memory() if pin else y).to(self.device, non_blocking=True)
-                yield x, y, cursor
+                yield order[first:first + B * W:W], cursor
             cursor = LoaderState(cursor.epoch + 1, 0)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches ``(x, y)``, each ``(batch_size, seq_len)`` int64, from the current position on.
+    def _produce(self) -> Iterator[tuple[Any, LoaderState]]:
+        """Micro-batches from the current position on, each with the position after it, already on the device."""
+        if self.fetch is None:
+            for indices, cursor in self._positions():
+                yield to_device(self.dataset.batch(indices), self.device), cursor
+            return
+        cursors: deque = deque()
+
+        def index_lists() -> Iterator[list]:
+            for indices, cursor in self._positions():
+                cursors.append(cursor)
+                yield indices
+
+        for batch in self.fetch(index_lists()):  # in order: the loader hands batches out as their lists came
+            yield to_device(batch, self.device), cursors.popleft()
+
+    def __iter__(self) -> Iterator[Any]:
+        """This rank's micro-batches from the current position on: ``(x, y)``, each ``(batch_size, seq_len)`` int64,
+        for token data; whatever the loader's ``collate_fn`` makes for a dataset.
 
         The next micro-batch is gathered and its copy to the device started before the current one is handed out
         (one batch ahead), so a step never waits for its data; :meth:`position` counts only batches handed out.
@@ -184,8 +233,8 @@ class ShardedBatches:
         ahead = None
         for produced in self._produce():
             if ahead is not None:
-                x, y, self.state = ahead
-                yield x, y
+                batch, self.state = ahead
+                yield batch
             ahead = produced
 
 
@@ -196,18 +245,19 @@ class EvalBatches:
     Rank ``r`` takes positions ``g*W*B + r + W*j`` (``j < B``) of global batch ``g``; the last global batch is padded
     with sample 0 and the padding is flagged invalid, so every rank runs the same number of forwards (FSDP needs
     that) and each sample of the set counts exactly once, whatever the world size and batch size. Iterating yields
-    ``(x, y, valid)``: ``x, y`` ``(B, seq_len)`` int64 and ``valid`` ``(B,)`` bool.
+    ``(batch, valid)``: the batch as training gets it (``(x, y)`` for token data) and ``valid`` ``(B,)`` bool.
     """
 
     def __init__(self, dataset: TokenDataset, n_samples: int, batch_size: int, rank: int, world_size: int,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, fetch: Optional[Fetch] = None):
         if len(dataset) == 0:
-            raise ValueError("the split has no sample of data.seq_len + 1 tokens: use more data or a smaller "
-                             "data.seq_len")
+            raise ValueError("the split has no sample" + (" of data.seq_len + 1 tokens: use more data or a smaller "
+                                                          "data.seq_len" if fetch is None else ": use more data"))
         from torch.utils.data import DistributedSampler
 
         self.dataset, self.batch_size, self.rank, self.world_size, self.device = (dataset, batch_size, rank,
                                                                                   world_size, device)
+        self.fetch = fetch
         order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
         order.set_epoch(0)
         self.order = list(order)[:n_samples or None]
@@ -217,14 +267,16 @@ class EvalBatches:
     def __len__(self) -> int:
         return self.global_batches
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _positions(self) -> list[list[int]]:
+        B, W = self.batch_size, self.world_size
+        return [[g * W * B + self.rank + W * j for j in range(B)] for g in range(self.global_batches)]
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
         import torch
 
-        B, W = self.batch_size, self.world_size
-        for g in range(self.global_batches):
-            positions = [g * W * B + self.rank + W * j for j in range(B)]
-            valid = torch.tensor([p < self.n_samples for p in positions])
-            x, y = self.dataset.batch([self.order[p] if p < self.n_samples else self.order[0] for p in positions])
-            if self.device is not None:
-                x, y, valid = (t.to(self.device, non_blocking=True) for t in (x, y, valid))
-            yield x, y, valid
+        positions = self._positions()
+        indices = [[self.order[p] if p < self.n_samples else self.order[0] for p in ps] for ps in positions]
+        batches = (self.dataset.batch(i) for i in indices) if self.fetch is None else self.fetch(indices)
+        for ps, batch in zip(positions, batches):
+            valid = torch.tensor([p < self.n_samples for p in ps])
+            yield to_device(batch, self.device), to_device(valid, self.device)

@@ -12,7 +12,7 @@ Shapes: token ids ``(B, T)`` int64 -> logits ``(B, T, vocab_size)`` in the compu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -22,18 +22,50 @@ from torch import nn
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 256
-    max_seq_len: int = 256
-    d_model: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: Optional[int] = None
-    d_ff: Optional[int] = None
-    ff_multiple_of: int = 64
-    tie_embeddings: bool = True
+    """The decoder's size and numerics; the keyword arguments of :class:`GPT` (``conf/model/gpt_*.yaml``,
+    ``llama_*.yaml``). Checked on construction: :class:`~hydratrain.errors.ConfigError` naming ``model.<key>``."""
+
+    vocab_size: int = 256  # tokens; in a config, null = the data's (256 bytes, or the tokenizer's padded to 64)
+    max_seq_len: int = 256  # longest sequence the rotary table covers, tokens
+    d_model: int = 128  # residual width
+    n_layer: int = 4  # decoder blocks
+    n_head: int = 4  # query heads; head_dim = d_model // n_head
+    n_kv_head: Optional[int] = None  # key/value heads for grouped-query attention; null = n_head
+    d_ff: Optional[int] = None  # SwiGLU hidden width; null = 8/3 * d_model rounded up to ff_multiple_of
+    ff_multiple_of: int = 64  # rounds the width d_ff=null derives; another value next to d_ff is a config error
+    tie_embeddings: bool = True  # share the token embedding with the output projection
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        from hydratrain.errors import ConfigError
+
+        for f in fields(self):
+            value, kind = getattr(self, f.name), _KINDS[f.name]
+            if value is None and f.name in ("n_kv_head", "d_ff"):
+                continue
+            if kind is bool:
+                if not isinstance(value, bool):
+                    raise ConfigError(f"model.{f.name}", value, "must be true or false")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+                raise ConfigError(f"model.{f.name}", value, f"must be {'an integer' if kind is int else 'a number'}")
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"model.{f.name}", value, "must be finite and > 0")
+            setattr(self, f.name, kind(value))
+        if self.vocab_size < 2:
+            raise ConfigError("model.vocab_size", self.vocab_size, "must be >= 2 (one token has nothing to predict)")
+        if self.d_model % self.n_head:
+            raise ConfigError("model.n_head", self.n_head, f"must divide model.d_model={self.d_model}")
+        if (self.d_model // self.n_head) % 2:
+            raise ConfigError("model.n_head", self.n_head, "head_dim = d_model // n_head must be even for rotary "
+                              "embeddings")
+        if self.d_ff and self.ff_multiple_of != 64:  # it would be ignored, yet recorded as an hparam
+            raise ConfigError("model.ff_multiple_of", self.ff_multiple_of, f"unused with model.d_ff={self.d_ff} (it "
+                              "rounds only the width that d_ff=null derives); drop one of the two")
+        if self.n_head % self.kv_heads:
+            raise ConfigError("model.n_kv_head", self.n_kv_head, f"must divide model.n_head={self.n_head}")
 
     @property
     def head_dim(self) -> int:
@@ -49,6 +81,11 @@ class GPTConfig:
             return self.d_ff
         hidden = int(8 * self.d_model / 3)
         return self.ff_multiple_of * math.ceil(hidden / self.ff_multiple_of)
+
+
+_KINDS = {"vocab_size": int, "max_seq_len": int, "d_model": int, "n_layer": int, "n_head": int, "n_kv_head": int,
+          "d_ff": int, "ff_multiple_of": int, "tie_embeddings": bool, "rope_theta": float, "norm_eps": float,
+          "init_std": float}
 
 
 def rotary_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,11 +166,32 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """The decoder. ``forward(idx (B, T) int64) -> logits (B, T, vocab_size)``; ``T <= max_seq_len``.
 
-    Build on ``torch.device("meta")`` and call :meth:`init_weights` after ``to_empty`` to materialise lazily.
+    ``GPT(GPTConfig(...))`` or ``GPT(**keywords of GPTConfig)`` (how ``conf/model/*.yaml`` builds it, ``_target_:
+    hydratrain.models.GPT``). Build on ``torch.device("meta")`` and call :meth:`init_weights` after ``to_empty`` to
+    materialise lazily; hydratrain initialises it through :meth:`init_param_` (one generator per parameter, so the
+    weights do not depend on how the model is built or sharded).
+
+    Raises :class:`~hydratrain.errors.ConfigError` naming ``model.<key>`` for a keyword :class:`GPTConfig` does
+    not take or a value it refuses.
     """
 
-    def __init__(self, cfg: GPTConfig):
+    #: constructor keywords that change what weights of the same shapes compute: a checkpoint or weights file
+    #: written with other values is refused (:meth:`architecture`)
+    ARCHITECTURE_KEYS = ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "tie_embeddings", "rope_theta",
+                         "norm_eps")
+
+    def __init__(self, cfg: Optional[GPTConfig] = None, **kwargs):
         super().__init__()
+        if cfg is None:
+            unknown = sorted(set(kwargs) - {f.name for f in fields(GPTConfig)})
+            if unknown:
+                from hydratrain.errors import ConfigError
+
+                raise ConfigError(f"model.{unknown[0]}", kwargs[unknown[0]], "not a keyword of hydratrain.models.GPT; "
+                                  f"allowed: {', '.join(f.name for f in fields(GPTConfig))}")
+            cfg = GPTConfig(**{k: v for k, v in kwargs.items() if v is not None or k in ("n_kv_head", "d_ff")})
+        elif kwargs:
+            raise TypeError("GPT takes a GPTConfig or its keywords, not both")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -184,6 +242,21 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin)
         return self.lm_head(self.norm(x))
+
+    @classmethod
+    def architecture(cls, kwargs: dict) -> dict:
+        """``{key: effective value}`` of :data:`ARCHITECTURE_KEYS` for constructor keywords ``kwargs`` (a saved
+        config's model node; absent keys take :class:`GPTConfig`'s defaults): ``n_kv_head`` null is ``n_head``,
+        ``d_ff`` is the width the model builds (null derives it from ``d_model`` and ``ff_multiple_of``), so naming
+        the width a preset derives anyway is no difference."""
+        known = {f.name: f.default for f in fields(GPTConfig)}
+        full = {**known, **{k: v for k, v in kwargs.items() if k in known and (v is not None or k == "d_ff")}}
+        out = {k: full[k] for k in cls.ARCHITECTURE_KEYS}
+        out["n_kv_head"] = full["n_kv_head"] or full["n_head"]
+        if not full["d_ff"] and isinstance(full["d_model"], int):
+            multiple = full["ff_multiple_of"] or 64
+            out["d_ff"] = multiple * math.ceil(int(8 * full["d_model"] / 3) / multiple)
+        return out
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameter count (tied weights counted once); ``exclude_embedding`` drops the lookup-only embedding."""

@@ -1,36 +1,53 @@
-"""Initial weights that do not depend on how the model was built or distributed.
+"""Initial weights for any model, after a build on the meta device and for an eager build: the init protocols.
 
-Every parameter is drawn from its own ``torch.Generator`` seeded by (``trainer.seed``, parameter name), so a model
-built eagerly, one built on the meta device and materialised after sharding, and one sharded over any number of
-ranks all start from the same numbers (on the same device type). This also sidesteps the missing offset-based RNG of
-DTensor on CPU/gloo meshes, where drawing into each rank's shard with the global RNG gives every shard the same
-numbers (the full weight would be world_size copies of one block).
+A model says how it initialises by the first of these it has (the conventions of torchtitan, Lightning and
+composer; hydratrain's own GPT uses the first):
 
-``to_empty`` replaces each Parameter module by module, which unties weights shared between modules (tied input and
-output embeddings): :func:`to_empty_keeping_ties` re-ties them.
+1. ``model.init_param_(name, tensor, generator)``: fill the full-shape ``tensor`` of parameter ``name`` drawing
+   from ``generator`` (and ``model.init_buffers()``, if defined, recomputes buffers). Each parameter gets its own
+   ``torch.Generator`` seeded by (``trainer.seed``, its name), so an eager build, a meta build materialised after
+   sharding and one sharded over any number of ranks start from the same numbers; under FSDP each rank draws one
+   parameter at a time and keeps its slice, so no rank ever holds the whole model.
+2. ``model.init_weights()``: the whole model at once, from the global RNG seeded with ``trainer.seed``. Under FSDP
+   every sharded parameter is lent a full-size tensor for the call (the model is materialised whole on each rank
+   once, then each rank keeps its slices): exact at any world size.
+3. ``reset_parameters()`` of every module that owns parameters or buffers (``torch.nn`` layers have it; BatchNorm's
+   also resets its running statistics), each from the global RNG seeded by (``trainer.seed``, the module's name),
+   lent full-size tensors under FSDP, one module at a time. A module that owns parameters or buffers and has no
+   ``reset_parameters()`` cannot be initialised after a meta build: :func:`uninitialisable` names them.
+
+Protocols 1 and 2 run after an eager build too (so it matches a meta build); protocol 3 does not: an eager build
+keeps what the constructor drew (from the global RNG seeded with ``trainer.seed``, the same on every rank), since a
+constructor may initialise beyond ``reset_parameters()`` and re-running it would undo that.
+
+On CPU/gloo meshes DTensor has no offset-based RNG, so drawing into each rank's shard directly would give every shard
+the same numbers; lending full tensors sidesteps it on every device. ``to_empty`` replaces each Parameter module by
+module, which unties weights shared between modules: :func:`to_empty_keeping_ties` re-ties them.
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
-from typing import Callable
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
+PER_PARAMETER, WHOLE_MODEL, PER_MODULE = "init_param_", "init_weights", "reset_parameters"
 
 
 def canonical_name(name: str) -> str:
-    """A parameter's name without the prefixes wrappers add (activation checkpointing, ``torch.compile``), so its
-    initial values do not depend on which wrappers the run uses."""
+    """A parameter's (or module's) name without the prefixes wrappers add (activation checkpointing,
+    ``torch.compile``), so its initial values do not depend on which wrappers the run uses."""
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
-    return name
+    return name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")
 
 
 def param_seed(seed: int, name: str) -> int:
-    """The seed of parameter ``name``'s generator: a stable mix of the run seed and the canonical name (crc32),
-    < 2**63."""
+    """The seed of parameter (or module) ``name``'s generator: a stable mix of the run seed and the canonical name
+    (crc32), < 2**63."""
     return (seed * 1_000_003 + zlib.crc32(canonical_name(name).encode())) % (2**63 - 1)
 
 
@@ -39,6 +56,125 @@ def generators(seed: int, device: torch.device) -> Callable[[str], torch.Generat
     def make(name: str) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(param_seed(seed, name))
     return make
+
+
+def protocol(model: nn.Module) -> str:
+    """Which init protocol ``model`` follows: :data:`PER_PARAMETER`, :data:`WHOLE_MODEL` or :data:`PER_MODULE`."""
+    if callable(getattr(model, PER_PARAMETER, None)):
+        return PER_PARAMETER
+    if callable(getattr(model, WHOLE_MODEL, None)):
+        return WHOLE_MODEL
+    return PER_MODULE
+
+
+def protocol_of_class(cls: type) -> str:
+    """:func:`protocol` of a model class, before it is built (``init_device=auto`` builds on meta only for the first
+    two)."""
+    if callable(getattr(cls, PER_PARAMETER, None)):
+        return PER_PARAMETER
+    if callable(getattr(cls, WHOLE_MODEL, None)):
+        return WHOLE_MODEL
+    return PER_MODULE
+
+
+def _owns_state(module: nn.Module) -> bool:
+    return any(p is not None for p in module._parameters.values()) or \
+        any(b is not None for b in module._buffers.values())
+
+
+def uninitialisable(model: nn.Module) -> list[str]:
+    """Names (and classes) of the modules that own parameters or buffers but have no ``reset_parameters()``, when
+    the model follows :data:`PER_MODULE` (empty otherwise): after a meta build nothing would initialise them."""
+    if protocol(model) != PER_MODULE:
+        return []
+    return [f"{canonical_name(name) or '<root>'} ({type(m).__name__})" for name, m in model.named_modules()
+            if _owns_state(m) and not callable(getattr(m, "reset_parameters", None))
+            and not hasattr(m, "_checkpoint_wrapped_module")]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _local_slice(p: torch.Tensor):
+    """The index of ``p``'s local shard within its full tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+@contextlib.contextmanager
+def _full_parameters(modules: list[nn.Module]) -> Iterator[None]:
+    """Every DTensor parameter registered directly on ``modules`` replaced by a full-size plain Parameter (fresh
+    storage on the shard's device) for the duration, then each rank's slice copied into its shard and the DTensor put
+    back. Plain parameters are left in place. Tied parameters stay tied (one full tensor for one parameter)."""
+    lent: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}
+    where: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for module in modules:
+        for name, p in module._parameters.items():
+            if p is None or not _is_dtensor(p):
+                continue
+            if id(p) not in lent:
+                local = p.to_local()
+                lent[id(p)] = (p, nn.Parameter(torch.empty(p.shape, dtype=local.dtype, device=local.device),
+                                               requires_grad=p.requires_grad))
+            where.append((module, name, p))
+            module._parameters[name] = lent[id(p)][1]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, full in lent.values():
+                p.to_local().copy_(full[_local_slice(p)])
+        for module, name, p in where:
+            module._parameters[name] = p
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """The global RNG (CPU, and ``device``'s when it is CUDA) seeded with ``seed`` for the duration, restored after."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.manual_seed(seed)
+        yield
+
+
+@torch.no_grad()
+def initialise(model: nn.Module, seed: int, device: torch.device, built_on_meta: bool) -> Optional[str]:
+    """Initialise ``model`` (plain, or sharded by FSDP2: DTensor parameters) by its :func:`protocol`, seeded by
+    ``seed``. ``built_on_meta``: it was built on the meta device and materialised with ``to_empty`` (every
+    parameter and buffer holds garbage); an eager build following :data:`PER_MODULE` is left as its constructor
+    made it. Returns a one-line note of what was done, or None when nothing was."""
+    kind = protocol(model)
+    if kind == PER_PARAMETER:
+        for name, p in model.named_parameters():
+            local = p.to_local() if _is_dtensor(p) else p
+            gen = torch.Generator(device=local.device).manual_seed(param_seed(seed, name))
+            if _is_dtensor(p):
+                full = torch.empty(p.shape, dtype=local.dtype, device=local.device)
+                model.init_param_(name, full, gen)
+                local.copy_(full[_local_slice(p)])
+            else:
+                model.init_param_(name, p, gen)
+        if callable(getattr(model, "init_buffers", None)):
+            model.init_buffers()
+        return None
+    if kind == WHOLE_MODEL:
+        with _seeded(seed, device), _full_parameters(list(model.modules())):
+            model.init_weights()
+        return "initialised by its init_weights()"
+    if not built_on_meta:
+        return None
+    done = 0
+    for name, module in model.named_modules():
+        reset = getattr(module, "reset_parameters", None)
+        if not _owns_state(module) or not callable(reset):
+            continue
+        with _seeded(param_seed(seed, name), device), _full_parameters([module]):
+            reset()
+        done += 1
+    return f"initialised by the reset_parameters() of {done} modules"
 
 
 def tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -139,6 +139,16 @@ class Precision:
         return MixedPrecisionPolicy(param_dtype=None if self.compute_dtype == torch.float32 else self.compute_dtype,
                                     reduce_dtype=self.reduce_dtype, output_dtype=None)
 
+    def float32_policy(self):
+        """FSDP2 ``MixedPrecisionPolicy`` of a module that computes in float32 inside a lower-precision model
+        (BatchNorm, whose running statistics are float32 buffers that its kernel will not mix with low-precision
+        weights; FSDP1 kept it in float32 by default for the same reason): float32 parameters, inputs cast to float32,
+        outputs cast back to the compute dtype so the next layer gets what the others do."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=self.reduce_dtype,
+                                    output_dtype=self.compute_dtype, cast_forward_inputs=True)
+
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         """A ``torch.amp.GradScaler``, enabled only for fp16: always present, so callers need no branches (disabled,
         its ``scale`` returns the loss, ``step`` calls ``optimizer.step`` and ``get_scale`` is 1.0)."""

@@ -6,9 +6,10 @@ meta? gradient sync on or off for this micro-batch? global grad norm and clippin
 module under the wrapper? how many bytes of parameters does this rank hold, or would it hold for a model of N bytes
 on W ranks?).
 
-Model set-up order (as torchtitan's parallelize functions): build (on meta or on the device) -> activation
-checkpointing -> compile -> wrap (DDP, or FSDP2 ``fully_shard`` per wrap policy then the root) -> materialise (meta
-only) -> initialise every parameter from its own seeded generator (:mod:`hydratrain.parallel.init`).
+Model set-up order (as torchtitan's parallelize functions): build (on meta or on the device) -> find the blocks
+(:mod:`hydratrain.parallel.blocks`) -> activation checkpointing -> compile -> wrap (DDP, or FSDP2 ``fully_shard`` per
+wrap policy then the root) -> materialise (meta only) -> initialise by the model's init protocol
+(:mod:`hydratrain.parallel.init`). Nothing here knows which model it sets up.
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from typing import ContextManager, Optional
 import torch
 from torch import nn
 
+from hydratrain.errors import ConfigError
 from hydratrain.parallel import init as param_init
 from hydratrain.parallel.ac_compile import apply_activation_checkpointing, compile_blocks
+from hydratrain.parallel.blocks import Blocks, find_blocks
 from hydratrain.parallel.precision import Precision
 from hydratrain.parallel.wrap_policy import shard_units
 
@@ -40,43 +43,63 @@ class Strategy:
         self.cpu_offload: bool = bool(cfg.strategy.get("cpu_offload", False))
 
     # ---------------------------------------------------------------------------------------------- building
-    def build_on_meta(self) -> bool:
-        """``model.init_device``: meta -> yes; auto -> only for strategies that shard parameters."""
-        init_device = str(self.cfg.model.init_device)
-        return init_device == "meta" or (init_device == "auto" and self.shards_parameters)
+    def init_device(self) -> str:
+        """``model.init_device`` (default auto)."""
+        node = self.cfg.get("model")
+        return str(node.get("init_device", "auto")) if node is not None else "auto"
 
-    def build_device(self, device: torch.device) -> torch.device:
+    def build_on_meta(self, init_protocol: str = param_init.PER_PARAMETER) -> bool:
+        """``model.init_device``: meta -> yes; auto -> for strategies that shard parameters, when the model has an
+        init protocol that covers the whole model (``init_param_`` or ``init_weights``; a model initialised only by
+        its modules' constructors is built eagerly, so no init of its constructor is lost)."""
+        init_device = self.init_device()
+        return init_device == "meta" or (init_device == "auto" and self.shards_parameters
+                                         and init_protocol != param_init.PER_MODULE)
+
+    def build_device(self, device: torch.device, init_protocol: str = param_init.PER_PARAMETER) -> torch.device:
         """Where the model's constructor allocates: meta, the run's device, or ``model.init_device``'s kind."""
-        init_device = str(self.cfg.model.init_device)
-        if self.build_on_meta():
+        init_device = self.init_device()
+        if self.build_on_meta(init_protocol):
             return torch.device("meta")
         if init_device in ("auto", device.type):
             return device
         return torch.device(init_device)
 
-    def parallelize(self, raw: nn.Module, precision: Precision, device: torch.device,
-                    seed: int) -> tuple[nn.Module, str]:
-        """AC, compile and this strategy's wrapping applied to ``raw`` (a ``GPT`` built on :meth:`build_device`),
-        then materialised (when on meta) and initialised from per-parameter generators seeded by ``seed``.
-        Returns (the model to train, a one-line summary)."""
+    def blocks(self, raw: nn.Module) -> Blocks:
+        """The model's blocks (:func:`~hydratrain.parallel.blocks.find_blocks`, ``wrap_policy.block_classes``)."""
+        return find_blocks(raw, self.cfg.wrap_policy.get("block_classes"))
+
+    def parallelize(self, raw: nn.Module, precision: Precision, device: torch.device, seed: int,
+                    built_on_meta: bool = False) -> tuple[nn.Module, str]:
+        """AC, compile and this strategy's wrapping applied to ``raw`` (built on :meth:`build_device`), then
+        materialised (``built_on_meta``) and initialised (:func:`hydratrain.parallel.init.initialise`, seeded by
+        ``seed``). Returns (the model to train, a one-line summary). Raises :class:`ConfigError` when activation
+        checkpointing or compile has no block to apply to."""
         notes = []
+        blocks = self.blocks(raw)
+        for wanted, key in ((self.cfg.activation_checkpointing, "activation_checkpointing"),
+                            (self.cfg.trainer.compile, "trainer.compile")):
+            if wanted and not blocks.modules:
+                raise ConfigError(key, True, "found no blocks in the model to apply it to (no _no_split_modules, no "
+                                  "nn.ModuleList of one class): name them with wrap_policy.block_classes")
         if self.cfg.activation_checkpointing:
-            notes.append(f"activation checkpointing on {apply_activation_checkpointing(raw)} blocks")
+            apply_activation_checkpointing(raw, blocks)
+            notes.append(f"activation checkpointing on {blocks.describe()}")
         if self.cfg.trainer.compile:
-            notes.append(f"compiled {compile_blocks(raw)} blocks")
-        model, note = self._wrap(raw, precision, device, seed)
+            notes.append(f"compiled {compile_blocks(blocks)} blocks")
+        model, note = self._wrap(raw, precision, device, seed, blocks, built_on_meta)
         return model, "; ".join(notes + [note])
 
-    def _wrap(self, raw: nn.Module, precision: Precision, device: torch.device, seed: int):
-        self._materialise_plain(raw, device, seed)
-        return raw, self.name
+    def _wrap(self, raw: nn.Module, precision: Precision, device: torch.device, seed: int, blocks: Blocks,
+              built_on_meta: bool):
+        return raw, "; ".join(filter(None, [self.name, self._materialise_plain(raw, device, seed, built_on_meta)]))
 
     @staticmethod
-    def _materialise_plain(raw: nn.Module, device: torch.device, seed: int) -> None:
-        if any(p.is_meta for p in raw.parameters()):
+    def _materialise_plain(raw: nn.Module, device: torch.device, seed: int, built_on_meta: bool) -> Optional[str]:
+        if any(p.is_meta for p in raw.parameters()) or any(b.is_meta for b in raw.buffers()):
             param_init.to_empty_keeping_ties(raw, device)
         raw.to(device)
-        raw.init_weights(param_init.generators(seed, device))
+        return param_init.initialise(raw, seed, device, built_on_meta)
 
     # ------------------------------------------------------------------------------------------- the loop
     def autocast(self, precision: Precision, device: torch.device) -> ContextManager:
@@ -107,6 +130,11 @@ class Strategy:
         """The user's module under any wrapper (DDP's ``.module``; FSDP2 and AC keep the module itself)."""
         return model
 
+    def sync_buffers(self, model: nn.Module) -> None:
+        """Make the model's persistent buffers (BatchNorm's running statistics) rank 0's on every rank, before an
+        eval or a save reads them (every rank calls). DDP already does it before each forward; FSDP leaves each
+        rank its own, so the eval would mix per-rank statistics and a checkpoint would hold rank 0's alone."""
+
     def local_param_bytes(self, model: nn.Module) -> int:
         """Bytes of parameter storage this rank holds (its shards under FSDP)."""
         return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -133,27 +161,30 @@ class DDP(Strategy):
     name = "ddp"
     needs_process_group = True
 
-    def _wrap(self, raw, precision, device, seed):
+    def _wrap(self, raw, precision, device, seed, blocks, built_on_meta):
         from torch.nn.parallel import DistributedDataParallel
 
-        self._materialise_plain(raw, device, seed)
-        # No buffer sync before each forward: DDP would otherwise send rank 0's buffers to every rank every step (1.6
-        # ms per step for gpt_tiny on gloo, 31 broadcasts in a 30-step profile); the model's only buffers are the
-        # rotary tables, computed identically on every rank and never changed by training. torch 2.13 renamed the
+        init_note = self._materialise_plain(raw, device, seed, built_on_meta)
+        # Buffer sync before each forward only for buffers that training changes: DDP would otherwise send rank 0's
+        # buffers to every rank every step (1.6 ms per step for gpt_tiny on gloo, 31 broadcasts in a 30-step
+        # profile), and buffers computed identically on every rank and never changed by training (rotary tables:
+        # non-persistent) need none. Persistent buffers (BatchNorm's running statistics) do: without the sync each
+        # rank would keep its own statistics and the checkpoint would hold rank 0's only. torch 2.13 renamed the
         # switch (forward_sync_buffers; broadcast_buffers warns there).
         import inspect
 
         renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         no_sync = "forward_sync_buffers" if renamed else "broadcast_buffers"
+        persistent = any(not isinstance(v, nn.Parameter) for v in raw.state_dict(keep_vars=True).values())
         model = DistributedDataParallel(raw, device_ids=[device.index] if device.type == "cuda" else None,
                                         bucket_cap_mb=self.cfg.strategy.bucket_cap_mb,
                                         find_unused_parameters=self.cfg.strategy.find_unused_parameters,
-                                        **{no_sync: False})
+                                        **{no_sync: persistent})
         note = "ddp"
         if precision.reduce_dtype != torch.float32:
             model.register_comm_hook(None, _all_reduce_in(precision.reduce_dtype))
             note += f", gradients all-reduced in {str(precision.reduce_dtype).removeprefix('torch.')}"
-        return model, note
+        return model, "; ".join(filter(None, [note, init_note]))
 
     def grad_sync(self, model, enabled):
         return contextlib.nullcontext() if enabled else model.no_sync()
@@ -201,57 +232,70 @@ class FSDP(Strategy):
 
         return init_device_mesh(device.type, (dist.get_world_size(),))
 
-    def _wrap(self, raw, precision, device, seed):
+    def _wrap(self, raw, precision, device, seed, blocks, built_on_meta):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        scfg = self.cfg.strategy
+        scfg, policy = self.cfg.strategy, str(self.cfg.wrap_policy.name)
         mesh = self._mesh(device)
         kwargs = dict(mesh=mesh, reshard_after_forward=scfg.reshard_after_forward,
                       mp_policy=precision.mixed_precision_policy())
         if scfg.cpu_offload:
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        units = shard_units(raw, self.cfg.wrap_policy)
-        if not units and str(self.cfg.wrap_policy.name) == "size_based":
+        if policy == "transformer_block" and not blocks.modules:
+            raise ConfigError("wrap_policy", policy, "found no blocks in the model (no _no_split_modules, no "
+                              "nn.ModuleList of one class): name them with wrap_policy.block_classes, or use "
+                              "wrap_policy=size_based")
+        units = shard_units(raw, self.cfg.wrap_policy, blocks)
+        if not units and policy == "size_based":
             largest = max((sum(p.numel() for p in m.parameters()) for m in raw.modules() if m is not raw), default=0)
             log.warning("wrap_policy.min_num_params=%d wraps nothing (the largest submodule holds %d parameters): "
                         "FSDP shards the model as one unit, as wrap_policy=none does, and gathers all of it at once; "
                         "lower min_num_params, or use wrap_policy=transformer_block",
                         self.cfg.wrap_policy.min_num_params, largest)
+        if not units and policy == "auto" and not blocks.modules:
+            log.warning("wrap_policy=auto found no blocks in the model (no _no_split_modules, no nn.ModuleList of "
+                        "one class): FSDP shards it as one unit and gathers all of it at once; name them with "
+                        "wrap_policy.block_classes, or use wrap_policy=size_based")
         ties = param_init.tied_parameters(raw)
+        norms = []
+        if precision.compute_dtype != torch.float32:  # BatchNorm computes in float32 (Precision.float32_policy)
+            from torch.nn.modules.batchnorm import _BatchNorm
+
+            norms = [m for m in raw.modules() if isinstance(m, _BatchNorm) and m is not raw
+                     and any(p is not None for p in m._parameters.values())]
+            for norm in norms:
+                fully_shard(norm, **{**kwargs, "mp_policy": precision.float32_policy()})
         for unit in units:
             fully_shard(unit, **kwargs)
         # The root holds what no unit took; it is never resharded after forward since backward needs it at once.
         fully_shard(raw, **{**kwargs, "reshard_after_forward": False if units else scfg.reshard_after_forward})
-        if any(p.is_meta for p in raw.parameters()):
+        if any(p.is_meta for p in raw.parameters()) or any(b.is_meta for b in raw.buffers()):
             raw.to_empty(device="cpu" if scfg.cpu_offload else device)
         param_init.retie(ties)
         param_init.move_buffers(raw, device)
-        self._init_shards(raw, seed)
-        return raw, (f"{self.name}: sharded {len(units) + 1} modules ({len(units)} by wrap_policy="
-                     f"{self.cfg.wrap_policy.name} + root){self._mesh_note(mesh)}, reshard_after_forward="
-                     f"{scfg.reshard_after_forward}, cpu_offload={scfg.cpu_offload}")
+        init_note = param_init.initialise(raw, seed, device, built_on_meta)
+        what = blocks.describe() if policy in ("auto", "transformer_block") and units else f"{len(units)}"
+        what += f" + {len(norms)} BatchNorm in float32" if norms else ""
+        return raw, (f"{self.name}: sharded {len(units) + len(norms) + 1} modules ({what} by wrap_policy={policy} + "
+                     "root)"
+                     f"{self._mesh_note(mesh)}, reshard_after_forward={scfg.reshard_after_forward}, cpu_offload="
+                     f"{scfg.cpu_offload}" + (f"; {init_note}" if init_note else ""))
 
     def _mesh_note(self, mesh) -> str:
         return ""
 
-    @staticmethod
-    @torch.no_grad()
-    def _init_shards(raw: nn.Module, seed: int) -> None:
-        """Initialise each DTensor parameter's local shard with the slice of the full tensor its generator gives
-        (every rank draws the full parameter, one parameter at a time, and keeps its slice: no communication)."""
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        for name, p in raw.named_parameters():
-            local = p.to_local()
-            full = torch.empty(p.shape, dtype=local.dtype, device=local.device)
-            gen = torch.Generator(device=local.device).manual_seed(param_init.param_seed(seed, name))
-            raw.init_param_(name, full, gen)
-            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
-        raw.init_buffers()
-
     def autocast(self, precision, device):
         return contextlib.nullcontext()
+
+    def sync_buffers(self, model):
+        import torch.distributed as dist
+
+        if dist.get_world_size() == 1:
+            return
+        buffers = [v for v in model.state_dict(keep_vars=True).values()
+                   if not isinstance(v, nn.Parameter) and isinstance(v, torch.Tensor)]
+        for buf in buffers:
+            dist.broadcast(buf.data, src=0)
 
     def grad_sync(self, model, enabled):
         model.set_requires_gradient_sync(enabled)
@@ -318,17 +362,28 @@ def build_strategy(cfg) -> Strategy:
     return STRATEGIES[str(cfg.strategy.name)](cfg)
 
 
-def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.device, vocab_size: int):
-    """The GPT of ``cfg.model`` with ``vocab_size`` tokens (resolved from the data when ``model.vocab_size`` is
-    null), built where ``strategy`` says, parallelized and initialised.
+def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.device, vocab_size: Optional[int]):
+    """The model of ``cfg.model`` (:func:`hydratrain.components.build_model`; a ``vocab_size`` keyword that is null
+    gets ``vocab_size``), built where ``strategy`` says, parallelized and initialised.
 
-    Returns (model to train, the plain GPT under any wrapper, parameter count, summary line).
+    Returns (model to train, the plain module under any wrapper, parameter count, summary line). Raises
+    :class:`ConfigError`: a meta build of a model that nothing could initialise (:func:`~hydratrain.parallel.init.
+    uninitialisable`), or what the build raised.
     """
-    from hydratrain.models.gpt import GPT, GPTConfig
+    from hydratrain import components
 
-    gcfg = GPTConfig(**{**{k: cfg.model[k] for k in GPTConfig.__dataclass_fields__}, "vocab_size": vocab_size})
-    with torch.device(strategy.build_device(device)):
-        raw = GPT(gcfg)
-    n_params = raw.num_params()
-    model, summary = strategy.parallelize(raw, precision, device, cfg.trainer.seed)
+    kind = param_init.protocol_of_class(components.model_class(cfg))
+    build_device = strategy.build_device(device, kind)
+    raw = components.build_model(cfg, build_device, vocab_size)
+    on_meta = build_device.type == "meta"
+    if on_meta:
+        lacking = param_init.uninitialisable(raw)
+        if lacking:
+            shown = ", ".join(lacking[:4]) + (f" and {len(lacking) - 4} more" if len(lacking) > 4 else "")
+            raise ConfigError("model.init_device", strategy.init_device(), f"built on meta, the model must be "
+                              f"initialised after sharding, but {shown} own parameters or buffers without a "
+                              "reset_parameters() (and the model has no init_weights()): give them one, or build it "
+                              "with storage: model.init_device=cpu (or cuda)")
+    n_params = sum(p.numel() for p in raw.parameters())
+    model, summary = strategy.parallelize(raw, precision, device, cfg.trainer.seed, built_on_meta=on_meta)
     return model, raw, n_params, summary

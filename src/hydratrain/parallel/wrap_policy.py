@@ -1,15 +1,19 @@
 """Which submodules FSDP shards as their own unit (their own all-gather / reduce-scatter) before the root.
 
-- ``transformer_block`` (and ``auto``, the default): every decoder block (``hydratrain.models.Block``).
+- ``transformer_block`` (and ``auto``, the default): every block of the model
+  (:func:`hydratrain.parallel.blocks.find_blocks`: ``wrap_policy.block_classes``, a Hugging Face model's
+  ``_no_split_modules``, or the class of the children of its largest ``nn.ModuleList``).
 - ``size_based``: walking the module tree children-first, a module whose parameters not yet in a unit number at
   least ``wrap_policy.min_num_params`` becomes a unit (the rule of FSDP1's ``size_based_auto_wrap_policy``).
 - ``none``: the root only.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
-from hydratrain.models import Block
+from hydratrain.parallel.blocks import Blocks, find_blocks
 
 
 def size_based_units(model: nn.Module, min_num_params: int) -> list[nn.Module]:
@@ -41,12 +45,16 @@ def _shared_parameters(model: nn.Module) -> set[int]:
     return {pid for pid, n in seen.items() if n > 1}
 
 
-def shard_units(model: nn.Module, wrap_policy_cfg) -> list[nn.Module]:
-    """The submodules that ``wrap_policy`` gives their own ``fully_shard`` call (the root excluded). A tied weight
-    must live in one unit, so a unit that owns only some of a tied weight's modules is dropped (the root keeps it)."""
+def shard_units(model: nn.Module, wrap_policy_cfg, blocks: Optional[Blocks] = None) -> list[nn.Module]:
+    """The submodules that ``wrap_policy`` gives their own ``fully_shard`` call (the root excluded); ``blocks``: the
+    model's (default: :func:`~hydratrain.parallel.blocks.find_blocks` with ``wrap_policy.block_classes``). A tied
+    weight must live in one unit, so a unit that owns only some of a tied weight's modules is dropped (the root keeps
+    it)."""
     name = str(wrap_policy_cfg.name)
     if name in ("transformer_block", "auto"):
-        units = [m for m in model.modules() if isinstance(m, Block)]
+        if blocks is None:
+            blocks = find_blocks(model, wrap_policy_cfg.get("block_classes"))
+        units = list(blocks.modules)
     elif name == "size_based":
         units = size_based_units(model, wrap_policy_cfg.min_num_params)
     else:

@@ -1,46 +1,65 @@
-"""Evaluation over the fixed eval set (``hydratrain.data.streams.EvalBatches``): the same samples, each counted once,
-whatever the world size and batch size, so ``eval/loss`` is comparable across the runs of a sweep that varies them.
+"""Evaluation over the fixed eval set (:class:`hydratrain.data.streams.EvalBatches`): the same samples, each counted
+once, whatever the world size and batch size, so ``eval/*`` is comparable across the runs of a sweep that varies
+them.
 """
 from __future__ import annotations
 
 import math
-from typing import ContextManager
+from typing import Callable, ContextManager, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hydratrain.train.batch import forward, loss_of, prediction, rows, select, targets_of
 
 
 class Evaluator:
-    """Mean next-token loss and perplexity of a model over ``eval_batches``, synced across ranks by torchmetrics.
+    """``eval/loss`` (the run's loss over the eval set), ``eval/perplexity`` (``exp`` of it, when the loss has
+    ``perplexity = True``: the next-token loss) and each metric of ``metrics`` (``{name: torchmetrics.Metric}``,
+    updated with ``(outputs, targets)`` of every sample), all synced across ranks by torchmetrics' ``compute()``
+    (every rank calls).
 
-    The loss is the sum of the valid (non-padding) tokens' losses over their count, both kept by
-    ``torchmetrics.SumMetric`` and reduced over all ranks by its ``compute()`` (every rank calls); perplexity is
-    ``exp`` of that mean (the definition torchmetrics' ``Perplexity`` computes, without a second softmax over the
-    logits). (``MeanMetric``'s weights cannot mask the padding: with ``nan_strategy="disable"`` torchmetrics 1.9
-    replaces them with ones.)
+    The loss is the mean over samples of each batch's mean loss, weighted by the batch's samples (for a language
+    model: the mean over tokens, every sample having ``seq_len`` of them), kept as two ``torchmetrics.SumMetric`` in
+    float64. The padding of the last global batch is left out by running the forward on the valid rows only (a
+    rank with none runs the whole padded batch, so every rank runs as many forwards as FSDP needs, and discards it).
     """
 
-    def __init__(self, eval_batches, device: torch.device):
-        self.batches, self.device = eval_batches, device
+    def __init__(self, eval_batches, device: torch.device, loss_fn: Callable, metrics: Optional[dict] = None):
+        self.batches, self.device, self.loss_fn = eval_batches, device, loss_fn
+        self.metrics = {name: m.to(device) for name, m in (metrics or {}).items()}
+        self.perplexity = bool(getattr(loss_fn, "perplexity", False))
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, autocast: ContextManager) -> tuple[float, float]:
-        """(mean loss in nats/token, perplexity) of ``model`` (every rank calls; the model is put back in train
-        mode)."""
+    def evaluate(self, model: nn.Module, autocast: ContextManager) -> dict:
+        """``{"loss": nats, "perplexity": exp(loss) (when reported), name: value per metric}`` of ``model`` (every
+        rank calls; the model is put back in train mode)."""
         from torchmetrics import SumMetric
 
         loss_sum = SumMetric(nan_strategy="disable").to(self.device)
-        tokens = SumMetric(nan_strategy="disable").to(self.device)
+        samples = SumMetric(nan_strategy="disable").to(self.device)
         was_training = model.training
         model.eval()
-        for x, y, valid in self.batches:
-            with autocast:
-                logits = model(x)
-            token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
-            mask = valid[:, None].expand_as(token_loss)
-            loss_sum.update(torch.where(mask, token_loss, torch.zeros_like(token_loss)).sum(dtype=torch.float64))
-            tokens.update(mask.sum(dtype=torch.float64))
+        for batch, valid in self.batches:
+            n_valid = int(valid.sum())
+            if n_valid == 0:
+                forward(model, batch, autocast)  # this rank's share is padding: the forward FSDP needs, discarded
+                continue
+            if n_valid < rows(batch):
+                batch = select(batch, valid)
+            outputs = forward(model, batch, autocast)
+            loss = loss_of(outputs, batch, self.loss_fn)
+            loss_sum.update(loss.detach().to(torch.float64) * n_valid)
+            samples.update(torch.tensor(float(n_valid), dtype=torch.float64, device=self.device))
+            for metric in self.metrics.values():
+                metric.update(prediction(outputs), targets_of(batch))
         model.train(was_training)
-        loss = (loss_sum.compute() / tokens.compute()).item()
-        return loss, math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
+        loss = (loss_sum.compute() / samples.compute()).item()
+        out = {"loss": loss}
+        if self.perplexity:
+            out["perplexity"] = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
+        for name, metric in self.metrics.items():
+            value = metric.compute()
+            out[name] = float(value.float().mean()) if isinstance(value, torch.Tensor) else float(value)
+            metric.reset()
+        return out

@@ -1,7 +1,7 @@
-"""What a finished run leaves in its run dir: ``model.safetensors`` (full weights), a generated sample, the hparams
-row in TensorBoard and ``results.json``. Every rank calls :func:`write_outputs` (gathering weights and sampling are
-collective); rank 0 writes the files.
-"""
+"""What a finished run leaves in its run dir: ``model.safetensors`` (full weights, the model's own parameter names, so
+``model.load_state_dict(load_file(path), strict=True)`` loads them into its class), a generated sample (language
+models on token data), the hparams row in TensorBoard and ``results.json``. Every rank calls :func:`write_outputs`
+(gathering weights and sampling are collective); rank 0 writes the files."""
 from __future__ import annotations
 
 import contextlib
@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from hydratrain.train.batch import prediction
+
 log = logging.getLogger("hydratrain")
 
-HPARAM_KEYS = ["model.name", "model.d_model", "model.n_layer", "data.name", "data.seq_len", "data.batch_size",
-               "strategy.name", "precision.name", "wrap_policy.name", "optim.lr", "optim.weight_decay",
-               "scheduler.name", "trainer.max_steps", "trainer.grad_accum_steps", "trainer.seed",
+HPARAM_KEYS = ["data.seq_len", "data.batch_size", "strategy.name", "precision.name", "wrap_policy.name", "optim.lr",
+               "optim.weight_decay", "scheduler.name", "trainer.max_steps", "trainer.grad_accum_steps", "trainer.seed",
                "activation_checkpointing"]
 
 
@@ -36,8 +37,18 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     the resolved precision, the world size, and every command-line override of this Hydra job (so any swept key is
     a column), with the config's typed value (``optim.lr`` -> 0.001, ``activation_checkpointing`` -> True, a null
     -> None) or the chosen option (``strategy`` -> ddp). None stays None (null in results.json, a blank cell in
-    TensorBoard), so a key swept over null and numbers is one number column, not numbers beside a string "null"."""
-    out = {k: _plain(OmegaConf.select(cfg, k)) for k in HPARAM_KEYS}
+    TensorBoard), so a key swept over null and numbers is one number column, not numbers beside a string "null".
+    The components are columns too: ``model`` (its option or class), every scalar keyword of the model node
+    (``model.d_model``, a user model's ``model.hidden``), ``data`` and ``loss``."""
+    from hydratrain import components
+
+    out = {"model": components.model_name(cfg)}
+    for key, value in components.model_kwargs(cfg).items():
+        if value is None or isinstance(value, (int, float, str, bool)):
+            out[f"model.{key}"] = value
+    out["data"] = _choice("data", cfg.data.get("name") or cfg.data.get("_target_"))
+    out["loss"] = _choice("loss", cfg.loss.get("_target_"))
+    out.update({k: _plain(OmegaConf.select(cfg, k)) for k in HPARAM_KEYS})
     out["precision.resolved"] = precision_name
     out["world_size"] = world_size
     from hydra.core.hydra_config import HydraConfig
@@ -52,17 +63,33 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     return out
 
 
-def model_config_json(raw: torch.nn.Module) -> str:
-    """The GPT's resolved config (vocab size included) as JSON: what rebuilds the model without the run config."""
-    from dataclasses import asdict
+def _choice(group: str, default) -> str:
+    """The option chosen for ``group`` (Hydra's runtime choices), else ``default``."""
+    from hydra.core.hydra_config import HydraConfig
 
-    return json.dumps(asdict(raw.cfg))
+    if HydraConfig.initialized() and HydraConfig.get().runtime.choices.get(group):
+        return str(HydraConfig.get().runtime.choices[group])
+    return str(_plain(default))
 
 
-def model_files(raw: torch.nn.Module, tokenizer) -> dict:
+def model_record(cfg: DictConfig, vocab_size: Optional[int]) -> dict:
+    """The model as built: ``_target_`` and its keyword arguments, the data's vocabulary filled in (hydratrain's own
+    keys left out): what rebuilds it without the run config (``hydra.utils.instantiate(record)``)."""
+    from hydratrain import components
+
+    return {"_target_": cfg.model.get("_target_"), **components.model_kwargs(cfg, vocab_size)}
+
+
+def model_config_json(cfg: DictConfig, vocab_size: Optional[int]) -> str:
+    """:func:`model_record` as JSON (``model.json`` in every checkpoint, ``model_config`` in the weights file's
+    header)."""
+    return json.dumps(model_record(cfg, vocab_size), default=str)
+
+
+def model_files(cfg: DictConfig, vocab_size: Optional[int], tokenizer) -> dict:
     """Files every checkpoint carries besides the tensors: ``model.json`` (:func:`model_config_json`) and, for
     subword data, ``tokenizer.json`` (the path of the file to copy)."""
-    files = {"model.json": model_config_json(raw)}
+    files = {"model.json": model_config_json(cfg, vocab_size)}
     if tokenizer is not None:
         files["tokenizer.json"] = Path(tokenizer.path)
     return files
@@ -88,21 +115,23 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Op
 
 @torch.no_grad()
 def sample(model: torch.nn.Module, prompt: list[int], n_tokens: int, device: torch.device, autocast, seed: int,
-           temperature: float = 0.8, top_k: int = 40) -> list[int]:
+           max_context: int, temperature: float = 0.8, top_k: int = 40) -> list[int]:
     """Generate ``n_tokens`` token ids after ``prompt`` with ``model`` (the module under any DDP wrapper; an FSDP
-    module itself); every rank calls, rank 0's draws win.
+    module itself; ``(B, T)`` ids -> ``(B, T, vocab)`` logits, or an output with ``.logits``), feeding it at most the
+    last ``max_context`` tokens; every rank calls, rank 0's draws win.
 
     Each token is drawn on rank 0 from the top-k softmax at ``temperature`` and broadcast, so sharded (FSDP)
     forwards stay in lockstep. Returns prompt + generated ids.
     """
     was_training = model.training
     model.eval()
-    max_len = model.cfg.max_seq_len
+    max_len = max_context
     idx = torch.tensor([prompt], dtype=torch.long, device=device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for _ in range(n_tokens):
         with autocast:
-            logits = model(idx[:, -max_len:])[0, -1].float().cpu()
+            out = model(idx[:, -max_len:])
+        logits = prediction(out)[0, -1].float().cpu()
         vals, ids = torch.topk(logits / temperature, min(top_k, logits.numel()))
         nxt = ids[torch.multinomial(torch.softmax(vals, -1), 1, generator=gen)].to(device).view(1, 1)
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -123,12 +152,21 @@ def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, a
         prompt = tokenizer.encode(text) or [0]
     else:
         prompt = list(text.encode()) if byte_level else [0]
-    ids = sample(model, prompt, cfg.trainer.sample_tokens, device, autocast, cfg.trainer.seed)
+    context = cfg.model.get("max_seq_len") or cfg.data.seq_len
+    ids = sample(model, prompt, cfg.trainer.sample_tokens, device, autocast, cfg.trainer.seed, context)
     if tokenizer is not None:
         return tokenizer.decode(ids)
     if byte_level:
         return bytes(t % 256 for t in ids).decode("utf-8", errors="replace")
     return "token ids: " + " ".join(map(str, ids))
+
+
+def language_model(cfg: DictConfig) -> bool:
+    """Whether the run trains a language model on token data (a built-in corpus and a loss that reports perplexity,
+    the next-token loss): only then is there a text sample to generate."""
+    from hydratrain.data.loader import is_dataset_node
+
+    return not is_dataset_node(cfg.data) and OmegaConf.select(cfg, "loss._target_") == "hydratrain.losses.NextTokenLoss"
 
 
 def printable(text: str) -> str:
@@ -148,8 +186,12 @@ def results_payload(result, hparams: dict, previous: Optional[Path] = None) -> t
     memory, so nothing measured before is lost and no NaN takes its place; but only when that results.json is of the
     step it resumed at: one of a later step (the run went on past its newest checkpoint) describes steps that are
     no longer the run's, so those figures stay null."""
+    def finite(v):
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
     payload = {**result.__dict__, "hparams": hparams}
-    payload = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in payload.items()}
+    payload = {k: ({m: finite(x) for m, x in v.items()} if k == "eval_metrics" else finite(v))
+               for k, v in payload.items()}
     carried: list[str] = []
     if getattr(result, "steps_this_launch", 1) == 0 and previous is not None and previous.exists():
         try:
@@ -181,8 +223,13 @@ def done_line(payload: dict, carried: list[str]) -> str:
     if p.get("train_loss") is not None:
         parts.append(f"train loss {p['train_loss']:.4f}"
                      + (f" (step 1: {p['first_loss']:.4f})" if p.get("first_loss") is not None else ""))
-    for key, fmt in (("eval_loss", "eval loss {:.4f}"), ("eval_perplexity", "perplexity {:.2f}"),
-                     ("tokens_per_sec", "{:.0f} tokens/s"), ("mfu", "mfu {:.2%}")):
+    for key, fmt in (("eval_loss", "eval loss {:.4f}"), ("eval_perplexity", "perplexity {:.2f}")):
+        if p.get(key) is not None:
+            parts.append(fmt.format(p[key]))
+    parts += [f"{name} {value:.4g}" for name, value in (p.get("eval_metrics") or {}).items() if value is not None]
+    rate = ("tokens_per_sec", "{:.0f} tokens/s") if p.get("tokens_per_sec") is not None else \
+        ("samples_per_sec", "{:.1f} samples/s")
+    for key, fmt in (rate, ("mfu", "mfu {:.2%}")):
         if p.get(key) is not None:
             parts.append(fmt.format(p[key]))
     parts.append(f"peak memory {p['peak_memory_bytes'] / 1e6:.1f} MB, skipped steps {p['skipped_steps']}")
@@ -193,7 +240,7 @@ def done_line(payload: dict, carried: list[str]) -> str:
 
 
 def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, tb,
-                  tokenizer=None) -> None:
+                  tokenizer=None, vocab_size: Optional[int] = None) -> None:
     """Weights (with the tokenizer next to them), sample, hparams row and results.json of a finished run (every rank
     calls), then close ``tb``. The hparams metrics are the figures results.json gets (:func:`results_payload`).
 
@@ -204,11 +251,11 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
     with _keep_going(refused, run_dir):
         if cfg.trainer.save_weights:
             path = save_weights(model, run_dir / "model.safetensors", info.is_main,
-                                {"model_config": model_config_json(raw)})
+                                {"model_config": model_config_json(cfg, vocab_size)})
             if path:
                 saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
                 log.info("wrote full model weights to %s%s", path, saved)
-    if cfg.trainer.sample_tokens:
+    if cfg.trainer.sample_tokens and language_model(cfg):
         started = time.perf_counter()
         log.info("sampling %d tokens (trainer.sample_tokens) ...", cfg.trainer.sample_tokens)  # seconds to minutes
         text = printable(sample_text(cfg, strategy.unwrap(model), info.device,
@@ -219,7 +266,9 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
             tb.text("sample", text, result.steps)
     hparams = hparams_of(cfg, info.world_size, precision.name)
     payload, carried = results_payload(result, hparams, run_dir / "results.json" if info.is_main else None)
-    metrics = {k: payload[k] for k in ("train_loss", "eval_loss", "eval_perplexity", "tokens_per_sec", "mfu")}
+    metrics = {k: payload[k] for k in ("train_loss", "eval_loss", "eval_perplexity", "tokens_per_sec",
+                                       "samples_per_sec", "mfu")}
+    metrics.update({f"eval/{k}": v for k, v in (payload.get("eval_metrics") or {}).items()})
     metrics["peak_memory_bytes"] = float(payload["peak_memory_bytes"])
     with _keep_going(refused, run_dir):
         tb.hparams(hparams, metrics, result.steps)

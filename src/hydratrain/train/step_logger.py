@@ -8,9 +8,10 @@ Each logged scalar means exactly this (README, "Logged metrics"):
   of its loss averages: its loss is usually NaN and would hide the other steps'; NaN when every step was dropped.
 - ``train/lr``: the learning rate the optimizer update of that step used.
 - ``train/grad_norm``: that step's global L2 gradient norm before clipping (all ranks and shards).
-- ``perf/tokens_per_sec``: tokens of all ranks over the wall time of the window's steps, eval and checkpoint time
-  excluded (:meth:`StepLogger.paused`); ``perf/mfu``: the same as a fraction of the peak (``hydratrain.metrics``;
-  not logged when the peak is not known).
+- ``perf/tokens_per_sec`` (token data; ``perf/samples_per_sec`` for a dataset): tokens of all ranks over the wall
+  time of the window's steps, eval and checkpoint time excluded (:meth:`StepLogger.paused`); ``perf/mfu``: the
+  model FLOPs of those tokens (or samples) as a fraction of the peak (``hydratrain.metrics``; not logged when the
+  peak is not known).
 - ``perf/data_wait``: the share of that time rank 0 spent waiting for its next micro-batch (the loader works one
   batch ahead, so this stays near 0).
 - ``mem/peak``: this rank's peak memory so far in bytes (``hydratrain.metrics.peak_memory_bytes``).
@@ -50,8 +51,11 @@ class StepLogger:
     Args:
         run_dir: TensorBoard events go to ``<run_dir>/tensorboard`` (rank 0, when ``tensorboard``).
         device: where the window's loss sum lives.
-        tokens_per_step: tokens of all ranks per optimizer step.
-        flops_per_token, peak_flops_total: for MFU (peak of all ranks together, FLOP/s).
+        tokens_per_step: items (tokens, or samples: ``unit``) of all ranks per optimizer step.
+        flops_per_token, peak_flops_total: for MFU: training FLOPs per item, and the peak of all ranks together
+            (FLOP/s).
+        unit: ``tokens`` (token data) or ``samples``; names the throughput scalar ``perf/<unit>_per_sec``.
+        tokens_per_sample: items per sample (``seq_len`` for tokens, 1 for samples).
         log_every: log every this many steps (and at step 1 and the last step).
         is_main: rank 0 (writes TensorBoard, shows the bar).
         progress: where the window folded at a checkpoint save is kept (``window_loss_sum``, ``window_steps``: the
@@ -60,8 +64,10 @@ class StepLogger:
 
     def __init__(self, run_dir: Path, device: torch.device, tokens_per_step: int, flops_per_token: float,
                  peak_flops_total: float, log_every: int, max_steps: int, is_main: bool, tensorboard: bool,
-                 progress_bar: bool, progress: Optional[object] = None):
+                 progress_bar: bool, progress: Optional[object] = None, unit: str = "tokens",
+                 tokens_per_sample: int = 1):
         self.progress = progress if progress is not None else SimpleNamespace(window_loss_sum=0.0, window_steps=0)
+        self.unit, self.tokens_per_sample = unit, tokens_per_sample
         self.device, self.tokens_per_step = device, tokens_per_step
         self.log_every, self.max_steps = log_every, max_steps
         self.flops_per_token, self.peak = flops_per_token, peak_flops_total
@@ -205,8 +211,8 @@ class StepLogger:
             self.rates.append((tps, mfu, wait))
             for i, value in enumerate((self._tokens, seconds, self._data_s)):
                 self._timed_total[i] += value
-            scalars.update({"perf/tokens_per_sec": tps, "perf/data_wait": wait})
-            msg += f" tokens/s {tps:,.0f}"
+            scalars.update({f"perf/{self.unit}_per_sec": tps, "perf/data_wait": wait})
+            msg += f" {self.unit}/s {tps:,.0f}"
             if math.isfinite(mfu):  # no peak FLOP/s known: no MFU, rather than NaN
                 scalars["perf/mfu"] = mfu
                 msg += f" mfu {mfu:.2%}"

@@ -1,17 +1,19 @@
-"""The training loop: gradient accumulation, clipping, loss scaling, the non-finite guard, lr schedule, eval,
-periodic checkpoints and preemption.
+"""The training loop: gradient accumulation, clipping, loss scaling, the non-finite guard, lr schedule, eval, periodic
+checkpoints and preemption.
 
 One optimizer step = ``trainer.grad_accum_steps`` micro-batches of ``data.batch_size`` samples on every rank, i.e.
-``grad_accum_steps * batch_size * seq_len * world_size`` tokens. Gradient sync runs only on the last micro-batch
-(the strategy's ``grad_sync``). Every rank constructs the :class:`Trainer` and calls every method together.
+``grad_accum_steps * batch_size * world_size`` samples (times ``seq_len`` tokens for token data). A batch meets the
+model and the loss as :mod:`hydratrain.train.batch` says; the first micro-batch of a launch checks that contract, so
+a forward that refuses the batch or a loss that refuses the outputs is a one-line config error on every rank.
+Gradient sync runs only on the last micro-batch (the strategy's ``grad_sync``). Every rank constructs the
+:class:`Trainer` and calls every method together.
 
 Non-finite guard (``trainer.on_nonfinite``, :mod:`hydratrain.train.nonfinite`): a step whose global gradient norm is
 not finite has its update dropped on the device (``stop``: that update and every one after it, until the next log
 step raises :class:`~hydratrain.errors.DivergenceError`; ``skip``: that update, counted, until
-``trainer.max_consecutive_nonfinite`` in a row). With a fused optimizer (``optim.impl=auto``'s choice on CPU and CUDA)
-the loop reads nothing from the device between log steps: the guard's counts are read where the loop synchronises
-anyway (a log step, an eval, a checkpoint save, the end).
-"""
+``trainer.max_consecutive_nonfinite`` in a row). With a fused optimizer (``optim.impl=auto``'s choice on CPU and
+CUDA) the loop reads nothing from the device between log steps: the guard's counts are read where the loop
+synchronises anyway (a log step, an eval, a checkpoint save, the end)."""
 from __future__ import annotations
 
 import logging
@@ -21,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hydratrain import timing
 from hydratrain.checkpoint.preemption import hold_sigterm
-from hydratrain.errors import DivergenceError
+from hydratrain.errors import ConfigError, DivergenceError
+from hydratrain.train import batch as batches_
 from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
 
 log = logging.getLogger("hydratrain.trainer")
@@ -69,7 +71,10 @@ class FitResult:
     train_loss: float = math.nan  # mean train loss of the last logging window
     eval_loss: float = math.nan
     eval_perplexity: float = math.nan
+    eval_metrics: dict = field(default_factory=dict)  # the final eval's {name: value} of every `metrics` entry
+    objective: float = math.nan  # the final eval's value of trainer.objective (what a sweeper optimises)
     tokens_per_sec: float = math.nan  # over the timed windows together, excluding the first step, eval and saves
+    samples_per_sec: float = math.nan  # the same in samples (tokens / seq_len for token data)
     mfu: float = math.nan
     data_wait_fraction: float = math.nan  # share of the timed step time rank 0 spent waiting for its next batch
     peak_memory_bytes: int = 0  # max over ranks
@@ -88,7 +93,9 @@ class Trainer:
         model, strategy, precision, device: the parallelized model and the decisions it was built with.
         optimizer, scheduler, scaler: the update (the scaler is always present; disabled unless fp16).
         train_batches: this rank's micro-batches (an iterator factory with a data position).
-        evaluator: ``evaluate(model) -> (loss, perplexity)`` over the fixed eval set.
+        evaluator: ``evaluate(model, autocast) -> {"loss": ..., name: ...}`` over the fixed eval set.
+        loss_fn: ``loss(outputs, targets) -> 0-d mean`` (the ``loss`` component).
+        contract: ``(model target, loss target)``, the config values the first micro-batch's errors name.
         step_logger: the logging window, TensorBoard and progress (``hydratrain.train.step_logger``).
         checkpoints: a ``CheckpointManager`` (``save(step)``, ``latest()``), or None.
         preemption: a ``Preemption`` (``should_stop(votes)``, agreed by all ranks at log steps).
@@ -100,22 +107,58 @@ class Trainer:
     def __init__(self, *, tcfg, model: nn.Module, strategy, precision, device: torch.device,
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler, train_batches, evaluator,
                  step_logger, checkpoints, preemption, progress: TrainProgress, max_steps: int, save_every: int = 0,
-                 save_last: bool = False):
+                 save_last: bool = False, loss_fn=None, contract: tuple = ("", "")):
         self.tcfg, self.model, self.strategy, self.precision, self.device = tcfg, model, strategy, precision, device
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.train_batches, self.evaluator, self.logger = train_batches, evaluator, step_logger
         self.checkpoints, self.preemption, self.progress = checkpoints, preemption, progress
         self.max_steps, self.save_every, self.save_last = max_steps, save_every, save_last
         self.autocast = strategy.autocast(precision, device)
+        self.loss_fn, self.contract = loss_fn, contract
         self.guard: Optional[NonFiniteGuard] = None  # made at the first step, after any resume
         self._guard_on_device = False
+        self._contract_checked = False
+        self._stage, self._outputs = "forward", None  # where loss_of is, for the first batch's error line
 
     # ----------------------------------------------------------------------------------------------- steps
-    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats/token) of a micro-batch ``x, y`` of shape ``(B, T)``."""
-        with self.autocast:
-            logits = self.model(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    def loss_of(self, batch) -> torch.Tensor:
+        """The 0-d loss of one micro-batch (:mod:`hydratrain.train.batch`: forward in the autocast region, then the
+        model's own loss or ``loss_fn(outputs, targets)``)."""
+        self._stage = "forward"
+        outputs = batches_.forward(self.model, batch, self.autocast)
+        self._stage = "loss"
+        if not self._contract_checked:  # kept for the first batch's error line only (it holds the logits)
+            self._outputs = outputs
+        return batches_.loss_of(outputs, batch, self.loss_fn)
+
+    def checked_loss_of(self, batch) -> torch.Tensor:
+        """:meth:`loss_of`, where an error of the forward or the loss on this launch's first micro-batch becomes a
+        :class:`ConfigError` naming ``model._target_`` or ``loss._target_``, the batch's shapes and the error (the
+        same on every rank: every rank checks its own first batch)."""
+        if self._contract_checked:
+            return self.loss_of(batch)
+        from hydratrain.plan import is_out_of_memory
+
+        model_target, loss_target = self.contract
+        try:
+            loss = self.loss_of(batch)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"it returned {batches_.shapes(loss)}, not a 0-d tensor (reduce it to a mean)")
+        except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError) as err:
+            if is_out_of_memory(err) or isinstance(err, ConfigError):
+                raise
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            if self._stage == "forward":
+                inputs = batch if isinstance(batch, dict) else batch[0]
+                raise ConfigError("model._target_", model_target, f"its forward refused the first batch (inputs "
+                                  f"{batches_.shapes(inputs)}): {type(err).__name__}: {why}") from err
+            raise ConfigError("loss._target_", loss_target, f"refused the model's outputs "
+                              f"{batches_.shapes(batches_.prediction(self._outputs))} against targets "
+                              f"{batches_.shapes(batches_.targets_of(batch))}: {type(err).__name__}: {why}") from err
+        finally:
+            self._outputs = None
+        self._contract_checked = True
+        return loss
 
     def train_step(self, batches) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` micro-batches; the non-finite guard drops its update when the
@@ -133,10 +176,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
             waited = time.perf_counter()
-            x, y = next(batches)
+            batch = next(batches)
             self.logger.data_waited(time.perf_counter() - waited)
             with self.strategy.grad_sync(self.model, micro == accum - 1):
-                loss = self.loss_of(x, y)
+                loss = self.checked_loss_of(batch)
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach()
         loss = total / accum
@@ -227,13 +270,20 @@ class Trainer:
         if self.checkpoints is not None and self.checkpoints.last_saved_step != self.progress.step:
             if self.save_last:
                 self.logger.fold_window()
+                self.strategy.sync_buffers(self.model)
                 self.checkpoints.save(self.progress.step)
             elif self.progress.step >= first and self._last_checkpoint() is not None:
                 log.info("steps after %s are in no checkpoint (checkpoint.save_last=false): a relaunch with a larger "
                          "trainer.max_steps resumes from it and trains them again", self._last_checkpoint())
-        result.eval_loss, result.eval_perplexity = self._eval_and_log(self.progress.step)
+        evaluated = self._eval_and_log(self.progress.step)
+        result.eval_loss, result.eval_perplexity = evaluated["loss"], evaluated.get("perplexity", math.nan)
+        result.eval_metrics = {k: v for k, v in evaluated.items() if k not in ("loss", "perplexity")}
+        result.objective = evaluated.get(self.tcfg.objective.removeprefix("eval/"), math.nan)
         result.seconds = time.perf_counter() - t_start
-        result.tokens_per_sec, result.mfu, result.data_wait_fraction = self.logger.run_rates()
+        rate, result.mfu, result.data_wait_fraction = self.logger.run_rates()
+        result.samples_per_sec = rate / self.logger.tokens_per_sample
+        if self.logger.unit == "tokens":
+            result.tokens_per_sec = rate
         return result
 
     def _end_of_step(self, step: int, votes: Optional[float]) -> bool:
@@ -247,6 +297,7 @@ class Trainer:
         due = self.save_every and step % self.save_every == 0
         if self.checkpoints is not None and (due or stop) and self.checkpoints.last_saved_step != step:
             self.read_guard(step)  # before the progress it saves, and never a state the guard would stop at
+            self.strategy.sync_buffers(self.model)
             with self.logger.paused():
                 self.logger.fold_window()  # the window rides in the progress it saves, the same on every rank
                 self.checkpoints.save(step)
@@ -254,11 +305,16 @@ class Trainer:
             self.preemption.stopping(step, self._last_checkpoint())
         return stop
 
-    def _eval_and_log(self, step: int) -> tuple[float, float]:
+    def _eval_and_log(self, step: int) -> dict:
+        """Evaluate, log ``eval/<name>`` of every value, return them (``{"loss": ..., ...}``)."""
         with self.logger.paused():
-            loss, ppl = self.evaluator.evaluate(self.model, self.autocast)
+            self.strategy.sync_buffers(self.model)
+            values = self.evaluator.evaluate(self.model, self.autocast)
+        loss = values["loss"]
         if not math.isfinite(loss):
             raise DivergenceError(f"non-finite eval loss ({loss}) at step {step}", step, self._last_checkpoint())
-        self.logger.tb.scalars({"eval/loss": loss, "eval/perplexity": ppl}, step)
-        log.info("eval at step %d: loss %.4f perplexity %.3f", step, loss, ppl)
-        return loss, ppl
+        self.logger.tb.scalars({f"eval/{name}": value for name, value in values.items()}, step)
+        formats = {"loss": ".4f", "perplexity": ".3f"}
+        log.info("eval at step %d: %s", step, " ".join(f"{name} {value:{formats.get(name, '.4g')}}"
+                                                       for name, value in values.items()))
+        return values

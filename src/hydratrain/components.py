@@ -1,0 +1,295 @@
+"""The researcher's components, built from their Hydra nodes: the model, the loss, the eval metrics and a data
+factory. Each is a node with ``_target_`` (a dotted path to a class or function) and its keyword arguments
+(``_partial_: true`` for a function that takes more later), built with ``hydra.utils.instantiate``; the built-in GPT,
+next-token loss and the torchmetrics metrics go through the same path::
+
+    # my_conf/model/mlp.yaml                      python train.py --config-dir my_conf model=mlp
+    _target_: mypkg.nets.MLP
+    hidden: 256
+
+The model node also holds hydratrain's own keys (:data:`MODEL_KEYS`: where to build it, a weights file to start
+from), which are not passed to the constructor; a ``vocab_size: null`` keyword is filled with the data's vocabulary.
+
+What can be known without a process group is checked by :func:`check_components` before any process starts (the
+target imports, the keywords fit its signature and the types it annotates, the model's own config checks, the
+metrics build); what only a real build or a batch tells (a constructor that raises, a forward that refuses the
+batch) is a :class:`~hydratrain.errors.ConfigError` at the build or the first step, the same on every rank. Every
+error is one line naming the config key. A user's package is importable from the launch dir (:func:`importable`),
+as ``python -m`` would make it, in every rank and launcher worker.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import typing
+from typing import Any, Callable, Mapping, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from hydratrain.errors import ConfigError, Placeholder
+
+#: hydratrain's keys in the ``model`` node, with their defaults (a user's model file need not have them)
+MODEL_KEYS = {"init_device": "auto", "init_from": None}
+INIT_DEVICES = ("auto", "meta", "cpu", "cuda")
+_ABSENT = Placeholder("<absent>")
+_HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+
+
+def importable() -> None:
+    """Put the launch dir (:func:`hydratrain.dist.run_dir.launch_dir`) first on ``sys.path`` when it is not there,
+    so ``_target_: mypkg.nets.MLP`` finds ``mypkg/`` beside the command (``python train.py`` puts the script's dir
+    there instead)."""
+    from hydratrain.dist.run_dir import launch_dir
+
+    here = str(launch_dir())
+    if here not in sys.path:
+        sys.path.insert(0, here)
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def target_of(node: Any, key: str) -> str:
+    """The ``_target_`` of the component node at ``key``. Raises :class:`ConfigError` when the node is missing or
+    names no target (a model file holding only ``name: mlp`` would otherwise build nothing it names)."""
+    if node is None or not OmegaConf.is_dict(node) and not isinstance(node, Mapping):
+        raise ConfigError(key, node if node is not None else _ABSENT, "must be a node with _target_ (a dotted path "
+                          "to a class or function) and its keyword arguments")
+    target = node.get("_target_")
+    if not isinstance(target, str) or not target.strip():
+        keys = [k for k in node.keys() if k not in _HYDRA_KEYS]
+        return _no_target(key, target, keys)
+    return target
+
+
+def _no_target(key: str, target: Any, keys: list) -> str:
+    example = {"model": "mypkg.nets.MLP", "loss": "torch.nn.CrossEntropyLoss", "data": "mypkg.data.make_datasets"}
+    top = key.split(".")[0]
+    raise ConfigError(f"{key}._target_", target if target is not None else _ABSENT,
+                      f"the {key} node names no class or function to build (its keys: "
+                      f"{', '.join(map(str, keys)) or 'none'}); "
+                      f"give one, e.g. _target_: {example.get(top, 'torchmetrics.classification.MulticlassAccuracy')}")
+
+
+def locate(target: str, key: str) -> Any:
+    """The object ``target`` names (imported as Hydra's ``instantiate`` would). Raises :class:`ConfigError` naming
+    ``<key>._target_`` and the import error."""
+    from hydra.utils import get_object
+
+    importable()
+    try:
+        return get_object(target)
+    except Exception as err:  # ImportError, AttributeError, a module that raises on import
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ConfigError(f"{key}._target_", target, f"cannot be imported ({type(cause).__name__}: {why}); is its "
+                          "package in the launch dir or on PYTHONPATH?") from None
+
+
+def _signature(obj: Any) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(obj)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+
+
+def _hints(obj: Any) -> dict:
+    fn = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        return typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 (forward references that do not resolve: no type checks)
+        return {}
+
+
+def _accepts(hint: Any, value: Any) -> Optional[str]:
+    """None when ``value`` fits the simple annotation ``hint`` (int, float, bool, str, Optional/Union of them), else
+    the name of the type; anything else is not checked."""
+    simple = (int, float, bool, str)
+    origin = typing.get_origin(hint)
+    options = typing.get_args(hint) if origin is typing.Union or str(origin) == "<class 'types.UnionType'>" else (hint,)
+    if not all(o in simple or o is type(None) for o in options):
+        return None
+    for o in options:
+        if value is None and o is type(None):
+            return None
+        if o is bool and isinstance(value, bool):
+            return None
+        if o is int and isinstance(value, int) and not isinstance(value, bool):
+            return None
+        if o is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if o is str and isinstance(value, str):
+            return None
+    return " or ".join("null" if o is type(None) else o.__name__ for o in options)
+
+
+def check_call(obj: Any, kwargs: Mapping, key: str, target: str, partial: bool = False) -> None:
+    """Raise :class:`ConfigError` naming ``<key>.<keyword>`` when ``obj(**kwargs)`` cannot bind (a keyword it does
+    not take, a required one missing; ``partial``: missing ones come later) or a value does not fit the simple
+    type ``obj`` annotates it with."""
+    sig = _signature(obj)
+    if sig is None:
+        return
+    params = sig.parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not takes_any:
+        for k in kwargs:
+            if k not in named:
+                raise ConfigError(f"{key}.{k}", kwargs[k], f"not a keyword of {target}; allowed: "
+                                  f"{', '.join(named) or 'none'}")
+    if not partial:
+        for n, p in params.items():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and n not in kwargs:
+                raise ConfigError(f"{key}.{n}", _ABSENT, f"{target} requires it (add +{key}.{n}=VALUE, or the key in "
+                                  "the option file)")
+    hints = _hints(obj)
+    for k, v in kwargs.items():
+        if k in hints and not OmegaConf.is_config(v):
+            wanted = _accepts(hints[k], v)
+            if wanted is not None:
+                raise ConfigError(f"{key}.{k}", v, f"must be {wanted} (as {target} annotates it)")
+
+
+# ------------------------------------------------------------------------------------------------------ model
+def model_settings(cfg: DictConfig) -> dict:
+    """hydratrain's keys of the model node (:data:`MODEL_KEYS`) with their defaults."""
+    node = cfg.get("model")
+    return {k: (node.get(k, default) if node is not None else default) for k, default in MODEL_KEYS.items()}
+
+
+def model_kwargs(cfg: DictConfig, vocab_size: Optional[int] = None) -> dict:
+    """The model node as plain keyword arguments (``_target_`` and hydratrain's keys removed); a ``vocab_size``
+    keyword that is null becomes ``vocab_size`` when given."""
+    kwargs = {k: v for k, v in _plain(cfg.model).items() if k not in MODEL_KEYS and k not in _HYDRA_KEYS}
+    if vocab_size is not None and "vocab_size" in kwargs and kwargs["vocab_size"] is None:
+        kwargs["vocab_size"] = vocab_size
+    return kwargs
+
+
+def model_class(cfg: DictConfig) -> Any:
+    """The class (or factory) ``model._target_`` names. Raises :class:`ConfigError`."""
+    return locate(target_of(cfg.get("model"), "model"), "model")
+
+
+def model_name(cfg: DictConfig) -> str:
+    """The model's name for logs and reports: the ``model`` option chosen (``gpt_tiny``, a user's ``mlp``), else
+    the last part of its ``_target_``."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        choice = HydraConfig.get().runtime.choices.get("model")
+        if choice:
+            return str(choice)
+    target = cfg.model.get("_target_") if cfg.get("model") is not None else None
+    return str(target).rsplit(".", 1)[-1] if target else "model"
+
+
+def build_model(cfg: DictConfig, device: Any, vocab_size: Optional[int] = None):
+    """The model of ``cfg.model`` built with its constructor's tensors on ``device`` (a ``torch.device``, ``meta``
+    included). Raises :class:`ConfigError`: the model's own (naming its key), or one naming ``model._target_`` with
+    what the constructor raised."""
+    import torch
+    from hydra.utils import instantiate
+
+    target = target_of(cfg.get("model"), "model")
+    cls = locate(target, "model")
+    kwargs = model_kwargs(cfg, vocab_size)
+    check_call(cls, kwargs, "model", target)
+    node = {"_target_": target, **{k: v for k, v in _plain(cfg.model).items() if k in _HYDRA_KEYS[1:]}, **kwargs}
+    try:
+        with torch.device(device):
+            model = instantiate(node, _convert_="all")
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise _built_with_error(err, target) from None
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError("model._target_", target, f"built a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _built_with_error(err: BaseException, target: str) -> ConfigError:
+    cause = err
+    while cause.__cause__ is not None or (cause.__context__ is not None and "InstantiationException" in
+                                           type(cause).__name__):
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ConfigError):
+        return cause
+    why = (str(cause).strip().splitlines() or [""])[0]
+    return ConfigError("model._target_", target, f"its constructor raised {type(cause).__name__}: {why}")
+
+
+# ------------------------------------------------------------------------------------------------ loss, metrics
+def build_loss(cfg: DictConfig) -> Callable:
+    """The loss callable of ``cfg.loss`` (``loss(outputs, targets) -> 0-d mean``). Raises :class:`ConfigError`."""
+    return _instantiate(cfg.get("loss"), "loss")
+
+
+def build_metrics(cfg: DictConfig) -> dict:
+    """``{name: torchmetrics.Metric}`` of ``cfg.metrics`` (empty by default). Raises :class:`ConfigError` naming
+    ``metrics.<name>``."""
+    from torchmetrics import Metric
+
+    out = {}
+    for name, node in (cfg.get("metrics") or {}).items():
+        key = f"metrics.{name}"
+        if str(name) in ("loss", "perplexity"):
+            raise ConfigError(key, _plain(node), "is logged as eval/loss or eval/perplexity already: give the metric "
+                              "another name")
+        metric = _instantiate(node, key)
+        if not isinstance(metric, Metric):
+            raise ConfigError(f"{key}._target_", node.get("_target_"), f"built a {type(metric).__name__}, not a "
+                              "torchmetrics.Metric (which syncs across ranks)")
+        out[str(name)] = metric
+    return out
+
+
+def _instantiate(node: Any, key: str) -> Any:
+    from hydra.utils import instantiate
+
+    target = target_of(node, key)
+    obj = locate(target, key)
+    plain = _plain(node)
+    kwargs = {k: v for k, v in plain.items() if k not in _HYDRA_KEYS}
+    check_call(obj, kwargs, key, target, partial=bool(plain.get("_partial_")))
+    try:
+        return instantiate(plain, _convert_="all")
+    except Exception as err:
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        why = (str(cause).strip().splitlines() or [""])[0]
+        raise ConfigError(key, plain, f"building {target} raised {type(cause).__name__}: {why}") from None
+
+
+# --------------------------------------------------------------------------------------------------- checks
+def check_components(cfg: DictConfig) -> None:
+    """Every check of the components that needs no process group (see the module docstring): the model's target,
+    keywords, types, hydratrain's model keys and the model's own checks (a build on the meta device, whose
+    :class:`ConfigError` is raised; anything else it raises waits for the real build, which may not be on meta);
+    the loss; each metric (built: torchmetrics checks its arguments then); a data factory's target and keywords.
+    Raises :class:`ConfigError`."""
+    settings = model_settings(cfg)
+    if str(settings["init_device"]) not in INIT_DEVICES:
+        raise ConfigError("model.init_device", settings["init_device"], f"allowed: {', '.join(INIT_DEVICES)}")
+    target = target_of(cfg.get("model"), "model")
+    cls = locate(target, "model")
+    check_call(cls, model_kwargs(cfg), "model", target)
+    try:
+        build_model(cfg, "meta")
+    except ConfigError as err:
+        if err.key != "model._target_":  # the model's own check, naming its key
+            raise
+    build_loss(cfg)
+    build_metrics(cfg)
+    data = cfg.get("data")
+    if data is not None and OmegaConf.is_dict(data) and "_target_" in data:
+        from hydratrain.data.loader import check_data_node
+
+        check_data_node(data)

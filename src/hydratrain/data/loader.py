@@ -1,0 +1,219 @@
+"""The user's own datasets: a ``data`` node with ``_target_``, and batches from ``torch.utils.data.DataLoader``.
+
+The target is a function (or class) that returns either ``{"train": Dataset, "val": Dataset}`` or one map-style
+``Dataset`` that is split here by ``data.val_fraction`` (a fixed permutation, seed 0: the split does not depend on
+``trainer.seed`` or the world size). A map-style dataset has ``__len__`` and ``__getitem__(index)``; its samples are
+``(inputs, targets)`` pairs or dicts (``model(**batch)``), collated by ``data.collate_fn`` (a ``_target_`` node,
+default PyTorch's ``default_collate``)::
+
+    # my_conf/data/digits.yaml                   python train.py --config-dir my_conf data=digits loss=cross_entropy
+    _target_: mypkg.data.digits       # -> {"train": ..., "val": ...}
+    batch_size: 32
+    num_workers: 2
+
+The node's other keys are the function's keyword arguments; :data:`DATA_KEYS` are hydratrain's (the loader's).
+Samples are chosen in the main process from the global order of :class:`hydratrain.data.streams.ShardedBatches`
+(a ``DistributedSampler`` permutation per epoch, independent of the world size) and handed to the DataLoader as its
+batch sampler, so workers only load: the position saved in a checkpoint is exact, a resume repeats and skips
+nothing, on any world size and batch size, and no worker holds a stale epoch. The eval set is the first
+``trainer.eval_samples`` of a fixed order of the val split, each counted once at any world size
+(:class:`~hydratrain.data.streams.EvalBatches`).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any, Iterable, Iterator, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from hydratrain.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: hydratrain's keys of a ``data`` node with ``_target_`` (the DataLoader's), with their defaults
+DATA_KEYS = {"batch_size": 8, "val_fraction": 0.1, "num_workers": 0, "pin_memory": None, "persistent_workers": False,
+             "prefetch_factor": None, "collate_fn": None}
+
+
+def is_dataset_node(data: Any) -> bool:
+    """Whether the ``data`` node builds the user's datasets (has ``_target_``) rather than naming a corpus."""
+    return data is not None and OmegaConf.is_dict(data) and "_target_" in data
+
+
+def data_settings(data: DictConfig) -> dict:
+    """:data:`DATA_KEYS` of a dataset node, with their defaults."""
+    return {k: data.get(k, default) for k, default in DATA_KEYS.items()}
+
+
+def _kwargs(data: DictConfig) -> dict:
+    plain = OmegaConf.to_container(data, resolve=True)
+    return {k: v for k, v in plain.items() if k not in DATA_KEYS and not k.startswith("_")}
+
+
+def check_data_node(data: DictConfig) -> None:
+    """The checks of a dataset node that need nothing built: its target imports and takes its keywords, the
+    loader's keys have sensible values, ``collate_fn`` imports. Raises :class:`ConfigError` naming the key."""
+    from hydratrain.components import check_call, locate, target_of
+
+    s = data_settings(data)
+    for key in ("batch_size", "num_workers", "prefetch_factor"):
+        value = s[key]
+        if value is None and key == "prefetch_factor":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "num_workers" else 1):
+            least = ">= 0" if key == "num_workers" else ">= 1"
+            raise ConfigError(f"data.{key}", value, f"must be an integer {least}")
+    if s["prefetch_factor"] is not None and s["num_workers"] == 0:
+        raise ConfigError("data.prefetch_factor", s["prefetch_factor"], "needs data.num_workers > 0 (batches are "
+                          "loaded in this process otherwise)")
+    if not isinstance(s["val_fraction"], (int, float)) or not 0.0 < s["val_fraction"] < 1.0:
+        raise ConfigError("data.val_fraction", s["val_fraction"], "must be in (0, 1)")
+    for key in ("pin_memory", "persistent_workers"):
+        if s[key] is not None and not isinstance(s[key], bool):
+            raise ConfigError(f"data.{key}", s[key], "must be true or false" + (" (or null: on CUDA)"
+                                                                                if key == "pin_memory" else ""))
+    target = target_of(data, "data")
+    check_call(locate(target, "data"), _kwargs(data), "data", target)
+    if s["collate_fn"] is not None:
+        node = data.collate_fn
+        locate(target_of(node, "data.collate_fn"), "data.collate_fn")
+
+
+def load_datasets(data: DictConfig) -> dict:
+    """``{"train": Dataset, "val": Dataset}`` from the dataset node (its target's result, or one dataset split by
+    ``data.val_fraction``). Raises :class:`ConfigError` naming ``data._target_`` when the target raises or returns
+    something else."""
+    from hydra.utils import instantiate
+
+    from hydratrain.components import importable, target_of
+
+    target = target_of(data, "data")
+    importable()
+    node = {"_target_": target, **{k: v for k, v in OmegaConf.to_container(data, resolve=True).items()
+                                   if k.startswith("_") and k != "_target_"}, **_kwargs(data)}
+    try:
+        made = instantiate(node, _convert_="all")
+    except Exception as err:
+        cause = err
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError("data._target_", target, f"raised {type(cause).__name__}: "
+                          f"{(str(cause).strip().splitlines() or [''])[0]}") from None
+    if isinstance(made, dict):
+        if "train" not in made:
+            raise ConfigError("data._target_", target, f"returned a dict without 'train' (keys: "
+                              f"{', '.join(map(str, made))}); return {{'train': Dataset, 'val': Dataset}} or one "
+                              "Dataset (split by data.val_fraction)")
+        if made.get("val") is not None:
+            return {"train": _checked(made["train"], target, "train"), "val": _checked(made["val"], target, "val")}
+        made = made["train"]
+    dataset = _checked(made, target, "dataset")
+    return split(dataset, float(data.get("val_fraction", DATA_KEYS["val_fraction"])))
+
+
+def _checked(dataset: Any, target: str, what: str) -> Any:
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise ConfigError("data._target_", target, f"its {what} is a {type(dataset).__name__}, not a map-style "
+                          "Dataset (__len__ and __getitem__)")
+    return dataset
+
+
+def split(dataset: Any, val_fraction: float) -> dict:
+    """``dataset`` split into train and val: the val split is ``ceil(val_fraction * len)`` samples (at least one) of a
+    fixed permutation (seed 0), the train split the rest, each in dataset order (``torch.utils.data.Subset``)."""
+    import math
+
+    import torch
+    from torch.utils.data import Subset
+
+    n = len(dataset)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    n_val = min(max(1, math.ceil(val_fraction * n)), n - 1) if n > 1 else 0
+    return {"train": Subset(dataset, sorted(order[n_val:])), "val": Subset(dataset, sorted(order[:n_val]))}
+
+
+def loader_fetch(dataset: Any, data: DictConfig, device) -> Any:
+    """``fetch(index lists) -> batches`` (:data:`hydratrain.data.streams.Fetch`): a ``DataLoader`` over ``dataset``
+    with the index lists as its batch sampler and the node's loader keys (``pin_memory`` null: on CUDA)."""
+    from hydra.utils import instantiate
+    from torch.utils.data import DataLoader
+
+    s = data_settings(data)
+    collate = instantiate(OmegaConf.to_container(data.collate_fn, resolve=True)) if s["collate_fn"] is not None \
+        else None
+    pin = s["pin_memory"] if s["pin_memory"] is not None else device.type == "cuda"
+    extra = {"prefetch_factor": s["prefetch_factor"]} if s["prefetch_factor"] is not None else {}
+
+    def fetch(index_lists: Iterable[list]) -> Iterator[Any]:
+        loader = DataLoader(dataset, batch_sampler=_Lists(index_lists), collate_fn=collate,
+                            num_workers=s["num_workers"], pin_memory=pin,
+                            persistent_workers=bool(s["persistent_workers"]) and s["num_workers"] > 0, **extra)
+        return iter(loader)
+
+    return fetch
+
+
+class _Lists:
+    """An iterable of index lists as a DataLoader batch sampler (iterated once)."""
+
+    def __init__(self, lists: Iterable[list]):
+        self.lists = lists
+
+    def __iter__(self) -> Iterator[list]:
+        return iter(self.lists)
+
+
+def dataset_fingerprint(splits: dict, samples: int = 4) -> str:
+    """``train N samples, val M samples, <hash>``: the splits' lengths and a digest of the first and last
+    ``samples`` samples of each (their tensors' bytes, other values' repr). Tells two ranks' datasets apart."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    digest = hashlib.blake2b(digest_size=8)
+    for name in ("train", "val"):
+        ds = splits[name]
+        n = len(ds)
+        digest.update(f"{name}:{n}".encode())
+        for i in sorted(set(list(range(min(samples, n))) + list(range(max(0, n - samples), n)))):
+            for leaf in tree_leaves(ds[i]):
+                digest.update(leaf.cpu().numpy().tobytes() if isinstance(leaf, torch.Tensor) else repr(leaf).encode())
+    return f"train {len(splits['train']):,} samples, val {len(splits['val']):,} samples, {digest.hexdigest()}"
+
+
+def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = None):
+    """This rank's train micro-batches and eval set for a dataset node (every rank calls; the same datasets on
+    every rank are checked by :func:`dataset_fingerprint`). Raises :class:`ConfigError`: the target's, a split
+    smaller than the world size or a batch, ranks whose datasets differ."""
+    from hydratrain.data.streams import EvalBatches, ShardedBatches
+
+    data = cfg.data
+    splits = load_datasets(data)
+    if info.world_size > 1:
+        from hydratrain.dist.collectives import unlike_rank0
+
+        unlike = unlike_rank0("", dataset_fingerprint(splits))
+        if unlike is not None:
+            other, every = unlike
+            raise ConfigError("data._target_", data._target_, f"rank {other} built other datasets than rank 0 "
+                              f"({every[other][1]}; rank 0: {every[0][1]}): every rank must load the same data")
+    batch_size = int(data.get("batch_size", DATA_KEYS["batch_size"]))
+    try:
+        train = ShardedBatches(splits["train"], batch_size, info.rank, info.world_size, seed=cfg.trainer.seed,
+                               device=info.device, strict_position=cfg.checkpoint.restore_data_position,
+                               fetch=loader_fetch(splits["train"], data, info.device))
+    except ValueError as err:
+        raise ConfigError("data.batch_size", batch_size, f"train split ({len(splits['train'])} samples): {err}") \
+            from None
+    try:
+        evals = EvalBatches(splits["val"], cfg.trainer.eval_samples, batch_size, info.rank, info.world_size,
+                            device=info.device, fetch=loader_fetch(splits["val"], data, info.device))
+    except ValueError as err:
+        raise ConfigError("data.val_fraction", data.get("val_fraction", DATA_KEYS["val_fraction"]),
+                          f"val split: {err}") from None
+    log.info("data %s: train %d samples, val %d samples (eval on %d), %d per micro-batch per rank, %d loader "
+             "worker(s)", data._target_, len(splits["train"]), len(splits["val"]), evals.n_samples, batch_size,
+             data_settings(data)["num_workers"])
+    return train, evals

@@ -1,0 +1,1 @@
+"""Examples of the researcher's own components, used by ``conf/experiment/*`` (``+experiment=digits_cnn``)."""

@@ -1,0 +1,50 @@
+"""Model FLOPs for MFU, for any model: counted once with ``torch.utils.flop_counter.FlopCounterMode`` on a copy of
+the model built on the meta device (no storage, no compute) running one training step (forward, loss, backward) of
+an example batch of the real shapes. The counter counts the matrix products and convolutions (attention included)
+as the PaLM paper's MFU does (Chowdhery et al. 2022, appendix B); elementwise work is left out there too. A model
+with a formula of its own (``flops_per_token(seq_len)``, as hydratrain's GPT: 6N + 12LHQT) keeps it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _meta(value: Any) -> Any:
+    """``value`` with every tensor replaced by an uninitialised meta tensor of its shape and dtype."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, dict):
+        return {k: _meta(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    return value
+
+
+def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example: Any, loss_fn: Callable) -> float:
+    """Training FLOPs (forward and backward) per sample of the model ``build_meta()`` returns (built on meta) on
+    ``example`` (a batch; only its shapes and dtypes are used), counted by ``FlopCounterMode``. NaN when the model
+    cannot run on the meta device (the run goes on without MFU)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hydratrain.train.batch import forward, loss_of, rows
+
+    n = rows(example)
+    try:
+        model = build_meta()
+        model.train()
+        batch = _meta(example)
+        with FlopCounterMode(display=False) as counter:
+            loss = loss_of(forward(model, batch, contextlib.nullcontext()), batch, loss_fn)
+            loss.backward()
+        return counter.get_total_flops() / max(n, 1)
+    except Exception as err:  # noqa: BLE001 (MFU is a figure, not a reason to stop)
+        log.warning("model FLOPs not counted (MFU not logged): the model does not run on the meta device: %s: %s",
+                    type(err).__name__, (str(err).strip().splitlines() or [""])[0])
+        return math.nan

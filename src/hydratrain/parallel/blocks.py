@@ -1,0 +1,125 @@
+"""A model's blocks: the repeated submodules that FSDP shards as units, activation checkpointing recomputes and
+``trainer.compile`` compiles one by one. Found for any model, without knowing its classes:
+
+- ``wrap_policy.block_classes``: dotted class names (``mypkg.nets.Block``) or bare class names
+  (``LlamaDecoderLayer``), matched against the classes of the model's modules;
+- else a Hugging Face model's ``_no_split_modules`` (the class names ``transformers`` itself keeps whole when it
+  splits a model across devices; accelerate's FSDP auto-wrap reads the same list);
+- else the class of the children of the model's largest ``nn.ModuleList`` (by parameter count), when they are all
+  of one class: the decoder layers of a transformer, the stages of a CNN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from torch import nn
+
+
+@dataclass
+class Blocks:
+    """The blocks of a model: ``modules`` (in model order, outermost matches only), their ``classes``, and how they
+    were found (``source``: ``wrap_policy.block_classes``, ``_no_split_modules`` or ``the largest nn.ModuleList``)."""
+
+    modules: list
+    classes: tuple
+    source: str
+
+    def describe(self) -> str:
+        """``4 Block`` or ``2 Down + 2 Up``: the count per class (the model's own classes, whatever wraps them)."""
+        counts: dict[str, int] = {}
+        for m in self.modules:
+            name = _class_name(_inner(m))
+            counts[name] = counts.get(name, 0) + 1
+        return " + ".join(f"{n} {c}" for c, n in counts.items()) or "no blocks"
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's class name before FSDP2 swapped its class for ``FSDP<name>``."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP") and len(cls.__mro__) > 2:
+        return cls.__mro__[2].__name__ if cls.__mro__[1].__name__ == "FSDPModule" else cls.__mro__[1].__name__
+    return cls.__name__
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    """The module under activation-checkpointing and compile wrappers."""
+    while True:
+        inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _outermost(model: nn.Module, matches) -> list[nn.Module]:
+    """Modules of ``model`` for which ``matches(module)`` holds, skipping any inside an earlier match."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():
+        if id(m) in inside or m is model:
+            continue
+        if matches(m):
+            found.append(m)
+            inside.update(id(s) for s in m.modules())
+    return found
+
+
+def _no_split_names(model: nn.Module) -> list[str]:
+    names = getattr(model, "_no_split_modules", None)
+    return [str(n) for n in names] if names else []
+
+
+def largest_module_list(model: nn.Module) -> Optional[nn.ModuleList]:
+    """The ``nn.ModuleList`` of ``model`` holding the most parameters, or None when it has none."""
+    best, most = None, -1
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m):
+            n = sum(p.numel() for p in m.parameters())
+            if n > most:
+                best, most = m, n
+    return best
+
+
+def _class_matches(cls: type, name: str) -> bool:
+    return name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+
+
+def find_blocks(model: nn.Module, block_classes: Optional[Sequence[str]] = None, key: str = "wrap_policy.block_classes"
+                ) -> Blocks:
+    """The :class:`Blocks` of ``model`` (see the module docstring). Modules under activation-checkpointing or
+    compile wrappers are matched by the class they wrap, and the outermost wrapper is returned.
+
+    Raises :class:`~hydratrain.errors.ConfigError` naming ``key`` when a given class name matches no module.
+    """
+    if block_classes:
+        from hydratrain.errors import ConfigError
+
+        names = [str(n) for n in block_classes]
+        present = {type(_inner(m)) for m in model.modules()}
+        for name in names:
+            if not any(_class_matches(c, name) for c in present):
+                known = sorted({c.__name__ for c in present if c not in (nn.ModuleList, nn.ModuleDict)})
+                raise ConfigError(key, names, f"{name!r} matches no module of the model; its classes with "
+                                  f"parameters: {', '.join(known[:12])}")
+        return _blocks(model, lambda c: any(_class_matches(c, n) for n in names), key)
+    names = _no_split_names(model)
+    if names:
+        found = _blocks(model, lambda c: c.__name__ in names, "_no_split_modules")
+        if found.modules:
+            return found
+    biggest = largest_module_list(model)
+    if biggest is not None:
+        kinds = {type(_inner(m)) for m in biggest}
+        if len(kinds) == 1:
+            return _blocks(model, lambda c: c in kinds, "the largest nn.ModuleList")
+    return Blocks([], (), "none found")
+
+
+def _blocks(model: nn.Module, class_matches, source: str) -> Blocks:
+    def matches(m: nn.Module) -> bool:
+        if hasattr(m, "_checkpoint_wrapped_module") or hasattr(m, "_orig_mod"):
+            return class_matches(type(_inner(m)))
+        return class_matches(type(m))
+
+    modules = _outermost(model, matches)
+    return Blocks(modules, tuple(dict.fromkeys(type(_inner(m)) for m in modules)), source)

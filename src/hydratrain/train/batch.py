@@ -1,0 +1,89 @@
+"""How a batch meets the model and the loss (the batch contract, for any model):
+
+- a tuple or list ``(inputs, targets)``: ``outputs = model(inputs)``, ``loss = loss_fn(outputs, targets)``;
+- a dict: ``outputs = model(**batch)``; an output with a non-None ``loss`` (an attribute, Hugging Face style, or a
+  dict key) is the loss, else ``loss_fn(outputs, batch["labels"])``.
+
+``outputs`` reach the loss and the metrics as the model returns them, except that an output object or dict with
+``logits`` gives its logits (:func:`prediction`). The forward runs inside the strategy's autocast region, the loss
+outside it (the built-in losses compute in float32).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Mapping, Optional
+
+import torch
+from torch import nn
+
+
+def targets_of(batch: Any) -> Optional[Any]:
+    """The targets of ``batch``: the second item of a pair, ``labels`` of a dict (None when absent)."""
+    if isinstance(batch, Mapping):
+        return batch.get("labels")
+    return batch[1]
+
+
+def forward(model: nn.Module, batch: Any, autocast: ContextManager) -> Any:
+    """``model`` applied to ``batch`` (see the module docstring) inside ``autocast``."""
+    with autocast:
+        if isinstance(batch, Mapping):
+            return model(**batch)
+        return model(batch[0])
+
+
+def builtin_loss(outputs: Any) -> Optional[torch.Tensor]:
+    """The loss the model computed itself (``outputs.loss`` or ``outputs["loss"]``), or None."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("loss")
+    return getattr(outputs, "loss", None) if not isinstance(outputs, torch.Tensor) else None
+
+
+def prediction(outputs: Any) -> Any:
+    """What the loss and the metrics are given: ``outputs.logits`` (or ``["logits"]``) when present, else the
+    outputs as returned."""
+    if isinstance(outputs, Mapping):
+        return outputs.get("logits", outputs)
+    logits = getattr(outputs, "logits", None) if not isinstance(outputs, torch.Tensor) else None
+    return logits if logits is not None else outputs
+
+
+def loss_of(outputs: Any, batch: Any, loss_fn: Callable) -> torch.Tensor:
+    """The 0-d loss of ``outputs`` for ``batch``: the model's own (:func:`builtin_loss`), else
+    ``loss_fn(prediction(outputs), targets_of(batch))``."""
+    own = builtin_loss(outputs)
+    if own is not None:
+        return own
+    return loss_fn(prediction(outputs), targets_of(batch))
+
+
+def rows(batch: Any) -> int:
+    """Samples in ``batch`` (the first dim of its first tensor)."""
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 0
+
+
+def select(value: Any, mask: torch.Tensor) -> Any:
+    """``value`` (a tensor, or tuples, lists and dicts of them; outputs or targets) with only the rows of ``mask``
+    (``(B,)`` bool) kept along the first dim; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value[mask] if value.dim() > 0 and value.shape[0] == mask.shape[0] else value
+    if isinstance(value, Mapping):
+        return {k: select(v, mask) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(select(v, mask) for v in value)
+    return value
+
+
+def shapes(value: Any) -> str:
+    """``value``'s tensor shapes, for an error line: ``(8, 64) int64``, ``{input_ids: (8, 64), ...}``."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {shapes(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(shapes(v) for v in value) + ")"
+    return type(value).__name__
