@@ -136,9 +136,11 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
 
         num = status.get("num")
         job = job_dir.relative_to(sweep_dir).as_posix() + (f" (job {num})" if refused else "")
+        metrics = {f"eval/{k}": ("" if v is None else round(v, 6))
+                   for k, v in (results.get("eval_metrics") or {}).items()}
         rows.append({"job": job, "_num": num if num is not None else math.inf,
                      "overrides": " ".join(overrides), "status": state, "steps": results.get("steps", ""),
-                     "train_loss": fig("train_loss"), "eval_loss": fig("eval_loss"),
+                     "train_loss": fig("train_loss"), "eval_loss": fig("eval_loss"), **metrics,
                      "tokens_per_sec": fig("tokens_per_sec"), "peak_memory_mb": fig("peak_memory_bytes", 1e-6),
                      "mfu": fig("mfu"), "seconds": fig("seconds") if results else _finite(status.get("seconds")),
                      "error": status.get("error", "")})
@@ -173,15 +175,18 @@ def write_sweep_report(sweep_dir: Path) -> Optional[Path]:
     rows = sweep_rows(sweep_dir)
     if not rows:
         return None
+    at = COLUMNS.index("eval_loss") + 1  # the metrics' eval/<name> columns follow eval_loss
+    metrics = sorted({k for r in rows for k in r if k not in COLUMNS})
+    columns = COLUMNS[:at] + metrics + COLUMNS[at:]
     csv_path = sweep_dir / "sweep_report.csv"
     tmp = sweep_dir / f".sweep_report.csv.tmp{os.getpid()}"
     with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
+        writer = csv.DictWriter(f, columns, restval="")
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, csv_path)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
     md = sweep_dir / f".sweep_report.md.tmp{os.getpid()}"
     md.write_text("\n".join(lines) + "\n")
     os.replace(md, sweep_dir / "sweep_report.md")

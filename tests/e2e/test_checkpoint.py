@@ -129,7 +129,7 @@ def test_resume_fsdp2_into_fsdp1_with_activation_checkpointing(run_a, tmp_path, 
              "activation_checkpointing=true"], tmp_path / "r")
     assert r.returncode == 0, r.output[-3000:]
     log = log_of(tmp_path / "r")
-    assert "activation checkpointing on 2 blocks" in log and f"resumed from {src}" in log
+    assert "activation checkpointing on 2 Block" in log and f"resumed from {src}" in log
     assert "data position remapped: 2 ranks x batch 4 -> 1 ranks x batch 4" in log
     # Same keys (AC adds no prefix) and values; only rank 1's RNG and the world size differ.
     assert diff_checkpoints(src, ckpt_of(tmp_path / "r", 10), skip=["rank1."]) == WORLD_SIZE_KEYS

@@ -95,7 +95,7 @@ def _inject() -> None:
         raise RuntimeError(f"injected fault on rank {rank} at step {step}")
 
     if os.environ.get("HT_FAULT_AT") == "startup":
-        import hydratrain.data as data
+        import hydratrain.data.build as data
 
         original_build_data = data.build_data  # hydratrain.run.build imports it by name when it runs
 

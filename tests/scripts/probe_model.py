@@ -37,10 +37,10 @@ def probe(overrides: Sequence[str]) -> Optional[dict]:
     strategy = build_strategy(cfg)
     with process_group("cpu", None, strategy.needs_process_group) as info, tempfile.TemporaryDirectory() as tmp:
         job = build(cfg, strategy, info, Path(tmp), Path.cwd())
-        x, y = next(iter(job.trainer.train_batches))
+        batch = next(iter(job.trainer.train_batches))
         with torch.no_grad():
-            first_loss = job.trainer.loss_of(x, y).item()
-        eval_loss, _ = job.trainer.evaluator.evaluate(job.model, job.trainer.autocast)
+            first_loss = job.trainer.loss_of(batch).item()
+        eval_loss = job.trainer.evaluator.evaluate(job.model, job.trainer.autocast)["loss"]
         full = get_model_state_dict(job.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not info.is_main:
             return None

@@ -68,3 +68,23 @@ def test_flops_per_token_matches_palm_formula():
 def test_too_long_sequence_is_a_clear_error():
     with pytest.raises(ValueError, match="max_seq_len=16"):
         tiny()(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_counted_flops_agree_with_the_palm_formula_within_two_percent(tie):
+    """MFU of a model without a formula counts its FLOPs on a meta copy (hydratrain.flops); on the GPT, which has
+    one (6N + 12LHQT), the two agree."""
+    from hydratrain.flops import counted_flops_per_sample
+    from hydratrain.losses import NextTokenLoss
+
+    cfg = GPTConfig(vocab_size=256, max_seq_len=128, d_model=128, n_layer=4, n_head=4, tie_embeddings=tie)
+
+    def build():
+        with torch.device("meta"):
+            return GPT(cfg)
+
+    T = 128
+    batch = (torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.long))
+    counted = counted_flops_per_sample(build, batch, NextTokenLoss()) / T
+    formula = GPT(cfg).flops_per_token(T)
+    assert abs(counted / formula - 1) < 0.02, (counted, formula)

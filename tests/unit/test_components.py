@@ -1,0 +1,132 @@
+"""The researcher's own components through the config, in this process: a model, datasets, loss and metric defined
+outside the package (examples/own_model, copied into a temp launch dir) train, export, sweep and initialise after a
+meta build; each bad component is one config-error line naming its key. (The 2-rank runs: tests/e2e/test_own_model.)
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from helpers import ROOT, results, tb_all
+
+OWN = ROOT / "examples" / "own_model"
+# a run of seconds on the example: fp32 on the CPU, 12 steps, eval at 6 and 12, no progress bar
+QUICK = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precision=fp32", "logger.peak_flops=1e11",
+         "trainer.max_steps=12", "trainer.eval_every_n_steps=6", "trainer.log_every_n_steps=6",
+         "trainer.progress_bar=false", "data.n=600"]
+
+
+@pytest.fixture
+def own(tmp_path, monkeypatch):
+    """A launch dir holding the example's package and option files (a copy, outside hydratrain); cwd is there."""
+    for part in ("mypkg", "my_conf"):
+        shutil.copytree(OWN / part, tmp_path / part)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield tmp_path
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        del sys.modules[name]
+
+
+def test_a_model_data_loss_and_metric_of_ones_own_train_export_and_report(cli, own):
+    r = cli([*QUICK, "strategy=single"], own / "run", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    res = results(own / "run")
+    assert res["eval_metrics"]["accuracy"] > 0.5 and res["train_loss"] < res["first_loss"]
+    assert res["objective"] == res["eval_metrics"]["accuracy"]  # trainer.objective=eval/accuracy (the experiment)
+    assert res["hparams"]["model"] == "res_mlp" and res["hparams"]["model.width"] == 64
+    assert res["hparams"]["loss"] == "cross_entropy" and res["samples_per_sec"] > 0 and res["tokens_per_sec"] is None
+    scalars = tb_all(own / "run")
+    assert {"eval/accuracy", "eval/loss", "perf/samples_per_sec", "perf/mfu", "train/loss"} <= set(scalars)
+    assert "eval/perplexity" not in scalars and "sampling" not in r.output  # not a language model
+    assert "model res_mlp: 0.13M parameters" in r.output
+    from mypkg.nets import ResMLP
+    from safetensors.torch import load_file
+
+    model = ResMLP(width=64, depth=4, num_classes=3)
+    model.load_state_dict(load_file(own / "run" / "model.safetensors"), strict=True)  # the class's own names
+    from safetensors import safe_open
+
+    with safe_open(str(own / "run" / "model.safetensors"), "pt") as f:
+        record = json.loads(f.metadata()["model_config"])  # what rebuilds it: hydra.utils.instantiate(record)
+    assert record == {"_target_": "mypkg.nets.ResMLP", "width": 64, "depth": 4, "num_classes": 3}
+
+
+def test_a_sweep_over_two_models_reports_each_row_with_the_metric(cli, own):
+    r = cli(["-m", *QUICK, "strategy=single", "model.width=32,48", f"hydra.sweep.dir={own / 'sweep'}"], fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    report = (own / "sweep" / "sweep_report.csv").read_text().splitlines()
+    assert report[0].split(",")[:6] == ["job", "overrides", "status", "steps", "train_loss", "eval_loss"]
+    assert "eval/accuracy" in report[0].split(",") and len(report) == 3
+    assert all("COMPLETED" in row for row in report[1:])
+
+
+def test_a_meta_build_initialises_through_reset_parameters(cli, own):
+    r = cli([*QUICK, "strategy=single", "+model.init_device=meta", "trainer.max_steps=2"], own / "meta", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "initialised by the reset_parameters() of 14 modules" in r.output
+    from safetensors.torch import load_file
+
+    weights = load_file(own / "meta" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert 0.05 < weights["blocks.0.fc1.weight"].std() < 0.2  # Linear's kaiming-uniform init, not garbage or zeros
+    assert torch.allclose(weights["blocks.0.norm.weight"], torch.ones(64), atol=0.01)  # LayerNorm's reset, 2 steps on
+
+
+def test_a_module_that_nothing_can_initialise_after_a_meta_build_is_named(cli, own):
+    (own / "mypkg" / "odd.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class Scale(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.gain = nn.Parameter(torch.ones(3))\n\n    def forward(self, x):\n        return x * self.gain\n\n"
+        "class Odd(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = nn.Linear(2, 3)\n        self.scale = Scale()\n\n"
+        "    def forward(self, x):\n        return self.scale(self.fc(x))\n")
+    r = cli([*QUICK, "strategy=single", "model._target_=mypkg.odd.Odd", "~model.width", "~model.depth",
+             "~model.num_classes", "+model.init_device=meta"], own / "odd", fast=False)
+    assert r.returncode == 2, r.output[-3000:]
+    assert r.err.strip().splitlines() == [
+        "hydratrain: config error: model.init_device='meta': built on meta, the model must be initialised after "
+        "sharding, but scale (Scale) own parameters or buffers without a reset_parameters() (and the model has no "
+        "init_weights()): give them one, or build it with storage: model.init_device=cpu (or cuda)"]
+    r = cli([*QUICK, "strategy=single", "model._target_=mypkg.odd.Odd", "~model.width", "~model.depth",
+             "~model.num_classes", "trainer.max_steps=2"], own / "odd_eager", fast=False)
+    assert r.returncode == 0, r.output[-3000:]  # built eagerly (the default for it), its constructor's values train
+
+
+@pytest.mark.parametrize("args,line", [
+    (["model._target_=mypkg.nope.Net"], "model._target_='mypkg.nope.Net': cannot be imported (ModuleNotFoundError: "
+                                        "No module named 'mypkg.nope'); is its package in the launch dir or on "
+                                        "PYTHONPATH?"),
+    (["+model.widht=3"], "model.widht=3: not a keyword of mypkg.nets.ResMLP; allowed: in_features, width, depth, "
+                         "num_classes"),
+    (["model.width=wide"], "model.width='wide': must be int (as mypkg.nets.ResMLP annotates it)"),
+    (["~metrics.accuracy.num_classes"], "metrics.accuracy={'_target_': 'torchmetrics.classification.MulticlassAccuracy'"
+                                        "}: building torchmetrics.classification.MulticlassAccuracy raised ValueError: "
+                                        "Argument `num_classes` can only be `None` for `average='micro'`"),
+    (["+model.in_features=3"], "model._target_='mypkg.nets.ResMLP': its forward refused the first batch (inputs "
+                               "(64, 2) float32): RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    (["loss=mse"], "loss._target_='torch.nn.MSELoss': refused the model's outputs (64, 3) float32 against targets "
+                   "(64,) int64: RuntimeError: The size of tensor a (3) must match the size of tensor b (64)"),
+    (["data._target_=mypkg.data.nothing"], "data._target_='mypkg.data.nothing': cannot be imported"),
+    (["+data.shuffle=true"], "data.shuffle=True: not a keyword of mypkg.data.spirals; allowed: n, classes, noise, "
+                             "seed"),
+])
+def test_each_bad_component_is_one_line_naming_its_key(cli, own, args, line):
+    r = cli([*QUICK, "strategy=single", *args], own / "bad", fast=False)
+    assert r.returncode == 2, r.output[-3000:]
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hydratrain: config error: {line}"), r.err[-2000:]
+
+
+def test_a_model_option_that_names_no_class_is_refused(cli, own):
+    """A model file holding only ``name: mlp`` used to train the built-in GPT under that name."""
+    (own / "my_conf" / "model" / "mlp.yaml").write_text("name: mlp\n")
+    r = cli(["--config-dir", "my_conf", "model=mlp", "strategy=single", "device=cpu"], own / "mlp", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: model._target_=<absent>: the model node names no class or function to build (its "
+        "keys: name); give one, e.g. _target_: mypkg.nets.MLP"], r.output[-2000:]
+    assert not (own / "mlp" / "results.json").exists()
