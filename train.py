@@ -23,7 +23,7 @@ register_resolvers()
 def train(cfg: DictConfig) -> float:
     from hydratrain.run import main
 
-    return main(cfg).eval_loss
+    return main(cfg).objective  # trainer.objective (eval/loss by default): what a sweeper optimises
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def task(cfg) -> float:
     _inject()
     _slow_failure()
     _fake_submitit()
-    eval_loss = main(cfg).eval_loss
+    eval_loss = main(cfg).objective
     if _job_fault() == "term_after":
         os.kill(os.getpid(), signal.SIGTERM)
     return eval_loss

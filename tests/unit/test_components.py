@@ -130,3 +130,14 @@ def test_a_model_option_that_names_no_class_is_refused(cli, own):
         "hydratrain: config error: model._target_=<absent>: the model node names no class or function to build (its "
         "keys: name); give one, e.g. _target_: mypkg.nets.MLP"], r.output[-2000:]
     assert not (own / "mlp" / "results.json").exists()
+
+
+def test_the_digits_example_reaches_95_percent_accuracy(cli, tmp_path):
+    """+experiment=digits_cnn: a CNN with BatchNorm on scikit-learn's digits (extra [examples])."""
+    pytest.importorskip("sklearn", reason="the digits example needs the extra [examples] (scikit-learn)")
+    r = cli(["+experiment=digits_cnn", "strategy=single", "device=cpu", "precision=fp32", "trainer.max_steps=120",
+             "trainer.eval_every_n_steps=0", "trainer.progress_bar=false", "logger.peak_flops=1e11"], tmp_path,
+            fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    res = results(tmp_path)
+    assert res["eval_metrics"]["accuracy"] >= 0.95 and res["objective"] == res["eval_metrics"]["accuracy"], res

@@ -243,3 +243,38 @@ def test_a_complete_cache_is_used_without_a_write(tmp_path, monkeypatch):
     monkeypatch.setattr(cache.fcntl, "flock", refused)
     monkeypatch.setattr(Path, "write_bytes", refused)
     assert corpora.build_corpus(files, root, 0.34, tmp_path / "cache", progress=False) == out
+
+
+def test_a_datasets_position_resumes_exactly_on_another_world_size_and_batch_with_loader_workers():
+    """Map-style datasets through DataLoader workers (data/loader.py): samples are chosen in this process, so the
+    position a checkpoint saves continues on any world size and batch size with nothing repeated or skipped, and
+    every epoch's order is new (set_epoch) without a worker holding a stale one."""
+    import torch
+    from omegaconf import OmegaConf
+    from torch.utils.data import TensorDataset
+
+    from hydratrain.data.loader import loader_fetch
+    from hydratrain.data.streams import ShardedBatches
+
+    dataset = TensorDataset(torch.arange(40), torch.arange(40))
+    node = OmegaConf.create({"_target_": "x", "num_workers": 2})
+
+    def batches(rank, world, batch, state=None):
+        b = ShardedBatches(dataset, batch, rank, world, seed=7, fetch=loader_fetch(dataset, node, torch.device("cpu")))
+        if state is not None:
+            b.load_state_dict(state)
+        return b
+
+    ranks = [batches(r, 2, 3) for r in range(2)]
+    seen = []
+    for b in ranks:  # 3 micro-batches per rank: 18 samples of epoch 0
+        it = iter(b)
+        seen += [int(i) for _ in range(3) for i in next(it)[0]]
+    state = ranks[0].state_dict()
+    assert state["samples_in_epoch"] == 18 and len(set(seen)) == 18
+    rest = batches(0, 1, 4, state)  # one rank, micro-batches of 4: the 20 samples of epoch 0 that are left (2 spare)
+    it = iter(rest)
+    later = [int(i) for _ in range(5) for i in next(it)[0]]
+    assert not set(later) & set(seen) and len(set(seen) | set(later)) == 38
+    nxt = [int(i) for _ in range(10) for i in next(it)[0]]  # epoch 1: another order, all 40 again
+    assert sorted(nxt) == list(range(40)) and nxt != seen + later[:2]

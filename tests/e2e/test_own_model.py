@@ -1,0 +1,79 @@
+"""A model, datasets, loss and metric defined outside the package (examples/own_model, copied into a temp launch dir)
+on 2 gloo ranks: DDP and FSDP2 with its blocks found (wrap_policy=auto), activation checkpointing, a meta build
+initialised through reset_parameters, the same initial weights at any world size, export loading strictly into the
+class; and an exact resume after a kill. (In-process checks of the same example: tests/unit/test_components.py.)
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from helpers import FAULTY, ROOT, log_of, report_rows, results, run
+
+OWN = ROOT / "examples" / "own_model"
+BASE = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precision=fp32", "logger.peak_flops=1e11",
+        "trainer.progress_bar=false", "data.n=1200", "data.batch_size=16", "trainer.eval_every_n_steps=0",
+        "trainer.log_every_n_steps=1"]
+
+
+def _launch_dir(tmp_path):
+    launch = tmp_path / "launch"
+    for part in ("mypkg", "my_conf"):
+        shutil.copytree(OWN / part, launch / part)
+    return launch
+
+
+def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_init(tmp_path, cli, monkeypatch):
+    launch = _launch_dir(tmp_path)
+    sweep = tmp_path / "sweep"
+    r = run(["-m", *BASE, "strategy=ddp,fsdp", "activation_checkpointing=true", "+model.init_device=meta",
+             "trainer.max_steps=12", f"hydra.sweep.dir={sweep}"], nproc=2, cwd=launch, fast=False, timeout=600)
+    assert r.returncode == 0, r.output[-4000:]
+    ddp, fsdp = (results(sweep / str(i)) for i in (0, 1))
+    for res in (ddp, fsdp):
+        assert res["steps"] == 12 and res["train_loss"] < res["first_loss"] and res["hparams"]["world_size"] == 2
+        assert res["eval_metrics"]["accuracy"] > 0.4
+    assert ddp["first_loss"] == pytest.approx(fsdp["first_loss"], abs=1e-6)  # one init, whatever the strategy
+    for job, strategy in ((0, "ddp"), (1, "fsdp")):
+        log = log_of(sweep / str(job))
+        assert "activation checkpointing on 4 ResidualBlock" in log
+        assert "initialised by the reset_parameters() of 14 modules" in log
+    assert "fsdp: sharded 5 modules (4 ResidualBlock by wrap_policy=auto + root)" in log_of(sweep / "1")
+    rows = report_rows(sweep)
+    assert [row["status"] for row in rows] == ["COMPLETED"] * 2 and all(row["eval/accuracy"] for row in rows)
+
+    import torch
+    from safetensors.torch import load_file
+
+    monkeypatch.syspath_prepend(str(launch))
+    from mypkg.nets import ResMLP
+
+    ResMLP().load_state_dict(load_file(sweep / "1" / "model.safetensors"), strict=True)  # FSDP's export: own names
+    # the same weights at world size 1 (one process, twice the micro-batch: the same 32 samples at step 1)
+    monkeypatch.chdir(launch)
+    one = cli([*BASE, "strategy=fsdp", "+model.init_device=meta", "data.batch_size=32", "trainer.max_steps=1"],
+              tmp_path / "one", fast=False)
+    assert one.returncode == 0, one.output[-3000:]
+    assert results(tmp_path / "one")["first_loss"] == pytest.approx(fsdp["first_loss"], abs=1e-5)
+    assert torch.isfinite(torch.tensor(results(tmp_path / "one")["first_loss"]))
+
+
+@pytest.mark.slow  # three 2-rank launches
+def test_own_model_resumes_bit_identically_after_a_kill(tmp_path):
+    """An uninterrupted FSDP run, and the same run SIGKILLed right after its step-10 save and relaunched with the same
+    command: the same final weights, bit for bit (the DataLoader's position, the sampler and the RNGs restored)."""
+    launch = _launch_dir(tmp_path)
+    args = [*BASE, "strategy=fsdp", "trainer.max_steps=16", "checkpoint.every_n_steps=10", "data.num_workers=1"]
+    run([*args, f"hydra.run.dir={tmp_path / 'a'}"], nproc=2, cwd=launch, fast=False, timeout=600).ok()
+    kill = {"HT_FAULT": "kill", "HT_FAULT_STEP": "10", "HT_FAULT_AT": "after_step", "HT_FAULT_RANK": "all"}
+    killed = run([*args, f"hydra.run.dir={tmp_path / 'b'}"], nproc=2, cwd=launch, fast=False, script=FAULTY,
+                 env=kill, timeout=600)
+    assert killed.returncode != 0 and (tmp_path / "b" / "checkpoints" / "step_00000010").is_dir()
+    run([*args, f"hydra.run.dir={tmp_path / 'b'}"], nproc=2, cwd=launch, fast=False, timeout=600).ok()
+    assert "resumed from" in log_of(tmp_path / "b")
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    assert results(tmp_path / "a")["train_loss"] == results(tmp_path / "b")["train_loss"]
