@@ -225,8 +225,9 @@ def _built_with_error(err: BaseException, target: str) -> ConfigError:
 
 # ------------------------------------------------------------------------------------------------ loss, metrics
 def build_loss(cfg: DictConfig) -> Callable:
-    """The loss callable of ``cfg.loss`` (``loss(outputs, targets) -> 0-d mean``). Raises :class:`ConfigError`."""
-    return _instantiate(cfg.get("loss"), "loss")
+    """The loss callable of ``cfg.loss`` (``loss(outputs, targets) -> 0-d mean``; :func:`build_callable`). Raises
+    :class:`ConfigError`."""
+    return build_callable(cfg.get("loss"), "loss")
 
 
 def build_metrics(cfg: DictConfig) -> dict:
@@ -246,6 +247,22 @@ def build_metrics(cfg: DictConfig) -> dict:
                               "torchmetrics.Metric (which syncs across ranks)")
         out[str(name)] = metric
     return out
+
+
+def build_callable(node: Any, key: str) -> Callable:
+    """A callable component (``loss``, ``data.collate_fn``): a class target is built with its keywords (an
+    instance, as ``torch.nn.CrossEntropyLoss``), a function target is taken as it is, its keywords bound
+    (``functools.partial``), so ``_partial_: true`` is not needed for a function. Raises :class:`ConfigError`."""
+    import functools
+    import inspect
+
+    target = target_of(node, key)
+    obj = locate(target, key)
+    if inspect.isclass(obj) or _plain(node).get("_partial_") is not None:
+        return _instantiate(node, key)
+    kwargs = {k: v for k, v in _plain(node).items() if k not in _HYDRA_KEYS}
+    check_call(obj, kwargs, key, target, partial=True)
+    return functools.partial(obj, **kwargs) if kwargs else obj
 
 
 def _instantiate(node: Any, key: str) -> Any:

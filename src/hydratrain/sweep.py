@@ -138,6 +138,8 @@ def sweep_rows(sweep_dir: Path) -> List[dict]:
         job = job_dir.relative_to(sweep_dir).as_posix() + (f" (job {num})" if refused else "")
         metrics = {f"eval/{k}": ("" if v is None else round(v, 6))
                    for k, v in (results.get("eval_metrics") or {}).items()}
+        if results.get("tokens_per_sec") is None and results.get("samples_per_sec") is not None:
+            metrics["samples_per_sec"] = fig("samples_per_sec")  # a dataset's throughput (no tokens)
         rows.append({"job": job, "_num": num if num is not None else math.inf,
                      "overrides": " ".join(overrides), "status": state, "steps": results.get("steps", ""),
                      "train_loss": fig("train_loss"), "eval_loss": fig("eval_loss"), **metrics,
@@ -176,8 +178,10 @@ def write_sweep_report(sweep_dir: Path) -> Optional[Path]:
     if not rows:
         return None
     at = COLUMNS.index("eval_loss") + 1  # the metrics' eval/<name> columns follow eval_loss
-    metrics = sorted({k for r in rows for k in r if k not in COLUMNS})
+    metrics = sorted({k for r in rows for k in r if k not in COLUMNS and k != "samples_per_sec"})
     columns = COLUMNS[:at] + metrics + COLUMNS[at:]
+    if any("samples_per_sec" in r for r in rows):
+        columns.insert(columns.index("tokens_per_sec") + 1, "samples_per_sec")
     csv_path = sweep_dir / "sweep_report.csv"
     tmp = sweep_dir / f".sweep_report.csv.tmp{os.getpid()}"
     with tmp.open("w", newline="") as f:

@@ -61,7 +61,7 @@ def test_a_sweep_over_two_models_reports_each_row_with_the_metric(cli, own):
     assert r.returncode == 0, r.output[-3000:]
     report = (own / "sweep" / "sweep_report.csv").read_text().splitlines()
     assert report[0].split(",")[:6] == ["job", "overrides", "status", "steps", "train_loss", "eval_loss"]
-    assert "eval/accuracy" in report[0].split(",") and len(report) == 3
+    assert {"eval/accuracy", "samples_per_sec"} <= set(report[0].split(",")) and len(report) == 3
     assert all("COMPLETED" in row for row in report[1:])
 
 
@@ -141,3 +141,19 @@ def test_the_digits_example_reaches_95_percent_accuracy(cli, tmp_path):
     assert r.returncode == 0, r.output[-3000:]
     res = results(tmp_path)
     assert res["eval_metrics"]["accuracy"] >= 0.95 and res["objective"] == res["eval_metrics"]["accuracy"], res
+
+
+def test_a_function_loss_and_collate_fn_are_called_with_their_keywords_bound(cli, own):
+    (own / "mypkg" / "extra.py").write_text(
+        "import torch\nimport torch.nn.functional as F\nfrom torch.utils.data import default_collate\n\n"
+        "CALLS = []\n\n"
+        "def smooth_ce(outputs, targets, smoothing=0.0):\n"
+        "    CALLS.append(smoothing)\n    return F.cross_entropy(outputs, targets, label_smoothing=smoothing)\n\n"
+        "def collate(samples, scale=1.0):\n    x, y = default_collate(samples)\n    return x * scale, y\n")
+    r = cli([*QUICK, "strategy=single", "trainer.max_steps=2", "loss._target_=mypkg.extra.smooth_ce",
+             "+loss.smoothing=0.1", "+data.collate_fn._target_=mypkg.extra.collate", "+data.collate_fn.scale=2.0"],
+            own / "fn", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    import mypkg.extra
+
+    assert mypkg.extra.CALLS and set(mypkg.extra.CALLS) == {0.1}

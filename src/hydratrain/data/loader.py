@@ -76,8 +76,9 @@ def check_data_node(data: DictConfig) -> None:
     target = target_of(data, "data")
     check_call(locate(target, "data"), _kwargs(data), "data", target)
     if s["collate_fn"] is not None:
-        node = data.collate_fn
-        locate(target_of(node, "data.collate_fn"), "data.collate_fn")
+        from hydratrain.components import build_callable
+
+        build_callable(data.collate_fn, "data.collate_fn")
 
 
 def load_datasets(data: DictConfig) -> dict:
@@ -138,12 +139,12 @@ def split(dataset: Any, val_fraction: float) -> dict:
 def loader_fetch(dataset: Any, data: DictConfig, device) -> Any:
     """``fetch(index lists) -> batches`` (:data:`hydratrain.data.streams.Fetch`): a ``DataLoader`` over ``dataset``
     with the index lists as its batch sampler and the node's loader keys (``pin_memory`` null: on CUDA)."""
-    from hydra.utils import instantiate
     from torch.utils.data import DataLoader
 
+    from hydratrain.components import build_callable
+
     s = data_settings(data)
-    collate = instantiate(OmegaConf.to_container(data.collate_fn, resolve=True)) if s["collate_fn"] is not None \
-        else None
+    collate = build_callable(data.collate_fn, "data.collate_fn") if s["collate_fn"] is not None else None
     pin = s["pin_memory"] if s["pin_memory"] is not None else device.type == "cuda"
     extra = {"prefetch_factor": s["prefetch_factor"]} if s["prefetch_factor"] is not None else {}
 
