@@ -478,8 +478,8 @@ class TrainerConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still logged)
     eval_every_n_steps: int = 100  # 0 = only at the end
     eval_samples: int = 256  # val samples per eval, the same set whatever the world size and batch; 0 = all
-    log_every_n_steps: int = 10
-    seed: int = 1234
+    log_every_n_steps: int = 10  # a log line and the train/* and perf/* scalars (also at step 1 and the last step)
+    seed: int = 1234  # model init, data order (per epoch), dropout; the eval set's order is fixed (seed 0)
     compile: bool = False  # torch.compile each block (wrap_policy.block_classes)
     progress_bar: bool = True  # rank-0 tqdm bar
     sample_tokens: int = 120  # tokens generated at the end (text for byte corpora, ids otherwise); 0 = none
@@ -543,7 +543,7 @@ class TrainConfig:
     # a built-in corpus (name: ...) or a _target_ node returning datasets.
     model: Any = MISSING
     loss: Any = MISSING
-    metrics: Dict[str, Any] = field(default_factory=dict)
+    metrics: Dict[str, Any] = field(default_factory=dict)  # {name: _target_ node}: eval metrics, logged eval/<name>
     data: Any = MISSING
     strategy: Any = MISSING
     precision: Any = MISSING
