@@ -29,22 +29,47 @@ def _meta(value: Any) -> Any:
 
 def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example: Any, loss_fn: Callable) -> float:
     """Training FLOPs (forward and backward) per sample of the model ``build_meta()`` returns (built on meta) on
-    ``example`` (a batch; only its shapes and dtypes are used), counted by ``FlopCounterMode``. NaN when the model
-    cannot run on the meta device (the run goes on without MFU)."""
+    ``example`` (a batch; only its shapes and dtypes are used), counted by ``FlopCounterMode``. A forward that reads a
+    value on the way (``.item()``, ``if mask.all()``: meta tensors have none) is counted again under
+    ``FakeTensorMode``, where libraries that check for tracing (``transformers``) take their value-free path. NaN
+    when the model runs in neither (the run goes on without MFU)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     from hydratrain.train.batch import forward, loss_of, rows
 
     n = rows(example)
-    try:
+
+    def count(mode: Any) -> float:
         model = build_meta()
         model.train()
         batch = _meta(example)
-        with FlopCounterMode(display=False) as counter:
-            loss = loss_of(forward(model, batch, contextlib.nullcontext()), batch, loss_fn)
-            loss.backward()
+        with mode:
+            batch = _fake(mode, batch) if isinstance(mode, FakeTensorMode) else batch
+            with FlopCounterMode(display=False) as counter:
+                loss = loss_of(forward(model, batch, contextlib.nullcontext()), batch, loss_fn)
+                loss.backward()
         return counter.get_total_flops() / max(n, 1)
+
+    try:
+        try:
+            return count(contextlib.nullcontext())
+        except RuntimeError as err:
+            if "meta" not in str(err):
+                raise
+            return count(FakeTensorMode(allow_non_fake_inputs=True))
     except Exception as err:  # noqa: BLE001 (MFU is a figure, not a reason to stop)
         log.warning("model FLOPs not counted (MFU not logged): the model does not run on the meta device: %s: %s",
                     type(err).__name__, (str(err).strip().splitlines() or [""])[0])
         return math.nan
+
+
+def _fake(mode: Any, value: Any) -> Any:
+    """``value`` (meta tensors, in containers) as fake tensors of ``mode``."""
+    if isinstance(value, torch.Tensor):
+        return mode.from_tensor(value)
+    if isinstance(value, dict):
+        return {k: _fake(mode, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fake(mode, v) for v in value)
+    return value

@@ -69,12 +69,26 @@ def protocol(model: nn.Module) -> str:
 
 def protocol_of_class(cls: type) -> str:
     """:func:`protocol` of a model class, before it is built (``init_device=auto`` builds on meta only for the first
-    two)."""
+    two). A factory function says what it builds by its return annotation (``def causal_lm(...) -> HFCausalLM``):
+    the protocol of that class; a factory without one counts as :data:`PER_MODULE`."""
+    if not isinstance(cls, type):
+        cls = _returned_class(cls) or cls
     if callable(getattr(cls, PER_PARAMETER, None)):
         return PER_PARAMETER
     if callable(getattr(cls, WHOLE_MODEL, None)):
         return WHOLE_MODEL
     return PER_MODULE
+
+
+def _returned_class(factory: Callable) -> Optional[type]:
+    """The class ``factory``'s return annotation names, or None (no annotation, not a class, does not resolve)."""
+    import typing
+
+    try:
+        returned = typing.get_type_hints(factory).get("return")
+    except Exception:  # noqa: BLE001 (a forward reference that does not resolve: no annotation to go by)
+        return None
+    return returned if isinstance(returned, type) else None
 
 
 def _owns_state(module: nn.Module) -> bool:

@@ -75,8 +75,9 @@ class Strategy:
         materialised (``built_on_meta``) and initialised (:func:`hydratrain.parallel.init.initialise`, seeded by
         ``seed``). Returns (the model to train, a one-line summary). Raises :class:`ConfigError` when activation
         checkpointing or compile has no block to apply to."""
-        notes = []
         blocks = self.blocks(raw)
+        # which repeated submodules are the FSDP, checkpointing and compile units, and what chose them
+        notes = [f"blocks: {blocks.describe()} (from {blocks.source})"] if blocks.modules else []
         for wanted, key in ((self.cfg.activation_checkpointing, "activation_checkpointing"),
                             (self.cfg.trainer.compile, "trainer.compile")):
             if wanted and not blocks.modules:
