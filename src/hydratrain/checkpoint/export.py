@@ -13,16 +13,24 @@ metadata (any number of saving ranks, any strategy). Keys are the model's parame
 holds the step and the resolved model config the checkpoint was saved with. A checkpoint of subword data carries its
 tokenizer, written next to the weights as ``<name>.tokenizer.json`` (a byte-level one removes a stale file of that name,
 an earlier export's). Exit status 3 when the checkpoint is unusable.
+
+A model with an ``export_to(out_dir, state_dict, tokenizer)`` method (:data:`EXPORT_HOOK`) can also be written in its
+own format: give a dir as OUT (``python -m hydratrain.export outputs/RUN hf_model/``: a Hugging Face model becomes a
+``save_pretrained`` dir). The model is rebuilt on the meta device from the checkpoint's ``model.json``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from pathlib import Path
+from typing import Optional
 
 from hydratrain.errors import say
 from hydratrain.paths import temporary_sibling
+
+log = logging.getLogger(__name__)
 
 
 def write_safetensors(tensors: dict, out: Path, metadata: dict) -> Path:
@@ -79,21 +87,103 @@ def export(checkpoint: Path, out: Path) -> Path:
     return out
 
 
+#: a model's method that writes the model in its own ecosystem's format: ``export_to(out_dir, state_dict,
+#: tokenizer) -> out_dir``, with ``state_dict`` the full CPU weights by the model's parameter names and ``tokenizer``
+#: the data's tokenizer.json (or None). hydratrain's Hugging Face models write a save_pretrained dir with it.
+EXPORT_HOOK = "export_to"
+
+
+def export_model(raw, out_dir: Path, tokenizer: Optional[Path], state: dict) -> Optional[Path]:
+    """``raw.export_to(out_dir, state, tokenizer)`` when the model has :data:`EXPORT_HOOK` (logged), else None."""
+    hook = getattr(raw, EXPORT_HOOK, None)
+    if not callable(hook):
+        return None
+    out = hook(out_dir, state, tokenizer)
+    log.info("exported the model in its own format to %s (%s.%s)", out, type(raw).__name__, EXPORT_HOOK)
+    return out
+
+
+def export_dir(checkpoint: Path, out_dir: Path) -> Path:
+    """Write ``checkpoint``'s model in its own format into ``out_dir`` by its :data:`EXPORT_HOOK` (a Hugging Face
+    model: a save_pretrained dir): the model is rebuilt on the meta device from the checkpoint's ``model.json`` (its
+    ``_target_`` and keywords, as the run built it), given the full weights and the checkpoint's tokenizer. Returns
+    ``out_dir``. Raises :class:`~hydratrain.errors.CheckpointError` when the checkpoint is unusable, has no model.json,
+    or its model cannot be rebuilt or has no export hook."""
+    import torch
+    from hydra.utils import instantiate
+
+    from hydratrain.checkpoint.io import read_model_weights
+    from hydratrain.checkpoint.manager import resolve_checkpoint
+    from hydratrain.errors import CheckpointError, HydratrainError
+
+    ckpt = resolve_checkpoint(Path(checkpoint))
+    if not (ckpt / "model.json").is_file():
+        raise CheckpointError(f"{ckpt}: has no model.json (written by older versions): its model cannot be rebuilt "
+                              "to export its own format; give OUT as a .safetensors file")
+    record = json.loads((ckpt / "model.json").read_text())
+    try:
+        with torch.device("meta"):
+            model = instantiate(record, _convert_="all")
+    except Exception as err:  # noqa: BLE001 (whatever the model's constructor raises)
+        cause = err.__cause__ if err.__cause__ is not None and not isinstance(err, HydratrainError) else err
+        raise CheckpointError(f"{ckpt}: its model ({record.get('_target_')}) could not be rebuilt from model.json: "
+                              f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}") from None
+    if not callable(getattr(model, EXPORT_HOOK, None)):
+        raise CheckpointError(f"{ckpt}: its model ({record.get('_target_')}) has no {EXPORT_HOOK}() to write a "
+                              "format of its own; give OUT as a .safetensors file")
+    tokenizer = ckpt / "tokenizer.json" if (ckpt / "tokenizer.json").is_file() else None
+    return export_model(model, Path(out_dir), tokenizer, read_model_weights(ckpt))
+
+
 def tokenizer_path_for(weights: Path) -> Path:
     """Where :func:`export` puts the tokenizer of ``weights`` (``model.safetensors`` -> ``model.tokenizer.json``)."""
     weights = Path(weights)
     return weights.with_name(weights.stem + ".tokenizer.json")
 
 
+def _has_export_hook(checkpoint: Path) -> bool:
+    """Whether the model of ``checkpoint`` (its model.json's ``_target_``) can write its own format: a class with
+    :data:`EXPORT_HOOK`, or a factory whose return annotation names one. False when anything is missing."""
+    try:
+        from hydratrain.checkpoint.manager import resolve_checkpoint
+        from hydratrain.components import locate
+        from hydratrain.parallel.init import _returned_class
+
+        record = json.loads((resolve_checkpoint(Path(checkpoint)) / "model.json").read_text())
+        target = locate(record["_target_"], "model")
+        built = target if isinstance(target, type) else _returned_class(target)
+        return built is not None and callable(getattr(built, EXPORT_HOOK, None))
+    except Exception:  # noqa: BLE001 (the usual .safetensors path then says what is wrong)
+        return False
+
+
+def _main_dir(checkpoint: Path, out: Path) -> int:
+    """``main`` for an OUT dir: :func:`export_dir`, one line on failure (exit status 3)."""
+    from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError
+
+    try:
+        export_dir(checkpoint, out)
+    except CheckpointError as err:
+        say(f"hydratrain: checkpoint error: {err}")
+        return EXIT_CHECKPOINT
+    except OSError as err:
+        say(f"hydratrain: output error: writing {out} failed ({type(err).__name__}: {err})")
+        return EXIT_CHECKPOINT
+    print(f"wrote {out}/ (the model's own format)")
+    return 0
+
+
 def main(argv=None) -> int:
-    """Command line: ``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors``. Exit status 2 for a bad
-    argument, 3 for a checkpoint that cannot be read or an OUT that cannot be written (one line each; OUT's dir is
-    checked before the checkpoint is read)."""
+    """Command line: ``python -m hydratrain.export CHECKPOINT_DIR OUT.safetensors`` (or ``OUT_DIR`` for a model with
+    an ``export_to()`` of its own format, e.g. a Hugging Face save_pretrained dir). Exit status 2 for a bad argument,
+    3 for a checkpoint that cannot be read or an OUT that cannot be written (one line each; OUT's dir is checked
+    before the checkpoint is read)."""
     from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError, unwritable_cause
 
     parser = argparse.ArgumentParser(prog="python -m hydratrain.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step_XXXXXXXX dir, or a run or checkpoints dir (its latest)")
-    parser.add_argument("out", type=Path, help="the .safetensors file to write (relative: under --model-dir)")
+    parser.add_argument("out", type=Path, help="the .safetensors file to write (relative: under --model-dir), or a "
+                        "dir for a model that writes its own format (a Hugging Face model: a save_pretrained dir)")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="where a relative OUT goes (default: $HYDRATRAIN_MODEL_DIR, else the current dir)")
     args = parser.parse_args(argv)
@@ -103,8 +193,11 @@ def main(argv=None) -> int:
     if not out.is_absolute():
         out = (args.model_dir.expanduser() if args.model_dir is not None else default_model_dir()) / out
     if out.is_dir() or out.suffix != ".safetensors":
+        if not (out.exists() and not out.is_dir()) and _has_export_hook(args.checkpoint):
+            return _main_dir(args.checkpoint, out)
         parser.error(f"out={out}: must be a file path ending in .safetensors" + (" (that is a directory)"
-                                                                                 if out.is_dir() else ""))
+                                                                                 if out.is_dir() else "") +
+                     " (a dir is written only for a model with an export_to() of its own format)")
     try:
         prepare_output_file(out)
     except OSError as err:  # tester 9: a traceback, after the whole checkpoint was read

@@ -305,7 +305,15 @@ def export_pretrained(config, hf_class: type, state_dict: dict, out_dir: Union[s
         shell = hf_class._from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    shell.save_pretrained(str(out), state_dict=tensors)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one file of a few shards: a bar on every export is noise in the run's log
+    try:
+        shell.save_pretrained(str(out), state_dict=tensors)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if tokenizer is not None:
         save_tokenizer(tokenizer, out)
     return out

@@ -1,7 +1,8 @@
 """What a finished run leaves in its run dir: ``model.safetensors`` (full weights, the model's own parameter names, so
-``model.load_state_dict(load_file(path), strict=True)`` loads them into its class), a generated sample (language
-models on token data), the hparams row in TensorBoard and ``results.json``. Every rank calls :func:`write_outputs`
-(gathering weights and sampling are collective); rank 0 writes the files."""
+``model.load_state_dict(load_file(path), strict=True)`` loads them into its class) and, for a model with an
+``export_to`` hook (:data:`hydratrain.checkpoint.export.EXPORT_HOOK`), its own format under ``export/``; a generated
+sample (language models on token data), the hparams row in TensorBoard and ``results.json``. Every rank calls
+:func:`write_outputs` (gathering weights and sampling are collective); rank 0 writes the files."""
 from __future__ import annotations
 
 import contextlib
@@ -95,22 +96,28 @@ def model_files(cfg: DictConfig, vocab_size: Optional[int], tokenizer) -> dict:
     return files
 
 
-def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Optional[dict] = None) -> Optional[Path]:
+def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Optional[dict] = None,
+                 export: Optional[tuple] = None) -> Optional[Path]:
     """Gather the full (unsharded) weights on rank 0 and write them to ``path`` as safetensors, atomically.
 
     Every rank must call (FSDP all-gathers). Keys are the model's own parameter names (no DDP/AC/compile prefixes);
-    a tied weight is stored under each of its names. ``metadata`` (str -> str) goes into the file's header. Returns
-    ``path`` on rank 0, None elsewhere.
+    a tied weight is stored under each of its names. ``metadata`` (str -> str) goes into the file's header.
+    ``export``: ``(plain model, dir, tokenizer.json or None)``: a model with an ``export_to`` hook
+    (:data:`hydratrain.checkpoint.export.EXPORT_HOOK`) also writes its own
+    format into that dir from the same tensors (rank 0). Returns ``path`` on rank 0, None elsewhere.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hydratrain.checkpoint.export import write_safetensors
+    from hydratrain.checkpoint.export import export_model, write_safetensors
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return None
     state = {k: v.clone() for k, v in state.items()}  # tied weights share storage; safetensors wants one each
-    return write_safetensors(state, path, {"format": "pt", "producer": "hydratrain", **(metadata or {})})
+    out = write_safetensors(state, path, {"format": "pt", "producer": "hydratrain", **(metadata or {})})
+    if export is not None:
+        export_model(*export, state)
+    return out
 
 
 @torch.no_grad()
@@ -251,7 +258,8 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
     with _keep_going(refused, run_dir):
         if cfg.trainer.save_weights:
             path = save_weights(model, run_dir / "model.safetensors", info.is_main,
-                                {"model_config": model_config_json(cfg, vocab_size)})
+                                {"model_config": model_config_json(cfg, vocab_size)},
+                                export=(raw, run_dir / "export", Path(tokenizer.path) if tokenizer else None))
             if path:
                 saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
                 log.info("wrote full model weights to %s%s", path, saved)
