@@ -370,9 +370,10 @@ def planned_vocab_size(cfg, launch_dir) -> int:
 
     data, explicit = cfg.data, cfg.model.get("vocab_size")
     if data.get("tokenizer"):
-        tokenizer = load_tokenizer(Path(launch_dir) / Path(data.tokenizer).expanduser())
-        return vocab_size_for(data, tokenizer, explicit)
-    if data.name in ("tokenized_text", "python_stdlib_bpe"):
+        path = Path(launch_dir) / Path(data.tokenizer).expanduser()
+        path = path / "tokenizer.json" if path.is_dir() else path  # hf_dataset: a pretrained model's dir
+        return vocab_size_for(data, load_tokenizer(path), explicit)
+    if data.name in ("tokenized_text", "python_stdlib_bpe", "hf_dataset"):
         return explicit or padded_vocab_size(bpe_vocab_size(data))
     return vocab_size_for(data, None, explicit)
 

@@ -66,6 +66,7 @@ class DataName(Option):
     token_bin = "token_bin"
     tokenized_text = "tokenized_text"
     python_stdlib_bpe = "python_stdlib_bpe"
+    hf_dataset = "hf_dataset"
 
 
 class TokenDType(Option):
@@ -190,6 +191,22 @@ class PythonStdlibBPEData(SplitData):
     option: ClassVar[DataName] = DataName.python_stdlib_bpe
     name: DataName = DataName.python_stdlib_bpe
     tokenizer: Optional[str] = None  # a tokenizer.json; null = train a byte-level BPE of vocab_size tokens
+    vocab_size: Optional[int] = None  # tokens of the BPE trained when tokenizer is null; null = 4096
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class HFDatasetData(SplitData):
+    """Local JSON(-lines), CSV, Parquet or text files read by Hugging Face ``datasets`` (extra ``[hf]``), one text
+    column tokenized once and cached as token files (``hydratrain.data.hf_dataset``)."""
+
+    option: ClassVar[DataName] = DataName.hf_dataset
+    name: DataName = DataName.hf_dataset
+    paths: List[str] = MISSING  # the train files (datasets' data_files), globs allowed, relative to the launch dir
+    val_paths: Optional[List[str]] = None  # the val split's files; null = data.val_fraction of the records
+    format: Optional[str] = None  # json | csv | parquet | text; null = from the files' extension
+    text_field: str = "text"  # the column holding each record's text
+    tokenizer: Optional[str] = None  # a tokenizer.json or a dir holding one; null = train a BPE of vocab_size tokens
     vocab_size: Optional[int] = None  # tokens of the BPE trained when tokenizer is null; null = 4096
     cache_dir: Optional[str] = None
 
@@ -564,7 +581,7 @@ class TrainConfig:
 # group -> {option: schema}; each conf/<group>/<option>.yaml starts with `- /schema/<group>/<option>@_here_`
 SCHEMAS: dict[str, dict[str, type]] = {
     "data": {o.value: c for c in (PythonStdlibData, TextFilesData, SyntheticData, TokenBinData, TokenizedTextData,
-                                  PythonStdlibBPEData) for o in [c.option]},
+                                  PythonStdlibBPEData, HFDatasetData) for o in [c.option]},
     "strategy": {o.value: c for c in (SingleStrategy, DDPStrategy, FSDPStrategy, HSDPStrategy) for o in [c.option]},
     "precision": {o.value: c for c in (AutoPrecision, FP32Precision, BF16Precision, FP16Precision) for o in [c.option]},
     "wrap_policy": {"auto": BlockWrapPolicy, "none": NamedWrapPolicy, "transformer_block": BlockWrapPolicy,

@@ -142,7 +142,8 @@ def check_same_data(data_cfg, splits: dict) -> None:
     other, every = unlike
     key, value = {"token_bin": ("data.train_path", data_cfg.get("train_path")),
                   "text_files": ("data.paths", list(data_cfg.get("paths") or [])),
-                  "tokenized_text": ("data.paths", list(data_cfg.get("paths") or []))}.get(
+                  "tokenized_text": ("data.paths", list(data_cfg.get("paths") or [])),
+                  "hf_dataset": ("data.paths", list(data_cfg.get("paths") or []))}.get(
         data_cfg.name, ("data", data_cfg.name))
     raise ConfigError(key, value, f"rank {other} read other data than rank 0 ({every[other][1]}; rank 0: "
                       f"{every[0][1]}): every rank, on every node, must read the same data (a node-local copy that "
@@ -160,6 +161,10 @@ def split_error(data_cfg, launch_dir: Path, split: str, tokens: int, err: Except
     if data_cfg.name == "token_bin":
         key, value = f"data.{split}_path", getattr(data_cfg, f"{split}_path")
         source = f" from {launch_dir / Path(value).expanduser()}"
+    elif data_cfg.name == "hf_dataset":
+        key, value = ("data.val_paths", list(data_cfg.val_paths)) if split == "val" and data_cfg.val_paths else \
+            ("data.paths", list(data_cfg.paths))
+        source = f" of data.text_field={data_cfg.text_field}"
     elif data_cfg.name in ("text_files", "tokenized_text"):
         key, value = "data.paths", list(data_cfg.paths)
         files = expand_paths(value, launch_dir)

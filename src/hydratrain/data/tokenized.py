@@ -47,7 +47,7 @@ from hydratrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-TOKEN_CORPORA = ("token_bin", "tokenized_text", "python_stdlib_bpe")
+TOKEN_CORPORA = ("token_bin", "tokenized_text", "python_stdlib_bpe", "hf_dataset")
 BPE_VOCAB_SIZE = 4096  # tokens of the BPE trained when data.tokenizer and data.vocab_size are null
 BYTE_CORPORA = ("python_stdlib", "text_files")
 # llm.c's data files (karpathy/llm.c, dev/data/data_common.py, write_datafile): a header of 256 little-endian int32
@@ -317,7 +317,13 @@ def tokenizer_for(data_cfg, launch_dir: Path, progress: bool = False, files: Opt
     tokenized_text / python_stdlib_bpe, a BPE of ``data.vocab_size`` trained on the training split (cached; the
     first call trains it: call on local rank 0 first, then barrier). None for the byte corpora, synthetic, and
     token_bin without ``data.tokenizer``. ``files``: python_stdlib_bpe's files instead of the whole stdlib (tests).
-    Raises :class:`ConfigError` (``data.tokenizer``, ``data.paths``, ``data.vocab_size``)."""
+    Raises :class:`ConfigError` (``data.tokenizer``, ``data.paths``, ``data.vocab_size``). hf_dataset:
+    :func:`hydratrain.data.hf_dataset.tokenizer_for`."""
+    if data_cfg.name == "hf_dataset":
+        from hydratrain.data import hf_dataset
+
+        return hf_dataset.tokenizer_for(data_cfg, launch_dir, cache_root(data_cfg, launch_dir, cache_dir),
+                                        bpe_vocab_size(data_cfg), progress)
     if getattr(data_cfg, "tokenizer", None):
         return load_tokenizer(launch_dir / Path(data_cfg.tokenizer).expanduser())
     if data_cfg.name not in ("tokenized_text", "python_stdlib_bpe"):
@@ -381,6 +387,11 @@ def load_token_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: boo
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError("model.vocab_size", vocab_size, f"smaller than the tokenizer's {tokenizer.vocab_size} "
                           f"tokens ({tokenizer.path}); allowed: >= {tokenizer.vocab_size}")
+    if data_cfg.name == "hf_dataset":
+        from hydratrain.data import hf_dataset
+
+        return hf_dataset.load_token_splits(data_cfg, tokenizer, launch_dir,
+                                            cache_root(data_cfg, launch_dir, cache_dir), progress)
     root, all_files = corpus_files(data_cfg, launch_dir)
     out = build_token_cache(list(files) if files is not None else all_files, root, data_cfg.val_fraction, tokenizer,
                             cache_root(data_cfg, launch_dir, cache_dir), progress)
@@ -414,5 +425,10 @@ def preflight_data(data_cfg, launch_dir: Path) -> None:
             open_token_bin(launch_dir / Path(value).expanduser(), data_cfg.dtype, f"data.{split}_path")
     elif data_cfg.name == "tokenized_text":
         corpus_files(data_cfg, launch_dir)
+    elif data_cfg.name == "hf_dataset":
+        from hydratrain.data import hf_dataset
+
+        hf_dataset.preflight(data_cfg, launch_dir)  # the tokenizer too (a dir holding tokenizer.json is allowed)
+        return
     if data_cfg.tokenizer:
         load_tokenizer(launch_dir / Path(data_cfg.tokenizer).expanduser())
