@@ -162,18 +162,19 @@ class Sweep:
 
 
 def sweep_runs(runs: dict, base: Path, nproc: int = 2, sweep_dir: Optional[Path] = None, env: Optional[dict] = None,
-               timeout: float = 900) -> Sweep:
+               timeout: float = 900, common: Sequence[str] = DEBUG) -> Sweep:
     """Several train.py runs as the jobs of ONE sweep inside ``nproc`` torchrun ranks (``torchrun train.py -m
     +testrun=a,b,...``): each job builds its own process group, model and data in the same processes, so the
     interpreter, torch and Hydra start once instead of once per run. ``runs``: name -> overrides (after
-    :data:`DEBUG`), written under ``base`` as config group ``testrun`` (a Hydra search path added for the sweep).
-    Launched in ``base/launch``; without ``sweep_dir`` the sweep lands in its ``multirun/<date>/<time>``."""
+    ``common``, default :data:`DEBUG`), written under ``base`` as config group ``testrun`` (a Hydra search path added
+    for the sweep). Launched in ``base/launch``; without ``sweep_dir`` the sweep lands in its
+    ``multirun/<date>/<time>``."""
     (base / "conf" / "testrun").mkdir(parents=True)
     for name, overrides in runs.items():
         (base / "conf" / "testrun" / f"{name}.yaml").write_text(_overlay(overrides))
     launch = base / "launch"
     launch.mkdir()
-    result = run(["-m", *DEBUG, f"hydra.searchpath=[file://{base / 'conf'}]", f"+testrun={','.join(runs)}",
+    result = run(["-m", *common, f"hydra.searchpath=[file://{base / 'conf'}]", f"+testrun={','.join(runs)}",
                   *([f"hydra.sweep.dir={sweep_dir}"] if sweep_dir else [])], nproc=nproc, cwd=launch, fast=False,
                  timeout=timeout, env=env)
     sweeps = [sweep_dir] if sweep_dir else sorted(p for p in launch.glob("multirun/*/*") if p.is_dir())

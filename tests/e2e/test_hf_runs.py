@@ -1,0 +1,90 @@
+"""Hugging Face transformers models on 2 gloo ranks under torchrun (extra [hf]; skipped without it): a meta-built,
+FSDP-sharded Llama with activation checkpointing starts from exactly the weights one process draws (its step-1 loss
+is the single-process run's on the same 8 samples); Llama and GPT-2 train under DDP and FSDP with auto units and
+activation checkpointing; a 2-rank FSDP resume ends bit-identical; +experiment=hf_llama_tiny's loss falls >= 20 %.
+In-process checks (init, pretrained, export, bad input): tests/unit/test_hf.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from helpers import assert_same_tensors, ckpt_of, load_weights, log_of, results, run, sweep_runs
+
+pytest.importorskip("transformers")
+pytest.importorskip("datasets")
+
+HF_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+TINY = ["model=hf_causal_lm", "model.config.hidden_size=64", "model.config.intermediate_size=128",
+        "model.config.max_position_embeddings=256", "device=cpu", "precision=fp32", "logger.peak_flops=1e11",
+        "data.seq_len=64", "trainer.eval_every_n_steps=0", "trainer.eval_samples=8", "trainer.log_every_n_steps=1",
+        "trainer.sample_tokens=0", "trainer.progress_bar=false", "scheduler.warmup_steps=1"]
+
+
+def gpt2_config(where) -> str:
+    """A tiny GPT-2's config.json written into ``where`` (model.config as a path: a sweep's overlay merges dicts, so
+    an inline gpt2 config would keep the default llama keys)."""
+    from transformers import GPT2Config
+
+    GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256).save_pretrained(str(where))
+    return f"model.config={where / 'config.json'}"
+
+
+def _env(cache_dir) -> dict:
+    return {**HF_ENV, "HYDRATRAIN_CACHE": str(cache_dir)}
+
+
+@pytest.mark.slow  # ~40 s on 2 shared cores: a 2-rank launch and an in-process run
+def test_fsdp_meta_init_on_two_ranks_is_the_single_process_init(tmp_path, cli, cache_dir, monkeypatch):
+    """2 ranks x 4 samples under FSDP (built on meta, each decoder layer its own unit, activations recomputed) and
+    1 process x 8 samples see the same samples at step 1: equal step-1 losses mean equal initial weights."""
+    for key, value in HF_ENV.items():
+        monkeypatch.setenv(key, value)
+    two = tmp_path / "two"
+    run([*TINY, "strategy=fsdp", "activation_checkpointing=true", "data.batch_size=4", "trainer.max_steps=2"], two,
+        nproc=2, fast=False, env=_env(cache_dir)).ok()
+    one = tmp_path / "one"
+    cli([*TINY, "strategy=single", "data.batch_size=8", "trainer.max_steps=1"], one, fast=False).ok()
+    log0 = log_of(two)
+    assert "blocks: 2 LlamaDecoderLayer (from _no_split_modules)" in log0
+    assert "activation checkpointing on 2 LlamaDecoderLayer" in log0
+    assert "fsdp: sharded 3 modules (2 LlamaDecoderLayer by wrap_policy=auto + root)" in log0
+    assert abs(results(two)["first_loss"] - results(one)["first_loss"]) < 1e-5, (results(two), results(one))
+    assert math.isfinite(results(two)["mfu"])
+
+
+@pytest.mark.slow  # ~60 s: four 2-rank jobs
+def test_llama_and_gpt2_train_under_ddp_and_fsdp_with_activation_checkpointing(tmp_path, cache_dir):
+    common = [*TINY, "activation_checkpointing=true", "data.batch_size=4", "trainer.max_steps=8", "optim.lr=1e-2"]
+    gpt2 = gpt2_config(tmp_path / "gpt2")
+    runs = {"llama_ddp": [*common, "strategy=ddp"], "llama_fsdp": [*common, "strategy=fsdp"],
+            "gpt2_ddp": [*common, "strategy=ddp", gpt2], "gpt2_fsdp": [*common, "strategy=fsdp", gpt2]}
+    sweep = sweep_runs(runs, tmp_path / "sweep", env=_env(cache_dir), common=[])  # (+debug=fast sets GPT keys)
+    for name in runs:
+        job = sweep.job(name)
+        res = results(job)
+        assert res["train_loss"] < res["first_loss"] - 0.3, (name, res)
+        block = "GPT2Block" if name.startswith("gpt2") else "LlamaDecoderLayer"
+        assert f"activation checkpointing on 2 {block}" in log_of(job), name
+        assert f"blocks: 2 {block} (from _no_split_modules)" in log_of(job), name
+
+
+@pytest.mark.slow  # ~40 s: two 2-rank launches
+def test_fsdp_resume_on_two_ranks_is_bit_identical(tmp_path, cache_dir):
+    args = [*TINY, "strategy=fsdp", "activation_checkpointing=true", "data.batch_size=4", "trainer.max_steps=6",
+            "checkpoint.every_n_steps=3", "trainer.save_weights=true", "optim.lr=1e-2"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run(args, a, nproc=2, fast=False, env=_env(cache_dir)).ok()
+    run([*args, f"checkpoint.resume_from={ckpt_of(a, 3)}"], b, nproc=2, fast=False, env=_env(cache_dir)).ok()
+    assert f"resumed from {ckpt_of(a, 3)}" in log_of(b)
+    assert_same_tensors(load_weights(a / "model.safetensors"), load_weights(b / "model.safetensors"),
+                        "final weights of a 2-rank FSDP run and of its resume from step 3")
+
+
+@pytest.mark.slow  # ~90 s: the experiment as documented
+def test_hf_llama_tiny_experiment_loss_falls(tmp_path, cache_dir):
+    r = run(["+experiment=hf_llama_tiny", "strategy=fsdp", "trainer.progress_bar=false"], tmp_path / "x", nproc=2,
+            fast=False, env=_env(cache_dir), timeout=600).ok()
+    res = results(tmp_path / "x")
+    assert res["steps"] == 200 and res["train_loss"] <= 0.8 * res["first_loss"], res
+    assert (tmp_path / "x" / "export" / "config.json").is_file(), r.output[-2000:]
