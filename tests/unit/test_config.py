@@ -36,7 +36,17 @@ def _extra(group: str, option: str, tmp_path: Path) -> list[str]:
         return [f"data.train_path={tmp_path / 'train.bin'}", f"data.val_path={tmp_path / 'val.bin'}"]
     if (group, option) == ("data", "python_stdlib_bpe"):
         return ["data.vocab_size=300", "model.vocab_size=320"]
+    if (group, option) == ("data", "hf_dataset"):
+        import json
+
+        lines = [json.dumps({"text": f"record {i}: " + "the quick brown fox jumps over the lazy dog. " * 20})
+                 for i in range(40)]
+        (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+        return [f"data.paths=[{tmp_path / 'd.jsonl'}]", "data.vocab_size=300", "model.vocab_size=320"]
     return []
+
+
+HF_OPTIONS = {("model", "hf_causal_lm"), ("data", "hf_dataset")}  # and +experiment=hf_*: the extra [hf]
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -49,6 +59,8 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
 
     if "digits" in option:
         pytest.importorskip("sklearn", reason="the digits example needs the extra [examples] (scikit-learn)")
+    if (group, option) in HF_OPTIONS:
+        pytest.importorskip("transformers" if group == "model" else "datasets", reason="needs the extra [hf]")
     cfg = compose([f"{group}={option}", *_extra(group, option, tmp_path)])
     assert OmegaConf.select(cfg, f"{group}.name") in (option, None) or group in ("trainer", "logger")
     validate(cfg)
@@ -57,7 +69,7 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
     assert n_params > 0
     if group == "model":
         expected = {"gpt_tiny": 0.89e6, "gpt_small": 85e6, "llama_1b": 1.1e9, "llama_8b": 7.3e9,
-                    "digits_cnn": 28.5e3}[option]
+                    "digits_cnn": 28.5e3, "hf_causal_lm": 0.4e6}[option]
         assert abs(n_params / expected - 1) < 0.1, n_params
     if group == "loss":
         loss = components.build_loss(cfg)
@@ -96,6 +108,8 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_overlays_compose(compose, name):
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers", reason="needs the extra [hf]")
     cfg = compose([f"+experiment={name}"])
     validate(cfg)
     base = compose([])
