@@ -147,11 +147,11 @@ def _has_export_hook(checkpoint: Path) -> bool:
     try:
         from hydratrain.checkpoint.manager import resolve_checkpoint
         from hydratrain.components import locate
-        from hydratrain.parallel.init import _returned_class
+        from hydratrain.parallel.init import returned_class
 
         record = json.loads((resolve_checkpoint(Path(checkpoint)) / "model.json").read_text())
         target = locate(record["_target_"], "model")
-        built = target if isinstance(target, type) else _returned_class(target)
+        built = target if isinstance(target, type) else returned_class(target)
         return built is not None and callable(getattr(built, EXPORT_HOOK, None))
     except Exception:  # noqa: BLE001 (the usual .safetensors path then says what is wrong)
         return False

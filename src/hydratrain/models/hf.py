@@ -48,8 +48,9 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ConfigError("model._target_", "hydratrain.models.hf.causal_lm", "needs transformers, which is not "
-                          "installed: pip install -e '.[hf]'") from None
+        # (key "model", not "model._target_": the config check waits for the real build on the latter)
+        raise ConfigError("model", "hf_causal_lm", "needs transformers, which is not installed: pip install -e "
+                          "'.[hf]'") from None
     return transformers
 
 

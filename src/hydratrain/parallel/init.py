@@ -72,7 +72,7 @@ def protocol_of_class(cls: type) -> str:
     two). A factory function says what it builds by its return annotation (``def causal_lm(...) -> HFCausalLM``):
     the protocol of that class; a factory without one counts as :data:`PER_MODULE`."""
     if not isinstance(cls, type):
-        cls = _returned_class(cls) or cls
+        cls = returned_class(cls) or cls
     if callable(getattr(cls, PER_PARAMETER, None)):
         return PER_PARAMETER
     if callable(getattr(cls, WHOLE_MODEL, None)):
@@ -80,7 +80,7 @@ def protocol_of_class(cls: type) -> str:
     return PER_MODULE
 
 
-def _returned_class(factory: Callable) -> Optional[type]:
+def returned_class(factory: Callable) -> Optional[type]:
     """The class ``factory``'s return annotation names, or None (no annotation, not a class, does not resolve)."""
     import typing
 
