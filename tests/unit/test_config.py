@@ -259,7 +259,7 @@ def test_a_users_own_option_needs_its_schema_line_and_the_error_says_so(cli, tmp
     assert r.returncode == 2 and r.err.strip() == (
         "hydratrain: config error: data.name='synthetic': the data option is on no schema: begin its file with "
         "'defaults: [/schema/data/synthetic@_here_, _self_]' (as conf/data/ does; schemas: python_stdlib, "
-        "text_files, synthetic, token_bin, tokenized_text, python_stdlib_bpe)"), r.output[-3000:]
+        "text_files, synthetic, token_bin, tokenized_text, python_stdlib_bpe, hf_dataset)"), r.output[-3000:]
     r = cli([*config_dir, "data=typed", "trainer.max_steps=1"], tmp_path / "typed")
     assert r.returncode == 0 and "synthetic_tokens: 6000" in (tmp_path / "typed" / ".hydra" / "config.yaml").read_text()
 

@@ -365,7 +365,8 @@ def test_planning_a_gpu_run_from_a_cpu_host_models_cudas_fused_rms_norm():
 
 @pytest.mark.parametrize("argv, says", [
     (["plan.memory_gb=abc"], "plan.memory_gb=abc: Value 'abc' of type 'str' could not be converted to Float"),
-    (["model=nope"], "Could not find 'model/nope' (available: digits_cnn, gpt_small, gpt_tiny, llama_1b, llama_8b)"),
+    (["model=nope"], "Could not find 'model/nope' (available: digits_cnn, gpt_small, gpt_tiny, hf_causal_lm, "
+                     "llama_1b, llama_8b)"),
     (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
     (["--cfg", "job"], "takes train.py's overrides (KEY=VALUE) and -h, not '--cfg'"),
     # tester 9: a launch that cannot exist was planned with two world sizes
