@@ -14,9 +14,44 @@ from typing import Optional, Sequence
 import pytest
 
 # tests/ is on sys.path: pytest puts a rootdir conftest's dir there
-from helpers import CONF, FAST, SHARED_RUNS, TRAIN, Run, Sweep, sweep_runs
+from helpers import CONF, FAST, ROOT, SHARED_RUNS, TRAIN, Run, Sweep, clone_files, likely_writes, sweep_runs
 
 _FLAGS_WITH_VALUE = ("--cfg", "-c", "--info", "-i", "--package", "-p", "--config-dir", "-cd", "--config-name", "-cn")
+
+
+# ------------------------------------------------------------------------- tests write under temporary dirs only
+@pytest.fixture(autouse=True)
+def _launch_from_a_temporary_dir(tmp_path_factory, monkeypatch):
+    """Every test starts in a fresh temporary dir, its launch dir: a run or sweep without ``hydra.run.dir`` /
+    ``hydra.sweep.dir`` (``outputs/``, ``multirun/`` under the launch dir), a subprocess started without ``cwd``,
+    anything written to a relative path, all land there, not in the clone. A test that wrote into the clone anyway
+    (an absolute path under it: a build of the package, a run dir built on ``ROOT``) fails, naming what it wrote."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("launch"))
+    before = likely_writes()
+    yield
+    written = sorted(likely_writes() - before)
+    if written:
+        pytest.fail(f"this test wrote into the clone {ROOT}: {', '.join(written)} (tests write under a temporary dir "
+                    "only)", pytrace=False)
+
+
+def pytest_sessionstart(session):
+    session.config._clone_before = clone_files() if (ROOT / ".git").exists() else None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The session fails when the clone gained a path (anywhere in it; the per-test check looks at the likely places
+    only), naming them: tests write under temporary dirs only."""
+    before = getattr(session.config, "_clone_before", None)
+    if before is None:
+        return
+    written = sorted(clone_files() - before)
+    if written:
+        more = f" and {len(written) - 10} more" if len(written) > 10 else ""
+        session.config.get_terminal_writer().line(
+            f"tests wrote into the clone {ROOT}: {', '.join(written[:10])}{more} (tests write under a temporary dir "
+            "only)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

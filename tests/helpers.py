@@ -4,6 +4,7 @@ reports), and the shared 2-rank runs (SHARED_RUNS, sweep_runs). Fixtures (``comp
 ``shared_sweep``) live in ``conftest.py``."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
@@ -93,19 +94,21 @@ class Run:
         return self
 
 
-def spawn(cmd: Sequence[str], cwd: Path = ROOT, env: Optional[dict] = None) -> subprocess.Popen:
+def spawn(cmd: Sequence[str], cwd: Optional[Path] = None, env: Optional[dict] = None) -> subprocess.Popen:
     """Start any command in its own session (so :func:`finish` can kill it and every child on a timeout), with
     :func:`clean_env` plus ``env``; stdout and stderr interleaved. SIGINT has its default handling in it, as a
-    terminal starts a command, also when the tests run where SIGINT is ignored (a background job of a script)."""
-    proc = subprocess.Popen(list(cmd), cwd=str(cwd), env=clean_env(**(env or {})), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    terminal starts a command, also when the tests run where SIGINT is ignored (a background job of a script).
+    ``cwd`` (the launch dir) defaults to the current dir, which conftest makes a temporary dir of each test's own,
+    so a run without ``hydra.run.dir`` lands there, not in the clone."""
+    proc = subprocess.Popen(list(cmd), cwd=str(cwd or Path.cwd()), env=clean_env(**(env or {})),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     proc.cmd, proc.t0 = list(cmd), time.monotonic()
     return proc
 
 
 def start(args: Sequence[str], run_dir: Optional[Path] = None, nproc: int = 1, script: str = TRAIN,
-          env: Optional[dict] = None, cwd: Path = ROOT, fast: bool = True,
+          env: Optional[dict] = None, cwd: Optional[Path] = None, fast: bool = True,
           torchrun: Optional[Sequence[str]] = None) -> subprocess.Popen:
     """Start train.py (or a twin) with :data:`FAST` + ``args`` (+ ``hydra.run.dir=run_dir``); see :func:`command`."""
     cmd = command([*args, *([f"hydra.run.dir={run_dir}"] if run_dir is not None else [])], nproc, script, fast,
@@ -125,13 +128,13 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> Run:
 
 
 def run(args: Sequence[str], run_dir: Optional[Path] = None, nproc: int = 1, script: str = TRAIN,
-        env: Optional[dict] = None, cwd: Path = ROOT, timeout: float = 300, fast: bool = True,
+        env: Optional[dict] = None, cwd: Optional[Path] = None, timeout: float = 300, fast: bool = True,
         torchrun: Optional[Sequence[str]] = None) -> Run:
     """Run train.py (or a twin) with :data:`FAST` + ``args`` to completion; check with ``.ok()``."""
     return finish(start(args, run_dir, nproc, script, env, cwd, fast, torchrun), timeout)
 
 
-def sh(cmd: Sequence[str], cwd: Path = ROOT, env: Optional[dict] = None, timeout: float = 300) -> Run:
+def sh(cmd: Sequence[str], cwd: Optional[Path] = None, env: Optional[dict] = None, timeout: float = 300) -> Run:
     """Run any command (``python -m hydratrain.export ...``, ``bash bench/gpu.sh``) to completion."""
     return finish(spawn(cmd, cwd, env), timeout)
 
@@ -180,6 +183,41 @@ def sweep_runs(runs: dict, base: Path, nproc: int = 2, sweep_dir: Optional[Path]
     sweeps = [sweep_dir] if sweep_dir else sorted(p for p in launch.glob("multirun/*/*") if p.is_dir())
     assert len(sweeps) == 1, (sweeps, result.output[-4000:])
     return Sweep(sweeps[0], result, {name: sweeps[0] / str(i) for i, name in enumerate(runs)})
+
+
+# ------------------------------------------------------------------------------- the clone stays as checked out
+#: what running the tests leaves in the clone by design: Python's bytecode, pytest's, ruff's and mypy's caches, the
+#: editable install's metadata, CI's virtual environment
+_LEFT_BY_DESIGN = {".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache", ".ci-venv", ".venv"}
+#: where a test that writes into the clone most likely writes (a default run or sweep dir, a build): listed around
+#: every test, cheaply, to name the test that did it (conftest)
+LIKELY_WRITES = ("", "outputs", "multirun", "runs", "build", "dist", "tests", "tests/unit", "tests/e2e", "bench")
+
+
+def _by_design(name: str) -> bool:
+    return name in _LEFT_BY_DESIGN or name.endswith(".egg-info")
+
+
+def clone_files(root: Path = ROOT) -> set[str]:
+    """Every file and dir under ``root`` (relative, ``/``-separated), but what running the tests leaves there by
+    design (:data:`_LEFT_BY_DESIGN`, ``*.egg-info``). Compared before and after the session (conftest): a path that
+    appeared is something a test wrote into the clone."""
+    found = set()
+    for top, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not _by_design(d)]
+        rel = Path(top).relative_to(root)
+        found.update((rel / name).as_posix() for name in [*dirs, *files])
+    return found
+
+
+def likely_writes(root: Path = ROOT) -> set[str]:
+    """The entries of :data:`LIKELY_WRITES` under ``root`` (relative paths): a dozen directory listings, cheap enough
+    to take around every test."""
+    found = set()
+    for sub in LIKELY_WRITES:
+        with contextlib.suppress(OSError):
+            found.update((Path(sub) / e.name).as_posix() for e in os.scandir(root / sub) if not _by_design(e.name))
+    return found
 
 
 def free_port() -> int:

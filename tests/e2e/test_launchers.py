@@ -5,6 +5,7 @@ this process: tests/unit/test_local_launcher.py.)"""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -349,7 +350,10 @@ def test_plugin_is_discovered_from_a_normal_install(tmp_path):
     import site
     import zipfile
 
-    sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+    source = tmp_path / "source"  # a build writes build/ and *.egg-info into the tree it builds: a copy, not the clone
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".ci-venv", ".venv", "build", "*.egg-info",
+                                                                 "outputs", "multirun", "runs", "__pycache__"))
+    sh([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(source)],
        tmp_path).ok()
     wheel = next(tmp_path.glob("hydratrain-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, command, finish, free_port, log_of, run, spawn
+from helpers import command, finish, free_port, log_of, run, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +77,7 @@ def test_a_container_killed_and_restarted_takes_its_lock_at_once(tmp_path):
     finally:
         out = finish(first, timeout=60).output
     holder = json.loads(lock.read_text())  # SIGKILL: left behind
-    second = finish(spawn(cmd, cwd=ROOT), timeout=180)
+    second = finish(spawn(cmd), timeout=180)
     assert second.returncode == 0, (out[-2000:], second.output[-3000:])
     assert (f"its holder, pid {holder['pid']} on this host, is not running (that pid is now another process)"
             in second.output), second.output[-3000:]

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, SCRIPTS, log_of, results, sh, tb_all
+from helpers import SCRIPTS, log_of, results, sh, tb_all
 
 TAGS = ["train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_sec", "perf/mfu", "mem/peak", "eval/loss",
         "eval/perplexity"]
@@ -134,7 +134,7 @@ def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank():
 @pytest.mark.slow
 def test_large_preset_is_built_on_meta_and_each_rank_holds_half():
     r = sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            str(SCRIPTS / "meta_shard_llama.py")], cwd=ROOT, timeout=300).ok()
+            str(SCRIPTS / "meta_shard_llama.py")], timeout=300).ok()
     rows = re.findall(r"rank (\d): local_param_bytes=(\d+) total_param_bytes=(\d+) max_rss_bytes=(\d+)", r.output)
     assert len(rows) == 2, r.output
     for _, local, total, rss in rows:
