@@ -27,17 +27,20 @@ COLUMNS = ["job", "overrides", "status", "steps", "train_loss", "eval_loss", "to
            "mfu", "seconds", "error"]
 
 
-MULTIRUN_MARK = ".hydratrain_multirun.json"  # in the sweep dir: the multirun that writes it now ({"id", "started"})
+#: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null})
+MULTIRUN_MARK = ".hydratrain_multirun.json"
 
 
-def mark_multirun(sweep_dir: Path) -> str:
+def mark_multirun(sweep_dir: Path, sampled: Optional[List[str]] = None) -> str:
     """Record in ``sweep_dir`` that a new multirun starts there (at its start, once, in the launching process);
     returns its id. The report then lists this multirun's jobs only: a re-run into an existing sweep dir with fewer
-    or other jobs does not report (or fail on) the jobs of an earlier one."""
+    or other jobs does not report (or fail on) the jobs of an earlier one. ``sampled``: the config keys the sweep
+    varies (:func:`sampled_keys`; None: not known), which :func:`_hopeless` reads in whatever process learns of a
+    failed job."""
     import uuid
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    mark = {"id": uuid.uuid4().hex, "started": time.time()}
+    mark = {"id": uuid.uuid4().hex, "started": time.time(), "sampled": sampled}
     tmp = sweep_dir / f"{MULTIRUN_MARK}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(mark))
     os.replace(tmp, sweep_dir / MULTIRUN_MARK)
@@ -204,30 +207,26 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
-def _hopeless(hc: Any, err: BaseException, rows: List[dict], launching: bool) -> str:
+def _hopeless(hc: Any, err: BaseException, rows: List[dict], launching: bool, config: Any = None) -> str:
     """Why a search that goes on after failed trials (a sweeper with ``max_failure_rate`` > 0, such as the Optuna
     preset) should stop now, after trial ``err`` failed; '' when it should go on. Only the process that runs the
     sweeper decides (``launching``: Hydra's basic launcher runs the jobs in it; hydratrain's torchrun and ray
-    launchers report a failed job there, not from its workers). It stops when no trial has completed and either the
-    error is one that no sampled value (``hydra.sweeper.params``) causes (a config or checkpoint error naming another
-    key: every trial would fail alike), or this was the last of ``n_trials`` (else Optuna ends in ``ValueError: No
-    trials are completed yet``)."""
-    from hydratrain.errors import ConfigError, HydratrainError
+    launchers report a failed job there, not from its workers). It stops when no trial has completed and either
 
+    - every trial provably fails alike (:func:`_fails_alike`: a config error whose key and text name no key the
+      sweep varies; ``config``, the job's config, tells whether that key's value is an interpolation), or
+    - this was the last of ``n_trials`` (else Optuna ends in ``ValueError: No trials are completed yet``).
+
+    When in doubt it goes on: a failure another trial's values might avoid costs a trial, a search stopped for
+    nothing costs the search."""
     sweeper = hc.get("sweeper") or {}
     if not sweeper.get("max_failure_rate") or not (launching or "BasicLauncher" in str(hc.launcher.get("_target_"))):
         return ""
     if any(r["status"] == "COMPLETED" for r in rows):
         return ""
-    sampled = [str(k) for k in (sweeper.get("params") or {})] + _swept_on_the_command_line(_sweep_dir(hc))
     message = f"{getattr(err, 'label', type(err).__name__)}: {err}".splitlines()[0]
-    key = getattr(err, "key", None)
-    # caused by a sampled value: the error's key is one (or holds one, or is under one), or its text names one (a
-    # check across keys, "model.n_head=4: must divide model.d_model=66", has the other key; tester 15)
-    if isinstance(err, HydratrainError) and (
-            (isinstance(err, ConfigError) and not any(key == p or str(key).startswith(p + ".") or
-                                                      p.startswith(f"{key}.") or p in str(err) for p in sampled))
-            or err.exit_status == 3):  # a checkpoint error: the checkpoint, not the trial's values
+    sampled = _sampled(hc)
+    if _fails_alike(err, sampled, hc, config):
         return (f"{message}; no sampled value ({', '.join(sampled) or 'none'}) causes it, so every trial would fail "
                 "alike")
     n_trials = sweeper.get("n_trials")
@@ -236,20 +235,87 @@ def _hopeless(hc: Any, err: BaseException, rows: List[dict], launching: bool) ->
     return ""
 
 
-def _swept_on_the_command_line(sweep_dir: Path) -> List[str]:
-    """The keys the sweep's command line gives a search space or several values (``'model.d_model=choice(64,66)'``,
-    ``optim.lr=1e-3,2e-3``), from the sweep dir's ``multirun.yaml`` (Hydra writes it before the first job): Optuna
-    samples those as it samples ``hydra.sweeper.params`` (tester 15: they were not counted as sampled, and a value
-    sampled there that a check refused stopped the search as hopeless). Empty when it cannot be read."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+def _fails_alike(err: BaseException, sampled: Optional[List[str]], hc: Any, config: Any = None) -> bool:
+    """Whether every trial of the sweep would fail with ``err``: provably only when it is a config error (a check
+    on the composed config, the same for every trial with the same values) and no key the sweep varies can change
+    what it checked:
+
+    - the keys the sweep varies are known (``sampled``, not None) and none is a config group (a swept option file,
+      ``+experiment=a,b``, may set any key);
+    - the error's key is no sampled key, none is above or below it, and its text names none (a check across keys,
+      ``model.n_head=4: must divide model.d_model=66``, names the other one);
+    - the error's key is not Hydra's own (``hydra.sweep.dir``: one job's dir, not the trial's values) and its value
+      in the job's ``config`` is not an interpolation (it may follow a sampled key).
+
+    A checkpoint or output error (status 3) is not: the checkpoint's shapes, the save's size follow the sampled
+    model and batch."""
+    from hydratrain.errors import ConfigError
+
+    if not isinstance(err, ConfigError) or sampled is None:
+        return False
+    key = str(getattr(err, "key", ""))
+    groups = set((hc.get("runtime") or {}).get("choices") or {})
+    if any(p in groups or p.split("@")[0] in groups for p in sampled) or key.startswith("hydra.") or key == "hydra":
+        return False
+    if any(key == p or key.startswith(p + ".") or p.startswith(key + ".") or p in str(err) for p in sampled):
+        return False
+    if config is not None:
+        from omegaconf import OmegaConf
+
+        try:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(config, parent) if parent else config
+            if node is not None and leaf in node and OmegaConf.is_interpolation(node, leaf):
+                return False
+        except Exception:  # noqa: BLE001 (a key that is no config path, e.g. optim.beta1/beta2: as it reads)
+            pass
+    return True
+
+
+def _sampled(hc: Any) -> Optional[List[str]]:
+    """The config keys this sweep varies: those the multirun recorded at its start (:func:`mark_multirun`), else
+    those of the sweep dir's ``multirun.yaml`` (Hydra's basic sweeper writes it before the first job); with
+    ``hydra.sweeper.params``'s (the job's own). None when the command line's cannot be known (another sweeper, e.g.
+    Optuna's, which writes no ``multirun.yaml``, in a sweep dir without the mark)."""
     from omegaconf import OmegaConf
 
+    sweep_dir = _sweep_dir(hc)
+    mark = _read_json(sweep_dir / MULTIRUN_MARK)
+    if mark.get("sampled") is not None:
+        recorded = list(mark["sampled"])
+    else:
+        try:
+            recorded = sampled_keys(OmegaConf.load(sweep_dir / "multirun.yaml").hydra)
+        except Exception:  # noqa: BLE001 (no multirun.yaml, another Hydra's layout)
+            recorded = None
+    if recorded is None:
+        return None
+    params = [_plain_key(str(k)) for k in ((hc.get("sweeper") or {}).get("params") or {})]
+    return list(dict.fromkeys(params + recorded))
+
+
+def sampled_keys(hydra_cfg: Any) -> Optional[List[str]]:
+    """The config keys a multirun varies, from its Hydra config (``hydra``: the sweep's, at its start): every key of
+    ``hydra.sweeper.params`` (the search space of Optuna's and the basic sweeper), and every key the command line
+    (``hydra.overrides.task``) sweeps in any of Hydra's syntaxes: ``choice()``, ``range()``, ``interval()``,
+    ``tag()``, ``glob()``, comma lists; given as ``key=``, ``+key=``, ``++key=`` or ``~key=``. Keys are plain
+    (``model.d_model``; a group as ``model``, with ``@package`` when given). None when the overrides cannot be
+    parsed (then nothing can be ruled out)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [_plain_key(str(k)) for k in ((hydra_cfg.get("sweeper") or {}).get("params") or {})]
     try:
-        task = OmegaConf.load(sweep_dir / "multirun.yaml").hydra.overrides.task
-        return [o.get_key_element() for o in OverridesParser.create().parse_overrides([str(t) for t in task])
-                if o.is_sweep_override()]
-    except Exception:  # noqa: BLE001 (no multirun.yaml, another Hydra's layout: the sweeper.params alone)
-        return []
+        task = [str(t) for t in hydra_cfg.overrides.task]
+        overrides = OverridesParser.create().parse_overrides(task)
+    except Exception:  # noqa: BLE001 (a syntax the parser reads otherwise than the sweeper)
+        return None
+    swept = [o.key_or_group + (f"@{o.package}" if o.package else "") for o in overrides if o.is_sweep_override()]
+    return list(dict.fromkeys(params + swept))
+
+
+def _plain_key(key: str) -> str:
+    """A ``hydra.sweeper.params`` key without Hydra's ``+``, ``++`` or ``~`` prefix."""
+    return key.lstrip("+~")
 
 
 def _check_before_submitting(config: DictConfig) -> None:
@@ -413,7 +479,7 @@ class SweepReportCallback(Callback):
             from hydratrain.dist.run_dir import refuse_a_full_run_dir
 
             refuse_a_full_run_dir(_sweep_dir(config.hydra), sweep=True)
-            mark_multirun(_sweep_dir(config.hydra))
+            mark_multirun(_sweep_dir(config.hydra), sampled_keys(config.hydra))
             self._jobs = basic_sweep_jobs(config.hydra), os.getpid()  # (a launcher's workers get a copy of self)
             await_the_end(_sweep_dir(config.hydra))
         keep_early_sigterm(config.hydra, config.get("checkpoint", {}).get("save_on_sigterm", True))
@@ -456,7 +522,8 @@ class SweepReportCallback(Callback):
             if started is not None:  # (the launcher's process: the torchrun and Ray plugins log the failure there)
                 log.warning("job #%d failed: %s (the sweep goes on; %s)", hc.job.num, error,
                             sweep_dir / "sweep_report.md")
-            why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir), launching=started is None)
+            why = _hopeless(hc, job_return._return_value, sweep_rows(sweep_dir), launching=started is None,
+                            config=config)
             if why:
                 sweep_ended()
                 raise SystemExit(f"hydratrain: sweep stopped after job {hc.job.num}: {why} (see "

@@ -89,8 +89,81 @@ def test_a_search_goes_on_after_a_trial_whose_sampled_value_a_check_refused(tmp_
     fixed = ConfigError("data.paths", "nope", "matches no file")
     assert _hopeless(hc, fixed, [], launching=True).endswith(
         "no sampled value (optim.lr, model.d_model) causes it, so every trial would fail alike")
-    (tmp_path / "multirun.yaml").unlink()  # the search space from hydra.sweeper.params alone, as before
-    assert _hopeless(hc, ConfigError("model.n_head", 4, "must divide model.d_model=66"), [], launching=True) != ""
+    (tmp_path / "multirun.yaml").unlink()  # the command line's keys unknown: in doubt, the search goes on
+    assert _hopeless(hc, ConfigError("model.n_head", 4, "must divide model.d_model=66"), [], launching=True) == ""
+    assert _hopeless(hc, fixed, [], launching=True) == ""
+
+
+def _optuna_hc(tmp_path, task, params=None, choices=None, num=0):
+    """A job's Hydra config under the Optuna preset (no multirun.yaml: Optuna's sweeper writes none), with the
+    mark the sweep wrote at its start from its command line ``task``."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.sweep import sampled_keys
+
+    params = {"optim.lr": "tag(log, interval(1e-4, 1e-2))", "optim.weight_decay": "interval(0.0, 0.2)"} \
+        if params is None else params
+    sweep = {"sweeper": {"max_failure_rate": 1.0, "n_trials": 4, "params": params}, "overrides": {"task": task}}
+    mark_multirun(tmp_path, sampled_keys(OmegaConf.create(sweep)))
+    return OmegaConf.create({**sweep, "overrides": {"task": []},
+                             "launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"},
+                             "job": {"num": num}, "sweep": {"dir": str(tmp_path)},
+                             "runtime": {"cwd": str(tmp_path), "choices": choices or {"model": "gpt_tiny"}}})
+
+
+def test_a_search_stops_early_only_when_every_trial_provably_fails_alike(tmp_path):
+    """``-m +hparams_search=lr_optuna "data.seq_len=choice(128,512)"``: trial 0 sampled 512, the check refused it
+    (``data.seq_len=512: must be <= model.max_seq_len=256``) and the search stopped as hopeless, though half the
+    trials train: Optuna's sweeper writes no multirun.yaml, so the command line's keys were never seen. The keys a
+    sweep samples come from its start (every syntax), and any doubt goes on."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.errors import CheckpointError, ConfigError
+    from hydratrain.sweep import _hopeless, sampled_keys
+
+    refused = ConfigError("data.seq_len", 512, "must be <= model.max_seq_len=256")
+    fixed = ConfigError("data.paths", ["nope.txt"], "matches no file")
+    for task in (["data.seq_len=choice(128,512)"], ["data.seq_len=128,512"], ["data.seq_len=range(128,640,384)"],
+                 ["+data.seq_len=choice(128,512)"], ["++data.seq_len=128,512"], ["data.seq_len=interval(128,512)"],
+                 ["data.seq_len=tag(a, choice(128,512))"], ["~data.seq_len=128,512"],
+                 ["model.max_seq_len=choice(256,1024)"]):
+        hc = _optuna_hc(tmp_path, ["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=4", *task])
+        assert _hopeless(hc, refused, [], launching=True) == "", task
+        assert _hopeless(hc, fixed, [], launching=True).endswith("so every trial would fail alike"), task
+    # sampled in the search space, with Hydra's prefixes
+    hc = _optuna_hc(tmp_path, [], params={"+data.seq_len": "choice(128,512)"})
+    assert _hopeless(hc, refused, [], launching=True) == ""
+    # a swept config group, or experiment overlay, may set any key: in doubt
+    hc = _optuna_hc(tmp_path, ["model=gpt_tiny,gpt_small"], choices={"model": "gpt_tiny"})
+    assert _hopeless(hc, fixed, [], launching=True) == ""
+    # a value that is an interpolation may follow a sampled key; Hydra's own keys (one job's dir); checkpoints
+    hc = _optuna_hc(tmp_path, [])
+    job = OmegaConf.create({"model": {"max_seq_len": 256}, "data": {"seq_len": "${model.max_seq_len}"}})
+    assert _hopeless(hc, refused, [], launching=True, config=job) == ""
+    assert _hopeless(hc, refused, [], launching=True, config=OmegaConf.create({"data": {"seq_len": 512}})) != ""
+    assert _hopeless(hc, ConfigError("hydra.sweep.dir", "s", "another trial's"), [], launching=True) == ""
+    assert _hopeless(hc, CheckpointError("step_1: model.d_model differs"), [], launching=True) == ""
+    # the keys of the command line unknown (no mark, no multirun.yaml): in doubt, it goes on to the last trial
+    (tmp_path / ".hydratrain_multirun.json").unlink()
+    assert _hopeless(hc, fixed, [], launching=True) == ""
+    last = OmegaConf.merge(hc, {"job": {"num": 3}})
+    assert _hopeless(last, fixed, [{"status": "FAILED"}] * 4, launching=True).startswith("all 4 trials failed")
+    assert sampled_keys(OmegaConf.create({"overrides": {"task": ["a=choice(1,2"]}})) is None  # unparsable
+
+
+def test_an_optuna_search_goes_on_after_a_trial_refused_for_its_sampled_value(cli, tmp_path):
+    """The search of the report, in this process: trial 0 samples data.seq_len=512 (the preset's seed), which the
+    check refuses; the search goes on to trial 1 instead of stopping as hopeless."""
+    import pytest
+
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    r = cli(["-m", "+hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "data.seq_len=choice(128,512)",
+             "model.max_seq_len=256", "strategy=single", "trainer.max_steps=1", "trainer.eval_every_n_steps=0",
+             f"hydra.sweep.dir={tmp_path}"])
+    assert "data.seq_len=512: must be <= model.max_seq_len=256" in r.output, r.output[-3000:]
+    assert "every trial would fail alike" not in r.output and "sweep stopped after job 0" not in r.output, \
+        r.output[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["0", "1"], r.output[-3000:]
 
 
 def test_the_exit_hook_ends_a_sweep_that_ended_without_its_line_once(tmp_path, capsys, monkeypatch):
