@@ -3,7 +3,7 @@
     python train.py                                            # one process (default: gpt_tiny, fsdp, precision=auto)
     torchrun --standalone --nproc_per_node 2 train.py strategy=ddp precision=fp32
     python train.py +experiment=gpt_small_fsdp optim.lr=3e-4
-    python train.py --cfg job                                  # print the composed config
+    python train.py --cfg job                                  # print the composed config, and check it as a run would
 """
 from hydratrain.checkpoint.preemption import early_guard
 
@@ -14,11 +14,13 @@ from omegaconf import DictConfig  # noqa: E402
 
 from hydratrain.config import register_configs  # noqa: E402
 from hydratrain.dist.run_dir import register_resolvers  # noqa: E402
+from hydratrain.run import with_config_checks  # noqa: E402
 
 register_configs()
 register_resolvers()
 
 
+@with_config_checks  # --cfg job: the printed config gets the run's checks (exit 2 and its one line when one fails)
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def train(cfg: DictConfig) -> float:
     from hydratrain.run import main

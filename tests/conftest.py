@@ -5,6 +5,7 @@ or a twin, with a command line), ``make_job`` (a built single-process job to dri
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import sys
 import time
@@ -90,7 +91,7 @@ def _entry_point(script: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     task = next(v for v in vars(module).values() if callable(v) and hasattr(v, "__wrapped__"))
-    task.__wrapped__.__module__ = "__main__"
+    inspect.unwrap(task).__module__ = "__main__"  # the task function, under any wrapper of Hydra's main
     return task
 
 

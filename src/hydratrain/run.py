@@ -49,7 +49,6 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
 
         from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves
-        from hydratrain.config.validate import check_environment, validate
         from hydratrain.dist.env import dist_info, quiet_console
         from hydratrain.dist.process_group import process_group
         from hydratrain.dist.run_dir import launch_dir, run_dir_of
@@ -62,11 +61,10 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         quiet_console()
         OmegaConf.set_readonly(cfg, True)  # for the run; given back at the end, so a caller may change cfg and rerun
         env = dist_info()
-        validate(cfg)
         launch = launch_dir()
+        check(cfg, env.world_size, launch, env.local_world_size)
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
         _refuse_a_path_that_is_not_utf8(run_dir)
-        check_environment(cfg, env.world_size, launch, env.local_world_size)
         if in_multirun():
             _refuse_another_jobs_dir(run_dir)
         lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir),
@@ -100,6 +98,99 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                                 "saving a checkpoint; relaunch the same command to resume")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
+
+
+def check(cfg: DictConfig, world_size: int, launch: Path, local_world_size: Optional[int] = None) -> None:
+    """The config checks a run makes before it starts, and before any process group exists: the cross-field rules
+    (:func:`hydratrain.config.validate.validate`) and those of this machine and launch
+    (:func:`~hydratrain.config.validate.check_environment`: device, backend, world size, input paths;
+    ``world_size`` and ``local_world_size`` ranks, relative paths against the launch dir ``launch``). :func:`main`
+    runs them, and so does ``train.py --cfg job`` (:func:`with_config_checks`). Raises
+    :class:`~hydratrain.errors.ConfigError` on the first bad key."""
+    from hydratrain.config.validate import check_environment, validate
+
+    validate(cfg)
+    check_environment(cfg, world_size, launch, local_world_size)
+
+
+def with_config_checks(entry):
+    """``train.py``'s entry: Hydra's ``@hydra.main`` function ``entry``, and, when its command line printed the
+    composed config instead of running (``--cfg job`` or ``--cfg all``: Hydra prints it and never calls the task),
+    :func:`check` on that same config, as a run of that command line would, on the ranks the config's launcher
+    starts (else this launch's). A failed check ends the command as it ends the run: the run's one line
+    (``hydratrain: config error: <key>=<value>: <why>``) and its exit status (2), after the printed config. When
+    the printed config cannot be had, one line says it was not checked. Checks that need the built data, model or
+    process group (a token id beyond the vocabulary, the device mesh of the ranks) run only in a run."""
+    import functools
+
+    @functools.wraps(entry)
+    def run_or_print(*args, **kwargs):
+        result = entry(*args, **kwargs)
+        if not args and not kwargs:  # (a config passed in runs the task; nothing was printed)
+            _check_printed_config()
+        return result
+
+    return run_or_print
+
+
+def _check_printed_config() -> None:
+    """:func:`with_config_checks`' part after Hydra's ``--cfg``: raises ``SystemExit`` with the failed check's
+    status."""
+    import sys
+
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args = get_args_parser().parse_args(sys.argv[1:])
+    except SystemExit:
+        return
+    if args.cfg not in ("job", "all"):
+        return
+    cfg = _printed_config()
+    if cfg is None:
+        say("hydratrain: the printed config was not checked (this Hydra keeps no composed config after --cfg): "
+            "a run of it checks it before it starts")
+        return
+    from hydratrain.config.validate import launched_processes
+    from hydratrain.dist.env import dist_info
+    from hydratrain.dist.run_dir import launch_dir
+
+    env = dist_info()
+    world, local = env.world_size, env.local_world_size
+    if _select(cfg, "launcher.name", "local") not in (None, "local"):  # the launcher's workers run it
+        world = launched_processes(cfg.launcher)
+        local = next((cfg.launcher[k] for k in ("nproc_per_node", "tasks_per_node") if k in cfg.launcher), world)
+    readonly = cfg._get_node_flag("readonly")
+    OmegaConf.set_readonly(cfg, True)
+    try:
+        check(cfg, world, launch_dir(), local)
+    except HydratrainError as err:
+        say(f"hydratrain: {err.label}: {err}")
+        raise SystemExit(err.exit_status) from None
+    finally:
+        OmegaConf.set_readonly(cfg, readonly)
+
+
+def _printed_config() -> Optional[DictConfig]:
+    """The task config Hydra composed for ``--cfg`` (``hydra`` removed): Hydra's ``show_cfg`` keeps the whole
+    composed config as the parent of the ``hydra`` node it hands to ``HydraConfig``; None when it is not there."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        whole = HydraConfig.instance().cfg.hydra._get_parent()
+    except Exception:  # noqa: BLE001 (another Hydra: said so by the caller)
+        return None
+    if not isinstance(whole, DictConfig) or "trainer" not in whole:
+        return None
+    if "hydra" in whole:  # --cfg all: the task's part, as a run gets it (a deep copy keeps the schema's types)
+        import copy
+
+        from omegaconf import open_dict, read_write
+
+        whole = copy.deepcopy(whole)
+        with read_write(whole), open_dict(whole):
+            del whole["hydra"]
+    return whole
 
 
 def _refuse_a_path_that_is_not_utf8(run_dir: Path) -> None:

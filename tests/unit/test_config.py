@@ -123,6 +123,26 @@ def test_cfg_job_prints_composed_config(cli):
     assert cfg.strategy.name == "ddp" and cfg.optim.lr == 3e-4 and cfg.model._target_ == "hydratrain.models.GPT"
 
 
+@pytest.mark.parametrize("overrides", [
+    ["+model._target_=mypkg.Net"],                                   # a key no schema field reads
+    ["optim.lr=-1"],                                                  # a cross-field / value rule (validate)
+    ["data=text_files", "data.paths=[nope.txt]"],                     # an input path (the environment's checks)
+    ["launcher=torchrun", "launcher.nproc_per_node=2", "strategy=single"],  # on the ranks its launcher starts
+])
+def test_cfg_job_checks_the_printed_config_as_the_run_does(cli, overrides):
+    """``--cfg job`` printed a config that the run then refused (exit 0, then exit 2): it now runs the run's checks
+    on what it printed and ends as the run ends, with the same one line and exit status 2."""
+    shown = cli(["--cfg", "job", *overrides])
+    assert shown.returncode == 2 and OmegaConf.create(shown.out)["trainer"], shown.output[-3000:]
+    line = shown.err.strip()
+    assert line.startswith("hydratrain: config error: ") and "\n" not in line, shown.err
+    ran = cli(overrides)
+    assert ran.returncode == (1 if "launcher=torchrun" in overrides else 2), ran.output[-3000:]  # (1: a sweep)
+    assert (line if ran.returncode == 2 else line.partition("config error: ")[2]) in ran.output, (line, ran.output)
+    assert cli(["--cfg", "all", *overrides]).returncode == 2
+    assert cli(["--cfg", "hydra", *overrides]).returncode == 0  # Hydra's own part: nothing of the run's to check
+
+
 @pytest.mark.parametrize("overrides,key", [
     (["optim.lr=-1"], "optim.lr"),
     (["wrap_policy=size_based", "wrap_policy.min_num_params=0"], "wrap_policy.min_num_params"),
