@@ -6,9 +6,11 @@
     python train.py --cfg job                                  # print the composed config, and check it as a run would
 """
 from hydratrain.checkpoint.preemption import early_guard
+from hydratrain.dist.launch import note_launcher
 
 if __name__ == "__main__":  # (not when imported: a process that imports train.py would ignore SIGTERM for good)
     early_guard()  # a SIGTERM while Hydra composes is recorded, and ends the launch as preempted once a run starts
+    note_launcher()  # torchrun's agent, while it lives: its command resumes the run, and its death stops this rank
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 

@@ -136,6 +136,8 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
                 rest.append(a)
         argv = [*flags, *(FAST if fast else []), *rest, *([f"hydra.run.dir={run_dir}"] if run_dir else [])]
         monkeypatch.setattr(sys, "argv", [script, *argv])
+        monkeypatch.delenv("HYDRATRAIN_STAMP", raising=False)  # each call a new launch, as a new process is
+        monkeypatch.setattr(run_dir_module, "_UNIQUE_DIRS", {})
         capsys.readouterr()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as a subprocess starts (OMP_NUM_THREADS=1); the process group sets its own

@@ -185,6 +185,18 @@ def sweep_runs(runs: dict, base: Path, nproc: int = 2, sweep_dir: Optional[Path]
     return Sweep(sweeps[0], result, {name: sweeps[0] / str(i) for i, name in enumerate(runs)})
 
 
+def cut_command(line: str) -> tuple[str, str]:
+    """(``line`` before the command that resumes the run, which a line about resuming ends with; that command): the
+    head ends with ``and resume from it with``, ``and relaunch`` or ``; to resume...``, the ``: `` cut."""
+    import re
+
+    found = list(re.finditer(r"(?: and resume from it with| and relaunch|; to resume[^:;]*): ", line))
+    if not found:
+        return line, ""
+    last = found[-1]
+    return line[:last.end() - 2], line[last.end():].rstrip("\n")
+
+
 # ------------------------------------------------------------------------------- the clone stays as checked out
 #: what running the tests leaves in the clone by design: Python's bytecode, pytest's, ruff's and mypy's caches, the
 #: editable install's metadata, CI's virtual environment

@@ -13,7 +13,7 @@
 | 5 | another rank failed or died; this rank stopped after it (``distributed.failure_timeout_s``) |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
 | 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint, or at once outside training (start-up,
-  final outputs: :class:`PreemptedError`): relaunch to resume |
+  final outputs: :class:`PreemptedError`): its line gives the command that resumes |
 | 130 | stopped by Ctrl-C (SIGINT) without saving (``hydratrain.exits``) |
 
 Importing this module imports nothing heavy (no torch).
@@ -53,6 +53,10 @@ class HydratrainError(CompactHydraException):
     own_failure = False
     #: every rank raises this very error (set on an instance, e.g. a failed save): only rank 0 prints it
     same_on_every_rank = False
+    #: how the run goes on from its latest checkpoint after this error, e.g. ``"to resume from the latest
+    #: checkpoint"``: rank 0's line then ends with it and the command that does it (``hydratrain.exits``); None:
+    #: nothing to resume (a config error, a checkpoint that cannot be used) or the message says it already
+    resume_hint: Optional[str] = None
 
     def __reduce__(self):
         """Pickle as the message and the attributes, not the constructor's arguments: a launcher that runs the job
@@ -151,11 +155,14 @@ def _written(filename: Any, writes: Iterable[Union[str, os.PathLike]]) -> bool:
 
 
 def unwritable_message(what: str, where: Any, cause: Optional[BaseException], last_checkpoint: Any,
-                       room: Optional[str] = None, stopped: str = "training stopped", frees: str = "") -> str:
+                       room: Optional[str] = None, stopped: str = "training stopped", frees: str = "",
+                       run_dir: Any = None) -> str:
     """``<what> under <where> failed (<cause>; <what tells the cause>); <stopped>. The latest complete checkpoint,
-    <last>, is intact: <room> and relaunch the same command to resume from it`` (or, without a checkpoint, ``No
-    checkpoint was written before: <room> and relaunch``; with ``last_checkpoint=...`` (Ellipsis: not this call's to
-    say, a sweep's), ``<Room> and relaunch the same command``).
+    <last>, is intact: <room> and resume from it with: <command>`` (or, without a checkpoint, ``No checkpoint was
+    written before: <room> and relaunch: <command>``; with ``last_checkpoint=...`` (Ellipsis: not this call's to
+    say, a sweep's), ``<Room> and relaunch: <command>``), where ``<command>`` is the one that resumes this run in
+    its run dir (:func:`hydratrain.dist.launch.resume_command`; ``run_dir``: that dir, or with ``...`` the sweep dir,
+    where Hydra's config does not tell it yet).
 
     ``room`` defaults to the remedy for the cause (:func:`write_refusal`): make room (no space; ``frees``, e.g. ``"lower
     checkpoint.keep_last"``, is offered too), free some of the quota (also ``frees``), make it writable (a read-only
@@ -167,16 +174,19 @@ def unwritable_message(what: str, where: Any, cause: Optional[BaseException], la
            else "another rank could not write its part")
     told, remedy = write_refusal(cause, where, frees)
     return _tail(f"{what} under {where} failed ({why}{'; ' + told if told else ''}); {stopped}.", room or remedy,
-                 last_checkpoint)
+                 last_checkpoint, run_dir)
 
 
-def _tail(head: str, room: str, last_checkpoint: Any) -> str:
+def _tail(head: str, room: str, last_checkpoint: Any, run_dir: Any = None) -> str:
+    from hydratrain.dist.launch import resume_command
+
+    command = resume_command(run_dir, sweep=last_checkpoint is ...)
     if last_checkpoint is ...:
-        return f"{head} {room[0].upper()}{room[1:]} and relaunch the same command"
+        return f"{head} {room[0].upper()}{room[1:]} and relaunch: {command}"
     if last_checkpoint:
-        return (f"{head} The latest complete checkpoint, {last_checkpoint}, is intact: {room} and relaunch the same "
-                "command to resume from it")
-    return f"{head} No checkpoint was written before: {room} and relaunch"
+        return (f"{head} The latest complete checkpoint, {last_checkpoint}, is intact: {room} and resume from it "
+                f"with: {command}")
+    return f"{head} No checkpoint was written before: {room} and relaunch: {command}"
 
 
 def write_refusal(cause: Optional[BaseException], where: Any, frees: str = "") -> tuple[str, str]:
@@ -298,6 +308,7 @@ class DivergenceError(HydratrainError, RuntimeError):
     label = "diverged"
     exit_status = EXIT_DIVERGED
     own_failure = True  # decided from the global gradient norm or the reduced eval loss, alike on every rank
+    resume_hint = "to resume from the latest checkpoint with such a change"
 
     def __init__(self, message: str, step: int, last_checkpoint: Optional[str] = None):
         self.step, self.last_checkpoint = step, last_checkpoint
@@ -313,6 +324,7 @@ class OutOfMemoryError(HydratrainError, RuntimeError):
     label = "out of memory"
     exit_status = EXIT_OOM
     own_failure = True  # an allocation failed here; when several ranks run out, each says so with status 6
+    resume_hint = "to resume from the latest checkpoint with such a change"
 
 
 class Placeholder:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Optional
 
 from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError, say
 
@@ -52,7 +53,7 @@ def _end_with_error(err: HydratrainError, env) -> None:
         end_preempted(recorded_preemption(), env)  # to it), or what followed the signal (a peer left first)
     if env is None or env.local_rank == 0 or not (  # the same on every rank: each node's first rank says it
             err.exit_status == EXIT_CONFIG or getattr(err, "same_on_every_rank", False)):
-        say(f"hydratrain: {err.label}: {err}")
+        say(f"hydratrain: {err.label}: {err}" + (resume_hint(err.resume_hint) if env is None or env.rank == 0 else ""))
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
     release_sigterm()
     if in_multirun():
@@ -71,6 +72,25 @@ def _end_with_error(err: HydratrainError, env) -> None:
               and "TORCHELASTIC_RUN_ID" in os.environ)
     time.sleep(getattr(err, "linger_s", 0.0) or (10.0 if shared else 0.0))
     raise SystemExit(err.exit_status) from None
+
+
+def resume_hint(how: Optional[str]) -> str:
+    """``; <how>: <the command that resumes this run>`` (:func:`hydratrain.dist.launch.resume_command`) when ``how``
+    is given, this is a single run (a sweep's failed job leaves the sweep going) and its run dir holds a complete
+    checkpoint to resume from; else ''. Raises nothing."""
+    if not how or in_multirun():
+        return ""
+    try:
+        from hydratrain.checkpoint.manager import latest_checkpoint
+        from hydratrain.dist.launch import resume_command
+        from hydratrain.dist.run_dir import run_dir_of
+
+        run_dir = run_dir_of()
+        if latest_checkpoint(run_dir / "checkpoints") is None:
+            return ""
+        return f"; {how}: {resume_command(run_dir)}"
+    except Exception:  # noqa: BLE001 (the line it ends is what matters)
+        return ""
 
 
 def leave(save_on_sigterm: bool, lock) -> None:
@@ -144,8 +164,10 @@ def _interrupted(err: BaseException) -> bool:
 
 def _stop_interrupted(env) -> None:
     """One line (rank 0), exit status :data:`EXIT_INTERRUPTED`; in a sweep the whole sweep stops."""
+    from hydratrain.dist.launch import resume_command
+
     why = ("interrupted (SIGINT, Ctrl-C): stopped without saving (a checkpoint save it cut short is discarded at the "
-           "next start); relaunch the same command to resume from the latest checkpoint")
+           f"next start); to resume from the latest checkpoint: {resume_command()}")
     if env is None or env.rank == 0:
         say(f"hydratrain: {why}")
     log.error("hydratrain: %s", why, extra={"file_only": True})

@@ -38,6 +38,9 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
 
     timing.begin()
     from hydratrain.checkpoint.preemption import guard
+    from hydratrain.dist.launch import note_launcher
+
+    note_launcher()  # (train.py noted it first thing; kept from then)
 
     env = lock = None
     readonly = cfg._get_node_flag("readonly")
@@ -92,10 +95,12 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     finally:
         exits.leave(bool(_select(cfg, "checkpoint.save_on_sigterm", True)), lock)
         OmegaConf.set_readonly(cfg, readonly)  # (tester 11: a second run from Python failed with ReadonlyConfigError)
-    if result.preempted:
+    if result.preempted:  # (Preemption.stopping logged the checkpoint and the command that resumes)
         if in_multirun():
+            from hydratrain.dist.launch import resume_command
+
             exits.end_the_sweep(cfg.checkpoint.preempt_exit_code, "preempted: stopped by a preemption signal after "
-                                "saving a checkpoint; relaunch the same command to resume")
+                                f"saving a checkpoint; to resume: {resume_command()}")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
 
@@ -253,7 +258,7 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
             what, where = "writing the run's outputs", run_dir
         raise OutputError(unwritable_message(what, where, OSError(cause.errno, cause.strerror),
                                              done[-1][1] if done else resume, room=room,
-                                             stopped="the run stopped")) from err
+                                             stopped="the run stopped", run_dir=run_dir)) from err
 
 
 def _compile_cache_dir() -> Optional[Path]:

@@ -27,20 +27,22 @@ COLUMNS = ["job", "overrides", "status", "steps", "train_loss", "eval_loss", "to
            "mfu", "seconds", "error"]
 
 
-#: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null})
+#: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null,
+#: "command": the command line that launched it, or null})
 MULTIRUN_MARK = ".hydratrain_multirun.json"
 
 
-def mark_multirun(sweep_dir: Path, sampled: Optional[List[str]] = None) -> str:
+def mark_multirun(sweep_dir: Path, sampled: Optional[List[str]] = None, command: Optional[List[str]] = None) -> str:
     """Record in ``sweep_dir`` that a new multirun starts there (at its start, once, in the launching process);
     returns its id. The report then lists this multirun's jobs only: a re-run into an existing sweep dir with fewer
     or other jobs does not report (or fail on) the jobs of an earlier one. ``sampled``: the config keys the sweep
     varies (:func:`sampled_keys`; None: not known), which :func:`_hopeless` reads in whatever process learns of a
-    failed job."""
+    failed job; ``command``: the sweep's command line (:func:`hydratrain.dist.launch.launch_command`), from which a
+    job in any process says how to resume the sweep (:func:`hydratrain.dist.launch.resume_command`)."""
     import uuid
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    mark = {"id": uuid.uuid4().hex, "started": time.time(), "sampled": sampled}
+    mark = {"id": uuid.uuid4().hex, "started": time.time(), "sampled": sampled, "command": command}
     tmp = sweep_dir / f"{MULTIRUN_MARK}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(mark))
     os.replace(tmp, sweep_dir / MULTIRUN_MARK)
@@ -455,7 +457,7 @@ class SweepReportCallback(Callback):
             os.kill(os.getpid(), early)  # SIGTERM's default, as checkpoint.save_on_sigterm=false asks
         if early is not None:
             code = config.get("checkpoint", {}).get("preempt_exit_code", 75)
-            if _is_rank0():  # (a sweep inside each torchrun rank: one line)
+            if _is_rank0():  # (a sweep inside each torchrun rank: one line; nothing to resume: no dir to name)
                 say("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the "
                     "same command")
             raise SystemExit(code if isinstance(code, int) else 75)
@@ -479,7 +481,10 @@ class SweepReportCallback(Callback):
             from hydratrain.dist.run_dir import refuse_a_full_run_dir
 
             refuse_a_full_run_dir(_sweep_dir(config.hydra), sweep=True)
-            mark_multirun(_sweep_dir(config.hydra), sampled_keys(config.hydra))
+            from hydratrain.dist.launch import launch_command, note_launcher
+
+            note_launcher()  # (a sweep inside each torchrun rank: its command is torchrun's)
+            mark_multirun(_sweep_dir(config.hydra), sampled_keys(config.hydra), launch_command())
             self._jobs = basic_sweep_jobs(config.hydra), os.getpid()  # (a launcher's workers get a copy of self)
             await_the_end(_sweep_dir(config.hydra))
         keep_early_sigterm(config.hydra, config.get("checkpoint", {}).get("save_on_sigterm", True))

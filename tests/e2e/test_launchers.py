@@ -5,6 +5,7 @@ this process: tests/unit/test_local_launcher.py.)"""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -202,6 +203,8 @@ def test_a_signal_to_the_launching_process_ends_the_sweep(tmp_path, sig, jobs):
     r = finish(proc, 90)
     assert r.returncode == (130 if sig == signal.SIGINT else 75) and time.time() - t0 < 60, r.output[-3000:]
     assert f"TorchrunLauncher: sweep stopped: job #0: stopped by {sig.name}" in r.output
+    assert ("to resume the sweep (each job continues from its own run dir): "
+            f"{shlex.join([*r.cmd[:-1], 'hydra.sweep.dir=s'])} (exit status") in r.output, r.output[-3000:]
     assert "sweep job(s) failed" not in r.output, r.output[-3000:]  # the stop's one line, not a failed sweep's
     assert "SignalException" not in r.output and not (sweep / "1").exists()
     (row,) = report_rows(sweep)

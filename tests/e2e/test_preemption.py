@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import time
 
@@ -80,10 +81,10 @@ def test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_statu
     os.kill(proc.pid, signal.SIGTERM)
     r = finish(proc, timeout=60)
     assert r.returncode == 76 and r.seconds < 100, r.output[-3000:]
-    what = ("during start-up, before this launch's first step: nothing trained, nothing to save; relaunch the same "
-            "command to resume" if phase == "startup" else "after the last step, during the final evaluation and "
-            "outputs: nothing saved since the latest checkpoint; relaunch the same command to finish from it")
-    assert f"hydratrain: preempted: SIGTERM {what}" in r.output
+    what = ("during start-up, before this launch's first step: nothing trained, nothing to save; to resume"
+            if phase == "startup" else "after the last step, during the final evaluation and outputs: nothing saved "
+            "since the latest checkpoint; to finish from it")
+    assert f"hydratrain: preempted: SIGTERM {what}: {shlex.join(r.cmd)}\n" in r.output, r.output[-3000:]
     assert "Traceback" not in r.output and "step 1/" not in log_of(run_dir)[:0 if phase == "final" else None]
     assert not (run_dir / "hydratrain.lock").exists()
 
@@ -175,6 +176,7 @@ def test_ctrl_c_ends_a_run_and_its_sweep_with_one_line_and_status_130(tmp_path):
     r = finish(proc, timeout=60)
     assert r.returncode == 130, r.output[-3000:]
     assert r.output.count("hydratrain: interrupted (SIGINT, Ctrl-C): stopped without saving") == 1
+    assert f"; to resume from the latest checkpoint: {shlex.join([*r.cmd[:-1], 'hydra.sweep.dir=s'])}\n" in r.output
     assert "sweep job(s) failed" not in r.output, r.output[-3000:]  # the interrupt's one line, not a failed sweep's
     assert "Traceback" not in r.output and not (sweep / "1").exists()
     (row,) = report_rows(sweep)

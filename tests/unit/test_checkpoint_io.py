@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import assert_same_tensors, ckpt_of
+from helpers import assert_same_tensors, ckpt_of, cut_command
 from hydratrain.checkpoint.io import SafeLoadPlanner, read_all, read_metadata, verify
 from hydratrain.checkpoint.manager import find_resume, latest_checkpoint, list_checkpoints, resolve_checkpoint
 from hydratrain.data.streams import ShardedBatches, TokenDataset
@@ -345,7 +345,8 @@ def test_a_save_that_cannot_be_written_stops_with_one_line_and_keeps_the_last_ch
     assert re.fullmatch(re.escape(f"saving step 4 under {run_dir / 'checkpoints'} failed (OSError: [Errno 28] No space "
                                   "left on device; ") + r"\d+\.\d MB free there\)" + re.escape(
         f"; training stopped. The latest complete checkpoint, {ckpt_of(run_dir, 2)}, is intact: make room (or lower "
-        "checkpoint.keep_last) and relaunch the same command to resume from it"), str(err.value)), str(err.value)
+        "checkpoint.keep_last) and resume from it with"), cut_command(str(err.value))[0]), str(err.value)
+    assert cut_command(str(err.value))[1].endswith(f" hydra.run.dir={run_dir}"), str(err.value)  # its run dir
     assert err.value.same_on_every_rank  # rank 0 alone prints it
     assert err.value.own_failure  # every rank's own: not "another rank failed first" on the rank that recorded second
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
@@ -392,8 +393,7 @@ def test_a_save_refused_for_another_cause_than_space_gives_that_causes_remedy(ma
               "permission": f"fix the permissions or attributes (lsattr -d) of {root} (or write elsewhere)",
               "file size": "raise the file-size limit (`ulimit -f`, in the shell or job script that launches the "
                            "run)"}[cause]
-    assert str(err.value).endswith(f"is intact: {remedy} and relaunch the same command to resume from it"), (
-        str(err.value))
+    assert cut_command(str(err.value))[0].endswith(f"is intact: {remedy} and resume from it with"), str(err.value)
     if cause == "file size":
         assert ("unexpected pos 704 vs 598; the error has no errno; likely File too large: this process's file-size "
                 "limit (RLIMIT_FSIZE, `ulimit -f`) is 1000 KiB); training stopped.") in str(err.value), str(err.value)

@@ -7,11 +7,13 @@ import errno
 import json
 import logging
 import os
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from helpers import cut_command
 from hydratrain.errors import unwritable_cause
 
 
@@ -50,8 +52,10 @@ def test_the_advice_fits_the_errno(tmp_path, monkeypatch):
 
     read_only = unwritable_message("writing x", tmp_path, OSError(errno.EROFS, "Read-only file system"), None,
                                    stopped="the run stopped")
-    assert read_only.endswith("the run stopped. No checkpoint was written before: make it writable (or write "
-                              "elsewhere) and relaunch"), read_only
+    assert cut_command(read_only)[0].endswith("the run stopped. No checkpoint was written before: make it writable "
+                                              "(or write elsewhere) and relaunch"), read_only
+    named = unwritable_message("writing x", tmp_path, _full(), None, run_dir=tmp_path / "run dir, 1")
+    assert cut_command(named)[1].endswith(f" \"hydra.run.dir='{tmp_path}/run dir, 1'\""), named  # read back as given
     assert "make room" in unwritable_message("saving step 2", tmp_path, _full(), tmp_path / "step_00000001")
 
 
@@ -76,8 +80,7 @@ def test_each_cause_gets_its_own_remedy(tmp_path, monkeypatch, code, remedy):
     cause = OSError(code, os.strerror(code), str(refused / ".tmp-step_00000004"))
     message = unwritable_message("saving step 4", refused, cause, refused / "step_00000002",
                                  frees="lower checkpoint.keep_last")
-    assert message.endswith(f"is intact: {remedy.format(dir=refused)} and relaunch the same command to resume from "
-                            "it"), message
+    assert cut_command(message)[0].endswith(f"is intact: {remedy.format(dir=refused)} and resume from it with"), message
     assert ("MB free there" in message) == (code in (errno.ENOSPC, errno.EDQUOT)), message  # only where it tells
     if code == errno.EFBIG:
         assert "this process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) is 1000 KiB)" in message, message
@@ -102,8 +105,9 @@ def test_an_error_that_lost_its_errno_is_told_from_the_dir(tmp_path, monkeypatch
     assert unknown.startswith(f"saving step 2 under {tmp_path} failed (RuntimeError: [enforce fail at "
                               "inline_container.cc:672] . unexpected pos 704 vs 598; the cause is unknown: the error "
                               f"has no errno, and {tmp_path} is writable, with "), unknown
-    assert unknown.endswith("MB free there and no file-size limit); training stopped. No checkpoint was written "
-                            "before: find and fix what refused the write (the error above) and relaunch"), unknown
+    assert cut_command(unknown)[0].endswith("MB free there and no file-size limit); training stopped. No checkpoint "
+                                            "was written before: find and fix what refused the write (the error "
+                                            "above) and relaunch"), unknown
     _file_size_limit(monkeypatch, 1000 * 1024)
     assert ("(RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598; the error has no "
             "errno; likely File too large: this process's file-size limit (RLIMIT_FSIZE, `ulimit -f`) is 1000 KiB); "
@@ -111,9 +115,9 @@ def test_an_error_that_lost_its_errno_is_told_from_the_dir(tmp_path, monkeypatch
     _file_size_limit(monkeypatch, None)
     access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode, **k: mode != os.W_OK and access(path, mode, **k))
-    assert message().endswith("; the error has no errno; likely Permission denied); training stopped. No checkpoint "
-                              f"was written before: fix the permissions of {tmp_path} (or write elsewhere) and "
-                              "relaunch"), message()
+    assert cut_command(message())[0].endswith("; the error has no errno; likely Permission denied); training "
+                                              "stopped. No checkpoint was written before: fix the permissions of "
+                                              f"{tmp_path} (or write elsewhere) and relaunch"), message()
     statvfs = os.statvfs
     fields = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files", "f_ffree", "f_favail", "f_namemax")
     monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(
@@ -123,9 +127,9 @@ def test_an_error_that_lost_its_errno_is_told_from_the_dir(tmp_path, monkeypatch
     monkeypatch.setattr(os, "access", access)
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2_000_000))
-    assert message().endswith("; the error has no errno; likely No space left on device: 2.0 MB free there); "
-                              "training stopped. No checkpoint was written before: make room (or lower "
-                              "checkpoint.keep_last) and relaunch"), message()
+    assert cut_command(message())[0].endswith("; the error has no errno; likely No space left on device: 2.0 MB free "
+                                              "there); training stopped. No checkpoint was written before: make room "
+                                              "(or lower checkpoint.keep_last) and relaunch"), message()
 
 
 def test_a_permission_error_is_an_unwritable_output_only_where_the_run_writes(tmp_path, monkeypatch):
@@ -270,7 +274,9 @@ def test_a_run_dir_that_takes_no_writes_ends_the_start_with_one_line_and_status_
     assert "the run did not start. The latest complete checkpoint, " in err and "step_00000004, is intact" in err
     with pytest.raises(SystemExit):  # a sweep's dir, before Hydra's multirun.yaml: which checkpoint is not its to say
         run_dir.refuse_a_full_run_dir(tmp_path / "sweep", sweep=True)
-    assert capsys.readouterr().err.endswith("the sweep did not start. Make room and relaunch the same command\n")
+    head, command = cut_command(capsys.readouterr().err)
+    assert head.endswith("the sweep did not start. Make room and relaunch") and command.endswith(
+        f"hydra.sweep.dir={tmp_path / 'sweep'}"), (head, command)
     monkeypatch.undo()
     run_dir.refuse_a_full_run_dir(tmp_path)  # a writable dir: nothing said, nothing left behind
     assert capsys.readouterr().err == "" and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sweep"]
@@ -300,7 +306,7 @@ def test_a_tensorboard_dir_that_refuses_by_permission_ends_with_one_line_and_res
     assert lines == [f"hydratrain: output error: writing TensorBoard events under {run_dir / 'tensorboard'} failed "
                      "(PermissionError: [Errno 13] Permission denied); the run stopped. The latest complete "
                      f"checkpoint, {run_dir / 'checkpoints' / 'step_00000004'}, is intact: fix the permissions of "
-                     f"{run_dir / 'tensorboard'} (or write elsewhere) and relaunch the same command to resume from it"]
+                     f"{run_dir / 'tensorboard'} (or write elsewhere) and resume from it with: {' '.join(run.cmd)}"]
     results = json.loads((run_dir / "results.json").read_text())
     assert results["steps"] == 4 and results["train_loss"] is not None
 
@@ -345,7 +351,7 @@ def test_a_run_dir_that_cannot_be_made_ends_the_start_with_one_line_before_hydra
     assert run.output.strip().splitlines() == [
         f"hydratrain: output error: writing the run dir under {read_only / 'new'} failed (OSError: [Errno 30] "
         f"Read-only file system: '{read_only / 'new'}'); the run did not start. No checkpoint was written before: "
-        "make it writable (or write elsewhere) and relaunch"], run.output[-3000:]
+        f"make it writable (or write elsewhere) and relaunch: {' '.join(run.cmd)}"], run.output[-3000:]
 
 
 def _without_dac_override() -> list:
@@ -390,9 +396,10 @@ def test_a_run_or_sweep_dir_without_write_permission_ends_the_start_with_one_lin
                 f"hydratrain: output error: writing the {kind} dir under {dir_} failed (PermissionError: [Errno 13] "
                 "Permission denied: "), run.output[-3000:]
             remedy = f"fix the permissions of {locked} (or write elsewhere) and relaunch"
-            assert lines[0].endswith(f"; the {kind} did not start. " + (
-                f"No checkpoint was written before: {remedy}" if kind == "run" else f"F{remedy[1:]} the same command")
-            ), lines[0]
+            head, resume = cut_command(lines[0])
+            assert head.endswith(f"; the {kind} did not start. " + (
+                f"No checkpoint was written before: {remedy}" if kind == "run" else f"F{remedy[1:]}")), lines[0]
+            assert resume == shlex.join(run.cmd[len(nocap):-1] + [args[-1]]), (resume, run.cmd)
         assert sorted(p.name for p in locked.iterdir()) == []
     finally:
         locked.chmod(0o755)

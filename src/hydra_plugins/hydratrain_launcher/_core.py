@@ -211,14 +211,35 @@ def _stop_the_sweep(launcher, sweep_config: DictConfig, num: int, conf: Optional
     name = signal.Signals(signum).name
     status = ((conf.preempt_exit_code if conf is not None else 75) if signum == signal.SIGTERM else 128 + signum)
     how = ("before its workers started" if before_workers else "which the agent passed on to the job's workers")
-    error = LaunchError(f"job #{num}: stopped by {name}, {how}; run the same command again to resume the sweep (each "
-                        "job continues from its own run dir)")
+    sweep_dir = launch_path(sweep_config, sweep_config.hydra.sweep.dir)
+    error = LaunchError(f"job #{num}: stopped by {name}, {how}; to resume the sweep (each job continues from its own "
+                        f"run dir): {resume_command(sweep_dir, Path(str(sweep_config.hydra.runtime.cwd)))}")
     error.ends_the_sweep = True
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, _failed_return(sweep_config, error))
     sys.stderr.write(f"TorchrunLauncher: sweep stopped: {error} (exit status {status})\n")  # one write: one line
     sys.stderr.flush()  # in a log other processes share
     raise SystemExit(status) from None
+
+
+def resume_command(sweep_dir: Path, launch_dir: Path) -> str:
+    """The command line that started this process (as typed: ``sys.orig_argv`` when it ends with ``sys.argv``, else
+    ``python`` and ``sys.argv``) with ``hydra.sweep.dir=<sweep_dir>`` (relative to ``launch_dir`` when below it) in
+    place of any it gave: the same command alone would sweep into a new, time-stamped dir and start every job over."""
+    import re
+    import shlex
+    import sys
+
+    argv, orig = list(sys.argv), list(getattr(sys, "orig_argv", None) or [])
+    command = orig if argv and len(orig) > len(argv) and orig[-len(argv):] == argv else ["python", *argv]
+    command = [a for a in command if not re.match(r"^\+{0,2}hydra\.sweep\.dir=", a)]
+    try:
+        shown = str(sweep_dir.resolve().relative_to(launch_dir.resolve()))
+    except (OSError, ValueError):
+        shown = str(sweep_dir)
+    if not re.fullmatch(r"[A-Za-z0-9_./\-+:@%~]*", shown):  # as Hydra's override grammar reads it back
+        shown = "'" + shown.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return shlex.join([*command, f"hydra.sweep.dir={shown}"])
 
 
 def _run_job_check(path: str, sweep_config: DictConfig) -> None:

@@ -419,7 +419,8 @@ class CheckpointManager:
         told from the dir when the error lost its errno, as torch's checkpoint writer's ``RuntimeError`` does); then
         rank 0 removes the partial ``tmp`` dir, which frees its space (the next start would remove it anyway)."""
         err = CheckpointError(unwritable_message(f"saving step {step}", self.root, cause, self.last_good(),
-                                                 frees="lower checkpoint.keep_last" if self.keep_last != 1 else ""))
+                                                 frees="lower checkpoint.keep_last" if self.keep_last != 1 else "",
+                                                 run_dir=self.root.parent))
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         err.same_on_every_rank = True  # every rank raises it (DCP gathers the failures): rank 0 prints it

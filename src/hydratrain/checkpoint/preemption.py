@@ -18,12 +18,12 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 
-#: what a preemption signal interrupts while :func:`guard` is on: the message of its PreemptedError
+#: what a preemption signal interrupts while :func:`guard` is on: the message of its PreemptedError (then the
+#: command that resumes, :func:`hydratrain.dist.launch.resume_command`)
 PHASES = {
-    "start-up": "during start-up, before this launch's first step: nothing trained, nothing to save; relaunch the "
-                "same command to resume",
+    "start-up": "during start-up, before this launch's first step: nothing trained, nothing to save; to resume",
     "final": "after the last step, during the final evaluation and outputs: nothing saved since the latest "
-             "checkpoint; relaunch the same command to finish from it",
+             "checkpoint; to finish from it",
 }
 _GUARD: dict = {"handlers": {}, "received": None, "exit_code": 75, "phase": "start-up", "held": False}
 
@@ -124,9 +124,11 @@ def release_sigterm() -> None:
 
 
 def _preempted(signum: int):
+    from hydratrain.dist.launch import resume_command
     from hydratrain.errors import PreemptedError
 
-    return PreemptedError(f"{signal.Signals(signum).name} {PHASES[_GUARD['phase']]}", _GUARD["exit_code"])
+    return PreemptedError(f"{signal.Signals(signum).name} {PHASES[_GUARD['phase']]}: {resume_command()}",
+                          _GUARD["exit_code"])
 
 
 def recorded_preemption():
@@ -207,11 +209,13 @@ class Preemption:
         return votes is not None and votes > 0
 
     def stopping(self, step: int, checkpoint: Optional[str]) -> None:
-        """Called by every rank after the stop's checkpoint is saved: log it and, inside submitit, let its SIGUSR2
-        handler requeue the job (rank 0)."""
+        """Called by every rank after the stop's checkpoint is saved: log it, with the command that resumes from
+        it, and, inside submitit, let its SIGUSR2 handler requeue the job (rank 0)."""
+        from hydratrain.dist.launch import resume_command
+
         self.stopped = True
-        log.warning("stopping at step %d after a preemption signal; checkpoint %s; exit status %d", step, checkpoint,
-                    self.exit_code)
+        log.warning("stopping at step %d after a preemption signal; checkpoint %s; exit status %d; to resume: %s",
+                    step, checkpoint, self.exit_code, resume_command())
         handler = self._previous.get(signal.SIGUSR2)
         if self.received == signal.SIGUSR2 and callable(handler):
             try:

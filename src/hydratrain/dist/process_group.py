@@ -47,6 +47,7 @@ class PeerFailedError(HydratrainError):
 
     label = "stopped"
     exit_status = EXIT_PEER_FAILED
+    resume_hint = "to resume from the latest checkpoint"
 
     def __init__(self, message: str, linger_s: float = 0.0):
         self.linger_s = linger_s
@@ -354,7 +355,10 @@ class FailureWatch:
             log.warning("hydratrain: %s: %s (a peer left first: %s)", preempted.label, preempted, failure)
             RunDirLock.release_held()
             os._exit(preempted.exit_status)
-        log.error("stopping rank %d (exit status %d): %s", self.rank, EXIT_PEER_FAILED, failure)
+        from hydratrain.exits import resume_hint
+
+        log.error("stopping rank %d (exit status %d): %s%s", self.rank, EXIT_PEER_FAILED, failure,
+                  resume_hint(PeerFailedError.resume_hint) if self.rank == 0 else "")
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 handler.flush()

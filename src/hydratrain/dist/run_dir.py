@@ -245,7 +245,7 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
         last = ... if sweep else (latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir()
                                   else None)
         message = unwritable_message(f"writing the {'sweep' if sweep else 'run'} dir", run_dir, cause, last,
-                                     stopped=f"the {'sweep' if sweep else 'run'} did not start")
+                                     stopped=f"the {'sweep' if sweep else 'run'} did not start", run_dir=run_dir)
         if os.environ.get("LOCAL_RANK", "0") == "0":
             say(f"hydratrain: {OutputError.label}: {message}")
         with contextlib.suppress(OSError):

@@ -273,8 +273,11 @@ class Trainer:
                 self.strategy.sync_buffers(self.model)
                 self.checkpoints.save(self.progress.step)
             elif self.progress.step >= first and self._last_checkpoint() is not None:
+                from hydratrain.dist.launch import resume_command
+
                 log.info("steps after %s are in no checkpoint (checkpoint.save_last=false): a relaunch with a larger "
-                         "trainer.max_steps resumes from it and trains them again", self._last_checkpoint())
+                         "trainer.max_steps resumes from it and trains them again: %s trainer.max_steps=<more>",
+                         self._last_checkpoint(), resume_command(self.checkpoints.root.parent))
         evaluated = self._eval_and_log(self.progress.step)
         result.eval_loss, result.eval_perplexity = evaluated["loss"], evaluated.get("perplexity", math.nan)
         result.eval_metrics = {k: v for k, v in evaluated.items() if k not in ("loss", "perplexity")}

@@ -1,0 +1,204 @@
+"""The launch this process belongs to: the command that started it, so the command that resumes it, and the process
+that launched it, whose death stops this rank.
+
+- :func:`note_launcher` records this process's parent (its pid and command line) as early as the process can
+  (``train.py``, then :func:`hydratrain.run.main`), before that parent can be gone.
+- :func:`launch_command`: the command line as typed: ``torchrun [options] train.py ARGS`` in a torchrun rank (its
+  agent's command line), ``python train.py ARGS`` otherwise.
+- :func:`resume_command`: that command with ``hydra.run.dir=<this run's dir>`` (a sweep: ``hydra.sweep.dir=``) in
+  place of any given: the command that resumes this run, which the same command without it would not (a default,
+  time-stamped run dir is a new one at every launch). Every line that tells the user how to resume prints it.
+- :func:`launcher_gone`: whether the torch elastic agent that started this rank has died (``kill -9`` of
+  ``torchrun``, the OOM killer, a dying shell): it passes no signal on then, and a rank that trained on would write
+  and prune checkpoints and hold the run dir against the relaunch.
+
+Importing this module imports neither torch nor Hydra.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+_LAUNCHER: dict = {}  # this process's parent when first noted: {"pid": int, "cmdline": list of str, or None}
+
+
+def note_launcher() -> None:
+    """Record this process's parent pid and, where ``/proc`` shows it, its command line; once per process (later
+    calls keep the first record). Call as early as possible: a parent that dies first is not seen to die."""
+    if not _LAUNCHER:
+        pid = os.getppid()
+        _LAUNCHER.update(pid=pid, cmdline=_cmdline(pid))
+
+
+def _cmdline(pid: int) -> Optional[List[str]]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # not Linux, or hidden
+        return None
+    return [os.fsdecode(part) for part in raw.split(b"\0")[:-1]] or None
+
+
+def under_elastic_agent() -> bool:
+    """Whether torch's elastic agent (``torchrun``, or hydratrain's ``launcher=torchrun``) started this process."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
+def launcher_gone() -> Optional[str]:
+    """Who launched this rank, e.g. ``torchrun (pid 4242)``, when that process has died since :func:`note_launcher`
+    (the rank has another parent now); else None. Only for ranks of torch's elastic agent, whose ranks are its own
+    children and which stops them itself while it lives; elsewhere (one process, SLURM tasks, Ray workers) None.
+    Costs one ``getppid`` call: cheap enough for every step. Raises nothing."""
+    if not _LAUNCHER or not under_elastic_agent():
+        return None
+    pid = _LAUNCHER["pid"]
+    if pid <= 1 or os.getppid() == pid:
+        return None
+    return f"{_launcher_name()} (pid {pid})"
+
+
+def _launcher_name() -> str:
+    cmd = _LAUNCHER.get("cmdline") or []
+    typed = _as_typed(cmd) if cmd else []
+    if typed[:1] == ["torchrun"] or "torch.distributed.run" in typed or "torch.distributed.launch" in typed:
+        return "torchrun"
+    return "its launcher, " + (os.path.basename(typed[0]) if typed else "the parent process")
+
+
+def launch_command() -> List[str]:
+    """The command line that started this process, as typed: for a rank of torch's elastic agent whose command line
+    ends with this process's (``torchrun``, ``python -m torch.distributed.run``, or the process that runs
+    ``launcher=torchrun``), the agent's (``torchrun [its options] train.py ARGS``); else the interpreter's
+    (``python [options] train.py ARGS``: ``sys.orig_argv``), else ``python`` and ``sys.argv``."""
+    argv = [str(a) for a in sys.argv]
+    parent = _LAUNCHER.get("cmdline") if under_elastic_agent() else None
+    for whole in (parent, list(getattr(sys, "orig_argv", None) or [])):
+        if whole and argv and len(whole) > len(argv) and whole[-len(argv):] == argv:
+            return _as_typed(whole)
+    return ["python", *argv]
+
+
+def _as_typed(cmd: List[str]) -> List[str]:
+    """``cmd`` (a process's argv) as its user typed it: a console script run through its interpreter
+    (``/venv/bin/python3 /venv/bin/torchrun ...``) by its own name."""
+    if len(cmd) > 1 and os.path.basename(cmd[1]) == "torchrun":
+        return ["torchrun", *cmd[2:]]
+    if os.path.basename(cmd[0]) == "torchrun":
+        return ["torchrun", *cmd[1:]]
+    return list(cmd)
+
+
+#: the overrides that place a run or sweep dir, with Hydra's prefixes
+_DIR_OVERRIDE = re.compile(r"^\+{0,2}hydra\.(run|sweep)\.dir=")
+_HYDRA_PLAIN = re.compile(r"^[A-Za-z0-9_./\-+:@%~]*$")
+_SHELL_PLAIN = re.compile(r"^[A-Za-z0-9_./\-+:@%=,]+$")
+
+
+def resume_command(run_dir: Optional[Path] = None, sweep: bool = False) -> str:
+    """The shell command that resumes this run from its run dir, as one string: :func:`launch_command` (in a sweep:
+    the sweep's command, recorded at its start by :func:`hydratrain.sweep.mark_multirun`) with
+    ``hydra.run.dir=<run dir>`` (a sweep: ``hydra.sweep.dir=<sweep dir>``) in place of any it gave; the dir relative
+    to the launch dir when it lies below it (the command runs there). ``run_dir`` names the run dir (with ``sweep``,
+    the sweep dir) where Hydra has not set it yet (before its job starts); by default it comes from Hydra's config.
+    With several nodes it is each node's own command (its own node rank), which the text says. Raises nothing: when
+    the dir cannot be had, the command alone, said to need it."""
+    try:
+        if sweep and run_dir is not None:
+            key, where, launch, command = "hydra.sweep.dir", Path(run_dir), _launch_dir(), None
+            command = _sweep_command(where) or launch_command()
+        else:
+            key, where, launch, command = _what_resumes(run_dir)
+    except Exception as err:  # noqa: BLE001 (a line about resuming must never fail the end it reports)
+        return f"the same command with hydra.run.dir=<this run's dir> ({type(err).__name__} finding it)"
+    command = [a for a in command if not _DIR_OVERRIDE.match(a)]
+    if where is None:
+        text = _join(command) + f" {key}=<this run's dir>"
+    else:
+        shown = Path(os.path.relpath(where, launch)) if launch and _below(where, launch) else Path(where)
+        text = _join([*command, f"{key}={_hydra_value(str(shown))}"])
+    nodes = os.environ.get("GROUP_WORLD_SIZE", "1")
+    if nodes.isdigit() and int(nodes) > 1:
+        text += " (on every node: each node's own command, with its node rank)"
+    return text
+
+
+def _what_resumes(run_dir: Optional[Path]):
+    """(the dir's key, the dir or None, the launch dir or None, the command) of this run."""
+    from hydratrain.dist.run_dir import resolve_path
+
+    hydra_cfg = _hydra_config()
+    if hydra_cfg is None:
+        return "hydra.run.dir", (Path(run_dir).absolute() if run_dir else None), Path.cwd(), launch_command()
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    cwd = OmegaConf.select(hydra_cfg, "runtime.cwd", default=None, throw_on_missing=False)
+    launch = Path(str(cwd)) if cwd else Path.cwd()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        sweep_dir = resolve_path(str(hydra_cfg.sweep.dir), launch)
+        return "hydra.sweep.dir", sweep_dir, launch, _sweep_command(sweep_dir) or launch_command()
+    if run_dir is None:  # the job's dir once Hydra set it up, else (before: its on_run_start) the one it will make
+        output = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None, throw_on_missing=False) or \
+            OmegaConf.select(hydra_cfg, "run.dir", default=None, throw_on_missing=False)
+        run_dir = resolve_path(str(output), launch) if output else None
+    return "hydra.run.dir", (Path(run_dir) if run_dir else None), launch, launch_command()
+
+
+def _launch_dir() -> Path:
+    from omegaconf import OmegaConf
+
+    hydra_cfg = _hydra_config()
+    cwd = OmegaConf.select(hydra_cfg, "runtime.cwd", default=None, throw_on_missing=False) if hydra_cfg else None
+    return Path(str(cwd)) if cwd else Path.cwd()
+
+
+def _hydra_config():
+    """Hydra's config of this job, or None outside Hydra (imports Hydra only when it is loaded already)."""
+    if "hydra.core.hydra_config" not in sys.modules:
+        return None
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get() if HydraConfig.initialized() else None
+
+
+def _sweep_command(sweep_dir: Path) -> Optional[List[str]]:
+    import json
+
+    try:
+        command = json.loads((sweep_dir / ".hydratrain_multirun.json").read_text()).get("command")
+    except (OSError, ValueError):
+        return None
+    return [str(a) for a in command] if isinstance(command, list) and command else None
+
+
+def _below(path: Path, base: Path) -> bool:
+    try:
+        Path(os.path.abspath(path)).relative_to(os.path.abspath(base))
+        return True
+    except ValueError:
+        return False
+
+
+def _hydra_value(value: str) -> str:
+    """``value`` as Hydra's override grammar reads it back unchanged: bare when plain, else quoted (a comma would
+    make a sweep of it, a space split it)."""
+    if _HYDRA_PLAIN.match(value):
+        return value
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _join(args: List[str]) -> str:
+    """``args`` as one shell command line: each bare when plain, else in double quotes when that keeps it as it is
+    (Hydra's single quotes inside), else ``shlex.quote``."""
+    out = []
+    for arg in args:
+        if _SHELL_PLAIN.match(arg):
+            out.append(arg)
+        elif not any(c in arg for c in '"$`\\!'):
+            out.append(f'"{arg}"')
+        else:
+            out.append(shlex.quote(arg))
+    return " ".join(out)
