@@ -10,7 +10,8 @@
   written (a full, over-quota or read-only filesystem, a file-size limit, a dir whose permissions refuse the write):
   training stopped, the latest complete checkpoint is intact |
 | 4 | :class:`DivergenceError`: a non-finite loss or gradient norm stopped the run (``trainer.on_nonfinite``) |
-| 5 | another rank failed or died; this rank stopped after it (``distributed.failure_timeout_s``) |
+| 5 | another rank, or this rank's launcher (torchrun's agent), failed or died; this rank stopped after it
+  (``distributed.failure_timeout_s``; ``hydratrain.dist.launch.LauncherGoneError``) |
 | 6 | :class:`OutOfMemoryError`: this rank ran out of memory; the message has the memory plan and changes that fit |
 | 75 | stopped by SIGTERM (or SIGUSR2 under submitit) after saving a checkpoint, or at once outside training (start-up,
   final outputs: :class:`PreemptedError`): its line gives the command that resumes |

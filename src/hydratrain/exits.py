@@ -23,8 +23,14 @@ def end(err: BaseException, env) -> None:
     or re-raise ``err`` inside a multirun (Hydra records the job as failed). A rank that received a preemption signal
     ends as preempted and one that received Ctrl-C as interrupted, whatever error followed."""
     from hydratrain.checkpoint.preemption import end_guard, recorded_preemption, release_sigterm
+    from hydratrain.dist.launch import launcher_gone_error
+    from hydratrain.dist.process_group import PeerFailedError
 
     end_guard()  # a torchrun worker lingering below is stopped by its agent's SIGTERM, not preempted
+    if isinstance(err, PeerFailedError) or not isinstance(err, (HydratrainError, SystemExit)):
+        # after its launcher died: the peers stopping alike, or the parent-death SIGINT that torch's spawn asks for
+        # (launcher=torchrun's workers)
+        err = launcher_gone_error(f"when it died ({type(err).__name__} followed)") or err
     if isinstance(err, HydratrainError):
         _end_with_error(err, env)
     if isinstance(err, SystemExit):
@@ -46,9 +52,10 @@ def end(err: BaseException, env) -> None:
 def _end_with_error(err: HydratrainError, env) -> None:
     """:func:`end` for one of our errors: its one line (``hydratrain: <label>: <message>``) and its exit status."""
     from hydratrain.checkpoint.preemption import recorded_preemption, release_sigterm
+    from hydratrain.dist.launch import LauncherGoneError
 
-    if _SIGINT["received"]:  # e.g. a peer's end, which the same Ctrl-C caused
-        _stop_interrupted(env)
+    if _SIGINT["received"] and not isinstance(err, LauncherGoneError):  # e.g. a peer's end, which the same Ctrl-C
+        _stop_interrupted(env)  # caused
     if recorded_preemption() is not None:  # its own PreemptedError (rebuilt: OmegaConf may have added context
         end_preempted(recorded_preemption(), env)  # to it), or what followed the signal (a peer left first)
     if env is None or env.local_rank == 0 or not (  # the same on every rank: each node's first rank says it

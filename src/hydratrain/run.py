@@ -560,6 +560,9 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     if result.preempted:
         job.step_logger.tb.close()
         return result
+    from hydratrain.dist.launch import stop_if_launcher_gone
+
+    stop_if_launcher_gone("before writing the run's outputs")
     write_outputs(cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
                   run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer, vocab_size=job.vocab_size)
     return result

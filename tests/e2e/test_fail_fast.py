@@ -203,3 +203,55 @@ def test_nodes_given_different_weights_to_start_from_stop_before_loading_them(tm
     assert (f"hydratrain: checkpoint error: model.init_from={tmp_path / 'w1' / 'model.safetensors'}: rank 1's file "
             f"({tmp_path / 'w2' / 'model.safetensors'}: ") in r0.output, r0.output[-3000:]
     assert "must start from the same weights" in r0.output and "step 1/" not in r0.output
+
+
+def _children(pid: int) -> list:
+    return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # two 2-rank launches, ~20 s each
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the ranks' pids from /proc")
+@pytest.mark.parametrize("launcher", ["torchrun", "launcher=torchrun"])
+def test_ranks_stop_at_once_when_their_launcher_is_killed_and_a_relaunch_resumes(tmp_path, launcher):
+    """``kill -9`` of torchrun (its agent passes no signal on): the ranks trained on until the failure watch noticed
+    the lost store (~30 s with the default distributed.failure_timeout_s), wrote new checkpoints and pruned those of
+    the kill, and a relaunch in that window was refused as "in use by another job". Now they stop at their next
+    step, within seconds, the checkpoints stay as they were at the kill, the run dir is free, and the same command
+    resumes from the newest of them. ``launcher=torchrun`` (killing the launching process) stops its workers at once
+    too (torch's spawn gives them a parent-death SIGINT); keep that."""
+    plain = launcher == "torchrun"
+    run_dir = tmp_path / "run" if plain else tmp_path / "sweep" / "0"
+    # keep_last=0: a prune in flight when the kill lands would race the listing (the in-process test has the prune)
+    args = ["strategy=ddp", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=5", "checkpoint.keep_last=0",
+            f"hydra.run.dir={run_dir}" if plain else f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            *([] if plain else ["launcher=torchrun", "launcher.nproc_per_node=2"])]
+    cmd = command([*args, "trainer.max_steps=100000"], nproc=2 if plain else 1)
+    proc = spawn(cmd, cwd=tmp_path)
+    deadline = time.monotonic() + 180
+    while not (run_dir / "checkpoints" / "step_00000015").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, finish(proc, 10).output[-3000:]
+        time.sleep(0.05)
+    ranks = _children(proc.pid)
+    assert len(ranks) >= 2, ranks  # (the launching process of launcher=torchrun may hold helper children too)
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    at_kill = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    out = finish(proc, timeout=30).output
+    while any(_running(r) for r in ranks) and time.monotonic() - killed < 60:
+        time.sleep(0.05)
+    took = time.monotonic() - killed
+    assert took < 10, (took, out[-3000:])  # (old: ~30 s)
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == at_kill
+    assert not (run_dir / "hydratrain.lock").exists()
+    newest = int(at_kill[-1][5:])
+    again = finish(spawn(command([*args, f"trainer.max_steps={newest + 1}"], nproc=2 if plain else 1),
+                         cwd=tmp_path), timeout=240)
+    assert again.returncode == 0, again.output[-3000:]
+    assert f"resumed from {run_dir}/checkpoints/{at_kill[-1]}" in again.output, again.output[-3000:]

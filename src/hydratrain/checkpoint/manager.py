@@ -33,6 +33,7 @@ import torch
 from hydratrain.checkpoint import METADATA
 from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
+from hydratrain.dist.launch import stop_if_launcher_gone
 from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError, unwritable_message
 
 log = logging.getLogger(__name__)
@@ -360,6 +361,7 @@ class CheckpointManager:
         from hydratrain.checkpoint.io import quiet_without_process_group
 
         t0 = time.perf_counter()
+        stop_if_launcher_gone(f"before saving step {step}")
         state = self._state()
         bad = _non_finite(state)
         if any_rank(bool(bad), self.device):
@@ -398,6 +400,7 @@ class CheckpointManager:
             raise self._save_failed(step, tmp, root_cause(err)) from err
         barrier()  # every rank's shards are written and DCP's .metadata is in place
         if self.rank == 0:
+            stop_if_launcher_gone(f"before completing its save of step {step} (left as {tmp.name})")
             if final.exists():
                 old = self.root / (TMP_PREFIX + "old-" + final.name)
                 os.replace(final, old)
@@ -431,6 +434,7 @@ class CheckpointManager:
         if not self.keep_last:
             return
         for _, path in list_checkpoints(self.root)[:-self.keep_last]:
+            stop_if_launcher_gone(f"before pruning {path.name}")
             shutil.rmtree(path, ignore_errors=True)
             log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", path, self.keep_last)
 

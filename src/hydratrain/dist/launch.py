@@ -23,7 +23,21 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from hydratrain.errors import EXIT_PEER_FAILED, HydratrainError
+
 _LAUNCHER: dict = {}  # this process's parent when first noted: {"pid": int, "cmdline": list of str, or None}
+
+
+class LauncherGoneError(HydratrainError):
+    """The torch elastic agent that started this rank died without stopping it (it passes no signal on when it is
+    SIGKILLed). The rank stops at its next step or write (:func:`stop_if_launcher_gone`), with exit status 5: nothing
+    waits for it any more, and its peers, whose launcher died too, stop alike."""
+
+    label = "stopped"
+    exit_status = EXIT_PEER_FAILED
+    own_failure = True  # each rank sees its own parent gone
+    same_on_every_rank = True  # every rank of the node stops for it: its first rank says it
+    resume_hint = "to resume from the latest checkpoint"
 
 
 def note_launcher() -> None:
@@ -58,6 +72,26 @@ def launcher_gone() -> Optional[str]:
     if pid <= 1 or os.getppid() == pid:
         return None
     return f"{_launcher_name()} (pid {pid})"
+
+
+def stop_if_launcher_gone(where: str) -> None:
+    """Raise :class:`LauncherGoneError` when this rank's launcher has died (:func:`launcher_gone`); ``where`` says
+    what the rank stopped before (``before step 21``, ``before saving step 20``). Called where a rank is about to
+    train a step or write or prune a checkpoint or the run's outputs, so that nothing is written after its launcher
+    died, and the run dir is released at once for the relaunch."""
+    err = launcher_gone_error(where)
+    if err is not None:
+        raise err
+
+
+def launcher_gone_error(where: str) -> Optional["LauncherGoneError"]:
+    """The :class:`LauncherGoneError` of a rank whose launcher has died, stopped ``where``; None while it lives."""
+    who = launcher_gone()
+    if who is None:
+        return None
+    return LauncherGoneError(f"{who} is gone: it died without stopping this rank (kill -9, the OOM killer, a closed "
+                             f"terminal), so the rank stopped {where}, writing and pruning nothing after that, and "
+                             "left its run dir")
 
 
 def _launcher_name() -> str:

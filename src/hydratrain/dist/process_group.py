@@ -32,6 +32,7 @@ from typing import Iterator, Optional
 
 from hydratrain.checkpoint.preemption import hold_sigterm
 from hydratrain.dist.env import DistInfo, allowed_cores, dist_info
+from hydratrain.dist.launch import LauncherGoneError, launcher_gone
 from hydratrain.dist.run_lock import RunDirLock
 from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
 
@@ -194,7 +195,9 @@ class FailureWatch:
     (``rank + 1 mod world_size``, so every rank is watched by exactly one other, O(1) store traffic per rank). A
     neighbour silent for ``stale_s`` seconds (its process is gone, or hung with its GIL held) is reported as failed.
     Seeing a failure, the thread logs it and calls ``os._exit(5)``: the main thread may be blocked inside a C++
-    collective that no Python exception can interrupt. The thread uses its own store connection.
+    collective that no Python exception can interrupt. The thread uses its own store connection. It also ends the
+    process when this rank's launcher (torch's elastic agent) has died and the main thread has not stopped for it at a
+    step within ``launcher_grace_s`` (:func:`hydratrain.dist.launch.stop_if_launcher_gone`).
     """
 
     def __init__(self, prefix: str, rank: int, world_size: int, failure_timeout_s: float, poll_s: float = 1.0):
@@ -203,6 +206,7 @@ class FailureWatch:
         self.rank, self.world_size, self.poll_s = rank, world_size, poll_s
         self.stale_s = max(3 * poll_s, failure_timeout_s / 2)  # detection + exit fit in failure_timeout_s
         self.linger_s = min(3.0, self.stale_s)  # after a peer recorded its failure, before this rank exits
+        self.launcher_grace_s = max(3 * poll_s, 5.0)  # for the main thread to stop at a step once the launcher died
         self.prefix = prefix + "/watch"
         self._timeout_s = failure_timeout_s
         self._main_store = PrefixStore(self.prefix, base_store())
@@ -285,8 +289,17 @@ class FailureWatch:
             return
         neighbour = (self.rank + 1) % self.world_size
         last_seen, last_change, store_ok = None, time.monotonic(), time.monotonic()
+        gone_since = None  # when this rank's launcher was first seen gone
         while not self._stop.wait(self.poll_s):
             now = time.monotonic()
+            who = launcher_gone()
+            if who is not None and gone_since is None:
+                gone_since = now
+            if who is not None and now - gone_since > self.launcher_grace_s and not self._stop.is_set():
+                # the main thread stops at its next step; one blocked (a collective, a long step) ends here
+                self._die(f"{who} is gone (it died without stopping this rank): stopped "
+                          f"{now - gone_since:.0f} s later, inside a step")
+                return
             try:
                 store.set(f"hb/{self.rank}", f"{time.time():.3f}")
                 if store.check(["failed"]):
@@ -479,7 +492,7 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
     except BaseException as err:
         hold_sigterm()  # the launcher's SIGTERM (a peer has exited) must not cut this rank short before it says why
         failed_with = getattr(err, "exit_status", EXIT_ERROR)
-        if watch is not None and not isinstance(err, (KeyboardInterrupt, PeerFailedError)):
+        if watch is not None and not isinstance(err, (KeyboardInterrupt, PeerFailedError, LauncherGoneError)):
             text = str(err).strip().splitlines()
             mine = f"rank {info.rank}: {type(err).__name__}" + (f": {text[0]}" if text else "")
             if lost_a_peer(err):  # learn which rank failed before blaming this one

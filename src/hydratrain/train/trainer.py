@@ -27,6 +27,7 @@ from torch import nn
 
 from hydratrain import timing
 from hydratrain.checkpoint.preemption import hold_sigterm
+from hydratrain.dist.launch import stop_if_launcher_gone
 from hydratrain.errors import ConfigError, DivergenceError
 from hydratrain.train import batch as batches_
 from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
@@ -229,6 +230,7 @@ class Trainer:
         try:
             self.preemption.arm()  # from here a preemption signal stops at a step, after a save
             while self.progress.step < self.max_steps:
+                stop_if_launcher_gone(f"before step {self.progress.step + 1}")  # (torchrun killed: no signal came)
                 loss, grad_norm, lr, skipped = self.train_step(batches)
                 step = self.progress.step
                 self.logger.step_done(step, loss, skipped)
