@@ -4,7 +4,8 @@
 | --- | --- |
 | 0 | done |
 | 1 | an unexpected exception on this rank (its traceback is on the console and in its log) |
-| 2 | :class:`ConfigError`: a bad config value, found before any process group exists |
+| 2 | :class:`ConfigError`: a bad config value, found before any process group exists (also an error Hydra finds
+  while it composes the config: ``hydratrain.exits.end_composition``) |
 | 3 | :class:`CheckpointError`: a checkpoint (or ``model.init_from`` file) cannot be used (nothing was trained), or a
   save cannot be written; :class:`OutputError`: another output (TensorBoard events, weights, results.json) cannot be
   written (a full, over-quota or read-only filesystem, a file-size limit, a dir whose permissions refuse the write):

@@ -3,7 +3,11 @@
 :func:`end` turns what ended ``hydratrain.run.main`` (an error of ours, any other exception, Ctrl-C, a preemption
 signal that came first) into the line and the status; :func:`leave` undoes what the launch set up for its end
 (signal handlers, the run-dir lock) on every path. In a Hydra multirun an error is re-raised instead, so Hydra records
-the job as failed and the sweep goes on, while a preemption or Ctrl-C ends the whole sweep.
+the job as failed and the sweep goes on, while a preemption or Ctrl-C ends the whole sweep. :func:`composing` and
+:func:`end_composition` do the same for an error Hydra finds while it composes the config (an unknown key or
+option, a wrong type): one line, ``hydratrain: config error: ...``, and exit status 2, printed once per node under
+torchrun. Under torch's elastic agent the line also goes to the rank's error file (``TORCHELASTIC_ERROR_FILE``),
+so that torchrun's failure summary shows it as the root cause's traceback.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import time
 from typing import Optional
 
 from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError, say
+
+_COMPOSING = {"on": False}  # Hydra raises, rather than prints, its errors until the config is composed
 
 log = logging.getLogger("hydratrain")
 
@@ -46,6 +52,8 @@ def end(err: BaseException, env) -> None:
     release_sigterm()
     if in_multirun():
         raise
+    first = (str(err).strip().splitlines() or [""])[0]
+    tell_the_agent(f"{type(err).__name__}: {first}" if first else type(err).__name__)
     raise SystemExit(EXIT_ERROR) from None
 
 
@@ -65,6 +73,7 @@ def _end_with_error(err: HydratrainError, env) -> None:
     release_sigterm()
     if in_multirun():
         raise  # Hydra records the job as failed and the sweep goes on
+    tell_the_agent(f"hydratrain: {err.label}: {err}")
     if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
         from hydratrain.dist.run_dir import discard_if_unused, run_dir_of
 
@@ -79,6 +88,74 @@ def _end_with_error(err: HydratrainError, env) -> None:
               and "TORCHELASTIC_RUN_ID" in os.environ)
     time.sleep(getattr(err, "linger_s", 0.0) or (10.0 if shared else 0.0))
     raise SystemExit(err.exit_status) from None
+
+
+def tell_the_agent(line: str) -> None:
+    """Under torch's elastic agent (torchrun), write ``line`` as this rank's failure into the error file the agent
+    gave it (``TORCHELASTIC_ERROR_FILE``): the agent's failure summary then shows it as the traceback of the root
+    cause (else: "To enable traceback see: ..."). Nothing elsewhere, or in a sweep (the launcher records the job's
+    error itself). Raises nothing."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or in_multirun():
+        return
+    try:
+        with open(path, "w") as f:  # the layout of torch's own ErrorHandler.record_exception, which it expects
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass
+
+
+def composing(on: bool = True) -> None:
+    """From ``train.py``'s start until the config is composed (``on``), Hydra raises its composition errors
+    (``HYDRA_FULL_ERROR=1``) instead of printing them on every rank, so :func:`end_composition` can end the launch
+    with one line; ``composing(False)`` (its first callback, or the run itself) gives Hydra its own error report back
+    for the rest. A user's own ``HYDRA_FULL_ERROR`` is left as it is (they asked for tracebacks)."""
+    if on and "HYDRA_FULL_ERROR" not in os.environ:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+        _COMPOSING["on"] = True
+    elif not on and _COMPOSING["on"]:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+        _COMPOSING["on"] = False
+
+
+def end_composition(err: BaseException) -> None:
+    """End the launch for ``err``, raised while Hydra composed the config (:func:`composing`), when it is Hydra's or
+    OmegaConf's composition error: ``hydratrain: config error: <Hydra's reason in one line>`` (each node's first rank
+    prints it: every rank composes the same config), exit status 2; under torchrun the other ranks leave after rank 0,
+    which the agent then names as the root cause. Returns (raising nothing) for any other error, or when the config
+    was composed already."""
+    if not _COMPOSING["on"] or not type(err).__module__.startswith(("hydra.", "omegaconf.")):
+        return
+    composing(False)
+    line = f"hydratrain: config error: {composition_error_line(err)}"
+    if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
+        say(line)
+    tell_the_agent(line)
+    if os.environ.get("RANK", "0") not in ("", "0") and "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(10.0)  # rank 0, which says it, leaves first: the agent's root cause (it stops this rank then)
+    raise SystemExit(EXIT_CONFIG) from None
+
+
+def composition_error_line(err: BaseException) -> str:
+    """A Hydra composition error in one line: its first line, the first line of its cause (OmegaConf's reason,
+    ``Key 'bad' not in 'TrainConfig'``, ``Value 'abc' of type 'str' could not be converted to Float``), Hydra's hint
+    (``to append to your config use +bad=1``) and a missing option's alternatives."""
+    text = str(err)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    line = lines[0] if lines else type(err).__name__
+    if err.__cause__ is not None and str(err.__cause__).strip():
+        line = f"{line.rstrip('.')}: {str(err.__cause__).strip().splitlines()[0]}"
+    hints = [ln for ln in lines[1:] if ln.startswith("To ")]
+    if hints:
+        line += f" ({hints[0][0].lower()}{hints[0][1:].rstrip('.')})"
+    if "Available options in" in text:
+        options = [o.strip() for o in text.split("Available options in", 1)[1].split("Config search path")[0]
+                   .splitlines()[1:] if o.strip()]
+        line += f" (available: {', '.join(options)})"
+    return line
 
 
 def resume_hint(how: Optional[str]) -> str:
@@ -128,6 +205,7 @@ def end_preempted(err: PreemptedError, env) -> None:
     if (env.rank if env is not None else env_rank()) == 0:
         say(f"hydratrain: {err.label}: {err}")
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
+    tell_the_agent(f"hydratrain: {err.label}: {err}")
     if in_multirun():
         end_the_sweep(err.exit_status, f"{err.label}: {err}")
     raise SystemExit(err.exit_status) from None
@@ -178,6 +256,7 @@ def _stop_interrupted(env) -> None:
     if env is None or env.rank == 0:
         say(f"hydratrain: {why}")
     log.error("hydratrain: %s", why, extra={"file_only": True})
+    tell_the_agent(f"hydratrain: {why}")
     if in_multirun():
         end_the_sweep(EXIT_INTERRUPTED, why)
     raise SystemExit(EXIT_INTERRUPTED) from None

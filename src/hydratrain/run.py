@@ -37,6 +37,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     from hydratrain import timing
 
     timing.begin()
+    exits.composing(False)  # composed: Hydra's own error report again (its callbacks said so first)
     from hydratrain.checkpoint.preemption import guard
     from hydratrain.dist.launch import note_launcher
 
@@ -119,20 +120,33 @@ def check(cfg: DictConfig, world_size: int, launch: Path, local_world_size: Opti
 
 
 def with_config_checks(entry):
-    """``train.py``'s entry: Hydra's ``@hydra.main`` function ``entry``, and, when its command line printed the
-    composed config instead of running (``--cfg job`` or ``--cfg all``: Hydra prints it and never calls the task),
-    :func:`check` on that same config, as a run of that command line would, on the ranks the config's launcher
-    starts (else this launch's). A failed check ends the command as it ends the run: the run's one line
-    (``hydratrain: config error: <key>=<value>: <why>``) and its exit status (2), after the printed config. When
-    the printed config cannot be had, one line says it was not checked. Checks that need the built data, model or
-    process group (a token id beyond the vocabulary, the device mesh of the ranks) run only in a run."""
+    """``train.py``'s entry: Hydra's ``@hydra.main`` function ``entry``, with the config errors a run ends with.
+
+    - An error Hydra finds while it composes the config (an unknown key or option, a wrong type) ends the launch as
+      any config error does: one line, ``hydratrain: config error: ...``, exit status 2, printed once per node under
+      torchrun (:func:`hydratrain.exits.end_composition`), not Hydra's few lines on every rank.
+    - When the command line printed the composed config instead of running (``--cfg job`` or ``--cfg all``: Hydra
+      prints it and never calls the task), :func:`check` runs on that same config, as a run of that command line
+      would, on the ranks the config's launcher starts (else this launch's). A failed check ends the command as it
+      ends the run: the run's one line (``hydratrain: config error: <key>=<value>: <why>``) and exit status 2, after
+      the printed config. When the printed config cannot be had, one line says it was not checked. Checks that need
+      the built data, model or process group (a token id beyond the vocabulary, the device mesh) run only in a run.
+    """
     import functools
 
     @functools.wraps(entry)
     def run_or_print(*args, **kwargs):
-        result = entry(*args, **kwargs)
-        if not args and not kwargs:  # (a config passed in runs the task; nothing was printed)
-            _check_printed_config()
+        if args or kwargs:  # a config passed in: Hydra only calls the task
+            return entry(*args, **kwargs)
+        exits.composing()
+        try:
+            result = entry()
+        except Exception as err:
+            exits.end_composition(err)  # (raises SystemExit for a composition error)
+            raise
+        finally:
+            exits.composing(False)
+        _check_printed_config()
         return result
 
     return run_or_print

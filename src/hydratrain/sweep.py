@@ -445,13 +445,17 @@ class SweepReportCallback(Callback):
         (``SystemExit``) before Hydra makes it and opens the log file there
         (:func:`hydratrain.dist.run_dir.refuse_an_unwritable_run_dir`)."""
         from hydratrain.dist.run_dir import refuse_an_unwritable_run_dir
+        from hydratrain.exits import composing
 
+        composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
         refuse_an_unwritable_run_dir(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydratrain.checkpoint.preemption import take_early_signal
         from hydratrain.config import ConfigError, validate_launcher
+        from hydratrain.exits import composing
 
+        composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
         early = take_early_signal()  # a SIGTERM while Hydra composed the sweep: no job has started
         if early is not None and not config.get("checkpoint", {}).get("save_on_sigterm", True):
             os.kill(os.getpid(), early)  # SIGTERM's default, as checkpoint.save_on_sigterm=false asks

@@ -255,3 +255,21 @@ def test_ranks_stop_at_once_when_their_launcher_is_killed_and_a_relaunch_resumes
                          cwd=tmp_path), timeout=240)
     assert again.returncode == 0, again.output[-3000:]
     assert f"resumed from {run_dir}/checkpoints/{at_kill[-1]}" in again.output, again.output[-3000:]
+
+
+@pytest.mark.parametrize("override,line", [
+    ("bad_key=1", "config error: Could not override 'bad_key': Key 'bad_key' not in 'TrainConfig'"),
+    pytest.param("optim.lr=-1", "config error: optim.lr=-1.0: must be finite and > 0", marks=pytest.mark.slow),
+])
+def test_a_config_error_under_plain_torchrun_is_one_line_and_the_agents_root_cause(tmp_path, override, line):
+    """``torchrun --nproc_per_node 2 train.py BAD=OVERRIDE``: Hydra's message was printed by every rank, unprefixed,
+    and torch's summary said "To enable traceback see: ..." for rank 0's exit 1. Now one line, from rank 0, exit
+    status 2, which the agent's summary names as the root cause with that line (its error file). The agent itself
+    (torch's code) still exits 1 with its ChildFailedError traceback: README recommends launcher=torchrun there."""
+    r = run([override, f"hydra.run.dir={tmp_path / 'r'}"], nproc=2, timeout=120)
+    ours = [ln for ln in r.output.splitlines() if ln.startswith("hydratrain: ")]
+    assert ours == [ln for ln in ours if ln.startswith(f"hydratrain: {line}")] and len(ours) == 1, r.output[-4000:]
+    root = r.output.split("Root Cause (first observed failure):", 1)[1]
+    assert "rank      : 0 (local_rank: 0)" in root and "exitcode  : 2 " in root, root
+    assert f"traceback : hydratrain: {line}" in root, root
+    assert r.returncode == 1  # torchrun's own, whatever its workers' statuses

@@ -116,6 +116,25 @@ def test_experiment_overlays_compose(compose, name):
     assert OmegaConf.to_container(cfg) != OmegaConf.to_container(base)
 
 
+@pytest.mark.parametrize("args,line", [
+    (["bad_key=1"], "Could not override 'bad_key': Key 'bad_key' not in 'TrainConfig' (to append to your config use "
+                    "+bad_key=1)"),
+    (["model=nope"], "In 'train': Could not find 'model/nope' (available: gpt_small, gpt_tiny, llama_1b, llama_8b)"),
+    (["optim.lr=abc"], "Error merging override optim.lr=abc: Value 'abc' of type 'str' could not be converted to "
+                       "Float"),
+    (["--cfg", "job", "bad_key=1"], "Could not override 'bad_key'"),
+    (["-m", "model=nope", "optim.lr=1e-3,2e-3"], "In 'train': Could not find 'model/nope'"),  # the sweep's own
+])
+def test_an_error_hydra_finds_while_composing_is_a_one_line_config_error(cli, args, line):
+    """An unknown key or option, a wrong type: Hydra's few lines (on every rank under torchrun) and exit status 1;
+    now the one line of any config error, exit status 2; and Hydra reports its own errors again once composed."""
+    import os
+
+    r = cli(args)
+    assert r.returncode == 2 and r.out == "" and r.err.startswith(f"hydratrain: config error: {line}"), r.output
+    assert r.err.count("\n") == 1 and "HYDRA_FULL_ERROR" not in r.err and "HYDRA_FULL_ERROR" not in os.environ
+
+
 def test_cfg_job_prints_composed_config(cli):
     r = cli(["--cfg", "job", "strategy=ddp", "optim.lr=3e-4"], fast=False)
     assert r.returncode == 0, r.output
