@@ -1,37 +1,34 @@
-"""What one decoder block and the head keep for backward, measured on tensors that have no storage.
+"""Bytes a model's forward and backward keep and peak at, measured on tensors that have no storage.
 
-The memory planner (:mod:`hydratrain.plan`) needs the bytes autograd saves per block, the transient peaks of one
-block's forward and backward, and the same for the head (final norm, ``lm_head``, the fp32 logits and the
-cross-entropy), for the real batch, sequence length, dtypes and activation-checkpointing setting. Modelling every op
-by hand goes stale as torch changes its kernels, so this module runs the real modules (``hydratrain.models.Block``,
-the real ``torch.autocast``, the real non-reentrant ``checkpoint_wrapper``) on :class:`Shadow` tensors: a tensor
-subclass that reports a CPU or CUDA device (so autocast and the attention kernel choice behave as on that device)
-and computes every op on the ``meta`` device, which gives shapes, dtypes, views and in-place aliasing but allocates
-nothing. A :class:`Tracker` counts the bytes of the distinct meta storages alive at each moment (a weakref callback
-per storage sees it die), which is what a caching allocator would have handed out: views and in-place results
-share their base's storage and are counted once.
+The memory planner (:mod:`hydratrain.footprint`) needs the bytes autograd saves for backward and the transient peaks
+of forward and backward, for the real batch, sequence length, dtypes and activation-checkpointing setting. Modelling
+every op by hand goes stale as torch changes its kernels, so the planner runs the real modules (hydratrain's GPT: one
+decoder block and the head, :mod:`hydratrain.models.gpt_memory`) with the real ``torch.autocast`` on :class:`Shadow`
+tensors: a tensor subclass that reports a CPU or CUDA device (so autocast and the attention kernel choice behave as
+on that device) and computes every op on the ``meta`` device, which gives shapes, dtypes, views and in-place aliasing
+but allocates nothing. A :class:`Tracker` counts the bytes of the distinct meta storages alive at each moment (a
+weakref callback per storage sees it die), which is what a caching allocator would have handed out: views and
+in-place results share their base's storage and are counted once.
 
 Why not ``torch._subclasses.FakeTensorMode``: its first use imports ``torch._dynamo`` (sympy included), about 2-3 s,
 while this runs at the start of every training run. The approach -- run on meta, count storages -- is the one
 ``torch.distributed._tools.mem_tracker.MemTracker`` takes under fake tensors; autograd's saved tensors are the
 storages alive between forward and backward (``torch.autograd.graph.saved_tensors_hooks`` docs).
 
-Costs: one block forward + backward is ~100 shadow ops, 10-50 ms; nothing depends on model depth.
+Costs: one GPT block forward + backward is ~100 shadow ops, 10-50 ms, whatever the depth.
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-_META = torch.device("meta")
+META = torch.device("meta")
 _TRACKERS: list["Tracker"] = []  # the active tracker (a stack of at most one in practice)
 
 
@@ -48,7 +45,7 @@ class Tracker:
         self._ignored: dict[int, torch.UntypedStorage] = {}  # strong refs, so their ids are not reused
 
     def track(self, t: torch.Tensor) -> None:
-        st = _inner(t).untyped_storage()
+        st = inner(t).untyped_storage()
         key = st._cdata
         if key in self._live or key in self._ignored:
             return
@@ -63,7 +60,7 @@ class Tracker:
         self.peak = max(self.peak, self.now)
 
     def ignore(self, t: torch.Tensor) -> None:
-        st = _inner(t).untyped_storage()
+        st = inner(t).untyped_storage()
         self._ignored[st._cdata] = st
 
     def reset_peak(self) -> None:
@@ -77,7 +74,7 @@ class Tracker:
         _TRACKERS.remove(self)
 
 
-def _inner(t: torch.Tensor) -> torch.Tensor:
+def inner(t: torch.Tensor) -> torch.Tensor:
     return t.elem if isinstance(t, Shadow) else t
 
 
@@ -111,7 +108,7 @@ class Shadow(torch.Tensor):
                 inputs[id(t.elem)] = t
                 return t.elem
             if isinstance(t, torch.device):
-                return _META
+                return META
             return t
 
         out = _meta_call(func, tree_map(unwrap, args), tree_map(unwrap, kwargs))
@@ -119,7 +116,7 @@ class Shadow(torch.Tensor):
         tracker = _TRACKERS[-1] if _TRACKERS else None
 
         def wrap(t):
-            if not isinstance(t, torch.Tensor) or t.device != _META:
+            if not isinstance(t, torch.Tensor) or t.device != META:
                 return t
             if id(t) in inputs:  # in-place or out= result: the input itself
                 return inputs[id(t)]
@@ -141,7 +138,7 @@ def _empty(shape, dtype, like: Optional[torch.Tensor] = None) -> torch.Tensor:
     for d in order:
         strides[d] = step
         step *= max(shape[d], 1)
-    return torch.empty_strided(shape, strides, dtype=dtype, device=_META)
+    return torch.empty_strided(shape, strides, dtype=dtype, device=META)
 
 
 def _pointwise(func, args, kwargs):
@@ -247,7 +244,7 @@ def _meta_call(func, args, kwargs):
 
 def shadow(shape, dtype: torch.dtype, device: torch.device, requires_grad: bool = False) -> Shadow:
     """A :class:`Shadow` of ``shape`` and ``dtype`` on ``device`` (allocates nothing)."""
-    return Shadow(torch.empty(shape, dtype=dtype, device=_META), device, requires_grad)
+    return Shadow(torch.empty(shape, dtype=dtype, device=META), device, requires_grad)
 
 
 def _sdp_choice(q, k, v, *args, **kwargs) -> int:
@@ -260,18 +257,28 @@ def _sdp_choice(q, k, v, *args, **kwargs) -> int:
     return torch.ops.aten._fused_sdp_choice.default(small(q), small(k), small(v), *args, **kwargs)
 
 
-def shadow_module(module: nn.Module, dtype: torch.dtype, device: torch.device, tracker: Tracker) -> nn.Module:
-    """Replace every parameter of ``module`` (built on meta) by a leaf :class:`Shadow` of ``dtype`` that requires
-    grad, ignored by ``tracker`` (parameter bytes are the planner's own arithmetic); ties are kept."""
+def shadow_module(module: nn.Module, dtype: Optional[torch.dtype], device: torch.device, tracker: Tracker,
+                  buffers: bool = False) -> nn.Module:
+    """Replace every parameter of ``module`` (built on meta) by a leaf :class:`Shadow` that requires grad, of
+    ``dtype`` (None: the parameter's own; a parameter that is not floating point keeps its dtype), ignored by
+    ``tracker`` (parameter bytes are the planner's own arithmetic); ties are kept. With ``buffers``, every buffer
+    too, in its own dtype (a module in training mode updates its statistics in place)."""
     done: dict[int, Shadow] = {}
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is None:
                 continue
             if id(p) not in done:
-                done[id(p)] = shadow(p.shape, dtype, device, requires_grad=True)
+                cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
+                done[id(p)] = shadow(p.shape, cast, device, requires_grad=p.requires_grad)
                 tracker.ignore(done[id(p)])
             mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()) if buffers else ():
+            if b is not None and not isinstance(b, Shadow):
+                if id(b) not in done:
+                    done[id(b)] = shadow(b.shape, b.dtype, device)
+                    tracker.ignore(done[id(b)])
+                mod._buffers[name] = done[id(b)]
     return module
 
 
@@ -295,7 +302,7 @@ class _FusedRMSNorm(torch.autograd.Function):
         return grad_out.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
-def _fuse_norms(module: nn.Module, mode: "Mode") -> None:
+def fuse_norms(module: nn.Module, mode: "Mode") -> None:
     """With ``mode.fused_norms``, run every ``nn.RMSNorm`` of ``module`` as :class:`_FusedRMSNorm`."""
     if not mode.fused_norms:
         return
@@ -324,128 +331,3 @@ class Mode:
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device, dtype=self.autocast)
-
-
-@dataclass(frozen=True)
-class StageProfile:
-    """Bytes of one stage (a decoder block, or the head with its loss), all absolute (0 = nothing of this stage):
-
-    fwd_peak: the most alive during its forward, its input included.
-    kept_in_autocast: kept after forward while the autocast region is still open (what backward needs, plus
-        autocast's cached low-precision weight copies), its output excluded.
-    kept: the same after the autocast region closed (autocast's cache is freed then): what backward needs.
-    bwd_peak: the most alive during its backward: what it kept, the incoming gradient, the parameter gradients it
-        makes, the gradient of its input, temporaries (and recomputation under activation checkpointing).
-    param_grads: bytes of the parameter gradients it leaves (dtype of the parameters it reads).
-    """
-
-    fwd_peak: int
-    kept_in_autocast: int
-    kept: int
-    bwd_peak: int
-    param_grads: int
-
-
-def _model_cfg(cfg_items: tuple):
-    from hydratrain.models.gpt import GPTConfig
-
-    return GPTConfig(**dict(cfg_items))
-
-
-@lru_cache(maxsize=64)
-def block_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode, checkpointed: bool) -> StageProfile:
-    """:class:`StageProfile` of one decoder block (``cfg_items``: the GPTConfig fields as sorted (key, value)
-    pairs) on a ``(batch, seq, d_model)`` input; ``checkpointed``: wrapped in non-reentrant activation
-    checkpointing, as :mod:`hydratrain.parallel.ac_compile` does."""
-    plain = _run_block(cfg_items, batch, seq, mode, grad=True)
-    if not checkpointed:
-        return plain
-    return _checkpointed(plain, _run_block(cfg_items, batch, seq, mode, grad=False))
-
-
-def _checkpointed(plain: StageProfile, no_grad: StageProfile) -> StageProfile:
-    """A checkpointed block, from the block run with and without autograd. Non-reentrant checkpointing
-    (``torch.utils.checkpoint``, ``use_reentrant=False``) runs the forward with every saved tensor dropped and keeps
-    the inputs; in backward it reruns the forward, this time saving, then runs the block's backward. So: the forward
-    peaks and what stays alive (the input, plus autocast's weight cache until the region closes) are those of the
-    forward without autograd; the backward peak is the larger of the recomputation (the saving forward's peak plus
-    the incoming gradient, the size of the input) and the plain backward. The real wrapper is not run here because
-    its first call imports torch._dynamo; tests/unit/test_plan.py checks this against it."""
-    grad_in = no_grad.kept  # the incoming gradient is the size of the output, i.e. of the input
-    return StageProfile(fwd_peak=no_grad.fwd_peak, kept_in_autocast=no_grad.kept_in_autocast, kept=no_grad.kept,
-                        bwd_peak=max(plain.fwd_peak + grad_in, plain.bwd_peak), param_grads=plain.param_grads)
-
-
-def _run_block(cfg_items: tuple, batch: int, seq: int, mode: Mode, grad: bool) -> StageProfile:
-    """One block's forward (and with ``grad``, backward). Without ``grad`` the forward runs under ``no_grad`` and
-    the input is kept (as checkpointing keeps it): ``kept`` is then the input, ``bwd_peak`` and ``param_grads`` 0."""
-    from hydratrain.models.gpt import Block
-
-    cfg = _model_cfg(cfg_items)
-    device = mode.torch_device()
-    tracker = Tracker()
-    with torch.device(_META):
-        block = Block(cfg)
-    shadow_module(block, mode.param_dtype, device, tracker)
-    _fuse_norms(block, mode)
-    # the rotary tables are buffers (counted by the planner); FSDP casts them to the compute dtype per block
-    rope_dtype = mode.param_dtype if mode.autocast is None else torch.float32
-    cos, sin = (shadow((seq, cfg.head_dim), rope_dtype, device) for _ in range(2))
-    tracker.ignore(cos)
-    tracker.ignore(sin)
-    with tracker, torch.set_grad_enabled(grad):
-        x = shadow((batch, seq, cfg.d_model), mode.param_dtype, device, requires_grad=True)
-        tracker.track(x)
-        tracker.reset_peak()
-        with mode.autocast_ctx():
-            y = block(x, cos, sin)
-            fwd_peak = tracker.peak
-            if grad:
-                del x  # the chain keeps it only if the block saved it
-            y_bytes = _inner(y).untyped_storage().nbytes()
-            kept_in_autocast = tracker.now - y_bytes
-        kept = tracker.now - y_bytes
-        if not grad:
-            return StageProfile(fwd_peak, kept_in_autocast, kept, 0, 0)
-        grad_y = shadow(y.shape, y.dtype, device)
-        tracker.track(grad_y)
-        tracker.reset_peak()
-        y.backward(grad_y)
-        bwd_peak = tracker.peak - y_bytes  # y itself is held here only; in the chain the next block freed it
-        grads = sum(_inner(p.grad).untyped_storage().nbytes() for p in block.parameters() if p.grad is not None)
-    return StageProfile(fwd_peak, kept_in_autocast, kept, bwd_peak, grads)
-
-
-@lru_cache(maxsize=64)
-def head_profile(cfg_items: tuple, batch: int, seq: int, mode: Mode) -> StageProfile:
-    """:class:`StageProfile` of the head as the trainer runs it (``hydratrain.train.trainer.Trainer.loss_of``): final
-    norm and ``lm_head`` inside the autocast region, then ``cross_entropy(logits.float(), targets)`` outside it;
-    the logits are dropped when the loss is returned. Its input is the last block's output."""
-    cfg = _model_cfg(cfg_items)
-    device = mode.torch_device()
-    tracker = Tracker()
-    with torch.device(_META):
-        head = nn.Module()
-        head.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        head.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-    shadow_module(head, mode.param_dtype, device, tracker)
-    _fuse_norms(head, mode)
-    targets = shadow((batch, seq), torch.int64, device)
-    tracker.ignore(targets)
-    with tracker:
-        h = shadow((batch, seq, cfg.d_model), mode.param_dtype, device, requires_grad=True)
-        tracker.track(h)
-        tracker.reset_peak()
-        with mode.autocast_ctx():
-            logits = head.lm_head(head.norm(h))
-            del h
-            kept_in_autocast = tracker.now - _inner(logits).untyped_storage().nbytes()
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        del logits
-        fwd_peak = tracker.peak
-        kept = tracker.now - _inner(loss).untyped_storage().nbytes()
-        tracker.reset_peak()
-        loss.backward()
-        bwd_peak = tracker.peak
-        grads = sum(_inner(p.grad).untyped_storage().nbytes() for p in head.parameters() if p.grad is not None)
-    return StageProfile(fwd_peak, kept_in_autocast, kept, bwd_peak, grads)

@@ -9,10 +9,12 @@ Every run logs one line of it at the start (rank 0), a warning and the changes t
 the budget; a run that runs out of memory stops with the breakdown and those changes (exit status 6,
 ``hydratrain.errors.OutOfMemoryError``). Bytes everywhere; GiB = 2**30 bytes.
 
-What is counted, and how: :mod:`hydratrain.footprint`; activations: :mod:`hydratrain.memsim`.
+What is counted, and how: :mod:`hydratrain.footprint` (a model class's own memory model: hydratrain's GPT's is
+:mod:`hydratrain.models.gpt_memory`); activations on storage-less tensors: :mod:`hydratrain.memsim`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -21,10 +23,10 @@ from pathlib import Path
 from typing import Optional
 
 from hydratrain.errors import say
-from hydratrain.footprint import GiB, Plan, Setup, param_shapes, predict
+from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup, predict
 
-__all__ = ["GiB", "Plan", "Setup", "param_shapes", "predict", "suggestions", "budget_bytes", "plan_run", "main",
-           "OutOfMemoryGuard"]
+__all__ = ["GiB", "ModelSpec", "Plan", "PlanUnavailable", "Setup", "predict", "suggestions", "budget_bytes",
+           "plan_run", "main", "OutOfMemoryGuard"]
 log = logging.getLogger("hydratrain.plan")
 
 
@@ -195,36 +197,38 @@ def _cgroup_room() -> Optional[int]:
 
 
 # ------------------------------------------------------------------------------------------------- the run
-def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: int, device: str,
+def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Optional[int], device: str,
               baseline: int, local_world_size: int = 1) -> Setup:
     """The :class:`Setup` of the run config ``cfg`` with its :class:`~hydratrain.parallel.strategy.Strategy`, on
     ``world_size`` ranks (``local_world_size`` per node: hsdp's default shard group), with the resolved
-    ``precision`` preset and vocabulary. Raises :class:`PlanUnavailable` for a strategy the planner does not model."""
-    from dataclasses import asdict
+    ``precision`` preset and vocabulary. Raises :class:`PlanUnavailable` for a strategy the planner does not model,
+    and :class:`~hydratrain.errors.ConfigError` for a model node that names no class."""
+    from omegaconf import OmegaConf
 
     from hydratrain import components
-    from hydratrain.models.gpt import GPT, GPTConfig
 
     if strategy.name not in ("single", "ddp", "fsdp", "hsdp"):
         raise PlanUnavailable(f"strategy={strategy.name} is not modelled by the planner")
-    if components.model_class(cfg) is not GPT:
-        raise PlanUnavailable(f"model._target_={cfg.model._target_} is not modelled by the planner")
-    model = asdict(GPTConfig(**{**components.model_kwargs(cfg), "vocab_size": vocab_size}))
-    return Setup(model=tuple(sorted(model.items())), strategy=strategy.name,
+    target = components.target_of(cfg.get("model"), "model")
+    node = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k.startswith("_")}
+    node.update(components.model_kwargs(cfg, vocab_size))
+    loss = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.get("loss") is not None else {}
+    batch_size = int(cfg.data.batch_size)
+    seq_len = int(cfg.data.get("seq_len") or 0)
+    spec = ModelSpec(target, json.dumps(node, sort_keys=True, default=str),
+                     json.dumps(loss, sort_keys=True, default=str), (),
+                     tuple(cfg.wrap_policy.get("block_classes") or ()))
+    return Setup(model=spec, strategy=strategy.name,
                  world_size=1 if strategy.name == "single" else world_size, precision=precision,
                  reduce_dtype=str(cfg.precision.reduce_dtype), wrap_policy=str(cfg.wrap_policy.name),
                  min_num_params=int(cfg.wrap_policy.get("min_num_params", 100_000)),
                  reshard_after_forward=bool(cfg.strategy.get("reshard_after_forward", True)),
                  cpu_offload=strategy.cpu_offload, activation_checkpointing=bool(cfg.activation_checkpointing),
-                 batch_size=int(cfg.data.batch_size), seq_len=int(cfg.data.seq_len),
+                 batch_size=batch_size, seq_len=seq_len,
                  grad_accum_steps=int(cfg.trainer.grad_accum_steps), device=device, baseline=baseline,
                  shard_degree=strategy.shard_degree(world_size, local_world_size) if strategy.name == "hsdp" else None,
                  optim=str(cfg.optim.name), optim_block_size=int(cfg.optim.get("block_size", 256)),
-                 optim_impl=str(cfg.optim.get("impl", "auto")))
-
-
-class PlanUnavailable(RuntimeError):
-    """The planner cannot predict this setup (the run goes on without a plan)."""
+                 optim_impl=str(cfg.optim.get("impl", "auto")), loader_workers=int(cfg.data.get("num_workers") or 0))
 
 
 @dataclass
@@ -277,7 +281,7 @@ def offload_slow_path(setup: Setup, budget: int) -> Optional[str]:
             "strategy.cpu_offload=false is faster")
 
 
-def plan_run(cfg, strategy, info, precision, vocab_size: int) -> Optional[RunPlan]:
+def plan_run(cfg, strategy, info, precision, vocab_size: Optional[int]) -> Optional[RunPlan]:
     """Predict this rank's peak before the model is built, log it (rank 0 prints one line; the table goes to each
     rank's log file) and warn with the changes that fit when it exceeds the budget. Never stops the run: returns None
     (and logs why) when the planner cannot predict this setup or ``plan.enabled`` is false."""

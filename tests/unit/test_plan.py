@@ -12,8 +12,10 @@ import torch
 
 from helpers import clean_env
 from hydratrain import memsim
+from hydratrain.models import gpt_memory
 from hydratrain.models.gpt import GPT, GPTConfig
-from hydratrain.plan import GiB, Setup, error_margin, param_shapes, predict, suggestions
+from hydratrain.models.gpt_memory import model_spec, param_shapes
+from hydratrain.plan import GiB, Setup, error_margin, predict, suggestions
 
 SMALL = dict(d_model=128, n_layer=4, n_head=4, max_seq_len=128, vocab_size=512)
 
@@ -24,7 +26,7 @@ def items(**kw) -> tuple:
 
 def setup(**kw) -> Setup:
     model = kw.pop("model", {})
-    return Setup(model=items(**model), **{"batch_size": 8, "seq_len": 128, **kw})
+    return Setup(model=model_spec(GPTConfig(**{**SMALL, **model})), **{"batch_size": 8, "seq_len": 128, **kw})
 
 
 # ------------------------------------------------------------------------------------------------ parameters
@@ -50,8 +52,8 @@ def test_activation_checkpointing_shrinks_what_blocks_keep_and_the_peak():
         on = predict(setup(strategy=strategy, precision=precision, activation_checkpointing=True))
         mode = memsim.Mode(torch.float32 if strategy == "single" else torch.bfloat16,
                            torch.bfloat16 if (strategy, precision) == ("single", "bf16") else None)
-        kept_on = memsim.block_profile(items(), 8, 128, mode, True).kept
-        kept_off = memsim.block_profile(items(), 8, 128, mode, False).kept
+        kept_on = gpt_memory.block_profile(items(), 8, 128, mode, True).kept
+        kept_off = gpt_memory.block_profile(items(), 8, 128, mode, False).kept
         assert kept_on == 8 * 128 * 128 * mode.param_dtype.itemsize  # only the block's input
         assert kept_on < kept_off / 5 and on.peak < off.peak, (strategy, precision)
 
@@ -116,7 +118,7 @@ def test_planned_fsdp_units_are_the_ones_the_run_shards(checkpointed):
     """The planner's units (footprint.fsdp_units) are shard_units' on the real model, also under activation
     checkpointing, where size_based's per-layer units are merged into each block's wrapper (the planner had kept the
     per-layer units: llama_8b on 8 ranks planned 24.9 GiB for a run of 16.0)."""
-    from hydratrain.footprint import fsdp_units
+    from hydratrain.models.gpt_memory import fsdp_units
     from hydratrain.parallel.ac_compile import apply_activation_checkpointing
     from hydratrain.parallel.wrap_policy import shard_units
 
@@ -180,11 +182,11 @@ def test_a_plan_is_fast_for_llama_8b_and_imports_no_dynamo():
     code = ("import sys, time, torch, torch.distributed.tensor\n"
             "from hydratrain.plan import Setup, predict\n"
             "from hydratrain.models.gpt import GPTConfig\n"
-            "import dataclasses\n"
+            "from hydratrain.models.gpt_memory import model_spec\n"
             "m = GPTConfig(vocab_size=32000, max_seq_len=4096, d_model=4096, n_layer=32, n_head=32, n_kv_head=8,"
             " d_ff=14336, tie_embeddings=False)\n"
             "t = time.perf_counter()\n"
-            "p = predict(Setup(model=tuple(sorted(dataclasses.asdict(m).items())), strategy='fsdp', world_size=8,"
+            "p = predict(Setup(model=model_spec(m), strategy='fsdp', world_size=8,"
             " precision='bf16', batch_size=2, seq_len=4096, activation_checkpointing=True))\n"
             "print(round(time.perf_counter() - t, 3), p.peak, 'torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
@@ -253,7 +255,7 @@ def test_the_block_simulation_matches_real_cpu_tensors(autocast):
         live.peak = live.now
         y.backward(g)
         bwd_peak = live.peak - fixed - y_bytes
-    sim = memsim.block_profile(items(), 4, 64, memsim.Mode(torch.float32, autocast), False)
+    sim = gpt_memory.block_profile(items(), 4, 64, memsim.Mode(torch.float32, autocast), False)
     assert (sim.fwd_peak, sim.kept, sim.bwd_peak) == (fwd_peak, kept, bwd_peak), (sim, fwd_peak, kept, bwd_peak)
 
 
@@ -265,9 +267,9 @@ def test_shape_rules_agree_with_torchs_meta_kernels():
     cfgs = [items(), items(n_kv_head=2)]
 
     def profiles():
-        memsim.block_profile.cache_clear()
-        memsim.head_profile.cache_clear()
-        return [(memsim.block_profile(c, 3, 32, m, ac), memsim.head_profile(c, 3, 32, m))
+        gpt_memory.block_profile.cache_clear()
+        gpt_memory.head_profile.cache_clear()
+        return [(gpt_memory.block_profile(c, 3, 32, m, ac), gpt_memory.head_profile(c, 3, 32, m))
                 for c in cfgs for m in modes for ac in (False, True)]
 
     with_rules = profiles()
@@ -276,8 +278,8 @@ def test_shape_rules_agree_with_torchs_meta_kernels():
         assert profiles() == with_rules
     finally:
         memsim.USE_RULES = True
-        memsim.block_profile.cache_clear()
-        memsim.head_profile.cache_clear()
+        gpt_memory.block_profile.cache_clear()
+        gpt_memory.head_profile.cache_clear()
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
@@ -317,7 +319,7 @@ def test_checkpointing_model_matches_the_real_wrapper(autocast):
         tracker.reset_peak()
         y.backward(g)
         bwd_peak = tracker.peak - y_bytes
-    sim = memsim.block_profile(items(), 4, 64, memsim.Mode(torch.float32, autocast), True)
+    sim = gpt_memory.block_profile(items(), 4, 64, memsim.Mode(torch.float32, autocast), True)
     assert (sim.fwd_peak, sim.kept_in_autocast, sim.kept) == (fwd_peak, kept_in_autocast, kept)
     assert bwd_peak <= sim.bwd_peak <= 1.1 * bwd_peak, (bwd_peak, sim.bwd_peak)
 

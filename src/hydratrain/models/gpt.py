@@ -265,6 +265,18 @@ class GPT(nn.Module):
             n -= self.tok_emb.weight.numel()
         return n
 
+    @classmethod
+    def memory_plan(cls, setup):
+        """The memory planner's hook (:mod:`hydratrain.footprint`): the :class:`~hydratrain.footprint.Plan` of
+        ``setup`` (a :class:`~hydratrain.footprint.Setup`) by this class's own moment-by-moment model
+        (:mod:`hydratrain.models.gpt_memory`); None for a subclass, whose forward that model may not describe (the
+        planner then simulates the whole model)."""
+        if cls is not GPT:
+            return None
+        from hydratrain.models.gpt_memory import predict
+
+        return predict(setup)
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, 6*N + 12*L*H*Q*T (PaLM, Chowdhery et al. 2022, appendix B)."""
         c = self.cfg
