@@ -2,15 +2,18 @@
 
 A :class:`Setup` is what one rank's peak depends on (the model, strategy, world size, precision, micro-batch,
 activation checkpointing, optimizer, device, what the process already holds); a :class:`Plan` is the prediction:
-the peak, the moment of the step it falls on, and its parts in bytes.
+the peak, the moment of the step it falls on, and its parts in bytes. Any model is planned, by one of two routes:
 
-A model class hands the planner its memory model by defining the classmethod ``memory_plan(setup) -> Plan | None``
-(hydratrain's GPT does: :mod:`hydratrain.models.gpt_memory`, an analytic moment-by-moment model of its blocks and
-head, within 9 % of the measured peak in README "Memory planner"); the planner asks the class named by
-``model._target_`` for it, as MFU asks a model for ``flops_per_token``, and imports no model itself. A model without
-one is not planned (:class:`PlanUnavailable`; the run goes on).
+* **The model's own memory model.** A model class may define the classmethod ``memory_plan(setup) -> Plan | None``
+  (hydratrain's GPT does: :mod:`hydratrain.models.gpt_memory`, an analytic moment-by-moment model of its blocks and
+  head, within 9 % of the measured peak in README "Memory planner"); the planner asks the class named by
+  ``model._target_`` for it, as MFU asks a model for ``flops_per_token``. None falls back to the generic plan.
+* **The generic plan** (:mod:`hydratrain.stepsim`), for any ``nn.Module``: parameter, gradient and optimizer bytes
+  exactly from a build on the meta device, sharded as the strategy shards them; activations from running the real
+  model forward, the run's loss and backward on storage-less tensors (:mod:`hydratrain.memsim`) for an example
+  micro-batch of the run's shapes.
 
-What a rank holds: parameters (fp32 master weights; FSDP: this rank's shard of each, dim 0 padded to a
+What a rank holds, in both: parameters (fp32 master weights; FSDP: this rank's shard of each, dim 0 padded to a
 multiple of the shard group as ``fully_shard`` pads it), gradients (until ``zero_grad(set_to_none=True)``; through the
 whole step under accumulation), the optimizer's state and its step's temporaries, DDP's gradient buckets, FSDP's
 all-gather and reduce-scatter buffers, the activations and the loss, this and the prefetched next micro-batch, and
@@ -271,10 +274,13 @@ def _memory_model(target: str) -> Optional[Any]:
 
 
 def predict(s: Setup) -> Plan:
-    """The :class:`Plan` of setup ``s``: the model class's own ``memory_plan(s)``. Raises
-    :class:`PlanUnavailable` for a model without one (or whose hook does not answer)."""
+    """The :class:`Plan` of setup ``s``: the model class's own ``memory_plan(s)`` where it has one that answers,
+    else the generic plan (:func:`hydratrain.stepsim.predict`). Raises what they raise
+    (:class:`hydratrain.plan.PlanUnavailable` when the model does not build on the meta device)."""
     hook = _memory_model(s.model.target)
     plan = hook(s) if hook is not None else None
     if plan is None:
-        raise PlanUnavailable(f"model._target_={s.model.target} is not modelled by the planner")
+        from hydratrain.stepsim import predict as simulated
+
+        plan = simulated(s)
     return plan

@@ -3,12 +3,13 @@
 The memory planner (:mod:`hydratrain.footprint`) needs the bytes autograd saves for backward and the transient peaks
 of forward and backward, for the real batch, sequence length, dtypes and activation-checkpointing setting. Modelling
 every op by hand goes stale as torch changes its kernels, so the planner runs the real modules (hydratrain's GPT: one
-decoder block and the head, :mod:`hydratrain.models.gpt_memory`) with the real ``torch.autocast`` on :class:`Shadow`
-tensors: a tensor subclass that reports a CPU or CUDA device (so autocast and the attention kernel choice behave as
-on that device) and computes every op on the ``meta`` device, which gives shapes, dtypes, views and in-place aliasing
-but allocates nothing. A :class:`Tracker` counts the bytes of the distinct meta storages alive at each moment (a
-weakref callback per storage sees it die), which is what a caching allocator would have handed out: views and
-in-place results share their base's storage and are counted once.
+decoder block and the head, :mod:`hydratrain.models.gpt_memory`; any other model: the whole model and its loss,
+:mod:`hydratrain.stepsim`) with the real ``torch.autocast`` on :class:`Shadow` tensors: a tensor subclass that
+reports a CPU or CUDA device (so autocast and the attention kernel choice behave as on that device) and computes
+every op on the ``meta`` device, which gives shapes, dtypes, views and in-place aliasing but allocates nothing. A
+:class:`Tracker` counts the bytes of the distinct meta storages alive at each moment (a weakref callback per storage
+sees it die), which is what a caching allocator would have handed out: views and in-place results share their
+base's storage and are counted once.
 
 Why not ``torch._subclasses.FakeTensorMode``: its first use imports ``torch._dynamo`` (sympy included), about 2-3 s,
 while this runs at the start of every training run. The approach -- run on meta, count storages -- is the one

@@ -9,7 +9,7 @@ Every run logs one line of it at the start (rank 0), a warning and the changes t
 the budget; a run that runs out of memory stops with the breakdown and those changes (exit status 6,
 ``hydratrain.errors.OutOfMemoryError``). Bytes everywhere; GiB = 2**30 bytes.
 
-What is counted, and how: :mod:`hydratrain.footprint` (a model class's own memory model: hydratrain's GPT's is
+What is counted, and how: :mod:`hydratrain.footprint` (any model: :mod:`hydratrain.stepsim`; hydratrain's GPT:
 :mod:`hydratrain.models.gpt_memory`); activations on storage-less tensors: :mod:`hydratrain.memsim`.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from hydratrain.errors import say
 from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup, predict
@@ -198,11 +198,13 @@ def _cgroup_room() -> Optional[int]:
 
 # ------------------------------------------------------------------------------------------------- the run
 def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Optional[int], device: str,
-              baseline: int, local_world_size: int = 1) -> Setup:
+              baseline: int, local_world_size: int = 1, example: Optional[Callable[[int], Any]] = None) -> Setup:
     """The :class:`Setup` of the run config ``cfg`` with its :class:`~hydratrain.parallel.strategy.Strategy`, on
     ``world_size`` ranks (``local_world_size`` per node: hsdp's default shard group), with the resolved
-    ``precision`` preset and vocabulary. Raises :class:`PlanUnavailable` for a strategy the planner does not model,
-    and :class:`~hydratrain.errors.ConfigError` for a model node that names no class."""
+    ``precision`` preset and vocabulary. ``example(n)``: a micro-batch of ``n`` samples of the run's data, whose
+    shapes the generic plan runs the model on (without it, token data gives a ``(batch_size, data.seq_len)`` token
+    batch). Raises :class:`PlanUnavailable` for a strategy the planner does not model, and
+    :class:`~hydratrain.errors.ConfigError` for a model node that names no class."""
     from omegaconf import OmegaConf
 
     from hydratrain import components
@@ -216,7 +218,7 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
     batch_size = int(cfg.data.batch_size)
     seq_len = int(cfg.data.get("seq_len") or 0)
     spec = ModelSpec(target, json.dumps(node, sort_keys=True, default=str),
-                     json.dumps(loss, sort_keys=True, default=str), (),
+                     json.dumps(loss, sort_keys=True, default=str), _example(example, batch_size, seq_len),
                      tuple(cfg.wrap_policy.get("block_classes") or ()))
     return Setup(model=spec, strategy=strategy.name,
                  world_size=1 if strategy.name == "single" else world_size, precision=precision,
@@ -229,6 +231,20 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
                  shard_degree=strategy.shard_degree(world_size, local_world_size) if strategy.name == "hsdp" else None,
                  optim=str(cfg.optim.name), optim_block_size=int(cfg.optim.get("block_size", 256)),
                  optim_impl=str(cfg.optim.get("impl", "auto")), loader_workers=int(cfg.data.get("num_workers") or 0))
+
+
+def _example(example: Optional[Callable[[int], Any]], batch_size: int, seq_len: int) -> tuple:
+    """The example micro-batch, described (:func:`hydratrain.stepsim.describe`): ``example(batch_size)``'s, a
+    token batch of ``seq_len`` without it, else none (the generic plan then says it has no activations)."""
+    from hydratrain.stepsim import describe, token_batch
+
+    if example is not None:
+        try:
+            return describe(example(batch_size))
+        except Exception as err:  # noqa: BLE001 (the plan is advice: it says it has no example instead)
+            log.warning("memory plan: no example batch (%s: %s)", type(err).__name__, err)
+            return ()
+    return token_batch(batch_size, seq_len) if seq_len else ()
 
 
 @dataclass
@@ -281,19 +297,42 @@ def offload_slow_path(setup: Setup, budget: int) -> Optional[str]:
             "strategy.cpu_offload=false is faster")
 
 
-def plan_run(cfg, strategy, info, precision, vocab_size: Optional[int]) -> Optional[RunPlan]:
+def with_baseline(setup: Setup, baseline: Callable[[], int]) -> Plan:
+    """The plan of ``setup`` with its baseline measured (``baseline()``, bytes) once the planner has simulated the
+    model: the modules the simulation imports (51 MiB of meta kernels for the GPT's block; ``torch._dynamo``, 67 MiB,
+    for most models) stay resident through the run, so they belong to what the process holds before the model."""
+    predict(setup)
+    return predict(setup.replace(baseline=baseline()))
+
+
+def plan_run(cfg, strategy, info, precision, vocab_size: Optional[int],
+             example: Optional[Callable[[int], Any]] = None) -> Optional[RunPlan]:
     """Predict this rank's peak before the model is built, log it (rank 0 prints one line; the table goes to each
-    rank's log file) and warn with the changes that fit when it exceeds the budget. Never stops the run: returns None
-    (and logs why) when the planner cannot predict this setup or ``plan.enabled`` is false."""
+    rank's log file) and warn with the changes that fit when it exceeds the budget. ``example(n)``: a micro-batch
+    of ``n`` samples of the run's data (:meth:`hydratrain.data.streams.ShardedBatches.example`), for a model the
+    planner simulates. Never stops the run: returns None (and logs why) when the planner cannot predict this setup
+    or ``plan.enabled`` is false."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.select(cfg, "plan.enabled", default=True):
         return None
+    import torch
+
+    # the run's random state stays as seeded: a DataLoader iterator (the example batch) draws its base seed from the
+    # global generator, and the model is built after the plan (an eager build draws its initial weights from it)
+    with torch.random.fork_rng(devices=[]):
+        return _plan_run(cfg, strategy, info, precision, vocab_size, example)
+
+
+def _plan_run(cfg, strategy, info, precision, vocab_size, example) -> Optional[RunPlan]:
+    from omegaconf import OmegaConf
+
     try:
         setup = setup_for(cfg, strategy, world_size=info.world_size, precision=precision.name,
-                          vocab_size=vocab_size, device=info.device.type, baseline=baseline_bytes(info.device),
-                          local_world_size=info.local_world_size)
-        plan = predict(setup)
+                          vocab_size=vocab_size, device=info.device.type, baseline=0,
+                          local_world_size=info.local_world_size, example=example)
+        plan = with_baseline(setup, lambda: baseline_bytes(info.device))
+        setup = plan.setup
         budget, source = budget_bytes(OmegaConf.select(cfg, "plan.memory_gb", default=None), info.device,
                                       info.local_world_size)
         run = RunPlan(plan, budget, source, [], error_margin(info.device.type))

@@ -447,7 +447,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     train_batches, eval_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
                                              cache_dir=paths.cache)
     timing.mark("data")
-    memory_plan = plan_run(cfg, strategy, info, precision, vocab_size)  # before the model: nothing allocated yet
+    # before the model: nothing allocated yet; a model the planner simulates runs on the data's example shapes
+    memory_plan = plan_run(cfg, strategy, info, precision, vocab_size, example=train_batches.example)
     if oom_guard is not None:
         oom_guard.run_plan = memory_plan
     timing.mark("memory plan")

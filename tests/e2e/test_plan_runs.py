@@ -87,6 +87,22 @@ def test_every_run_starts_with_its_plan_and_records_it(tmp_path):
     assert 0 < res["planned_peak_memory_bytes"] and res["peak_memory_bytes"] > 0
 
 
+def test_a_model_that_is_not_a_gpt_is_planned_within_15_percent_of_its_peak(tmp_path):
+    """+experiment=digits_cnn (a CNN with BatchNorm: the generic plan, a simulated step on the data's shapes) logs
+    its plan, and the run's measured peak resident set is within 15 % of it."""
+    r = subprocess.run(command(["+experiment=digits_cnn", "strategy=single", "device=cpu", "precision=fp32",
+                                "trainer.max_steps=3", "trainer.eval_every_n_steps=0", "trainer.eval_samples=64",
+                                "logger.peak_flops=1e11", "logger.tensorboard=false", "checkpoint.every_n_steps=0",
+                                f"hydra.run.dir={tmp_path}"], fast=False),
+                       cwd=str(ROOT), env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = (tmp_path / "train_rank0.log").read_text()
+    assert "memory plan per rank: model hydratrain.examples.digits.DigitsCNN" in log
+    res = results(tmp_path)
+    planned, measured = res["planned_peak_memory_bytes"], res["peak_memory_bytes"]
+    assert abs(planned / measured - 1) < 0.15, (planned, measured)
+
+
 @pytest.mark.slow
 def test_a_run_over_its_budget_warns_with_changes_but_trains(tmp_path):
     r = subprocess.run(command(["strategy=single", "device=cpu", "trainer.max_steps=1", "plan.memory_gb=0.05",

@@ -1,12 +1,131 @@
-"""The memory planner for any model: the planner imports no model (it asks a model class for its memory model by
-convention)."""
+"""The memory planner for any model (hydratrain.stepsim): a user's module is planned from its meta build and one
+simulated training step, exactly as real CPU tensors count; what it cannot predict is named; the planner imports no
+model; a run's plan leaves its random state as seeded."""
 from __future__ import annotations
 
 import ast
+import json
+import weakref
 from pathlib import Path
 
+import pytest
+import torch
+from torch import nn
+
+from hydratrain import stepsim
+from hydratrain.footprint import ModelSpec, PlanUnavailable, Setup, padded, predict
+from hydratrain.memsim import Mode
+
 SRC = Path(__file__).resolve().parents[2] / "src" / "hydratrain"
-PLANNER = ["plan.py", "footprint.py", "memsim.py"]
+PLANNER = ["plan.py", "footprint.py", "memsim.py", "stepsim.py"]
+
+
+class Net(nn.Module):
+    """A user's model: conv blocks with BatchNorm in an nn.ModuleList, LayerNorm, a linear head."""
+
+    def __init__(self, channels: int = 8, depth: int = 2, classes: int = 10):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(channels if i else 1, channels, 3, padding=1),
+                                                  nn.BatchNorm2d(channels), nn.ReLU()) for i in range(depth))
+        self.norm = nn.LayerNorm(channels)
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x.mean(dim=(2, 3))))
+
+
+class DictNet(nn.Module):
+    """A Hugging Face-style model: ``model(**batch)`` returns a dict with its own loss."""
+
+    def __init__(self, vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, input_ids, labels):
+        logits = self.out(self.emb(input_ids))
+        return {"logits": logits, "loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
+class Picky(nn.Module):
+    """A forward whose shapes depend on the data (boolean masking): it cannot run on storage-less tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x[x.sum(dim=1) > 0])
+
+
+class MetaShy(nn.Module):
+    """A constructor that reads its own weights' values: it cannot be built on the meta device."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = float(self.lin.weight.detach().abs().max())
+
+
+def spec_of(cls, batch, loss="torch.nn.CrossEntropyLoss", **kwargs) -> ModelSpec:
+    target = f"{cls.__module__}.{cls.__qualname__}"
+    return ModelSpec(target, json.dumps({"_target_": target, **kwargs}), json.dumps({"_target_": loss}),
+                     stepsim.describe(batch))
+
+
+class _Live(torch.utils._python_dispatch.TorchDispatchMode):
+    """Live bytes of real CPU tensor storages and their peak (memsim.Tracker's bookkeeping on real tensors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.peak = 0
+        self.live = {}
+
+    def track(self, t):
+        st = t.untyped_storage()
+        if st._cdata in self.live:
+            return
+        n = st.nbytes()
+
+        def freed(_, key=st._cdata, n=n):
+            if self.live.pop(key, None) is not None:
+                self.now -= n
+
+        self.live[st._cdata] = weakref.ref(st, freed)
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+def _real_step(model, batch, loss_fn, autocast, drop_grads: bool) -> tuple[int, int, int]:
+    """(forward peak, kept for backward, backward peak) of one real CPU step, bytes beyond the model and batch."""
+    from hydratrain.train.batch import forward, loss_of
+
+    model.train()
+    if drop_grads:
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    live = _Live()
+    for t in (*model.parameters(), *model.buffers(), *torch.utils._pytree.tree_leaves(batch)):
+        live.track(t)
+    fixed = live.now
+    with live:
+        outputs = forward(model, batch, torch.autocast("cpu", dtype=autocast or torch.bfloat16,
+                                                       enabled=autocast is not None))
+        loss = loss_of(outputs, batch, loss_fn)
+        del outputs
+        fwd, kept = live.peak - fixed, live.now - fixed
+        live.peak = live.now
+        loss.backward()
+    return fwd, kept, live.peak - fixed
 
 
 # ------------------------------------------------------------------------------------------------ the seam
@@ -20,3 +139,112 @@ def test_the_planner_imports_no_model():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(m == "hydratrain.models" or m.startswith("hydratrain.models.") for m in modules), \
                 (name, node.lineno, modules)
+
+
+def test_a_gpt_subclass_is_simulated_not_given_the_gpts_model():
+    """The GPT's analytic model describes its own forward; a subclass may change it, so it gets the generic plan."""
+    from hydratrain.models.gpt import GPT
+
+    class Wider(GPT):
+        pass
+
+    kw = dict(vocab_size=64, max_seq_len=32, d_model=32, n_layer=2, n_head=2)
+    batch = (torch.zeros(2, 16, dtype=torch.long), torch.zeros(2, 16, dtype=torch.long))
+    gpt = predict(Setup(spec_of(GPT, batch, "hydratrain.losses.NextTokenLoss", **kw), batch_size=2, seq_len=16))
+    assert "logits/loss" in gpt.notes and gpt.model_desc.startswith("model 2 x 32")
+    Wider.__qualname__ = "Wider"
+    globals()["Wider"] = Wider  # importable by its dotted name, as a user's class is
+    try:
+        sub = predict(Setup(spec_of(Wider, batch, "hydratrain.losses.NextTokenLoss", **kw), batch_size=2,
+                            seq_len=16))
+    finally:
+        del globals()["Wider"]
+    assert "logits/loss" not in sub.notes and sub.model_desc == f"model {__name__}.Wider (34,976 parameters)"
+    assert sub.n_params == gpt.n_params and not sub.unpredicted
+
+
+# ---------------------------------------------------------------------------------------- the simulated step
+@pytest.mark.parametrize("autocast, checkpointed", [(None, False), (torch.bfloat16, False), (None, True)])
+def test_the_simulated_step_of_a_user_model_is_what_real_cpu_tensors_hold(autocast, checkpointed):
+    """One real training step on CPU (forward under autocast, the loss, backward; activation checkpointing on the
+    model's blocks) against the simulation on storage-less tensors: the same bytes at the forward's peak, after it
+    and at the backward's peak, exactly; and with the gradients kept, the same whole-step peak."""
+    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+    from hydratrain.parallel.blocks import find_blocks
+
+    batch = (torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,)))
+    trace = stepsim.trace(spec_of(Net, batch), 16, Mode(torch.float32, autocast), checkpointed, False)
+    assert not trace.error
+
+    def model():
+        net = Net()
+        if checkpointed:
+            apply_activation_checkpointing(net, find_blocks(net))
+        return net
+    assert (trace.fwd_peak, trace.kept, trace.bwd_peak) == _real_step(model(), batch, nn.CrossEntropyLoss(),
+                                                                      autocast, drop_grads=True)
+    alive, phase, grads = trace.peak(1.0)  # fp32 gradients of a full replica, from each parameter's backward
+    assert alive + grads == _real_step(model(), batch, nn.CrossEntropyLoss(), autocast, drop_grads=False)[2]
+    assert phase == "backward"
+
+
+def test_a_dict_batch_and_the_models_own_loss_are_simulated_too():
+    batch = {"input_ids": torch.randint(0, 50, (4, 12)), "labels": torch.randint(0, 50, (4, 12))}
+    trace = stepsim.trace(spec_of(DictNet, batch), 4, Mode(torch.float32, None), False, False)
+    assert not trace.error
+    assert (trace.fwd_peak, trace.kept, trace.bwd_peak) == _real_step(DictNet(), batch, None, None, True)
+
+
+def test_state_bytes_come_exactly_from_the_meta_build():
+    """Parameters (and buffers), gradients and AdamW's moments of the generic plan are the real model's bytes,
+    and under FSDP this rank's padded shard of each."""
+    net = Net(channels=6)
+    batch = (torch.randn(4, 1, 8, 8), torch.randint(0, 10, (4,)))
+    spec = spec_of(Net, batch, channels=6)
+    plan = predict(Setup(spec, batch_size=4, seq_len=0, grad_accum_steps=2))  # gradients held at every moment
+    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in net.buffers())
+    optimizer = torch.optim.AdamW(net.parameters())
+    net(batch[0]).sum().backward()
+    optimizer.step()
+    moments = sum(v.numel() * v.element_size() for st in optimizer.state.values() for k, v in st.items()
+                  if k != "step")
+    assert plan.parts["parameters"] == param_bytes + buffers and plan.parts["optimizer"] == moments
+    assert plan.parts["gradients"] == param_bytes
+    fsdp = predict(Setup(spec, strategy="fsdp", world_size=2, batch_size=4, seq_len=0))
+    shards = sum(padded(tuple(p.shape), 2)[1] * 4 for p in net.parameters())
+    assert fsdp.parts["parameters"] == shards + buffers and fsdp.parts["optimizer"] == 2 * shards
+    assert fsdp.parts["fsdp buffers"] > 0
+
+
+def test_what_cannot_be_simulated_is_named_not_guessed():
+    batch = (torch.randn(8, 4), torch.randint(0, 4, (8,)))
+    plan = predict(Setup(spec_of(Picky, batch), batch_size=8, seq_len=0))
+    assert "activations" not in plan.parts and plan.parts["parameters"] == 4 * (16 + 4)
+    assert plan.unpredicted and plan.unpredicted[0].startswith("activations and the loss (the step does not run on "
+                                                               "storage-less tensors")
+    assert "not predicted: activations" in plan.summary() and plan.not_covered()[0] == plan.unpredicted[0]
+    with pytest.raises(PlanUnavailable, match=r"MetaShy does not build on the meta device"):
+        predict(Setup(spec_of(MetaShy, batch), batch_size=8, seq_len=0))
+
+
+# -------------------------------------------------------------------------------------------------- the run
+def test_a_runs_plan_of_a_users_model_leaves_its_random_state_as_seeded(compose, tmp_path):
+    """The plan runs before the model is built, on the data's example batch (a DataLoader iterator, which draws its
+    base seed from the global generator): an eagerly built model must start from the same weights with the plan on
+    and off."""
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.plan import OutOfMemoryGuard
+    from hydratrain.run import build
+
+    weights = {}
+    for enabled in (True, False):
+        cfg = compose(["+experiment=digits_cnn", "strategy=single", "precision=fp32", "device=cpu",
+                       "logger.tensorboard=false", "logger.peak_flops=1e12", f"plan.enabled={enabled}"])
+        run_dir, guard = tmp_path / str(enabled), OutOfMemoryGuard()
+        job = build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), run_dir, run_dir, guard)
+        weights[enabled] = [p.detach().clone() for p in job.raw.parameters()]
+        planned = guard.run_plan.plan if enabled else None
+        assert not enabled or planned.model_desc.startswith("model hydratrain.examples.digits.DigitsCNN")
+    assert all(torch.equal(a, b) for a, b in zip(weights[True], weights[False]))
