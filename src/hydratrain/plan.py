@@ -1,13 +1,10 @@
 """The memory planner: each rank's peak memory, predicted before anything is allocated, and the cheapest changes
 that fit a budget.
 
-    python -m hydratrain.plan model=gpt_small strategy=fsdp precision=bf16 data.batch_size=8 data.seq_len=1024 \\
-        activation_checkpointing=true plan.world_size=8
-    python -m hydratrain.plan model=llama_8b strategy=fsdp precision=bf16 plan.world_size=8 plan.memory_gb=80
-
 Every run logs one line of it at the start (rank 0), a warning and the changes that fit when the prediction is over
 the budget; a run that runs out of memory stops with the breakdown and those changes (exit status 6,
-``hydratrain.errors.OutOfMemoryError``). Bytes everywhere; GiB = 2**30 bytes.
+``hydratrain.errors.OutOfMemoryError``); ``python -m hydratrain.plan`` plans a launch before making it
+(:mod:`hydratrain.plan_cli`). Bytes everywhere; GiB = 2**30 bytes.
 
 What is counted, and how: :mod:`hydratrain.footprint` (any model: :mod:`hydratrain.stepsim`; hydratrain's GPT:
 :mod:`hydratrain.models.gpt_memory`); activations on storage-less tensors: :mod:`hydratrain.memsim`.
@@ -22,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hydratrain.errors import say
 from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup, predict
 
 __all__ = ["GiB", "ModelSpec", "Plan", "PlanUnavailable", "Setup", "predict", "suggestions", "budget_bytes",
@@ -405,166 +401,11 @@ class OutOfMemoryGuard:
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
-def planned_vocab_size(cfg, launch_dir) -> int:
-    """The vocabulary a run of ``cfg`` would resolve, without building data: ``model.vocab_size``, else the
-    tokenizer file's size or the BPE's ``data.vocab_size`` padded to 64, else 256 (bytes, synthetic)."""
-    from hydratrain.data.tokenized import bpe_vocab_size, vocab_size_for
-    from hydratrain.data.tokenizer import load_tokenizer, padded_vocab_size
-
-    data, explicit = cfg.data, cfg.model.get("vocab_size")
-    if data.get("tokenizer"):
-        path = Path(launch_dir) / Path(data.tokenizer).expanduser()
-        path = path / "tokenizer.json" if path.is_dir() else path  # hf_dataset: a pretrained model's dir
-        return vocab_size_for(data, load_tokenizer(path), explicit)
-    if data.name in ("tokenized_text", "python_stdlib_bpe", "hf_dataset"):
-        return explicit or padded_vocab_size(bpe_vocab_size(data))
-    return vocab_size_for(data, None, explicit)
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from hydratrain.config import register_configs
-    from hydratrain.dist.run_dir import register_resolvers
-
-    register_configs()
-    register_resolvers()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose("train", overrides=overrides)
-
-
-def conf_dir() -> Path:
-    """The ``conf/`` that ``train.py`` composes its run config from: ``$HYDRATRAIN_CONF`` when set, else the clone's
-    that this package is installed from in editable mode, else ``./conf`` (a non-editable install, ``pip install .``,
-    run from the clone: the wheel holds the package, not ``train.py`` and its ``conf/``).
-
-    Raises:
-        ConfigError: none of them holds ``train.yaml`` (it was Hydra's "Primary config directory not found", which
-            named neither the place nor the way out; tester 11).
-    """
-    from hydratrain.errors import ConfigError, Placeholder
-
-    if os.environ.get("HYDRATRAIN_CONF"):
-        places = [Path(os.environ["HYDRATRAIN_CONF"])]
-    else:
-        places = [Path(__file__).resolve().parents[2] / "conf", Path.cwd() / "conf"]
-    for place in places:
-        if (place / "train.yaml").is_file():
-            return place.resolve()  # (Hydra's initialize_config_dir takes an absolute path only)
-    if os.environ.get("HYDRATRAIN_CONF"):
-        raise ConfigError("$HYDRATRAIN_CONF", str(places[0]), "no train.yaml there: give the conf/ dir of a hydratrain "
-                          "clone (the one next to its train.py)")
-    unset = Placeholder("<unset>")
-    raise ConfigError("$HYDRATRAIN_CONF", unset, f"no train.yaml in {places[0]} (this package's source tree) or "
-                      f"{places[1]} (the current dir): run python -m hydratrain.plan from the clone that holds "
-                      "train.py and conf/ (pip install . installs neither), or set HYDRATRAIN_CONF=<clone>/conf")
-
-
-
-
-def _run_imports() -> None:
-    """Import what a run has imported when it makes its plan, so this process's resident set (the CPU baseline)
-    resembles a rank's."""
-    import hydratrain.checkpoint.manager  # noqa: F401  (torch.distributed.checkpoint)
-    import hydratrain.checkpoint.stateful  # noqa: F401
-    import hydratrain.parallel.strategy  # noqa: F401
-    import hydratrain.train.trainer  # noqa: F401
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m hydratrain.plan [OVERRIDES]``: print the plan of the run ``train.py OVERRIDES`` would start (on
-    ``plan.world_size`` ranks), its budget and, when it does not fit, the changes that do. Exit status: 0 fits,
-    1 exceeds the budget, 2 a bad override or value."""
-    argv = sys.argv[1:] if argv is None else argv
-    if {"-h", "--help"} & set(argv):
-        print(__doc__)
-        return 0
-    from omegaconf import OmegaConf
+    """``python -m hydratrain.plan [OVERRIDES]``: :func:`hydratrain.plan_cli.main`."""
+    from hydratrain.plan_cli import main as cli
 
-    from hydratrain.errors import EXIT_CONFIG, ConfigError
-
-    flags = [a for a in argv if a.startswith("-")]
-    if flags:
-        say(f"hydratrain: python -m hydratrain.plan takes train.py's overrides (KEY=VALUE) and -h, not {flags[0]!r} "
-            "(to print the composed config: python train.py --cfg job)")
-        return EXIT_CONFIG
-    try:
-        cfg = _compose(argv)
-        OmegaConf.set_readonly(cfg, True)
-        from hydratrain.config.validate import validate
-
-        validate(cfg)
-        return _report(cfg)
-    except ConfigError as err:
-        say(f"hydratrain: config error: {err}")
-        return EXIT_CONFIG
-    except Exception as err:  # Hydra's composition errors name the override
-        if type(err).__module__.startswith(("hydra", "omegaconf")):
-            say(f"hydratrain: config error: {_one_line(err)}")
-            return EXIT_CONFIG
-        raise
-
-
-def _one_line(err: BaseException) -> str:
-    """A Hydra composition error in one line: its first line, the first line of its cause (OmegaConf's reason: "Value
-    'abc' of type 'str' could not be converted to Float"), and a missing group option's alternatives."""
-    text = str(err)
-    line = text.splitlines()[0] if text else type(err).__name__
-    if err.__cause__ is not None and str(err.__cause__):
-        line = f"{line.rstrip('.')}: {str(err.__cause__).splitlines()[0]}"
-    if "Available options in" in text:
-        options = [o.strip() for o in text.split("Available options in", 1)[1].split("Config search path")[0]
-                   .splitlines()[1:] if o.strip()]
-        line += f" (available: {', '.join(options)})"
-    return line
-
-
-def _report(cfg) -> int:
-    import torch
-
-    from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_strategy
-    from hydratrain.paths import Paths
-
-    strategy = build_strategy(cfg)
-    cuda = str(cfg.device) == "cuda" or (str(cfg.device) == "auto" and torch.cuda.is_available())
-    world = int(cfg.plan.world_size or os.environ.get("WORLD_SIZE", 1))
-    if strategy.name == "single" and world > 1:  # tester 9: planned on 1 rank with the budget split by 2
-        from hydratrain.errors import ConfigError
-
-        raise ConfigError("plan.world_size", world, "strategy=single runs one process, as a run refuses it on more; "
-                          "allowed with plan.world_size > 1: strategy=ddp, fsdp, hsdp")
-    per_node = int(cfg.plan.ranks_per_node or (1 if cuda else world))  # CPU ranks share this node's RAM
-    device = torch.device("cuda", 0) if cuda and torch.cuda.is_available() else torch.device("cuda" if cuda else "cpu")
-    precision = Precision.resolve(cfg.precision, device).name
-    elsewhere = device.type == "cuda" and not torch.cuda.is_available()  # planning for GPUs this host does not have
-    if elsewhere and str(cfg.precision.name) == "auto":
-        precision = "bf16"  # what auto picks on GPUs with native bf16 (Ampere and newer); the plan says so below
-    _run_imports()
-    setup = setup_for(cfg, strategy, world_size=world, precision=precision,
-                      vocab_size=planned_vocab_size(cfg, Paths.resolve(cfg, Path.cwd()).data), device=device.type,
-                      baseline=resident_bytes() if device.type == "cpu" else 0,
-                      local_world_size=int(cfg.plan.ranks_per_node or world))
-    plan = predict(setup)
-    print("\n".join(plan.table()))
-    if elsewhere and str(cfg.precision.name) == "auto":
-        print("precision=auto planned as bf16, what it picks on a GPU with native bf16 (Ampere and newer); "
-              "set precision=fp32 for an older GPU")
-    if elsewhere and not cfg.plan.memory_gb:
-        print("budget: no CUDA device here to take it from; set plan.memory_gb for a verdict (exit status 0: none)")
-        return 0
-    budget, source = budget_bytes(cfg.plan.memory_gb, device, per_node, in_run=False)
-    fits = plan.peak <= budget
-    print(f"budget: {budget / GiB:.2f} GiB per rank ({source}): "
-          f"{'fits' if fits else 'EXCEEDS it'} ({plan.peak / budget:.0%})")
-    if not fits:
-        margin = error_margin(setup.device)
-        fixes = suggestions(setup, budget, margin=margin)
-        kept = f" (with a x{margin:g} margin for the planner's error on {setup.device})"
-        print(f"changes that fit{kept}, cheapest first:" if fixes else f"no change the planner tries fits{kept}")
-        for fix in fixes:
-            print(f"  {' '.join(fix.changes):<60} peak {fix.plan.peak / GiB:.2f} GiB at {fix.plan.moment}")
-    return 0 if fits else 1
+    return cli(argv)
 
 
 if __name__ == "__main__":

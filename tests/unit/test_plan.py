@@ -388,7 +388,7 @@ def test_the_cli_finds_the_clones_conf_when_the_package_is_not_installed_from_it
     ``$HYDRATRAIN_CONF``, and says where it looked when neither has ``train.yaml``."""
     from pathlib import Path
 
-    import hydratrain.plan as plan
+    import hydratrain.plan_cli as plan
 
     clone = Path(plan.__file__).resolve().parents[2]
     monkeypatch.setattr(plan, "__file__", str(tmp_path / "site-packages" / "hydratrain" / "plan.py"))

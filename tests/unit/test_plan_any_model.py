@@ -1,6 +1,6 @@
 """The memory planner for any model (hydratrain.stepsim): a user's module is planned from its meta build and one
 simulated training step, exactly as real CPU tensors count; what it cannot predict is named; the planner imports no
-model; a run's plan leaves its random state as seeded."""
+model; and ``python -m hydratrain.plan`` says what it planned for, for the GPT and for a user's model."""
 from __future__ import annotations
 
 import ast
@@ -17,7 +17,7 @@ from hydratrain.footprint import ModelSpec, PlanUnavailable, Setup, padded, pred
 from hydratrain.memsim import Mode
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "hydratrain"
-PLANNER = ["plan.py", "footprint.py", "memsim.py", "stepsim.py"]
+PLANNER = ["plan.py", "plan_cli.py", "footprint.py", "memsim.py", "stepsim.py"]
 
 
 class Net(nn.Module):
@@ -226,6 +226,65 @@ def test_what_cannot_be_simulated_is_named_not_guessed():
     assert "not predicted: activations" in plan.summary() and plan.not_covered()[0] == plan.unpredicted[0]
     with pytest.raises(PlanUnavailable, match=r"MetaShy does not build on the meta device"):
         predict(Setup(spec_of(MetaShy, batch), batch_size=8, seq_len=0))
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def test_the_cli_first_states_what_it_planned_for(capsys, monkeypatch):
+    """The first line names the device, the ranks, the micro-batch and its length, and the precision; a device
+    chosen by device=auto for lack of a GPU, and a sequence far below the model's max_seq_len, are warned about; on
+    CPU the plan says what it does not cover (the allocator's heap that made a run 44 % above its plan)."""
+    from hydratrain.plan import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["model=gpt_tiny", "strategy=single", "precision=fp32", "data=synthetic", "data.batch_size=4",
+                 "data.seq_len=64", "plan.memory_gb=8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("planned for: device cpu (device=auto on this host, which has no GPU), 1 rank "
+                        "(strategy=single), micro-batch 4 x 64 tokens, precision=fp32"), lines[0]
+    assert lines[1].startswith("warning: planned for this host's CPU because device=auto found no GPU here")
+    assert lines[2].startswith("warning: data.seq_len=64 is far below model.max_seq_len=256")
+    assert lines[3].startswith("not covered: glibc malloc's heap") and "evaluation, checkpoint saves" in lines[3]
+    assert lines[4].startswith("memory plan per rank: model 4 x 128")
+    assert main(["model=gpt_tiny", "strategy=ddp", "plan.world_size=2", "device=cuda", "precision=bf16",
+                 "data=synthetic", "data.batch_size=8", "data.seq_len=128", "plan.memory_gb=8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("planned for: device cuda (planned from this host, which has no GPU), 2 ranks (strategy=ddp), "
+                        "micro-batch 8 x 128 tokens, precision=bf16"), lines[0]
+    assert lines[1].startswith("not covered: CUDA's context")
+
+
+def test_the_cli_plans_a_users_model_from_a_config_dir(tmp_path, capsys, monkeypatch):
+    """``python -m hydratrain.plan --config-dir my_conf ...`` as train.py takes it, the user's package imported from
+    the current dir: the plan is the generic one, on the shapes of the data's first samples."""
+    from hydratrain.plan import main
+
+    (tmp_path / "plan_pkg").mkdir()
+    (tmp_path / "plan_pkg" / "__init__.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class MLP(nn.Module):\n"
+        "    def __init__(self, width: int = 8):\n"
+        "        super().__init__()\n"
+        "        self.net = nn.Sequential(nn.Linear(3, width), nn.ReLU(), nn.Linear(width, 2))\n"
+        "    def forward(self, x):\n"
+        "        return self.net(x)\n"
+        "def blobs(n: int = 64):\n"
+        "    from torch.utils.data import TensorDataset\n"
+        "    return TensorDataset(torch.randn(n, 3), torch.arange(n) % 2)\n")
+    for group, text in (("model/mlp.yaml", "_target_: plan_pkg.MLP\nwidth: 16\n"),
+                        ("data/blobs.yaml", "_target_: plan_pkg.blobs\nbatch_size: 16\nnum_workers: 2\n")):
+        (tmp_path / "my_conf" / group).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "my_conf" / group).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    assert main(["--config-dir", "my_conf", "model=mlp", "data=blobs", "loss=cross_entropy", "strategy=single",
+                 "device=cpu", "precision=fp32", "plan.memory_gb=8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("planned for: device cpu, 1 rank (strategy=single), micro-batch 16 x samples of (3,) "
+                        "float32, () int64, precision=fp32"), lines[0]
+    assert "the 2 DataLoader worker process(es) (data.num_workers)" in lines[1], lines[1]
+    assert lines[2].startswith("memory plan per rank: model plan_pkg.MLP (98 parameters)"), lines[2]
+    assert any(line.split()[:1] == ["activations"] for line in lines)
+    assert main(["--config-dir=my_conf", "model=mlp", "model._target_=plan_pkg.nope", "data=blobs"]) == 2
+    assert "model._target_='plan_pkg.nope': cannot be imported" in capsys.readouterr().err
 
 
 # -------------------------------------------------------------------------------------------------- the run
