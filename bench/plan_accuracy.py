@@ -1,8 +1,14 @@
 """Accuracy of the memory planner: predicted vs measured per-rank peak memory, on CPU.
 
-    python bench/plan_accuracy.py            # the configurations below, a few steps each (~10 min on 2 busy cores)
+    python bench/plan_accuracy.py            # the configurations below, a few steps each (~15 min on 2 busy cores)
     python bench/plan_accuracy.py --tiny     # the same shapes of run, tiny (the smoke test runs this)
     python bench/plan_accuracy.py --only single_fp32_ac --out /tmp/acc
+
+Two kinds of model: hydratrain's GPT (its own analytic memory model, ``hydratrain.models.gpt_memory``), and models
+that are not a GPT, planned by the generic plan (``hydratrain.stepsim``): ``+experiment=digits_cnn`` (a CNN with
+BatchNorm) and ``examples/own_model`` (a residual MLP, run from its dir with ``--config-dir my_conf``), each as it
+ships (``digits_*``, ``own_*``: the process's baseline makes most of the peak) and scaled up so that activations do
+(``digits_big_*``, ``own_big_*``).
 
 Allocator: glibc's malloc keeps freed memory in its heap, and on CPU the resident peak of a training step ends up
 40-120% above the bytes of the tensors alive at any moment (heap fragmentation, growing over the first steps; see
@@ -59,6 +65,34 @@ CONFIGS = [
     ("fsdp2_bf16_accum2", 2, ["strategy=fsdp", "precision=bf16", "data.batch_size=2", "data.seq_len=256",
                               "trainer.grad_accum_steps=2"]),
 ]
+# models that are not a GPT: name, ranks, overrides, the example they run (EXAMPLES: launch dir, its own overrides)
+EXAMPLES = {"digits": (".", ["+experiment=digits_cnn"]),
+            "own_model": ("examples/own_model", ["--config-dir", "my_conf", "+experiment=spirals"])}
+EXAMPLE_COMMON = ["device=cpu", "trainer.eval_every_n_steps=0", "trainer.save_weights=false",
+                  "trainer.progress_bar=false", "trainer.log_every_n_steps=1", "trainer.eval_samples=64",
+                  "checkpoint.every_n_steps=0", "logger.tensorboard=false", "logger.peak_flops=1e11",
+                  "scheduler=constant"]
+DIGITS_BIG = ["model.channels=128", "model.depth=6"]  # 1024 x 128 x 8 x 8 fp32 = 32 MiB per conv output
+OWN_BIG = ["model.width=512", "model.depth=6", "data.n=20000"]  # 2048 x 2048 fp32 = 16 MiB per hidden layer
+EXAMPLE_CONFIGS = [
+    ("digits_single_fp32", 1, "digits", ["strategy=single", "precision=fp32"]),
+    ("digits_single_bf16", 1, "digits", ["strategy=single", "precision=bf16"]),
+    ("digits_ddp2_fp32", 2, "digits", ["strategy=ddp", "precision=fp32"]),
+    ("digits_fsdp2_fp32", 2, "digits", ["strategy=fsdp", "precision=fp32"]),
+    ("digits_fsdp2_bf16", 2, "digits", ["strategy=fsdp", "precision=bf16"]),
+    ("own_single_fp32", 1, "own_model", ["strategy=single", "precision=fp32"]),
+    ("own_ddp2_fp32", 2, "own_model", ["strategy=ddp", "precision=fp32"]),
+    ("own_fsdp2_fp32", 2, "own_model", ["strategy=fsdp", "precision=fp32"]),
+    ("digits_big_single_fp32", 1, "digits", [*DIGITS_BIG, "strategy=single", "precision=fp32", "data.batch_size=1024"]),
+    ("digits_big_single_bf16_ac", 1, "digits", [*DIGITS_BIG, "strategy=single", "precision=bf16",
+                                                "data.batch_size=1024", "activation_checkpointing=true"]),
+    ("digits_big_ddp2_fp32", 2, "digits", [*DIGITS_BIG, "strategy=ddp", "precision=fp32", "data.batch_size=512"]),
+    ("digits_big_fsdp2_bf16", 2, "digits", [*DIGITS_BIG, "strategy=fsdp", "precision=bf16", "data.batch_size=512"]),
+    ("own_big_single_fp32", 1, "own_model", [*OWN_BIG, "strategy=single", "precision=fp32", "data.batch_size=2048"]),
+    ("own_big_ddp2_fp32", 2, "own_model", [*OWN_BIG, "strategy=ddp", "precision=fp32", "data.batch_size=2048"]),
+    ("own_big_fsdp2_fp32_ac", 2, "own_model", [*OWN_BIG, "strategy=fsdp", "precision=fp32", "data.batch_size=2048",
+                                               "activation_checkpointing=true"]),
+]
 
 
 def tiny(overrides: list[str]) -> list[str]:
@@ -76,7 +110,8 @@ def tiny(overrides: list[str]) -> list[str]:
     return out
 
 
-def run_config(name: str, ranks: int, overrides: list[str], out: Path, steps: int, malloc: str) -> dict:
+def run_config(name: str, ranks: int, overrides: list[str], out: Path, steps: int, malloc: str,
+               cwd: Path = ROOT) -> dict:
     run_dir = out / name
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] \
         if ranks > 1 else [sys.executable]
@@ -88,7 +123,7 @@ def run_config(name: str, ranks: int, overrides: list[str], out: Path, steps: in
     if malloc == "mmap":
         env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True)
     seconds = time.monotonic() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{name}: exit {proc.returncode}: {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -119,7 +154,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--steps", type=at_least(2), default=3, help="optimizer steps per configuration (>= 2)")
-    ap.add_argument("--only", nargs="*", choices=[name for name, _, _ in CONFIGS], help="configuration names to run")
+    ap.add_argument("--only", nargs="*", choices=[c[0] for c in CONFIGS + EXAMPLE_CONFIGS],
+                    help="configuration names to run")
     ap.add_argument("--malloc", choices=("mmap", "default"), default="mmap",
                     help="mmap: glibc's mmap threshold fixed at 128 KiB, so the resident set tracks the tensors "
                          "(default); default: glibc as it comes (heap fragmentation included)")
@@ -128,12 +164,19 @@ def main(argv=None) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="plan_accuracy_"))
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name, ranks, overrides in CONFIGS:
+    for name, ranks, *example, overrides in CONFIGS + [(n, r, e, o) for n, r, e, o in EXAMPLE_CONFIGS
+                                                       if not args.tiny or "_big_" not in n]:
         if args.only and name not in args.only:
             continue
-        full = COMMON + (TINY + tiny(overrides) if args.tiny else MODEL + overrides)
-        row = run_config(name, ranks, full, out, args.steps, args.malloc)
-        row["overrides"] = tiny(overrides) if args.tiny else overrides
+        if example:  # a model that is not a GPT: its own launch dir and overrides
+            where, own = EXAMPLES[example[0]]
+            row = run_config(name, ranks, [*own, *EXAMPLE_COMMON, *overrides], out, args.steps, args.malloc,
+                             cwd=ROOT / where)
+            row["overrides"] = overrides
+        else:
+            full = COMMON + (TINY + tiny(overrides) if args.tiny else MODEL + overrides)
+            row = run_config(name, ranks, full, out, args.steps, args.malloc)
+            row["overrides"] = tiny(overrides) if args.tiny else overrides
         rows.append(row)
         print(f"{name}: predicted {row['predicted_bytes'] / MIB:,.0f} MiB, measured {row['measured_bytes'] / MIB:,.0f}"
               f" MiB, error {row['error']:+.1%} ({row['seconds']} s)", flush=True)
