@@ -27,7 +27,8 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 META = torch.device("meta")
 _TRACKERS: list["Tracker"] = []  # the active tracker (a stack of at most one in practice)
@@ -246,6 +247,34 @@ def _meta_call(func, args, kwargs):
 def shadow(shape, dtype: torch.dtype, device: torch.device, requires_grad: bool = False) -> Shadow:
     """A :class:`Shadow` of ``shape`` and ``dtype`` on ``device`` (allocates nothing)."""
     return Shadow(torch.empty(shape, dtype=dtype, device=META), device, requires_grad)
+
+
+class ShadowFactories(TorchDispatchMode):
+    """Inside it, a tensor made from no tensor (``torch.arange``, ``ones``, ``full``, ``randn``, ... with or without
+    a ``device``) is a :class:`Shadow` on the device it asks for, counted by the active :class:`Tracker`: a model's
+    forward that makes its positions or masks on its input's device (``torch.arange(T, device=x.device)``) allocates
+    nothing and is counted as the real one would be. Ops on tensors go to :class:`Shadow` (or run as they are)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        makes = not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))) and \
+            any(a.name == "device" for a in func._schema.arguments)
+        if not makes:
+            return func(*args, **kwargs)
+        device = torch.device(kwargs.get("device") or "cpu")
+        on_meta = {**kwargs, "device": META}
+        if on_meta.get("pin_memory"):
+            on_meta["pin_memory"] = False  # (meta memory cannot be pinned)
+        out = func(*args, **on_meta)
+        tracker = _TRACKERS[-1] if _TRACKERS else None
+
+        def wrap(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if tracker is not None:
+                tracker.track(t)
+            return Shadow(t, device)
+        return tree_map(wrap, out)
 
 
 def _sdp_choice(q, k, v, *args, **kwargs) -> int:

@@ -52,7 +52,7 @@ from hydratrain.footprint import (
     shard_unit_names,
     step_temporaries,
 )
-from hydratrain.memsim import Mode, Tracker, fuse_norms, shadow, shadow_module
+from hydratrain.memsim import Mode, ShadowFactories, Tracker, fuse_norms, shadow, shadow_module
 
 MiB = 2 ** 20
 
@@ -307,7 +307,7 @@ def trace(spec: ModelSpec, batch_size: int, mode: Mode, checkpointed: bool, shar
                 p.register_post_accumulate_grad_hook(lambda p, size=size: made(p, size))
         batch = _materialise(batch_of(spec, batch_size), device, tracker)
         loss_fn = components.build_loss(_config(spec))
-        with tracker:
+        with tracker, ShadowFactories():
             outputs = forward(model, batch, mode.autocast_ctx())
             tracker.phase = "loss"
             loss = loss_of(outputs, batch, loss_fn)

@@ -49,6 +49,21 @@ class DictNet(nn.Module):
         return {"logits": logits, "loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
 
 
+class Positions(nn.Module):
+    """A forward that makes tensors of its own on its input's device: positions and a causal averaging mask."""
+
+    def __init__(self, vocab: int = 50, width: int = 16, max_len: int = 32):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(max_len, width)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        mask = torch.ones(T, T, device=idx.device).tril()
+        h = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        return self.out((mask @ h) / mask.sum(-1, keepdim=True))
+
+
 class Picky(nn.Module):
     """A forward whose shapes depend on the data (boolean masking): it cannot run on storage-less tensors."""
 
@@ -193,6 +208,18 @@ def test_a_dict_batch_and_the_models_own_loss_are_simulated_too():
     trace = stepsim.trace(spec_of(DictNet, batch), 4, Mode(torch.float32, None), False, False)
     assert not trace.error
     assert (trace.fwd_peak, trace.kept, trace.bwd_peak) == _real_step(DictNet(), batch, None, None, True)
+
+
+def test_tensors_a_forward_makes_are_simulated_and_counted_too():
+    """torch.arange / torch.ones on the input's device inside forward: storage-less in the simulation (a causal mask
+    of a long sequence is not allocated by the planner) and counted as the real step holds them."""
+    batch = (torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12)))
+    trace = stepsim.trace(spec_of(Positions, batch, "hydratrain.losses.NextTokenLoss"), 4, Mode(torch.float32, None),
+                          False, False)
+    assert not trace.error
+    from hydratrain.losses import NextTokenLoss
+
+    assert (trace.fwd_peak, trace.kept, trace.bwd_peak) == _real_step(Positions(), batch, NextTokenLoss(), None, True)
 
 
 def test_state_bytes_come_exactly_from_the_meta_build():
