@@ -112,6 +112,9 @@ def test_a_module_that_nothing_can_initialise_after_a_meta_build_is_named(cli, o
     (["loss=mse"], "loss._target_='torch.nn.MSELoss': refused the model's outputs (64, 3) float32 against targets "
                    "(64,) int64: RuntimeError: The size of tensor a (3) must match the size of tensor b (64)"),
     (["data._target_=mypkg.data.nothing"], "data._target_='mypkg.data.nothing': cannot be imported"),
+    (["metrics.accuracy.num_classes=2"], "metrics.accuracy._target_='torchmetrics.classification.accuracy."
+                                         "MulticlassAccuracy': refused the model's outputs (64, 3) float32 against "
+                                         "targets (64,) int64"),
     (["+data.shuffle=true"], "data.shuffle=True: not a keyword of mypkg.data.spirals; allowed: n, classes, noise, "
                              "seed"),
 ])

@@ -119,7 +119,8 @@ def test_experiment_overlays_compose(compose, name):
 @pytest.mark.parametrize("args,line", [
     (["bad_key=1"], "Could not override 'bad_key': Key 'bad_key' not in 'TrainConfig' (to append to your config use "
                     "+bad_key=1)"),
-    (["model=nope"], "In 'train': Could not find 'model/nope' (available: gpt_small, gpt_tiny, llama_1b, llama_8b)"),
+    (["model=nope"], "In 'train': Could not find 'model/nope' (available: digits_cnn, gpt_small, gpt_tiny, "
+                     "hf_causal_lm, llama_1b, llama_8b)"),
     (["optim.lr=abc"], "Error merging override optim.lr=abc: Value 'abc' of type 'str' could not be converted to "
                        "Float"),
     (["--cfg", "job", "bad_key=1"], "Could not override 'bad_key'"),
@@ -143,7 +144,7 @@ def test_cfg_job_prints_composed_config(cli):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["+model._target_=mypkg.Net"],                                   # a key no schema field reads
+    ["model._target_=mypkg.Net"],                                    # a component that does not import
     ["optim.lr=-1"],                                                  # a cross-field / value rule (validate)
     ["data=text_files", "data.paths=[nope.txt]"],                     # an input path (the environment's checks)
     ["launcher=torchrun", "launcher.nproc_per_node=2", "strategy=single"],  # on the ranks its launcher starts

@@ -29,6 +29,22 @@ class Evaluator:
         self.batches, self.device, self.loss_fn = eval_batches, device, loss_fn
         self.metrics = {name: m.to(device) for name, m in (metrics or {}).items()}
         self.perplexity = bool(getattr(loss_fn, "perplexity", False))
+        self._checked = False  # the first eval turns a metric that refuses the outputs into one config-error line
+
+    def _update(self, name: str, metric, outputs, targets) -> None:
+        if self._checked:
+            metric.update(outputs, targets)
+            return
+        try:
+            metric.update(outputs, targets)
+        except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError) as err:
+            from hydratrain.errors import ConfigError
+            from hydratrain.train.batch import shapes
+
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            target = f"{type(metric).__module__}.{type(metric).__qualname__}"
+            raise ConfigError(f"metrics.{name}._target_", target, f"refused the model's outputs {shapes(outputs)} "
+                              f"against targets {shapes(targets)}: {type(err).__name__}: {why}") from err
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, autocast: ContextManager) -> dict:
@@ -51,13 +67,14 @@ class Evaluator:
             loss = loss_of(outputs, batch, self.loss_fn)
             loss_sum.update(loss.detach().to(torch.float64) * n_valid)
             samples.update(torch.tensor(float(n_valid), dtype=torch.float64, device=self.device))
-            for metric in self.metrics.values():
-                metric.update(prediction(outputs), targets_of(batch))
+            for name, metric in self.metrics.items():
+                self._update(name, metric, prediction(outputs), targets_of(batch))
         model.train(was_training)
         loss = (loss_sum.compute() / samples.compute()).item()
         out = {"loss": loss}
         if self.perplexity:
             out["perplexity"] = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
+        self._checked = True
         for name, metric in self.metrics.items():
             value = metric.compute()
             out[name] = float(value.float().mean()) if isinstance(value, torch.Tensor) else float(value)
