@@ -497,7 +497,9 @@ class TrainerConfig:
     eval_samples: int = 256  # val samples per eval, the same set whatever the world size and batch; 0 = all
     log_every_n_steps: int = 10  # a log line and the train/* and perf/* scalars (also at step 1 and the last step)
     seed: int = 1234  # model init, data order (per epoch), dropout; the eval set's order is fixed (seed 0)
-    compile: bool = False  # torch.compile each block (wrap_policy.block_classes)
+    # torch.compile: auto (on CUDA: the whole model, or per block under fsdp/hsdp and ddp with activation
+    # checkpointing; elsewhere none) | true (the same on any device) | false | model | blocks
+    compile: Any = "auto"
     progress_bar: bool = True  # rank-0 tqdm bar
     sample_tokens: int = 120  # tokens generated at the end (text for byte corpora, ids otherwise); 0 = none
     save_weights: bool = True  # write the full model as model.safetensors in the run dir at the end

@@ -23,6 +23,24 @@ BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
 GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths")
 
 
+#: the values of ``trainer.compile`` (what each compiles: :mod:`hydratrain.parallel.ac_compile`)
+COMPILE_VALUES = ("auto", "true", "false", "model", "blocks")
+
+
+def _choice(key: str, value: Any, allowed: tuple) -> str:
+    """``value`` as one of ``allowed`` (lower case; YAML/CLI booleans become ``true``/``false``). Raises
+    :class:`ConfigError` naming ``key`` and the allowed values for anything else."""
+    text = ("true" if value else "false") if isinstance(value, bool) else str(value).strip().lower()
+    if text not in allowed:
+        raise ConfigError(key, value, f"allowed: {', '.join(allowed)}")
+    return text
+
+
+def compile_setting(value: Any) -> str:
+    """``trainer.compile`` as one of :data:`COMPILE_VALUES`. Raises :class:`ConfigError` otherwise."""
+    return _choice("trainer.compile", value, COMPILE_VALUES)
+
+
 def _get(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key, throw_on_missing=False)
 
@@ -253,6 +271,7 @@ def validate(cfg: DictConfig) -> None:
         if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(key, value, "must be finite and " + (">= 0" if allow_zero else "> 0"))
 
+    compile_setting(cfg.trainer.compile)
     for key in ("data.seq_len", "data.batch_size", "data.synthetic_tokens",
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",

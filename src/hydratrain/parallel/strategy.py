@@ -22,7 +22,12 @@ from torch import nn
 
 from hydratrain.errors import ConfigError
 from hydratrain.parallel import init as param_init
-from hydratrain.parallel.ac_compile import apply_activation_checkpointing, compile_blocks
+from hydratrain.parallel.ac_compile import (
+    CompileChoice,
+    apply_activation_checkpointing,
+    apply_compile,
+    choose_compile,
+)
 from hydratrain.parallel.blocks import Blocks, find_blocks
 from hydratrain.parallel.precision import Precision
 from hydratrain.parallel.wrap_policy import shard_units
@@ -36,6 +41,7 @@ class Strategy:
     name = "single"
     needs_process_group = False  # ddp/fsdp need one even on a single rank
     shards_parameters = False
+    compiled: Optional[str] = None  # what parallelize() compiled ("the whole model (GPT)", "12 blocks (12 Block)")
 
     def __init__(self, cfg):
         self.cfg = cfg  # the whole run config, read only
@@ -73,23 +79,31 @@ class Strategy:
                     built_on_meta: bool = False) -> tuple[nn.Module, str]:
         """AC, compile and this strategy's wrapping applied to ``raw`` (built on :meth:`build_device`), then
         materialised (``built_on_meta``) and initialised (:func:`hydratrain.parallel.init.initialise`, seeded by
-        ``seed``). Returns (the model to train, a one-line summary). Raises :class:`ConfigError` when activation
-        checkpointing or compile has no block to apply to."""
+        ``seed``). Returns (the model to train, a one-line summary); :attr:`compiled` then says what was compiled
+        (None: nothing). Raises :class:`ConfigError` when activation checkpointing or compile has no block to apply
+        to."""
         blocks = self.blocks(raw)
         # which repeated submodules are the FSDP, checkpointing and compile units, and what chose them
         notes = [f"blocks: {blocks.describe()} (from {blocks.source})"] if blocks.modules else []
-        for wanted, key in ((self.cfg.activation_checkpointing, "activation_checkpointing"),
-                            (self.cfg.trainer.compile, "trainer.compile")):
-            if wanted and not blocks.modules:
-                raise ConfigError(key, True, "found no blocks in the model to apply it to (no _no_split_modules, no "
-                                  "nn.ModuleList of one class): name them with wrap_policy.block_classes")
+        if self.cfg.activation_checkpointing and not blocks.modules:
+            raise ConfigError("activation_checkpointing", True, "found no blocks in the model to apply it to (no "
+                              "_no_split_modules, no nn.ModuleList of one class): name them with "
+                              "wrap_policy.block_classes")
+        choice = self.compile_choice(device, bool(blocks.modules))
         if self.cfg.activation_checkpointing:
             apply_activation_checkpointing(raw, blocks)
             notes.append(f"activation checkpointing on {blocks.describe()}")
-        if self.cfg.trainer.compile:
-            notes.append(f"compiled {compile_blocks(blocks)} blocks")
+        self.compiled = apply_compile(raw, blocks, choice)
+        if self.compiled:
+            notes.append(f"compiled {self.compiled} ({choice.why})")
         model, note = self._wrap(raw, precision, device, seed, blocks, built_on_meta)
         return model, "; ".join(notes + [note])
+
+    def compile_choice(self, device: torch.device, has_blocks: bool) -> CompileChoice:
+        """What ``trainer.compile`` compiles for this strategy on ``device``
+        (:func:`~hydratrain.parallel.ac_compile.choose_compile`)."""
+        return choose_compile(self.cfg.trainer.compile, device.type, self.name,
+                              bool(self.cfg.activation_checkpointing), has_blocks)
 
     def _wrap(self, raw: nn.Module, precision: Precision, device: torch.device, seed: int, blocks: Blocks,
               built_on_meta: bool):

@@ -266,8 +266,11 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
     if cfg.trainer.sample_tokens and language_model(cfg):
         started = time.perf_counter()
         log.info("sampling %d tokens (trainer.sample_tokens) ...", cfg.trainer.sample_tokens)  # seconds to minutes
-        text = printable(sample_text(cfg, strategy.unwrap(model), info.device,
-                                     strategy.autocast(precision, info.device), tokenizer))
+        from hydratrain.parallel.ac_compile import eager
+
+        with eager():  # each new length would be compiled again (ac_compile.eager)
+            text = printable(sample_text(cfg, strategy.unwrap(model), info.device,
+                                         strategy.autocast(precision, info.device), tokenizer))
         log.info("sampled in %.1f s", time.perf_counter() - started)
         log.info("sample:\n%s", text)
         with _keep_going(refused, run_dir):

@@ -29,6 +29,7 @@ from hydratrain import timing
 from hydratrain.checkpoint.preemption import hold_sigterm
 from hydratrain.dist.launch import stop_if_launcher_gone
 from hydratrain.errors import ConfigError, DivergenceError
+from hydratrain.parallel.ac_compile import CompileClock, eager
 from hydratrain.train import batch as batches_
 from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
 
@@ -227,12 +228,17 @@ class Trainer:
         self.logger.start(self.progress.step)
         batches = iter(self.train_batches)
         self.model.train()
+        compiled = getattr(self.strategy, "compiled", None)
+        clock = CompileClock(compiled, self.device) if compiled else None
         try:
             self.preemption.arm()  # from here a preemption signal stops at a step, after a save
             while self.progress.step < self.max_steps:
                 stop_if_launcher_gone(f"before step {self.progress.step + 1}")  # (torchrun killed: no signal came)
+                started = time.perf_counter()
                 loss, grad_norm, lr, skipped = self.train_step(batches)
                 step = self.progress.step
+                if clock is not None:
+                    clock.step_done(step - first, started, last=step == self.max_steps)
                 self.logger.step_done(step, loss, skipped)
                 if step == first:
                     self.logger.drop_timing()  # start-up (allocations, compile) stays out of tokens/s
@@ -312,7 +318,7 @@ class Trainer:
 
     def _eval_and_log(self, step: int) -> dict:
         """Evaluate, log ``eval/<name>`` of every value, return them (``{"loss": ..., ...}``)."""
-        with self.logger.paused():
+        with self.logger.paused(), eager():  # compiled graphs serve training steps only (ac_compile.eager)
             self.strategy.sync_buffers(self.model)
             values = self.evaluator.evaluate(self.model, self.autocast)
         loss = values["loss"]

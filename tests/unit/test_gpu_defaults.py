@@ -1,0 +1,142 @@
+"""What ``trainer.compile`` compiles (whole model or per block, per device, strategy and activation checkpointing),
+a pure function tested with a fake device; then the pieces that apply it, in this process."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import pytest
+import torch
+
+from hydratrain.errors import ConfigError
+from hydratrain.parallel.ac_compile import CompileChoice, CompileClock, apply_compile, choose_compile
+
+STRATEGIES = ("single", "ddp", "fsdp", "hsdp")
+
+# (strategy, activation checkpointing) -> what trainer.compile=auto compiles on CUDA (and =true on any device)
+ON_CUDA = {("single", False): "model", ("single", True): "model",
+           ("ddp", False): "model", ("ddp", True): "blocks",
+           ("fsdp", False): "blocks", ("fsdp", True): "blocks",
+           ("hsdp", False): "blocks", ("hsdp", True): "blocks"}
+
+
+# ------------------------------------------------------------------------------------------ trainer.compile
+@pytest.mark.parametrize("strategy,ac", list(ON_CUDA))
+def test_compile_auto_compiles_on_cuda_only_and_true_everywhere(strategy, ac):
+    assert choose_compile("auto", "cuda", strategy, ac, has_blocks=True).what == ON_CUDA[strategy, ac]
+    off = choose_compile("auto", "cpu", strategy, ac, has_blocks=True)
+    assert off == CompileChoice("none", off.why) and not off.enabled and "not on cpu" in off.why
+    for device in ("cpu", "cuda"):
+        for true in (True, "true", "TRUE"):
+            assert choose_compile(true, device, strategy, ac, has_blocks=True).what == ON_CUDA[strategy, ac]
+        for false in (False, "false"):
+            assert choose_compile(false, device, strategy, ac, has_blocks=True).what == "none"
+        assert choose_compile("model", device, strategy, ac, has_blocks=True).what == "model"
+        assert choose_compile("blocks", device, strategy, ac, has_blocks=True).what == "blocks"
+
+
+def test_compile_choice_says_why():
+    assert "the whole model" in choose_compile("auto", "cuda", "single", False, True).why
+    assert "DDP's buckets" in choose_compile("auto", "cuda", "ddp", False, True).why
+    assert "checkpoints" in choose_compile("auto", "cuda", "ddp", True, True).why
+    assert "FSDP2" in choose_compile(True, "cpu", "fsdp", False, True).why
+
+
+def test_compile_without_blocks():
+    """The whole model needs no blocks; per block it does: auto then compiles nothing (a user's model without
+    blocks must still start), an explicit request is a one-line error naming the key."""
+    assert choose_compile("auto", "cuda", "single", False, has_blocks=False).what == "model"
+    assert choose_compile("model", "cuda", "fsdp", False, has_blocks=False).what == "model"
+    skipped = choose_compile("auto", "cuda", "fsdp", False, has_blocks=False)
+    assert skipped.what == "none" and "wrap_policy.block_classes" in skipped.why
+    for value, strategy in (("true", "fsdp"), ("blocks", "single"), (True, "hsdp")):
+        with pytest.raises(ConfigError) as err:
+            choose_compile(value, "cuda", strategy, False, has_blocks=False)
+        assert err.value.key == "trainer.compile" and "wrap_policy.block_classes" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["yes", "on", 1, "whole"])
+def test_compile_refuses_other_values_in_one_line(value, compose):
+    from hydratrain.config import validate
+
+    with pytest.raises(ConfigError) as err:
+        choose_compile(value, "cuda", "single", False, True)
+    assert (err.value.key, err.value.why) == ("trainer.compile", "allowed: auto, true, false, model, blocks")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="^trainer.compile="):
+        validate(compose([f"trainer.compile={value}"]))
+
+
+def test_compile_defaults_to_auto_and_takes_every_value(compose):
+    from hydratrain.config import validate
+
+    assert compose([]).trainer.compile == "auto"
+    for value in ("auto", "true", "false", "model", "blocks"):
+        validate(compose([f"trainer.compile={value}"]))
+
+
+def _tiny(n_layer: int = 2):
+    from hydratrain.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(d_model=32, n_layer=n_layer, n_head=2, max_seq_len=16))
+
+
+def test_parallelize_compiles_the_whole_model_without_renaming_parameters(compose):
+    """trainer.compile=true under single: Module.compile on the root (no '_orig_mod.' in any key); auto on the CPU
+    compiles nothing and says nothing."""
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.parallel.strategy import build_strategy
+
+    cpu = torch.device("cpu")
+    for value, compiled in (("true", "the whole model (GPT)"), ("auto", None), ("blocks", "2 blocks (2 Block)")):
+        cfg = compose(["strategy=single", "precision=fp32", f"trainer.compile={value}"])
+        strategy = build_strategy(cfg)
+        raw = _tiny()
+        keys = list(raw.state_dict())
+        model, summary = strategy.parallelize(raw, Precision.resolve(cfg.precision, cpu), cpu, seed=0)
+        assert strategy.compiled == compiled and list(model.state_dict()) == keys
+        assert (raw._compiled_call_impl is not None) == (value == "true")
+        assert ("compiled" in summary) == (compiled is not None), summary
+
+
+def test_whole_model_compile_with_activation_checkpointing_trains_as_eager():
+    """The checkpointed blocks inside one whole-model graph (a higher-order op) give eager's loss and gradients.
+    aot_eager: dynamo and AOTAutograd's partitioner as with inductor, without generating kernels (seconds)."""
+    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+    from hydratrain.parallel.blocks import find_blocks
+
+    x = torch.randint(0, 256, (2, 16))
+    results = []
+    for compiled in (False, True):
+        raw = _tiny()
+        blocks = find_blocks(raw)
+        apply_activation_checkpointing(raw, blocks)
+        if compiled:
+            choice = choose_compile("true", "cpu", "single", True, True)
+            assert apply_compile(raw, blocks, choice, backend="aot_eager") == "the whole model (GPT)"
+        loss = raw(x).float().logsumexp(-1).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in raw.named_parameters()}))
+    (eager_loss, eager_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, eager_loss)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+def test_compile_clock_logs_what_was_compiled_and_the_compile_time(caplog):
+    cpu = torch.device("cpu")
+    clock = CompileClock("the whole model (GPT)", cpu)
+    with caplog.at_level(logging.INFO, logger="hydratrain.compile"):
+        clock.step_done(0, time.perf_counter() - 3.0)
+        clock.step_done(1, time.perf_counter() - 0.4)
+        clock.step_done(2, time.perf_counter() - 9.0)  # later steps are not timed
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("torch.compile: compiled the whole model (GPT); first step 3.00 s, second 0.40")
+    assert "about 2.6 s of compilation" in line and math.isclose(clock.compile_s, 2.6, abs_tol=0.03)
+    caplog.clear()
+    once = CompileClock("2 blocks (2 Block)", cpu)
+    with caplog.at_level(logging.INFO, logger="hydratrain.compile"):
+        once.step_done(0, time.perf_counter() - 1.0, last=True)
+    assert "compilation included (no second step" in caplog.records[0].getMessage()
