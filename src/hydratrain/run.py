@@ -54,7 +54,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
 
         from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves
         from hydratrain.dist.env import dist_info, quiet_console
-        from hydratrain.dist.process_group import process_group
+        from hydratrain.dist.process_group import device_type, process_group
         from hydratrain.dist.run_dir import launch_dir, run_dir_of
         from hydratrain.dist.run_lock import hold_run_dir, shared_config
         from hydratrain.parallel.strategy import build_strategy
@@ -83,7 +83,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
             finished = trial_record(run_dir, cfg.checkpoint.auto_resume)
             if finished is not None:
                 _refuse_another_trial(cfg, finished, run_dir)
-        strategy = build_strategy(cfg)
+        strategy = build_strategy(cfg, env.world_size, device_type(str(cfg.device)))
         dcfg = cfg.distributed
         timing.mark("checks")
         with process_group(str(cfg.device), strategy.backend, strategy.needs_process_group, strategy.cpu_offload,

@@ -1,5 +1,7 @@
-"""What ``trainer.compile`` compiles (whole model or per block, per device, strategy and activation checkpointing),
-a pure function tested with a fake device; then the pieces that apply it, in this process."""
+"""The decisions that make the defaults fast on a GPU and leave the CPU as it was, each a pure function tested with a
+fake device: what ``trainer.compile`` compiles (whole model or per block, per strategy and activation
+checkpointing) and ``strategy=fsdp`` on one GPU training as ``single``; then the pieces that apply them, in this
+process."""
 from __future__ import annotations
 
 import logging
@@ -140,3 +142,62 @@ def test_compile_clock_logs_what_was_compiled_and_the_compile_time(caplog):
     with caplog.at_level(logging.INFO, logger="hydratrain.compile"):
         once.step_done(0, time.perf_counter() - 1.0, last=True)
     assert "compilation included (no second step" in caplog.records[0].getMessage()
+
+
+# --------------------------------------------------------------------------------- fsdp on one GPU = single
+@pytest.mark.parametrize("name", ["fsdp", "hsdp"])
+def test_fsdp_on_one_gpu_trains_as_single(name):
+    from hydratrain.parallel.strategy import single_on_one_rank
+
+    why = single_on_one_rank(name, "auto", 1, "cuda", cpu_offload=False)
+    assert why.startswith(f"strategy={name} on 1 GPU trains as strategy=single")
+    assert "strategy.shard_on_one_rank=true keeps FSDP" in why
+    assert single_on_one_rank(name, "auto", 1, "cpu", cpu_offload=False) is None  # CPU: as it was
+    assert single_on_one_rank(name, "auto", 2, "cuda", cpu_offload=False) is None  # two ranks shard
+    assert single_on_one_rank(name, "auto", 1, "cuda", cpu_offload=True) is None  # offload needs the shards
+    for true in (True, "true"):
+        assert single_on_one_rank(name, true, 1, "cuda", cpu_offload=False) is None
+    assert "shard_on_one_rank=false" in single_on_one_rank(name, False, 1, "cpu", cpu_offload=False)
+    assert single_on_one_rank(name, False, 4, "cuda", cpu_offload=False) is None
+    with pytest.raises(ConfigError, match="^strategy.shard_on_one_rank=False: strategy.cpu_offload=true needs"):
+        single_on_one_rank(name, False, 1, "cuda", cpu_offload=True)
+    with pytest.raises(ConfigError, match="^strategy.shard_on_one_rank='maybe': allowed: auto, true, false$"):
+        single_on_one_rank(name, "maybe", 1, "cuda", cpu_offload=False)
+
+
+@pytest.mark.parametrize("name", ["single", "ddp"])
+def test_other_strategies_stay_on_one_gpu(name):
+    from hydratrain.parallel.strategy import single_on_one_rank
+
+    assert single_on_one_rank(name, "auto", 1, "cuda", cpu_offload=False) is None
+
+
+def test_build_strategy_on_one_rank(compose, caplog):
+    from hydratrain.config import validate
+    from hydratrain.parallel.strategy import FSDP, HSDP, Single, build_strategy
+
+    cfg = compose(["strategy=fsdp"])
+    assert cfg.strategy.shard_on_one_rank == "auto"
+    with caplog.at_level(logging.INFO, logger="hydratrain.parallel.strategy"):
+        assert type(build_strategy(cfg, 1, "cuda")) is Single
+    assert "trains as strategy=single" in caplog.text
+    assert type(build_strategy(cfg, 1, "cpu")) is FSDP
+    assert type(build_strategy(cfg, 2, "cuda")) is FSDP
+    assert type(build_strategy(cfg)) is FSDP  # without the launch: as configured (tests, the planner's CLI)
+    assert type(build_strategy(compose(["strategy=fsdp", "strategy.shard_on_one_rank=true"]), 1, "cuda")) is FSDP
+    assert type(build_strategy(compose(["strategy=hsdp"]), 1, "cuda")) is Single
+    assert type(build_strategy(compose(["strategy=hsdp"]), 1, "cpu")) is HSDP
+    with pytest.raises(ConfigError, match="^strategy.shard_on_one_rank='often': allowed: auto, true, false$"):
+        validate(compose(["strategy=fsdp", "strategy.shard_on_one_rank=often"]))
+
+
+def test_fsdp_trained_as_single_compiles_the_whole_model(compose):
+    """On one GPU the default strategy=fsdp trains as single, so trainer.compile=auto compiles the whole model
+    (the device here is faked: parallelize reads only its type before wrapping)."""
+    from hydratrain.parallel.strategy import build_strategy
+
+    strategy = build_strategy(compose(["strategy=fsdp"]), 1, "cuda")
+    assert strategy.compile_choice(torch.device("cuda"), has_blocks=True).what == "model"
+    fsdp = build_strategy(compose(["strategy=fsdp"]), 2, "cuda")
+    assert fsdp.compile_choice(torch.device("cuda"), has_blocks=True).what == "blocks"
+    assert fsdp.compile_choice(torch.device("cpu"), has_blocks=True).what == "none"

@@ -25,6 +25,8 @@ GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher
 
 #: the values of ``trainer.compile`` (what each compiles: :mod:`hydratrain.parallel.ac_compile`)
 COMPILE_VALUES = ("auto", "true", "false", "model", "blocks")
+#: the values of ``strategy.shard_on_one_rank`` (fsdp and hsdp: :mod:`hydratrain.parallel.strategy`)
+SHARD_ON_ONE_RANK_VALUES = ("auto", "true", "false")
 
 
 def _choice(key: str, value: Any, allowed: tuple) -> str:
@@ -39,6 +41,12 @@ def _choice(key: str, value: Any, allowed: tuple) -> str:
 def compile_setting(value: Any) -> str:
     """``trainer.compile`` as one of :data:`COMPILE_VALUES`. Raises :class:`ConfigError` otherwise."""
     return _choice("trainer.compile", value, COMPILE_VALUES)
+
+
+def shard_on_one_rank_setting(value: Any) -> str:
+    """``strategy.shard_on_one_rank`` as one of :data:`SHARD_ON_ONE_RANK_VALUES`. Raises :class:`ConfigError`
+    otherwise."""
+    return _choice("strategy.shard_on_one_rank", value, SHARD_ON_ONE_RANK_VALUES)
 
 
 def _get(cfg: DictConfig, key: str) -> Any:
@@ -272,6 +280,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(key, value, "must be finite and " + (">= 0" if allow_zero else "> 0"))
 
     compile_setting(cfg.trainer.compile)
+    if OmegaConf.select(cfg, "strategy.shard_on_one_rank", default="<absent>") != "<absent>":
+        shard_on_one_rank_setting(cfg.strategy.shard_on_one_rank)
     for key in ("data.seq_len", "data.batch_size", "data.synthetic_tokens",
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",

@@ -138,12 +138,20 @@ def device_index(local_rank: int, device_count: int) -> int:
     return local_rank % device_count
 
 
+def device_type(kind: str) -> str:
+    """``cuda`` or ``cpu``: the kind of device ``kind`` (the ``device`` key: auto (CUDA when available) | cpu |
+    cuda) gives, without touching a device."""
+    import torch
+
+    return "cpu" if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()) else "cuda"
+
+
 def choose_device(kind: str, local_rank: int):
     """``torch.device`` for this rank and, on CUDA, ``torch.cuda.set_device`` to it (before anything touches CUDA,
     so no rank creates a context on cuda:0). ``kind``: auto (CUDA when available) | cpu | cuda."""
     import torch
 
-    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+    if device_type(kind) == "cpu":
         return torch.device("cpu")
     device = torch.device("cuda", device_index(local_rank, torch.cuda.device_count()))
     torch.cuda.set_device(device)
