@@ -406,13 +406,15 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     """Resolve the precision, seed, and build data, model, optimizer, schedule, scaler, logger, checkpoint manager,
     preemption and trainer for this rank (every rank calls; collectives inside). The memory plan is made before the
     model exists and handed to ``oom_guard`` (a :class:`hydratrain.plan.OutOfMemoryGuard`), if given. ``resuming``:
-    a checkpoint is loaded next, so the run length's warnings wait for its data position."""
+    a checkpoint is loaded next, so the run length's warnings wait for its data position. ``data.batch_size=auto``
+    resolves here (:func:`hydratrain.auto_batch.resolve`): the job's ``cfg`` holds the number, its checkpoints the
+    config as composed (so a relaunch of the same trial is the same trial)."""
     import random
 
     import numpy as np
     import torch
 
-    from hydratrain import components, timing
+    from hydratrain import auto_batch, components, timing
     from hydratrain.checkpoint.manager import CheckpointManager
     from hydratrain.checkpoint.preemption import Preemption
     from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, SchedulerState
@@ -444,6 +446,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     reset_peak_memory(device)  # this job's peak only, not start-up's or an earlier job's of the same process
     paths = Paths.resolve(cfg, launch)
     tokenizer, vocab_size = data_vocabulary(cfg, info, paths.data, cfg.trainer.progress_bar, cache_dir=paths.cache)
+    composed, cfg = cfg, auto_batch.resolve(cfg, strategy, info, precision, vocab_size)  # data.batch_size=auto
     train_batches, eval_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
                                              cache_dir=paths.cache)
     timing.mark("data")
@@ -491,8 +494,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         components={"model": ModelState(model), "optim": optimizer_state, "scheduler": SchedulerState(scheduler),
                     "scaler": scaler, "progress": progress, "data": train_batches},
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
-        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), keep_last=cfg.checkpoint.keep_last,
-        device=device, attachments=model_files(cfg, vocab_size, tokenizer))
+        config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),
+        keep_last=cfg.checkpoint.keep_last, device=device, attachments=model_files(cfg, vocab_size, tokenizer))
     preemption = Preemption(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())
     trainer = Trainer(tcfg=cfg.trainer, model=model, strategy=strategy, precision=precision, device=device,
                       optimizer=optimizer, scheduler=scheduler, scaler=scaler, train_batches=train_batches,
@@ -578,7 +581,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.dist.launch import stop_if_launcher_gone
 
     stop_if_launcher_gone("before writing the run's outputs")
-    write_outputs(cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
+    write_outputs(job.cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
                   run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer, vocab_size=job.vocab_size)
     return result
 

@@ -1,7 +1,7 @@
 """The decisions that make the defaults fast on a GPU and leave the CPU as it was, each a pure function tested with a
 fake device: what ``trainer.compile`` compiles (whole model or per block, per strategy and activation
-checkpointing) and ``strategy=fsdp`` on one GPU training as ``single``; then the pieces that apply them, in this
-process."""
+checkpointing), ``strategy=fsdp`` on one GPU training as ``single``, and ``data.batch_size=auto``'s search over a
+predictor of peak memory; then the pieces that apply them, in this process."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from hydratrain.auto_batch import LIMIT, largest_fitting
 from hydratrain.errors import ConfigError
 from hydratrain.parallel.ac_compile import CompileChoice, CompileClock, apply_compile, choose_compile
 
@@ -201,3 +202,85 @@ def test_fsdp_trained_as_single_compiles_the_whole_model(compose):
     fsdp = build_strategy(compose(["strategy=fsdp"]), 2, "cuda")
     assert fsdp.compile_choice(torch.device("cuda"), has_blocks=True).what == "blocks"
     assert fsdp.compile_choice(torch.device("cpu"), has_blocks=True).what == "none"
+
+
+# ------------------------------------------------------------------------------------ data.batch_size=auto
+def _linear(base: int, per_sample: int, calls: list):
+    def predict(b: int) -> int:
+        calls.append(b)
+        return base + per_sample * b
+    return predict
+
+
+@pytest.mark.parametrize("budget", [1_000 + 7 * b for b in (1, 2, 3, 37, 64, 100, 511, 1000)] + [1_000 + 7 * 64 - 1])
+def test_largest_fitting_is_the_exact_largest_batch(budget):
+    calls: list = []
+    got = largest_fitting(_linear(1_000, 7, calls), budget)
+    assert got == (budget - 1_000) // 7
+    assert 1_000 + 7 * got <= budget < 1_000 + 7 * (got + 1)
+    assert len(calls) <= 2 * math.log2(got + 1) + 3  # doubling, then bisection
+    assert [b for b in calls if b & (b - 1) == 0][:3] == [1, 2, 4][:len([b for b in calls if b & (b - 1) == 0][:3])]
+
+
+def test_largest_fitting_edges():
+    calls: list = []
+    assert largest_fitting(_linear(1_000, 7, calls), 1_006) is None and calls == [1]  # not even one sample
+    assert largest_fitting(lambda b: 0, 1) == LIMIT  # capped
+    assert largest_fitting(lambda b: b, 10**9, limit=100) == 100
+    assert largest_fitting(lambda b: b, 70, limit=100) == 70
+    assert largest_fitting(lambda b: b, 5, limit=1) == 1
+    steps = largest_fitting(lambda b: 0 if b <= 48 else 10**12, 1)  # a step in memory: kernels switch at 49
+    assert steps == 48
+    with pytest.raises(ValueError):
+        largest_fitting(lambda b: b, 5, limit=0)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "abc", "true", "1.5"])
+def test_batch_size_takes_a_positive_int_or_auto(compose, value):
+    from hydratrain.config import validate
+
+    validate(compose(["data.batch_size=auto"]))
+    validate(compose(["data.batch_size=12"]))
+    with pytest.raises(ConfigError) as err:
+        validate(compose([f"data.batch_size={value}"]))
+    assert err.value.key == "data.batch_size" and "or auto" in str(err.value)
+
+
+def test_batch_size_auto_trains_with_the_planners_largest_fit(compose, tmp_path, caplog, monkeypatch):
+    """A run with data.batch_size=auto: the job's config holds the number the planner gives (the largest whose
+    predicted peak, times the planner's margin, fits plan.memory_gb), the data and the step size follow it, and the
+    composed config and the checkpoint's record keep auto (so a relaunch is the same trial)."""
+    from omegaconf import OmegaConf
+
+    from hydratrain import plan
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.run import build
+
+    monkeypatch.setattr(plan, "baseline_bytes", lambda device: 300 * 2**20)  # this process's RSS, held still
+    cfg = compose(["+debug=fast", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
+                   "logger.peak_flops=1e12", "data.batch_size=auto", "plan.memory_gb=1.5"])
+    OmegaConf.set_readonly(cfg, True)
+    with caplog.at_level(logging.INFO, logger="hydratrain.auto_batch"):
+        job = build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), tmp_path, tmp_path)
+    b = job.cfg.data.batch_size
+    assert cfg.data.batch_size == "auto" and isinstance(b, int) and 1 < b < LIMIT
+    assert job.trainer.train_batches.batch_size == b
+    assert job.step_logger.tokens_per_step == b * cfg.data.seq_len
+    assert job.checkpoints.config["data"]["batch_size"] == "auto"
+    assert f"data.batch_size=auto: {b} samples per micro-batch per rank" in caplog.text
+    setup = plan.setup_for(job.cfg, job.strategy, world_size=1, precision="fp32", vocab_size=256, device="cpu",
+                           baseline=300 * 2**20)
+    allowed = int(1.5 * plan.GiB / plan.error_margin("cpu"))
+    assert plan.predict(setup).peak <= allowed < plan.predict(setup.replace(batch_size=b + 1)).peak
+
+
+def test_batch_size_auto_needs_a_model_the_planner_knows(compose, tmp_path):
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.run import build
+
+    cfg = compose(["+experiment=digits_cnn", "strategy=single", "device=cpu", "logger.tensorboard=false",
+                   "logger.peak_flops=1e12", "data.batch_size=auto"])
+    with pytest.raises(ConfigError, match="^data.batch_size='auto': needs the memory planner, but model._target_="):
+        build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), tmp_path, tmp_path)

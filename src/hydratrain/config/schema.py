@@ -128,7 +128,7 @@ class DataConfig:
     option: ClassVar[Optional[DataName]] = None
     name: DataName = MISSING
     seq_len: int = 256  # tokens per sample (the model sees seq_len tokens and predicts the next seq_len)
-    batch_size: int = 8  # samples per micro-batch per rank
+    batch_size: Any = 8  # samples per micro-batch per rank (an int >= 1), or auto: the largest the memory plan fits
 
 
 @dataclass

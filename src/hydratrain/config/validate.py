@@ -49,6 +49,17 @@ def shard_on_one_rank_setting(value: Any) -> str:
     return _choice("strategy.shard_on_one_rank", value, SHARD_ON_ONE_RANK_VALUES)
 
 
+def batch_size_setting(value: Any) -> Any:
+    """``data.batch_size``: a positive int, or ``auto`` (the largest micro-batch the memory planner says fits:
+    :mod:`hydratrain.batch_size`). Raises :class:`ConfigError` otherwise."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("data.batch_size", value, "allowed: a positive integer (samples per micro-batch per "
+                          "rank), or auto (the largest the memory planner says fits)")
+    return value
+
+
 def _get(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key, throw_on_missing=False)
 
@@ -279,10 +290,12 @@ def validate(cfg: DictConfig) -> None:
         if value is None or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(key, value, "must be finite and " + (">= 0" if allow_zero else "> 0"))
 
+    if OmegaConf.select(cfg, "data.batch_size", default="<absent>") != "<absent>":
+        batch_size_setting(cfg.data.batch_size)
     compile_setting(cfg.trainer.compile)
     if OmegaConf.select(cfg, "strategy.shard_on_one_rank", default="<absent>") != "<absent>":
         shard_on_one_rank_setting(cfg.strategy.shard_on_one_rank)
-    for key in ("data.seq_len", "data.batch_size", "data.synthetic_tokens",
+    for key in ("data.seq_len", "data.synthetic_tokens",
                 "optim.lr", "optim.eps", "trainer.grad_accum_steps", "trainer.log_every_n_steps",
                 "trainer.max_consecutive_nonfinite", "precision.init_scale", "precision.growth_interval",
                 "distributed.failure_timeout_s", "distributed.collective_timeout_s", "strategy.bucket_cap_mb",
