@@ -199,3 +199,13 @@ def auto_choices(device: str) -> tuple[str, str]:
             "device=d)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     return out[0], out[1]
+
+
+def auto_compiles(device: str) -> bool:
+    """Whether hydratrain's ``trainer.compile=auto`` compiles on this machine's ``device`` (on CUDA only; a
+    subprocess when ``device`` is auto: the bench drivers do not import torch)."""
+    if device != "auto":
+        return device.startswith("cuda")
+    code = "import torch; print(int(torch.cuda.is_available()))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return out.strip() == "1"

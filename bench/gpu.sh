@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# GPU smoke test: the paths no CPU test reaches, each as one train.py launch (about 3-5 minutes on one H200).
+# On a GPU, in one call of at most 8 minutes (one H200): hydratrain's defaults side by side with the hand-written loop
+# at the same precision (bf16), eager and compiled, for gpt_small (single, fsdp) and llama_1b (fsdp, seq 2048) at the
+# batch the memory planner picks (bench/gpu_table.py: tokens/s, MFU, peak memory, compile seconds, the targets);
+# with --smoke instead, the paths no CPU test reaches, each as one train.py launch (about 3-5 minutes on one H200).
 #
-#   bench/gpu.sh                               # every case on 1 GPU; with 2+ GPUs also fsdp + checkpoint/resume
-#                                              #   on all of them (torchrun, NCCL)
-#   bench/gpu.sh --dry-run                     # the same sequence on CPU, tiny (+debug=fast, gloo); also DRY_RUN=1
+#   bench/gpu.sh                               # the table (bench/gpu_table.py --budget-s 420: 7 minutes at most)
+#   bench/gpu.sh --smoke                       # the smoke cases below on 1 GPU; with 2+ GPUs also fsdp +
+#                                              #   checkpoint/resume on all of them (torchrun, NCCL)
+#   bench/gpu.sh --dry-run [--smoke]           # the same sequence on CPU, tiny (+debug=fast, gloo); also DRY_RUN=1
 #   bench/gpu.sh --out DIR                     # results dir (default bench/out/gpu-<date>-<time>[-dry])
-#   CASES=fsdp_bf16,compile bench/gpu.sh       # only these cases (names below)
-#   bench/gpu.sh -- logger.peak_flops=9.9e14   # extra overrides for every launch (PEAK_FLOPS=9.9e14 too)
+#   CASES=fsdp_bf16,compile bench/gpu.sh --smoke    # only these smoke cases (names below)
+#   bench/gpu.sh --smoke -- logger.peak_flops=9.9e14   # extra overrides for every smoke launch (PEAK_FLOPS too)
+#   TABLE_BUDGET=300 bench/gpu.sh              # the table's budget in seconds (default 420; dry run 1800)
 #
-# Cases (data=synthetic; on GPU gpt_small runs batch 8 x 1024 tokens per rank):
+# Smoke cases (data=synthetic; on GPU gpt_small runs batch 8 x 1024 tokens per rank; FSDP is kept on one GPU with
+# strategy.shard_on_one_rank=true, where the default would train as single):
 #   fsdp_bf16      strategy=fsdp precision=bf16 model=gpt_small
 #   fp16_scaler    strategy=fsdp precision=fp16 model=gpt_small              (GradScaler; not every step skipped)
 #   cpu_offload    ... strategy.cpu_offload=true                              (FSDP2 CPUOffloadPolicy, pinned)
@@ -27,23 +33,28 @@
 # results.md also holds the gpt_small bf16 fsdp matrix of compile off/on x activation checkpointing off/on (tokens/s,
 # MFU, peak memory) from fsdp_bf16, compile, ac and compile_ac.
 #
-# Each case PASSes when train.py exits 0 and its results.json has the expected steps, finite train and eval loss,
+# Each smoke case PASSes when train.py exits 0 and its results.json has the expected steps, finite train and eval loss,
 # tokens/s > 0, peak memory > 0 and an MFU in (0, 1] (on a GPU in hydratrain's peak table an MFU is required).
 # Printed per case and written to DIR/results.jsonl (one JSON object per case) and DIR/results.md (a table), with
 # DIR/env.json (torch, GPUs), DIR/logs/<case>.log and DIR/runs/<case>/ (run dirs). Exit status 0 when all passed.
+# The table writes DIR/results.jsonl, DIR/results.md and DIR/profile-*.txt (see bench/gpu_table.py's docstring);
+# exit status 0 when every row that ran passed.
 #
-# Env: PYTHON (default python), CASES, STEPS (steps per case, >= 4), CASE_TIMEOUT (s per launch), MAX_NPROC (default 8),
-# PEAK_FLOPS (logger.peak_flops), HYDRATRAIN_CACHE (where the CPU peak and corpora are cached).
+# Env: PYTHON (default python), CASES, STEPS (steps per smoke case, >= 4), CASE_TIMEOUT (s per launch), MAX_NPROC
+# (default 8), PEAK_FLOPS (logger.peak_flops), HYDRATRAIN_CACHE (where the CPU peak and corpora are cached),
+# TABLE_BUDGET (the table's seconds).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 DRY="${DRY_RUN:-0}"
+SMOKE=0
 OUT=""
 EXTRA=()
 while (($#)); do
   case "$1" in
     --dry-run) DRY=1 ;;
+    --smoke) SMOKE=1 ;;
     --out) OUT="${2:?--out needs a directory}"; shift ;;
     --out=*) OUT="${1#--out=}" ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -68,6 +79,25 @@ mkdir -p "$OUT/logs" "$OUT/runs" || exit 2
 OUT="$(cd "$OUT" && pwd)"
 : > "$OUT/results.jsonl"
 REPORT=("$PY" "$ROOT/bench/gpu_report.py")
+
+if ((!SMOKE)); then  # the side-by-side table: bench/gpu_table.py keeps its own budget
+  if ((DRY)); then
+    "${REPORT[@]}" env --out "$OUT" --dry-run > /dev/null || exit 2
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    TABLE=(--dry-run)
+  else
+    NGPU="$("${REPORT[@]}" env --out "$OUT")" || exit 2
+    if ((NGPU < 1)); then
+      echo "bench/gpu.sh: torch sees no CUDA GPU; run 'bench/gpu.sh --dry-run' to test this script on CPU" >&2
+      exit 2
+    fi
+    TABLE=(--max-nproc "${MAX_NPROC:-8}")
+  fi
+  echo "bench/gpu.sh: the side-by-side table$( ((DRY)) && echo " (CPU dry run)"), results in $OUT"
+  [[ -n "${TABLE_BUDGET:-}" ]] && TABLE+=(--budget-s "$TABLE_BUDGET")
+  (cd "$ROOT" && PYTHONUNBUFFERED=1 "$PY" bench/gpu_table.py "${TABLE[@]}" --out "$OUT") 2>&1 | tee "$OUT/logs/table.log"
+  exit "${PIPESTATUS[0]}"
+fi
 
 if ((DRY)); then
   NGPU=0
@@ -134,13 +164,15 @@ run_case() {
 }
 
 echo "bench/gpu.sh: $( ((DRY)) && echo "CPU dry run" || echo "$NGPU GPU(s)"), $STEPS steps per case, results in $OUT"
-FSDP=(strategy=fsdp "$BF16" model=gpt_small)
+FSDP=(strategy=fsdp strategy.shard_on_one_rank=true "$BF16" model=gpt_small)
 run_case fsdp_bf16 fsdp_bf16 1 "$STEPS" "$STEPS" none "${FSDP[@]}" trainer.max_steps="$STEPS"
-run_case fp16_scaler fp16_scaler 1 "$STEPS" "$STEPS" fp16 strategy=fsdp precision=fp16 model=gpt_small \
+run_case fp16_scaler fp16_scaler 1 "$STEPS" "$STEPS" fp16 strategy=fsdp strategy.shard_on_one_rank=true \
+  precision=fp16 model=gpt_small \
   trainer.max_steps="$STEPS"
 run_case cpu_offload cpu_offload 1 "$STEPS" "$STEPS" none "${FSDP[@]}" strategy.cpu_offload=true \
   trainer.max_steps="$STEPS"
-run_case meta_llama_1b meta_llama_1b 1 "$HALF" "$HALF" none strategy=fsdp "$BF16" "${LLAMA[@]}" \
+run_case meta_llama_1b meta_llama_1b 1 "$HALF" "$HALF" none strategy=fsdp strategy.shard_on_one_rank=true "$BF16" \
+  "${LLAMA[@]}" \
   trainer.max_steps="$HALF"
 run_case compile compile 1 "$STEPS" "$STEPS" none "${FSDP[@]}" trainer.compile=true trainer.max_steps="$STEPS"
 run_case ac ac 1 "$STEPS" "$STEPS" none "${FSDP[@]}" activation_checkpointing=true trainer.max_steps="$STEPS"

@@ -10,8 +10,10 @@ order rotated by one run per round, so a drift of the machine's load does not fa
 ratio = hydratrain tokens/s / hand-written tokens/s over the same timed steps; the table gives the median ratio over
 rounds with its min and max. Precisions: fp32, and bf16 where the device computes it natively (an AVX512-BF16/AMX
 CPU, an Ampere or newer GPU). The precision rows run the same work on both sides (the hand loop uses the
-AdamW implementation ``optim.impl=auto`` picks); the ``defaults`` rows compare hydratrain with no override
-(``precision=auto``, ``optim.impl=auto``, ...) against the hand-written fp32 eager loop with torch's own AdamW choice.
+AdamW implementation ``optim.impl=auto`` picks; hydratrain runs eager, ``trainer.compile=false``, where its
+``auto`` would compile, i.e. on CUDA); the ``defaults`` rows compare hydratrain with no override (``precision=auto``,
+``optim.impl=auto``, ``trainer.compile=auto``, ...) against the hand-written fp32 eager loop with torch's own AdamW
+choice. bench/gpu_table.py sets the defaults against the hand-written loop at the same precision, eager and compiled.
 Results: ``<out>/results.jsonl`` (one line per run, the first describes the machine) and ``<out>/results.md``.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from benchlib import (
     Recorder,
     at_least,
     auto_choices,
+    auto_compiles,
     clean_env,
     command,
     csv_of,
@@ -67,13 +70,22 @@ def main(argv=None) -> int:
     # runs: (impl, strategy, precision flag, --adamw). Overhead pairs run the same work on both sides: the hand loop
     # gets the AdamW implementation hydratrain's optim.impl=auto picks. A hydratrain run at the precision auto picks
     # is its defaults run; the defaults rows compare it with the hand loop as a user writes it (torch's AdamW choice).
+    # Where trainer.compile=auto compiles (CUDA), the precision rows' hydratrain runs are eager (--compile none, the
+    # same work as the eager hand loop) and the defaults run is another run; on a CPU auto is eager, so one run
+    # serves both.
+    compiles = auto_compiles(args.device)
+    eager = ("none",) if compiles else ()
+
+    def defaults_run(s: str) -> tuple:
+        return ("hydratrain", s, "auto", "default") + (("default",) if compiles else ())
+
     runs = []
     for s in strategies:
         for prec in precisions:
             runs.append(("hand", s, prec, adamw))
-            runs.append(("hydratrain", s, "auto" if prec == auto else prec, "default"))
-        if not args.no_defaults and ("hydratrain", s, "auto", "default") not in runs:
-            runs.append(("hydratrain", s, "auto", "default"))
+            runs.append(("hydratrain", s, "auto" if prec == auto else prec, "default") + eager)
+        if not args.no_defaults and defaults_run(s) not in runs:
+            runs.append(defaults_run(s))
         if not args.no_defaults:
             runs.append(("hand", s, "fp32", "default"))
     common = ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
@@ -83,10 +95,11 @@ def main(argv=None) -> int:
     tps: dict[tuple, list[float]] = {}
     for r in range(args.rounds):
         for run in rotated(runs, r):
-            impl, s, prec, opt = run
+            impl, s, prec, opt = run[:4]
             nproc = 1 if s == "single" else args.nproc
+            compile_flag = ["--compile", run[4]] if len(run) > 4 else []
             cmd = command([str(BENCH / "train_worker.py"), "--impl", impl, "--strategy", s, "--precision", prec,
-                           "--adamw", opt, *common], nproc)
+                           "--adamw", opt, *compile_flag, *common], nproc)
             before = load()
             row, tail, seconds = run_json(cmd, clean_env(), args.timeout)
             if row is None:
@@ -107,11 +120,11 @@ def main(argv=None) -> int:
     rows, summary = [], []
     for s in strategies:
         nproc = 1 if s == "single" else args.nproc
-        cases = [(f"{prec}", ("hydratrain", s, "auto" if prec == auto else prec, "default"), ("hand", s, prec, adamw))
-                 for prec in precisions]
+        cases = [(f"{prec}", ("hydratrain", s, "auto" if prec == auto else prec, "default") + eager,
+                  ("hand", s, prec, adamw)) for prec in precisions]
         if not args.no_defaults:
-            cases.append((f"defaults (auto = {auto}, {adamw} AdamW) vs hand-written fp32",
-                          ("hydratrain", s, "auto", "default"), ("hand", s, "fp32", "default")))
+            cases.append((f"defaults (auto = {auto}, {adamw} AdamW{', compiled' if compiles else ''}) vs "
+                          "hand-written fp32", defaults_run(s), ("hand", s, "fp32", "default")))
         for label, ht, hand in cases:
             rs = ratios(ht, hand)
             med, lo, hi = median_min_max(rs)

@@ -1,5 +1,6 @@
-"""bench/gpu.sh, the GPU smoke script: it parses, its helper compiles and judges results right, and its CPU dry run
-(the same sequence, tiny, on gloo) passes and writes the JSON lines and the markdown table."""
+"""bench/gpu.sh: it parses; its side-by-side table (bench/gpu_table.py) plans the rows, computes the targets right
+and its CPU dry run (the same plan, tiny, on gloo) writes the JSON lines and the table; the smoke helper compiles and
+judges results right, and the smoke dry run (``--smoke``) passes."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,9 +27,22 @@ def _helper():
     return module
 
 
-def _dry_run(out: Path, cache: Path, cases: str = "", extra=(), timeout: int = 900) -> Run:
+def _dry_run(out: Path, cache: Path, cases: str = "", extra=(), timeout: int = 900, smoke: bool = True) -> Run:
     env = {"DRY_RUN": "1", "CASES": cases, "PYTHON": sys.executable, "HYDRATRAIN_CACHE": str(cache)}
-    return sh(["bash", str(SCRIPT), "--out", str(out), *(["--", *extra] if extra else [])], env=env, timeout=timeout)
+    return sh(["bash", str(SCRIPT), *(["--smoke"] if smoke else []), "--out", str(out),
+               *(["--", *extra] if extra else [])], env=env, timeout=timeout)
+
+
+def _table_module():
+    spec = importlib.util.spec_from_file_location("gpu_table", ROOT / "bench" / "gpu_table.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_table"] = module  # (its dataclasses look their module up there)
+    sys.path.insert(0, str(ROOT / "bench"))  # its benchlib import
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
 
 
 def _rows(out: Path) -> list[dict]:
@@ -48,7 +62,65 @@ def test_script_parses_and_helper_compiles(tmp_path):
     py_compile.compile(str(HELPER), cfile=str(tmp_path / "gpu_report.pyc"), doraise=True)
     assert os.access(SCRIPT, os.X_OK)
     out = sh(["bash", str(SCRIPT), "--help"]).ok().output
-    assert "--dry-run" in out and "ckpt_resume" in out
+    assert "--dry-run" in out and "--smoke" in out and "ckpt_resume" in out
+
+
+def test_table_plan_puts_the_targets_rows_first_and_fits_the_budget():
+    """The rows the targets need run first (a budget cut drops the least important); the plan prints."""
+    gt = _table_module()
+    one = [(r.group, r.side) for r in gt.rows(1)]
+    assert one[:6] == [("gpt_small single", "hand eager"), ("gpt_small single", "hydratrain defaults"),
+                       ("gpt_small single", "hand compiled (whole model)"), ("llama_1b fsdp", "hydratrain defaults"),
+                       ("llama_1b fsdp", "hand eager"), ("llama_1b fsdp", "hand compiled (per block)")]
+    assert any("FSDP kept" in side for _, side in one)
+    assert not any("FSDP kept" in r.side for r in gt.rows(8))  # on 8 GPUs the defaults shard
+    assert {r.impl for r in gt.rows(1)} == {"hand", "hydratrain"}
+    assert all(r.compile == "default" for r in gt.rows(1) if r.impl == "hydratrain")  # no compile override
+    out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan"]).output
+    assert "llama_1b" in out and "seq 2048" in out or "torch sees no CUDA GPU" in out
+    out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run"]).ok().output
+    assert "budget 1800 s" in out and out.count("row: ") == len(gt.rows(1))
+
+
+def test_table_targets_and_ratios():
+    gt = _table_module()
+
+    def row(group, side, tps, mfu=0.2):
+        return {"group": group, "side": side, "status": "PASS", "tokens_per_sec": tps, "mfu": mfu, "batch": 8,
+                "seq": 1024, "trained_as": "single", "compiled": "none", "peak_memory_bytes": 2**30,
+                "compile_s": 1.0}
+
+    results = [row("gpt_small single", "hand eager", 100.0), row("gpt_small single", "hydratrain defaults", 120.0),
+               row("gpt_small single", "hand compiled (whole model)", 125.0),
+               row("llama_1b fsdp", "hydratrain defaults", 50.0, mfu=0.41),
+               {"group": "llama_1b fsdp", "side": "hand eager", "status": "skipped: 3 s of the budget left"}]
+    text, targets = gt.report(results, dry=False, nproc=1, steps=12, warm=5)
+    got = {t["what"]: (round(t["value"], 3), t["met"]) for t in targets}
+    assert got == {"hydratrain defaults / hand eager (tokens/s)": (1.2, True),
+                   "hydratrain defaults / hand compiled (tokens/s)": (0.96, False),
+                   "hydratrain defaults MFU": (0.41, False)}
+    assert "| gpt_small single | hydratrain defaults | single | none | 8 x 1024 | 120 | 1.20x | 0.96x |" in text
+    assert "NOT met" in text and "skipped: 3 s of the budget left" in text and "torchtitan" in text
+
+
+@pytest.mark.slow
+def test_table_dry_run(tmp_path):
+    """The side-by-side table end to end, tiny, on CPU (compile disabled: tests/e2e/test_compile compiles)."""
+    out = tmp_path / "out"
+    proc = _dry_run(out, tmp_path / "cache", smoke=False, timeout=1200)
+    assert proc.returncode == 0, proc.output[-9000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    plans = [r for r in rows if r["kind"] == "plan"]
+    assert [(p["model"], p["batch"]) for p in plans] == [("gpt_small", 4), ("llama_1b", 4)]
+    table = [r for r in rows if r["kind"] == "row"]
+    assert len(table) == 10 and all(r["status"] == "PASS" for r in table), [r.get("failed") for r in table]
+    assert all(r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0 and r["batch"] == 4 for r in table)
+    defaults = [r for r in table if r["side"] == "hydratrain defaults"]
+    assert [r["trained_as"] for r in defaults] == ["single", "fsdp", "fsdp"]  # the CPU keeps FSDP at one rank
+    assert defaults[0]["profile_top"] and (out / "profile-gpt_small-hydratrain.txt").exists()
+    assert len([r for r in rows if r["kind"] == "target"]) == 3
+    text = (out / "results.md").read_text()
+    assert "DRY RUN" in text and "## Targets" in text and "x hand compiled" in text
 
 
 def test_judge_catches_what_a_smoke_test_must():

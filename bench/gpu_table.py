@@ -1,0 +1,279 @@
+"""Side by side on a GPU: hydratrain's defaults against the hand-written loop at the same precision (bf16 on both
+sides), eager and compiled, for gpt_small (single and fsdp) and llama_1b (fsdp, seq 2048), each model at the
+micro-batch the memory planner picks (``data.batch_size=auto``). One launch per row (``bench/train_worker.py``).
+
+    python bench/gpu_table.py                     # on the GPU(s): the plan below, within --budget-s (420 s)
+    python bench/gpu_table.py --dry-run           # the same plan, tiny, on CPU (gloo); compile disabled unless
+                                                  #   --dry-compile (torch.compile is covered by tests/e2e/test_compile)
+    python bench/gpu_table.py --print-plan [--dry-run]    # the plan only
+
+The plan (N = the GPUs, at most ``--max-nproc``; fsdp rows run on N ranks under torchrun):
+
+1. the batch per model: ``train_worker.py --impl plan`` (what ``data.batch_size=auto`` picks: gpt_small at seq 1024
+   for ``single``, llama_1b at seq 2048 for ``fsdp`` on N ranks as hydratrain trains it), used by every row of it;
+2. rows, most important first: gpt_small single (hand eager, hydratrain defaults, hand with the whole model
+   compiled), llama_1b fsdp (hydratrain defaults with a short profile, hand eager, hand compiled per block),
+   gpt_small fsdp (hand eager, hydratrain with FSDP kept at one rank when N = 1, hand compiled per block, hydratrain
+   defaults). hydratrain rows run with no override but model, data, batch, seq, strategy and the bench's step
+   counts (so ``precision=auto``, ``trainer.compile=auto``, ``strategy.shard_on_one_rank=auto``: on one GPU
+   ``strategy=fsdp`` trains as ``single``, which the "trained as" column shows).
+
+Each row: tokens/s over steps ``--warm``+1..``--steps`` (a device synchronisation after each step), MFU (the
+model's FLOPs per token over the device's datasheet peak, ``hydratrain.metrics``), peak memory over the timed steps,
+and compile seconds (the first step's seconds minus a timed step's). The budget is kept by construction: each launch
+gets at most the time left (``--budget-s`` in all), and a row that would start with less than ``--min-case-s`` left
+is reported as skipped. Results: ``<out>/results.jsonl`` (machine, plan, one line per row, the targets) and
+``<out>/results.md`` (the table, the targets of issue 27's item 5 with their measured values, notes).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+
+from benchlib import BENCH, Recorder, clean_env, command, fmt, out_dir, run_json, table, write_report
+
+
+@dataclass
+class Model:
+    key: str  # the name the table uses (gpt_small, llama_1b)
+    preset: str  # the conf/model preset the launches train (a tiny one in the dry run)
+    seq: int
+    plan_strategy: str  # the strategy the batch is planned for
+
+
+@dataclass
+class Row:
+    group: str  # "gpt_small single": rows compared with the group's hand-written rows
+    side: str  # hand eager | hand compiled | hydratrain defaults | hydratrain, FSDP kept
+    model: str  # Model.key
+    impl: str  # hand | hydratrain
+    strategy: str
+    compile: str  # train_worker --compile: default | none | model | blocks
+    overrides: list = field(default_factory=list)
+    profile: int = 0
+
+
+# the targets on one H200 (bf16): (group, what, threshold)
+TARGETS = [("gpt_small single", "hydratrain defaults / hand eager (tokens/s)", 1.10),
+           ("gpt_small single", "hydratrain defaults / hand compiled (tokens/s)", 0.98),
+           ("llama_1b fsdp", "hydratrain defaults MFU", 0.45)]
+
+TORCHTITAN_NOTE = (
+    "torchtitan: its released package (0.3.0, a pure-Python wheel, Python >= 3.11) imports `torchtitan.config` and "
+    "`torchtitan.distributed.compile` on torch 2.13 once its pure-Python dependencies are on the path (tyro, "
+    "spmd_types==0.2.3, torchdata, torch_checkpointing, einops, docstring-parser, shtab, typeguard); its Llama "
+    "model and trainer also import triton (shipped with CUDA builds of torch, absent from the CPU build this was "
+    "checked on) and its data loading imports `datasets` (with pyarrow) and `tokenizers`, binary wheels that the "
+    "offline GPU machine would need carried. It has a `1B` Llama3 flavor, so a row of the same shape could be added "
+    "by carrying those wheels and a tokenizer; not run here.")
+
+
+def models(dry: bool) -> list[Model]:
+    if dry:
+        return [Model("gpt_small", "gpt_tiny", 64, "single"), Model("llama_1b", "gpt_tiny", 128, "fsdp")]
+    return [Model("gpt_small", "gpt_small", 1024, "single"), Model("llama_1b", "llama_1b", 2048, "fsdp")]
+
+
+def rows(nproc: int) -> list[Row]:
+    out = [Row("gpt_small single", "hand eager", "gpt_small", "hand", "single", "none"),
+           Row("gpt_small single", "hydratrain defaults", "gpt_small", "hydratrain", "single", "default", profile=2),
+           Row("gpt_small single", "hand compiled (whole model)", "gpt_small", "hand", "single", "model"),
+           Row("llama_1b fsdp", "hydratrain defaults", "llama_1b", "hydratrain", "fsdp", "default", profile=2),
+           Row("llama_1b fsdp", "hand eager", "llama_1b", "hand", "fsdp", "none"),
+           Row("llama_1b fsdp", "hand compiled (per block)", "llama_1b", "hand", "fsdp", "blocks"),
+           Row("gpt_small fsdp", "hand eager", "gpt_small", "hand", "fsdp", "none")]
+    if nproc == 1:  # the same work as the hand-written FSDP rows: FSDP at world size 1, compiled per block
+        out.append(Row("gpt_small fsdp", "hydratrain, FSDP kept (strategy.shard_on_one_rank=true)", "gpt_small",
+                       "hydratrain", "fsdp", "default", ["strategy.shard_on_one_rank=true"]))
+    out += [Row("gpt_small fsdp", "hand compiled (per block)", "gpt_small", "hand", "fsdp", "blocks"),
+            Row("gpt_small fsdp", "hydratrain defaults", "gpt_small", "hydratrain", "fsdp", "default")]
+    return out
+
+
+def gpu_count() -> int:
+    import subprocess
+
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return int(out.stdout.strip() or 0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="tiny, on CPU (gloo)")
+    p.add_argument("--dry-compile", action="store_true", help="dry run: compile for real (minutes on a CPU)")
+    p.add_argument("--print-plan", action="store_true")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds for the whole table, launches included "
+                   "(default 420: with a machine's start-up, within one 8-minute call; dry run 1800)")
+    p.add_argument("--min-case-s", type=float, default=30.0, help="do not start a row with less than this left")
+    p.add_argument("--case-timeout", type=float, default=240.0, help="seconds per launch at most")
+    p.add_argument("--max-nproc", type=int, default=8)
+    p.add_argument("--steps", type=int, default=None, help="steps per row (default 12; dry run 5)")
+    p.add_argument("--warm", type=int, default=None, help="untimed steps (default 5; dry run 2)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    dry = args.dry_run
+    if args.budget_s is None:
+        args.budget_s = 1800.0 if dry else 420.0
+    steps = args.steps or (5 if dry else 12)
+    warm = args.warm or (2 if dry else 5)
+    if not 1 <= warm < steps:
+        p.error(f"--warm {warm} must be in [1, --steps {steps})")
+    nproc = 1 if dry else min(gpu_count(), args.max_nproc)
+    if not dry and nproc < 1:
+        print("bench/gpu_table.py: torch sees no CUDA GPU; --dry-run runs the plan tiny on CPU", file=sys.stderr)
+        return 2
+    device, precision = ("cpu", "auto") if dry else ("cuda", "bf16")
+    plan = rows(nproc)
+    mods = {m.key: m for m in models(dry)}
+    if args.print_plan:
+        for m in mods.values():
+            print(f"batch: {m.key} ({m.preset}), seq {m.seq}: data.batch_size=auto for strategy={m.plan_strategy} "
+                  f"on {1 if m.plan_strategy == 'single' else nproc} rank(s)")
+        for r in plan:
+            print(f"row: {r.group:<18} {r.side:<58} impl={r.impl} strategy={r.strategy} compile={r.compile} "
+                  f"{' '.join(r.overrides)}{' profile ' + str(r.profile) if r.profile else ''}")
+        print(f"{steps} steps per row ({warm} untimed); budget {args.budget_s:.0f} s")
+        return 0
+    out = out_dir("gpu_table", args.out)
+    rec = Recorder(out, "gpu_table", {**vars(args), "steps": steps, "warm": warm, "nproc": nproc, "device": device})
+    extra = {} if not dry or args.dry_compile else {"TORCH_COMPILE_DISABLE": "1"}
+    env = clean_env(**extra)
+    # log every warm - 1 steps: hydratrain's first log step (TensorBoard's writer is made there) is not timed
+    common = ["--steps", str(steps), "--warm", str(warm), "--log-every", str(max(1, warm - 1)), "--device", device]
+
+    def left() -> float:
+        return args.budget_s - (time.perf_counter() - t_start)
+
+    batches: dict[str, int] = {}
+    for m in mods.values():
+        ranks = 1 if m.plan_strategy == "single" else nproc
+        cmd = command([str(BENCH / "train_worker.py"), "--impl", "plan", "--model", m.preset, "--seq", str(m.seq),
+                       "--strategy", m.plan_strategy, "--precision", precision, "--device", device, "--nproc",
+                       str(ranks), *(["--max-batch", "4"] if dry else [])], 1)
+        got, tail, seconds = run_json(cmd, env, min(args.case_timeout, max(1.0, left())))
+        if got is None:
+            print(f"plan {m.key}: FAILED ({seconds:.0f} s)\n{tail}", flush=True)
+            rec.write({"kind": "plan", "model": m.key, "failed": tail[-2000:]})
+            continue
+        batches[m.key] = got["batch"]
+        rec.write({"kind": "plan", "model": m.key, "preset": m.preset, "seq": m.seq, "strategy": m.plan_strategy,
+                   "trained_as": got["trained_as"], "batch": got["batch"], "seconds": seconds})
+        print(f"plan {m.key}: data.batch_size=auto picks {got['batch']} x {m.seq} tokens per rank "
+              f"(strategy={m.plan_strategy}, trained as {got['trained_as']}; {seconds:.0f} s)", flush=True)
+
+    results: list[dict] = []
+
+    def keep(row: dict) -> None:
+        rec.write(row)
+        results.append(row)
+
+    for r in plan:
+        m = mods[r.model]
+        base = {"kind": "row", "group": r.group, "side": r.side, "model": r.model, "preset": m.preset,
+                "impl": r.impl, "strategy": r.strategy, "compile_flag": r.compile, "overrides": r.overrides}
+        if r.model not in batches:
+            keep({**base, "status": "skipped: no batch (its plan failed)"})
+            continue
+        if left() < args.min_case_s:
+            keep({**base, "status": f"skipped: {left():.0f} s of the budget left"})
+            continue
+        ranks = 1 if r.strategy == "single" else nproc
+        flags = ["--impl", r.impl, "--strategy", r.strategy, "--model", m.preset, "--seq", str(m.seq), "--batch",
+                 str(batches[r.model]), "--precision", precision if r.impl == "hand" else "auto", "--compile",
+                 r.compile, *common]
+        for o in r.overrides:
+            flags += ["--override", o]
+        if r.profile:
+            flags += ["--profile", str(r.profile), "--profile-out", str(out / f"profile-{r.model}-{r.impl}.txt")]
+        row, tail, seconds = run_json(command([str(BENCH / "train_worker.py"), *flags], ranks), env,
+                                      min(args.case_timeout, left()))
+        if row is None:
+            print(f"{r.group}: {r.side} FAILED ({seconds:.0f} s)\n{tail[-1500:]}", flush=True)
+            keep({**base, "status": "FAIL", "seconds": seconds, "failed": tail[-2000:]})
+            continue
+        mfu = row["tokens_per_sec"] * row["flops_per_token"] / row["peak_flops_total"] \
+            if row.get("peak_flops_total") else None
+        keep({**base, **row, "kind": "row", "status": "PASS", "seconds": seconds, "nproc": ranks, "mfu": mfu})
+        print(f"{r.group:<18} {r.side:<58} {row['tokens_per_sec']:>12,.0f} tokens/s  MFU "
+              f"{fmt(100 * mfu if mfu else None, '.1f')} %  compile {row.get('compile_s', 0):.1f} s  "
+              f"({seconds:.0f} s; {left():.0f} s left)", flush=True)
+
+    text, targets = report(results, dry, nproc, steps, warm)
+    for t in targets:
+        rec.write({"kind": "target", **t})
+    write_report(out, "bench/gpu_table.py: hydratrain's defaults against the hand-written loop", rec.rows[0], text,
+                 " ".join(["python", "bench/gpu_table.py", *(argv if argv is not None else sys.argv[1:])]))
+    print("\n" + (out / "results.md").read_text())
+    print(f"bench/gpu_table.py: {time.perf_counter() - t_start:.0f} s; results in {out}")
+    return 0 if all(r["status"] in ("PASS",) or r["status"].startswith("skipped") for r in results) \
+        and any(r["status"] == "PASS" for r in results) else 1
+
+
+def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) -> tuple[str, list[dict]]:
+    """The markdown body (the table, the targets, notes) and the targets' records."""
+    def ref(group: str, side_prefix: str):
+        return next((x for x in results if x["group"] == group and x["side"].startswith(side_prefix)
+                     and x["status"] == "PASS"), None)
+
+    lines = []
+    for x in results:
+        ok = x["status"] == "PASS"
+        eager, compiled = ref(x["group"], "hand eager"), ref(x["group"], "hand compiled")
+        vs = [fmt(x["tokens_per_sec"] / h["tokens_per_sec"], ".2f") + "x" if ok and h else "n/a"
+              for h in (eager, compiled)]
+        lines.append([x["group"], x["side"], x.get("trained_as", "") if ok else "", x.get("compiled", "") if ok else "",
+                      f"{x.get('batch', '?')} x {x.get('seq', '?')}" if ok else "",
+                      fmt(x.get("tokens_per_sec")) if ok else "", vs[0], vs[1],
+                      fmt(100 * x["mfu"], ".1f") + " %" if ok and x.get("mfu") else "n/a",
+                      fmt(x["peak_memory_bytes"] / 2**30, ".2f") + " GiB" if ok and x.get("peak_memory_bytes")
+                      else "n/a", fmt(x.get("compile_s"), ".1f") if ok else "", x["status"]])
+    body = table(["model, strategy", "side", "trained as", "compiled", "batch x seq", "tokens/s", "x hand eager",
+                  "x hand compiled", "MFU", "peak memory", "compile s", "status"], lines)
+    targets = []
+    for group, what, threshold in TARGETS:
+        defaults, eager, compiled = ref(group, "hydratrain defaults"), ref(group, "hand eager"), \
+            ref(group, "hand compiled")
+        value = None
+        if defaults and "MFU" in what:
+            value = defaults.get("mfu")
+        elif defaults and "hand eager" in what and eager:
+            value = defaults["tokens_per_sec"] / eager["tokens_per_sec"]
+        elif defaults and "hand compiled" in what and compiled:
+            value = defaults["tokens_per_sec"] / compiled["tokens_per_sec"]
+        met = None if value is None else value >= threshold
+        targets.append({"group": group, "what": what, "target": threshold, "value": value, "met": met})
+    target_lines = [[t["group"], t["what"], f">= {t['target']:.2f}" if t["target"] > 1 or "MFU" not in t["what"]
+                     else f">= {100 * t['target']:.0f} %",
+                     "n/a" if t["value"] is None else (fmt(100 * t["value"], ".1f") + " %" if "MFU" in t["what"]
+                                                       else fmt(t["value"], ".3f")),
+                     "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")] for t in targets]
+    notes = [f"Steps {warm + 1}-{steps} of each launch timed (a device synchronisation after each step); "
+             f"{'bf16 on both sides' if not dry else 'precision=auto on both sides'}; fsdp rows on {nproc} "
+             "rank(s). Each model's batch is what data.batch_size=auto picks (the memory planner's largest fit "
+             "with its error margin), the same for every row of the model. MFU: the model's FLOPs per token (6N "
+             "plus attention) over the datasheet peak of the device (hydratrain.metrics). compile s: the first "
+             "step's seconds minus a timed step's (cold inductor cache unless an earlier row compiled the same "
+             "graph).",
+             "hydratrain rows run its defaults: precision=auto (bf16 on a GPU), trainer.compile=auto (on CUDA the "
+             "whole model under single, per block under fsdp), and strategy=fsdp on one GPU trains as single "
+             "(strategy.shard_on_one_rank=auto; the 'FSDP kept' row is the same work as the hand-written FSDP "
+             "rows). Where a target is not met, the profile files (profile-*.txt: top device kernels of the "
+             "profiled steps; 'profile_busy' in results.jsonl: the share of those steps' wall time the device was "
+             "busy) show what stands in the way: a busy share well below 1 is host overhead, a top kernel list led "
+             "by attention or the head is the model's ceiling.",
+             TORCHTITAN_NOTE]
+    if dry:
+        notes.insert(0, "DRY RUN on CPU: tiny models named after the GPU ones, compile disabled unless "
+                     "--dry-compile; the figures say nothing about speed.")
+    text = (body + "\n\n## Targets (one H200, bf16)\n\n" +
+            table(["model, strategy", "what", "target", "measured", "status"], target_lines) +
+            "\n\n## Notes\n\n" + "\n\n".join(notes))
+    return text, targets
+
+
+if __name__ == "__main__":
+    sys.exit(main())
