@@ -23,7 +23,7 @@ model's FLOPs per token over the device's datasheet peak, ``hydratrain.metrics``
 and compile seconds (the first step's seconds minus a timed step's). The budget is kept by construction: each launch
 gets at most the time left (``--budget-s`` in all), and a row that would start with less than ``--min-case-s`` left
 is reported as skipped. Results: ``<out>/results.jsonl`` (machine, plan, one line per row, the targets) and
-``<out>/results.md`` (the table, the targets of issue 27's item 5 with their measured values, notes).
+``<out>/results.md`` (the table, the speed targets with their measured values, notes).
 """
 from __future__ import annotations
 
