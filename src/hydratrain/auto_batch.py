@@ -52,8 +52,9 @@ def resolve(cfg, strategy, info, precision, vocab_size: Optional[int], limit: in
     The result is a copy (the composed config is never written).
 
     Raises :class:`~hydratrain.errors.ConfigError` naming ``data.batch_size`` when the planner cannot model this
-    setup (another model than the built-in GPT/Llama, another strategy). When not even one sample per rank is
-    predicted to fit, picks 1 and warns (the memory plan's line then lists changes that fit)."""
+    setup (a strategy it does not model) or cannot predict all of a step (no example batch of a dataset node).
+    When not even one sample per rank is predicted to fit, picks 1 and warns (the memory plan's line then lists
+    changes that fit)."""
     if str(cfg.data.get("batch_size")).strip().lower() != "auto":
         return cfg
     from hydratrain import plan
@@ -70,6 +71,11 @@ def resolve(cfg, strategy, info, precision, vocab_size: Optional[int], limit: in
     margin = plan.error_margin(info.device.type)
     allowed = int(budget / margin)
     peaks: dict[int, int] = {}
+
+    first = plan.predict(setup)
+    if first.unpredicted:  # (a dataset node gives an example batch only once built)
+        raise ConfigError("data.batch_size", "auto", f"needs the memory planner's whole step, but it does not "
+                          f"predict {'; '.join(first.unpredicted)}; allowed here: a positive integer")
 
     def predict(batch_size: int) -> int:
         peaks[batch_size] = plan.predict(setup.replace(batch_size=batch_size)).peak

@@ -282,5 +282,6 @@ def test_batch_size_auto_needs_a_model_the_planner_knows(compose, tmp_path):
 
     cfg = compose(["+experiment=digits_cnn", "strategy=single", "device=cpu", "logger.tensorboard=false",
                    "logger.peak_flops=1e12", "data.batch_size=auto"])
-    with pytest.raises(ConfigError, match="^data.batch_size='auto': needs the memory planner, but model._target_="):
+    with pytest.raises(ConfigError, match="^data.batch_size='auto': needs the memory planner's whole step, but it "
+                                          "does not predict activations"):
         build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), tmp_path, tmp_path)
