@@ -193,34 +193,37 @@ def build_model(cfg: DictConfig, device: Any, vocab_size: Optional[int] = None):
     included). Raises :class:`ConfigError`: the model's own (naming its key), or one naming ``model._target_`` with
     what the constructor raised."""
     import torch
-    from hydra.utils import instantiate
 
     target = target_of(cfg.get("model"), "model")
     cls = locate(target, "model")
     kwargs = model_kwargs(cfg, vocab_size)
     check_call(cls, kwargs, "model", target)
     node = {"_target_": target, **{k: v for k, v in _plain(cfg.model).items() if k in _HYDRA_KEYS[1:]}, **kwargs}
-    try:
-        with torch.device(device):
-            model = instantiate(node, _convert_="all")
-    except ConfigError:
-        raise
-    except Exception as err:
-        raise _built_with_error(err, target) from None
+    with torch.device(device):
+        model = instantiate_node(node, "model._target_", target, "its constructor raised")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model._target_", target, f"built a {type(model).__name__}, not a torch.nn.Module")
     return model
 
 
-def _built_with_error(err: BaseException, target: str) -> ConfigError:
-    cause = err
-    while cause.__cause__ is not None or (cause.__context__ is not None and "InstantiationException" in
-                                           type(cause).__name__):
-        cause = cause.__cause__ or cause.__context__
-    if isinstance(cause, ConfigError):
-        return cause
-    why = (str(cause).strip().splitlines() or [""])[0]
-    return ConfigError("model._target_", target, f"its constructor raised {type(cause).__name__}: {why}")
+def instantiate_node(node: dict, key: str, target: str, what: str) -> Any:
+    """``hydra.utils.instantiate(node)`` (containers as plain lists and dicts). What the target raises becomes a
+    :class:`ConfigError` naming ``key``, ``target`` and ``<what> <ExceptionType>: <its first line>``; a ConfigError the
+    target raises itself (a component's own check, naming its key) is raised as it is."""
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, _convert_="all")
+    except ConfigError:
+        raise
+    except Exception as err:
+        cause = err
+        while cause.__cause__ is not None:  # Hydra's InstantiationException wraps the target's error
+            cause = cause.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        why = (str(cause).strip().splitlines() or [""])[0]
+        raise ConfigError(key, target, f"{what} {type(cause).__name__}: {why}") from None
 
 
 # ------------------------------------------------------------------------------------------------ loss, metrics
@@ -266,23 +269,12 @@ def build_callable(node: Any, key: str) -> Callable:
 
 
 def _instantiate(node: Any, key: str) -> Any:
-    from hydra.utils import instantiate
-
     target = target_of(node, key)
     obj = locate(target, key)
     plain = _plain(node)
     kwargs = {k: v for k, v in plain.items() if k not in _HYDRA_KEYS}
     check_call(obj, kwargs, key, target, partial=bool(plain.get("_partial_")))
-    try:
-        return instantiate(plain, _convert_="all")
-    except Exception as err:
-        cause = err
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        why = (str(cause).strip().splitlines() or [""])[0]
-        raise ConfigError(key, plain, f"building {target} raised {type(cause).__name__}: {why}") from None
+    return instantiate_node(plain, f"{key}._target_", target, "building it raised")
 
 
 # --------------------------------------------------------------------------------------------------- checks

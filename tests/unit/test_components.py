@@ -104,9 +104,9 @@ def test_a_module_that_nothing_can_initialise_after_a_meta_build_is_named(cli, o
     (["+model.widht=3"], "model.widht=3: not a keyword of mypkg.nets.ResMLP; allowed: in_features, width, depth, "
                          "num_classes"),
     (["model.width=wide"], "model.width='wide': must be int (as mypkg.nets.ResMLP annotates it)"),
-    (["~metrics.accuracy.num_classes"], "metrics.accuracy={'_target_': 'torchmetrics.classification.MulticlassAccuracy'"
-                                        "}: building torchmetrics.classification.MulticlassAccuracy raised ValueError: "
-                                        "Argument `num_classes` can only be `None` for `average='micro'`"),
+    (["~metrics.accuracy.num_classes"], "metrics.accuracy._target_='torchmetrics.classification.MulticlassAccuracy'"
+                                        ": building it raised ValueError: Argument `num_classes` can only be `None` "
+                                        "for `average='micro'`"),
     (["+model.in_features=3"], "model._target_='mypkg.nets.ResMLP': its forward refused the first batch (inputs "
                                "(64, 2) float32): RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     (["loss=mse"], "loss._target_='torch.nn.MSELoss': refused the model's outputs (64, 3) float32 against targets "

@@ -85,24 +85,13 @@ def load_datasets(data: DictConfig) -> dict:
     """``{"train": Dataset, "val": Dataset}`` from the dataset node (its target's result, or one dataset split by
     ``data.val_fraction``). Raises :class:`ConfigError` naming ``data._target_`` when the target raises or returns
     something else."""
-    from hydra.utils import instantiate
-
-    from hydratrain.components import importable, target_of
+    from hydratrain.components import importable, instantiate_node, target_of
 
     target = target_of(data, "data")
     importable()
     node = {"_target_": target, **{k: v for k, v in OmegaConf.to_container(data, resolve=True).items()
                                    if k.startswith("_") and k != "_target_"}, **_kwargs(data)}
-    try:
-        made = instantiate(node, _convert_="all")
-    except Exception as err:
-        cause = err
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise ConfigError("data._target_", target, f"raised {type(cause).__name__}: "
-                          f"{(str(cause).strip().splitlines() or [''])[0]}") from None
+    made = instantiate_node(node, "data._target_", target, "raised")
     if isinstance(made, dict):
         if "train" not in made:
             raise ConfigError("data._target_", target, f"returned a dict without 'train' (keys: "
