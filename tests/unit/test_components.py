@@ -160,3 +160,40 @@ def test_a_function_loss_and_collate_fn_are_called_with_their_keywords_bound(cli
     import mypkg.extra
 
     assert mypkg.extra.CALLS and set(mypkg.extra.CALLS) == {0.1}
+
+
+def test_blocks_are_never_containers_and_lists_of_lists_give_the_blocks_inside():
+    """Stages held as a ModuleList of ModuleLists gave the class ModuleList as the block: FSDP refused to shard a
+    container without forward (a traceback) and activation checkpointing wrapped nothing."""
+    from torch import nn
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.parallel.blocks import find_blocks
+
+    class Blk(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+    model = nn.Module()
+    model.stages = nn.ModuleList(nn.ModuleList(Blk() for _ in range(2)) for _ in range(3))
+    blocks = find_blocks(model)
+    assert blocks.describe() == "6 Blk" and all(type(b) is Blk for b in blocks.modules)
+    with pytest.raises(ConfigError, match="'ModuleList' is a container without a forward of its own"):
+        find_blocks(model, ["ModuleList"])
+
+
+def test_an_output_fsdp_cannot_walk_is_one_line_at_the_first_step(cli, own):
+    """A forward returning a plain object with .logits (a SimpleNamespace) left FSDP's backward on freed parameters:
+    an opaque storage error. Under FSDP it is refused in one line; single and DDP train with it."""
+    (own / "mypkg" / "odd_out.py").write_text(
+        "import types\nfrom mypkg.nets import ResMLP\n\n"
+        "class Wrapped(ResMLP):\n    def forward(self, x):\n"
+        "        return types.SimpleNamespace(logits=super().forward(x))\n")
+    args = [*QUICK, "model._target_=mypkg.odd_out.Wrapped", "trainer.max_steps=2"]
+    r = cli([*args, "strategy=fsdp", "wrap_policy=none"], own / "fsdp", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: model._target_='mypkg.odd_out.Wrapped': its forward returns a SimpleNamespace, "
+        "whose tensors FSDP cannot see (it walks tensors, lists, tuples, dicts and dataclasses): return one of those "
+        "(a dict {'logits': ...} or a dataclass), or use strategy=ddp"], r.output[-3000:]
+    assert cli([*args, "strategy=single"], own / "single", fast=False).returncode == 0

@@ -5,8 +5,12 @@
   (``LlamaDecoderLayer``), matched against the classes of the model's modules;
 - else a Hugging Face model's ``_no_split_modules`` (the class names ``transformers`` itself keeps whole when it
   splits a model across devices; accelerate's FSDP auto-wrap reads the same list);
-- else the class of the children of the model's largest ``nn.ModuleList`` (by parameter count), when they are all
-  of one class: the decoder layers of a transformer, the stages of a CNN.
+- else the class of the children of the model's largest ``nn.ModuleList`` (by parameter count) whose children are all
+  of one class: the decoder layers of a transformer, the stages of a CNN; lists of lists (stages of blocks) give the
+  blocks inside them.
+
+Containers without a forward of their own (``nn.ModuleList``, ``nn.ModuleDict``) are never blocks: nothing calls them,
+so FSDP cannot shard them as a unit and activation checkpointing or compile would wrap nothing.
 """
 from __future__ import annotations
 
@@ -69,14 +73,22 @@ def _no_split_names(model: nn.Module) -> list[str]:
     return [str(n) for n in names] if names else []
 
 
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never a block
+
+
 def largest_module_list(model: nn.Module) -> Optional[nn.ModuleList]:
-    """The ``nn.ModuleList`` of ``model`` holding the most parameters, or None when it has none."""
+    """The ``nn.ModuleList`` of ``model`` holding the most parameters among those whose children are all of one
+    class that is not a container (:data:`CONTAINERS`), or None when it has none."""
     best, most = None, -1
     for m in model.modules():
-        if isinstance(m, nn.ModuleList) and len(m):
-            n = sum(p.numel() for p in m.parameters())
-            if n > most:
-                best, most = m, n
+        if not isinstance(m, nn.ModuleList) or not len(m):
+            continue
+        kinds = {type(_inner(c)) for c in m}
+        if len(kinds) != 1 or issubclass(next(iter(kinds)), CONTAINERS):
+            continue
+        n = sum(p.numel() for p in m.parameters())
+        if n > most:
+            best, most = m, n
     return best
 
 
@@ -97,6 +109,9 @@ def find_blocks(model: nn.Module, block_classes: Optional[Sequence[str]] = None,
         names = [str(n) for n in block_classes]
         present = {type(_inner(m)) for m in model.modules()}
         for name in names:
+            if any(_class_matches(c, name) for c in CONTAINERS):
+                raise ConfigError(key, names, f"{name!r} is a container without a forward of its own (nothing calls "
+                                  "it, so it cannot be a unit): name the class of the modules inside it")
             if not any(_class_matches(c, name) for c in present):
                 known = sorted({c.__name__ for c in present if c not in (nn.ModuleList, nn.ModuleDict)})
                 raise ConfigError(key, names, f"{name!r} matches no module of the model; its classes with "
@@ -109,17 +124,15 @@ def find_blocks(model: nn.Module, block_classes: Optional[Sequence[str]] = None,
             return found
     biggest = largest_module_list(model)
     if biggest is not None:
-        kinds = {type(_inner(m)) for m in biggest}
-        if len(kinds) == 1:
-            return _blocks(model, lambda c: c in kinds, "the largest nn.ModuleList")
+        kind = type(_inner(biggest[0]))
+        return _blocks(model, lambda c: c is kind, "the largest nn.ModuleList")
     return Blocks([], (), "none found")
 
 
 def _blocks(model: nn.Module, class_matches, source: str) -> Blocks:
     def matches(m: nn.Module) -> bool:
-        if hasattr(m, "_checkpoint_wrapped_module") or hasattr(m, "_orig_mod"):
-            return class_matches(type(_inner(m)))
-        return class_matches(type(m))
+        cls = type(_inner(m))
+        return not issubclass(cls, CONTAINERS) and class_matches(cls)
 
     modules = _outermost(model, matches)
     return Blocks(modules, tuple(dict.fromkeys(type(_inner(m)) for m in modules)), source)

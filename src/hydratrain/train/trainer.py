@@ -131,7 +131,25 @@ class Trainer:
         self._stage = "loss"
         if not self._contract_checked:  # kept for the first batch's error line only (it holds the logits)
             self._outputs = outputs
+            self._check_outputs_visible(outputs)
         return batches_.loss_of(outputs, batch, self.loss_fn)
+
+    def _check_outputs_visible(self, outputs) -> None:
+        """Under FSDP, the output's tensors must be reachable as PyTorch walks module outputs (tensors, and lists,
+        tuples, dicts, dataclasses of them: ``torch.distributed.utils._apply_to_tensors``): FSDP hooks the backward
+        of the tensors it finds there to gather the root's parameters again, and an output object it cannot walk
+        (a plain class, a ``SimpleNamespace``) left backward on freed parameters, an opaque storage error. Raises
+        :class:`ConfigError` naming ``model._target_``."""
+        if not self.strategy.shards_parameters or isinstance(outputs, torch.Tensor):
+            return
+        from torch.distributed.utils import _apply_to_tensors
+
+        found: list = []
+        _apply_to_tensors(lambda x: found.append(x) or x, outputs)
+        if not found:
+            raise ConfigError("model._target_", self.contract[0], f"its forward returns a {type(outputs).__name__}, "
+                              "whose tensors FSDP cannot see (it walks tensors, lists, tuples, dicts and dataclasses): "
+                              "return one of those (a dict {'logits': ...} or a dataclass), or use strategy=ddp")
 
     def checked_loss_of(self, batch) -> torch.Tensor:
         """:meth:`loss_of`, where an error of the forward or the loss on this launch's first micro-batch becomes a
