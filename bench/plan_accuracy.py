@@ -12,9 +12,9 @@ ships (``digits_*``, ``own_*``: the process's baseline makes most of the peak) a
 
 Allocator: glibc's malloc keeps freed memory in its heap, and on CPU the resident peak of a training step ends up
 40-120% above the bytes of the tensors alive at any moment (heap fragmentation, growing over the first steps; see
-README "Memory planner"). The planner predicts the tensors. With ``--malloc mmap`` (the default here) every run gets
-``MALLOC_MMAP_THRESHOLD_=131072``: each allocation of 128 KiB or more is mapped on its own and returned when freed, so
-the resident set measures what the tensors need; ``--malloc default`` measures glibc as it comes.
+docs/memory-planner.md, "CPU and glibc"). The planner predicts the tensors. With ``--malloc mmap`` (the default here)
+every run gets ``MALLOC_MMAP_THRESHOLD_=131072``: each allocation of 128 KiB or more is mapped on its own and returned
+when freed, so the resident set measures what the tensors need; ``--malloc default`` measures glibc as it comes.
 
 Each configuration trains for ``--steps`` optimizer steps (>= 2: from step 2 on AdamW's moments exist during forward
 and backward) on synthetic data; samples, weights, checkpoints and TensorBoard off, one eval at the end on 8 samples.
