@@ -115,6 +115,8 @@ def test_a_module_that_nothing_can_initialise_after_a_meta_build_is_named(cli, o
     (["metrics.accuracy.num_classes=2"], "metrics.accuracy._target_='torchmetrics.classification.accuracy."
                                          "MulticlassAccuracy': refused the model's outputs (64, 3) float32 against "
                                          "targets (64,) int64"),
+    (["trainer.objective=eval/perplexity"], "trainer.objective='eval/perplexity': allowed: eval/loss, eval/accuracy "
+                                            "(perplexity is logged with a loss that reports it: loss=next_token)"),
     (["+data.shuffle=true"], "data.shuffle=True: not a keyword of mypkg.data.spirals; allowed: n, classes, noise, "
                              "seed"),
 ])

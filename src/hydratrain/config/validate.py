@@ -373,11 +373,16 @@ def validate(cfg: DictConfig) -> None:
     if strategy == StrategyName.single and launched > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
                           f"{launched}; allowed: ddp, fsdp, hsdp")
-    objective = cfg.trainer.objective
-    allowed = ["eval/loss", "eval/perplexity", *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
-    if objective not in allowed:
-        raise ConfigError("trainer.objective", objective, f"allowed: {', '.join(allowed)}")
     check_components(cfg)
+    objective = cfg.trainer.objective
+    from hydratrain.components import build_loss
+
+    perplexity = ["eval/perplexity"] if getattr(build_loss(cfg), "perplexity", False) else []  # (next_token)
+    allowed = ["eval/loss", *perplexity, *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
+    if objective not in allowed:
+        why = " (perplexity is logged with a loss that reports it: loss=next_token)" if "perplexity" in objective \
+            else ""
+        raise ConfigError("trainer.objective", objective, f"allowed: {', '.join(allowed)}{why}")
 
 
 def _number(value: Any) -> bool:
