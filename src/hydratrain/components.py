@@ -75,9 +75,13 @@ def _no_target(key: str, target: Any, keys: list) -> str:
 def locate(target: str, key: str) -> Any:
     """The object ``target`` names (imported as Hydra's ``instantiate`` would). Raises :class:`ConfigError` naming
     ``<key>._target_`` and the import error."""
+    import logging
+
     from hydra.utils import get_object
 
     importable()
+    quiet = logging.getLogger("hydra.utils")  # it logs the failure in 3 lines before raising; the line below says it
+    was, quiet.disabled = quiet.disabled, True
     try:
         return get_object(target)
     except Exception as err:  # ImportError, AttributeError, a module that raises on import
@@ -87,6 +91,8 @@ def locate(target: str, key: str) -> Any:
         why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         raise ConfigError(f"{key}._target_", target, f"cannot be imported ({type(cause).__name__}: {why}); is its "
                           "package in the launch dir or on PYTHONPATH?") from None
+    finally:
+        quiet.disabled = was
 
 
 def _signature(obj: Any) -> Optional[inspect.Signature]:
@@ -291,10 +297,15 @@ def check_components(cfg: DictConfig) -> None:
     cls = locate(target, "model")
     check_call(cls, model_kwargs(cfg), "model", target)
     try:
-        build_model(cfg, "meta")
+        model = build_model(cfg, "meta")
     except ConfigError as err:
         if err.key != "model._target_":  # the model's own check, naming its key
             raise
+        model = None
+    limit, seq_len = getattr(model, "max_seq_len", None), cfg.data.get("seq_len") if cfg.get("data") else None
+    if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
+        raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "
+                          f"({type(model).__name__}.max_seq_len); allowed: <= {limit}")
     build_loss(cfg)
     build_metrics(cfg)
     data = cfg.get("data")

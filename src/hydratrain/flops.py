@@ -51,6 +51,10 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
                 loss.backward()
         return counter.get_total_flops() / max(n, 1)
 
+    import logging
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # logs every failed meta kernel with its traceback
+    was, quiet.disabled = quiet.disabled, True
     try:
         try:
             return count(contextlib.nullcontext())
@@ -62,6 +66,8 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
         log.warning("model FLOPs not counted (MFU not logged): the model does not run on the meta device: %s: %s",
                     type(err).__name__, (str(err).strip().splitlines() or [""])[0])
         return math.nan
+    finally:
+        quiet.disabled = was
 
 
 def _fake(mode: Any, value: Any) -> Any:

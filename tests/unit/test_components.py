@@ -125,6 +125,7 @@ def test_each_bad_component_is_one_line_naming_its_key(cli, own, args, line):
     assert r.returncode == 2, r.output[-3000:]
     lines = r.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"hydratrain: config error: {line}"), r.err[-2000:]
+    assert "Error getting object" not in r.output  # (Hydra's own 3-line log of a failed import)
 
 
 def test_a_model_option_that_names_no_class_is_refused(cli, own):

@@ -223,6 +223,9 @@ def _bad_inputs(tmp_path: Path) -> list:
         ([f"model.pretrained={src}", "~model.config", "data=hf_dataset", f"data.paths=[{data}]",
           "data.text_field=content", f"data.tokenizer={big}"],
          f"data.tokenizer='{big}': the tokenizer {big} has 400 tokens, more than the model's vocabulary of 320"),
+        (["~model.config", "+model.config={model_type: gpt2, n_embd: 32, n_layer: 1, n_head: 2, n_positions: 16}",
+          "data.seq_len=32"],
+         "data.seq_len=32: longer than the 16 positions the model has"),
     ]
 
 

@@ -242,6 +242,13 @@ class HFCausalLM:
     _hf_class: type = None  # set on each mixed class
     _hydratrain_weights: Optional[PretrainedWeights] = None  # model.pretrained's, read by init_param_
 
+    @property
+    def max_seq_len(self) -> Optional[int]:
+        """Positions the model has learned embeddings for (``n_positions``: GPT-2 and its kin), checked against
+        ``data.seq_len`` before any process group; None for rotary models (Llama...), which take any length."""
+        value = getattr(self.config, "n_positions", None)
+        return value if isinstance(value, int) else None
+
     def init_param_(self, name: str, tensor, generator) -> None:
         """Fill ``tensor`` (the full shape of parameter ``name``; a name may carry wrapper prefixes) with its initial
         values: ``model.pretrained``'s tensor when given (cast to ``tensor``'s dtype), else the architecture's own
