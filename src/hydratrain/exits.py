@@ -68,7 +68,7 @@ def _end_with_error(err: HydratrainError, env) -> None:
         end_preempted(recorded_preemption(), env)  # to it), or what followed the signal (a peer left first)
     if env is None or env.local_rank == 0 or not (  # the same on every rank: each node's first rank says it
             err.exit_status == EXIT_CONFIG or getattr(err, "same_on_every_rank", False)):
-        say(f"hydratrain: {err.label}: {err}" + (resume_hint(err.resume_hint) if env is None or env.rank == 0 else ""))
+        say(f"hydratrain: {err.label}: {err}" + (resume_hint(err.resume_hint) if _says_how_to_resume(err, env) else ""))
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
     release_sigterm()
     if in_multirun():
@@ -156,6 +156,14 @@ def composition_error_line(err: BaseException) -> str:
                    .splitlines()[1:] if o.strip()]
         line += f" (available: {', '.join(options)})"
     return line
+
+
+def _says_how_to_resume(err, env) -> bool:
+    """Whether this rank's line carries the resume command: rank 0's, or rank 1's when rank 0 is the rank that failed
+    (killed, out of memory: it says nothing more)."""
+    if env is None or env.world_size == 1:
+        return True
+    return env.rank == (1 if getattr(err, "failed_rank", None) == 0 else 0)
 
 
 def resume_hint(how: Optional[str]) -> str:

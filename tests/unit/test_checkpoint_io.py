@@ -430,3 +430,13 @@ def test_an_unfinished_save_that_cannot_be_removed_is_not_said_to_be_removed(tmp
         recover_unfinished_saves(tmp_path)
     assert stale.is_dir() and "could not remove" in caplog.text and "Operation not permitted" in caplog.text
     assert "removed " not in caplog.text
+
+
+def test_one_class_under_two_paths_is_the_same_architecture():
+    """A re-export or a moved module that the old path still imports names the same class: a resume or init_from
+    across the two spellings is not refused as another architecture."""
+    from hydratrain.checkpoint.manager import architecture_diff
+
+    assert architecture_diff({"_target_": "torch.nn.modules.linear.Linear"}, {"_target_": "torch.nn.Linear"}) == []
+    assert architecture_diff({"_target_": "torch.nn.Linear"}, {"_target_": "torch.nn.Conv2d"}) == [
+        "model._target_: 'torch.nn.Linear' -> 'torch.nn.Conv2d'"]

@@ -200,3 +200,24 @@ def test_an_output_fsdp_cannot_walk_is_one_line_at_the_first_step(cli, own):
         "whose tensors FSDP cannot see (it walks tensors, lists, tuples, dicts and dataclasses): return one of those "
         "(a dict {'logits': ...} or a dataclass), or use strategy=ddp"], r.output[-3000:]
     assert cli([*args, "strategy=single"], own / "single", fast=False).returncode == 0
+
+
+def test_activation_checkpointing_leaves_batchnorm_statistics_as_one_step_makes_them():
+    """The recomputation of a checkpointed block in backward runs its forward in train mode again: BatchNorm's
+    running statistics were updated twice per step (num_batches_tracked 2 after one step), so eval and the exported
+    model depended on whether activation checkpointing was on."""
+    from hydratrain.examples.digits import DigitsCNN
+    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    plain = DigitsCNN(channels=8, depth=2)
+    checkpointed = DigitsCNN(channels=8, depth=2)
+    checkpointed.load_state_dict(plain.state_dict())
+    assert apply_activation_checkpointing(checkpointed) == 2
+    x, y = torch.rand(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    for model in (plain, checkpointed):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    a, b = plain.state_dict(), checkpointed.state_dict()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert int(a["blocks.0.norm.num_batches_tracked"]) == 1

@@ -126,3 +126,17 @@ def test_a_rank_waits_for_the_rank_that_failed_to_say_it_is_exiting():
     started = time.monotonic()
     assert watch._leave_after(Store(99.0), "rank 0: RuntimeError: boom") is False
     assert time.monotonic() - started < 2.0
+
+
+def test_the_resume_command_comes_from_rank_1_when_rank_0_is_the_rank_that_failed():
+    """A killed (out-of-memory) rank 0 says nothing more: the survivor's line carries the command that resumes."""
+    from types import SimpleNamespace
+
+    from hydratrain.dist.process_group import PeerFailedError
+    from hydratrain.exits import _says_how_to_resume
+
+    zero = PeerFailedError("another rank failed first (rank 0 stopped responding (no heartbeat for 3.0 s)); ...")
+    one = PeerFailedError("another rank failed first (rank 1: RuntimeError: boom); this rank lost it")
+    ranks = [SimpleNamespace(rank=r, world_size=2) for r in (0, 1)]
+    assert [_says_how_to_resume(zero, env) for env in ranks] == [False, True]
+    assert [_says_how_to_resume(one, env) for env in ranks] == [True, False]

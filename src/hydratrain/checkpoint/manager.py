@@ -248,11 +248,18 @@ def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[st
     from hydratrain.errors import ConfigError
 
     before, now = saved_model.get("_target_") or LEGACY_MODEL, model.get("_target_") or LEGACY_MODEL
-    if _canonical_target(before) != _canonical_target(now):
-        return [f"model._target_: {before!r} -> {now!r}"]
     try:
         cls = components.locate(now, "model")
     except ConfigError:
+        cls = None
+    if _canonical_target(before) != _canonical_target(now):
+        try:  # one class under two paths (a re-export, a moved module the old path still imports) is the same model
+            same = cls is not None and components.locate(before, "model") is cls
+        except ConfigError:
+            same = False
+        if not same:
+            return [f"model._target_: {before!r} -> {now!r}"]
+    if cls is None:
         return []
     arch = getattr(cls, "architecture", None)
     if not callable(arch):

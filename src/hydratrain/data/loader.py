@@ -57,6 +57,9 @@ def check_data_node(data: DictConfig) -> None:
     from hydratrain.components import check_call, locate, target_of
 
     s = data_settings(data)
+    if str(s["batch_size"]).strip().lower() == "auto":
+        raise ConfigError("data.batch_size", "auto", "needs the memory planner to run the model on a batch of the "
+                          "data, which a dataset node gives only once built; allowed here: a positive integer")
     for key in ("batch_size", "num_workers", "prefetch_factor"):
         value = s[key]
         if value is None and key == "prefetch_factor":

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -52,6 +53,8 @@ class PeerFailedError(HydratrainError):
 
     def __init__(self, message: str, linger_s: float = 0.0):
         self.linger_s = linger_s
+        found = re.search(r"failed first \(rank (\d+)", message)
+        self.failed_rank = int(found.group(1)) if found else None  # the rank that failed, when the record names it
         super().__init__(message)
 
 

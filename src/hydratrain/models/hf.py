@@ -54,6 +54,14 @@ def _transformers():
     return transformers
 
 
+def _first_line(err: BaseException, limit: int = 300) -> str:
+    """``err``'s message in one line: its first line, and the next one too when the first ends with a colon (the
+    reason of a ``transformers`` validation error sits there)."""
+    lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()] or [""]
+    line = f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+    return line[:limit]
+
+
 # --------------------------------------------------------------------------------------------------- config
 def _config_file(value: Union[str, Path], key: str) -> Path:
     path = Path(value).expanduser()
@@ -72,7 +80,7 @@ def _read_config(path: Path, key: str):
                                           local_files_only=True)
     except Exception as err:  # noqa: BLE001 (transformers raises ValueError, OSError, KeyError...)
         raise ConfigError(key, str(path), f"not a transformers config ({type(err).__name__}: "
-                          f"{(str(err).strip().splitlines() or [''])[0][:300]})") from None
+                          f"{_first_line(err)})") from None
 
 
 def _allowed_keys(config_class: type) -> list[str]:
@@ -120,7 +128,7 @@ def hf_config(config: Union[None, str, dict], pretrained: Optional[str]) -> Any:
         raise
     except Exception as err:  # noqa: BLE001 (the config class's own checks: ValueError, TypeError...)
         raise ConfigError("model.config", given, f"{cls.__name__} refused it ({type(err).__name__}: "
-                          f"{(str(err).strip().splitlines() or [''])[0][:300]})") from None
+                          f"{_first_line(err)})") from None
     unknown = _unknown_keys(made, given)
     if unknown:
         allowed = _allowed_keys(cls)
@@ -438,7 +446,7 @@ def causal_lm(config: Union[None, str, dict] = None, pretrained: Optional[str] =
     except Exception as err:  # noqa: BLE001 (the architecture's own checks of its config)
         raise ConfigError("model.config", made.to_dict() if config is None or isinstance(config, (str, Path))
                           else config, f"{cls.__name__} refused it ({type(err).__name__}: "
-                          f"{(str(err).strip().splitlines() or [''])[0][:300]})") from None
+                          f"{_first_line(err)})") from None
     if pretrained:
         weights = PretrainedWeights(pretrained)
         check_pretrained(model, weights)

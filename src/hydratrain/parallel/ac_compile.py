@@ -29,11 +29,11 @@ uses: AC, then compile, then FSDP). Blocks come from :mod:`hydratrain.parallel.b
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 from torch import nn
 
@@ -98,7 +98,9 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Optional[Blocks] = 
 
     Uses ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (its prefix is stripped from state-dict keys
     by ``torch.distributed.checkpoint.state_dict``, so checkpoints do not depend on it). ``blocks`` then holds the
-    wrappers.
+    wrappers. A block holding BatchNorm layers that track running statistics recomputes its forward in train mode
+    in backward, which would update those statistics a second time per step: its recomputation keeps them as the
+    forward left them (:func:`_statistics_kept`), so checkpointing changes nothing a step computes.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
@@ -107,11 +109,39 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Optional[Blocks] = 
     )
 
     blocks = blocks if blocks is not None else find_blocks(model)
-    wrapper = partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+    def wrapper(module: nn.Module) -> nn.Module:
+        from torch.nn.modules.batchnorm import _BatchNorm
+
+        norms = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats]
+        if not norms:
+            return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                  context_fn=lambda: (contextlib.nullcontext(), _statistics_kept(norms)))
+
     chosen = {id(m) for m in blocks.modules}
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
     blocks.modules = [w for w in model.modules() if id(getattr(w, "_checkpoint_wrapped_module", None)) in chosen]
     return len(blocks.modules)
+
+
+@contextlib.contextmanager
+def _statistics_kept(norms: list) -> Iterator[None]:
+    """The running statistics (mean, var, batch count) of ``norms`` as they are on entry, put back on exit: the
+    recomputation of a checkpointed block in backward must not update them again."""
+    import torch
+
+    with torch.no_grad():
+        kept = [[b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+                for m in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, saved in zip(norms, kept):
+                for b, s in zip([b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None],
+                                saved):
+                    b.copy_(s)
 
 
 def compile_blocks(blocks: Blocks, **options) -> int:
