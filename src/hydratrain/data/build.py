@@ -63,6 +63,10 @@ def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Opti
     from hydratrain.dist.collectives import barrier
 
     if is_dataset_node(cfg.data):
+        if "vocab_size" in cfg.model and cfg.model.vocab_size is None and info.is_main:
+            log.warning("model.vocab_size=null takes the data's vocabulary, but data=%s (a dataset node) has none: the "
+                        "model keeps its own default; set model.vocab_size to the ids your data holds",
+                        cfg.data._target_)
         return None, cfg.model.get("vocab_size")
     tokenizer = tokenizer_for(cfg.data, launch_dir, progress and info.is_main, cache_dir=cache_dir) \
         if info.local_rank == 0 else None
