@@ -125,6 +125,7 @@ def test_each_bad_component_is_one_line_naming_its_key(cli, own, args, line):
     assert r.returncode == 2, r.output[-3000:]
     lines = r.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"hydratrain: config error: {line}"), r.err[-2000:]
+    assert "step 2/" not in r.output and "eval at step" not in r.output  # refused at the first step at the latest
     assert "Error getting object" not in r.output  # (Hydra's own 3-line log of a failed import)
 
 
@@ -221,3 +222,38 @@ def test_activation_checkpointing_leaves_batchnorm_statistics_as_one_step_makes_
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert int(a["blocks.0.norm.num_batches_tracked"]) == 1
+
+
+def test_a_loss_without_a_graph_and_a_parameter_ddp_never_sees_are_one_line_at_the_first_step(cli, own):
+    """A loss computed on detached outputs was autograd's traceback on every rank; a parameter the forward never uses
+    stalled DDP at step 2 with torch's traceback naming its constructor argument, not hydratrain's key."""
+    (own / "mypkg" / "quirks.py").write_text(
+        "import torch.nn.functional as F\nfrom torch import nn\nfrom mypkg.nets import ResMLP\n\n"
+        "def detached_ce(outputs, targets):\n    return F.cross_entropy(outputs.detach(), targets)\n\n"
+        "class WithAux(ResMLP):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
+        "        self.aux = nn.Linear(3, 3)  # used only sometimes, in a researcher's model\n")
+    r = cli([*QUICK, "strategy=single", "loss._target_=mypkg.quirks.detached_ce"], own / "det", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: loss._target_='mypkg.quirks.detached_ce': its result does not depend on the "
+        "model's parameters (no grad_fn: the outputs detached, computed under no_grad, or every parameter frozen), so "
+        "there is nothing to train"], r.output[-3000:]
+    r = cli([*QUICK, "strategy=ddp", "model._target_=mypkg.quirks.WithAux"], own / "aux", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: strategy.find_unused_parameters=False: aux.weight, aux.bias got no gradient in the "
+        "first step (the forward did not use them), which stalls DistributedDataParallel's next step: set "
+        "strategy.find_unused_parameters=true, or freeze them (requires_grad=False)"], r.output[-3000:]
+    assert "step 1/" not in r.output  # refused before the first log line
+    ok = cli([*QUICK, "strategy=ddp", "model._target_=mypkg.quirks.WithAux", "strategy.find_unused_parameters=true",
+              "trainer.max_steps=2"], own / "aux_ok", fast=False)
+    assert ok.returncode == 0, ok.output[-3000:]
+
+
+def test_samples_the_default_collate_cannot_batch_are_one_line_naming_collate_fn(cli, own):
+    (own / "mypkg" / "var.py").write_text(
+        "import torch\n\nclass Var(torch.utils.data.Dataset):\n    def __len__(self):\n        return 64\n\n"
+        "    def __getitem__(self, i):\n        return torch.ones(2 + i % 3), torch.tensor(i % 3)\n\n"
+        "def var():\n    return {'train': Var(), 'val': Var()}\n")
+    r = cli([*QUICK, "strategy=single", "data._target_=mypkg.var.var", "~data.n"], own / "var", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines()[0].startswith(
+        "hydratrain: config error: data.collate_fn=None: PyTorch's default collate cannot batch the samples (stack "
+        "expects each tensor to be equal size"), r.output[-3000:]

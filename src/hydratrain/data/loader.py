@@ -144,9 +144,33 @@ def loader_fetch(dataset: Any, data: DictConfig, device) -> Any:
         loader = DataLoader(dataset, batch_sampler=_Lists(index_lists), collate_fn=collate,
                             num_workers=s["num_workers"], pin_memory=pin,
                             persistent_workers=bool(s["persistent_workers"]) and s["num_workers"] > 0, **extra)
-        return iter(loader)
+        return _collated(iter(loader), s["collate_fn"] is None)
 
     return fetch
+
+
+def _collated(batches: Iterator[Any], default_collate: bool) -> Iterator[Any]:
+    """``batches``, where PyTorch's default collate failing on the samples (tensors of different sizes, types it
+    does not know) is one config-error line naming ``data.collate_fn`` instead of a traceback from a loader."""
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (RuntimeError, TypeError) as err:
+            if not default_collate or "collate" not in f"{err} {_frames(err)}":  # (a worker's error quotes its frames)
+                raise
+            lines = [ln.strip() for ln in str(err).strip().splitlines() if ln.strip()] or [type(err).__name__]
+            why = lines[-1] if lines[0].startswith("Caught ") else lines[0]
+            raise ConfigError("data.collate_fn", None, f"PyTorch's default collate cannot batch the samples ({why}): "
+                              "give a function that pads or stacks them (data.collate_fn._target_=...)") from None
+        yield batch
+
+
+def _frames(err: BaseException) -> str:
+    import traceback
+
+    return " ".join(f.name for f in traceback.extract_tb(err.__traceback__))
 
 
 class _Lists:

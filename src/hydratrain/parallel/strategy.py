@@ -121,6 +121,9 @@ class Strategy:
         """The context each forward runs in: autocast to the compute dtype (FSDP casts parameters instead)."""
         return precision.autocast(device)
 
+    def check_first_gradients(self, model: nn.Module) -> None:
+        """Checks of the gradients the first backward made (DDP: every trained parameter got one)."""
+
     def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
         """Context for one micro-batch's backward: gradient sync only on the last micro-batch of a step."""
         return contextlib.nullcontext()
@@ -203,6 +206,18 @@ class DDP(Strategy):
 
     def grad_sync(self, model, enabled):
         return contextlib.nullcontext() if enabled else model.no_sync()
+
+    def check_first_gradients(self, model: nn.Module) -> None:
+        """After the first backward: a parameter that got no gradient stalls DDP's next step (its reducer waits for
+        it) unless ``strategy.find_unused_parameters=true``. Raises :class:`ConfigError` naming the parameters."""
+        if self.cfg.strategy.find_unused_parameters:
+            return
+        unused = [n for n, p in model.module.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+            raise ConfigError("strategy.find_unused_parameters", False, f"{shown} got no gradient in the first step "
+                              "(the forward did not use them), which stalls DistributedDataParallel's next step: set "
+                              "strategy.find_unused_parameters=true, or freeze them (requires_grad=False)")
 
     def unwrap(self, model):
         return model.module

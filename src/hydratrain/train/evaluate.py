@@ -31,6 +31,19 @@ class Evaluator:
         self.perplexity = bool(getattr(loss_fn, "perplexity", False))
         self._checked = False  # the first eval turns a metric that refuses the outputs into one config-error line
 
+    def check_metrics(self, outputs, batch) -> None:
+        """Update a copy of each metric with ``outputs`` (a training micro-batch's, detached) and ``batch``'s
+        targets, then drop the copies: a metric that refuses them is one config-error line at the first step, not
+        after training up to the first eval. Raises :class:`~hydratrain.errors.ConfigError`."""
+        if not self.metrics or self._checked:
+            return
+        from torch.utils._pytree import tree_map
+
+        with torch.no_grad():
+            detached = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, prediction(outputs))
+            for name, metric in self.metrics.items():
+                self._update(name, metric.clone(), detached, targets_of(batch))
+
     def _update(self, name: str, metric, outputs, targets) -> None:
         if self._checked:
             metric.update(outputs, targets)

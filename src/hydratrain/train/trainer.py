@@ -164,6 +164,11 @@ class Trainer:
             loss = self.loss_of(batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"it returned {batches_.shapes(loss)}, not a 0-d tensor (reduce it to a mean)")
+            if torch.is_grad_enabled() and not loss.requires_grad:
+                raise ConfigError("loss._target_", loss_target, "its result does not depend on the model's parameters "
+                                  "(no grad_fn: the outputs detached, computed under no_grad, or every parameter "
+                                  "frozen), so there is nothing to train")
+            self.evaluator.check_metrics(self._outputs, batch)  # at step 1, not after a whole run at the eval
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError) as err:
             if is_out_of_memory(err) or isinstance(err, ConfigError):
                 raise
@@ -198,9 +203,12 @@ class Trainer:
             waited = time.perf_counter()
             batch = next(batches)
             self.logger.data_waited(time.perf_counter() - waited)
+            first = not self._contract_checked
             with self.strategy.grad_sync(self.model, micro == accum - 1):
                 loss = self.checked_loss_of(batch)
                 self.scaler.scale(loss / accum).backward()
+            if first:
+                self.strategy.check_first_gradients(self.model)
             total += loss.detach()
         loss = total / accum
         self.scaler.unscale_(self.optimizer)
