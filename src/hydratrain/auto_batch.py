@@ -50,8 +50,8 @@ def largest_fitting(predict: Callable[[int], int], budget: int, limit: int = LIM
 def resolve(cfg, strategy, info, precision, vocab_size: Optional[int], limit: int = LIMIT):
     """``cfg`` with ``data.batch_size=auto`` replaced by the largest micro-batch the memory planner predicts to fit
     this rank's budget (``plan.memory_gb``, else the device's) with the planner's error margin
-    (:func:`hydratrain.plan.error_margin`), at most ``limit``, logged in one line; ``cfg`` itself when the batch
-    size is a number.
+    (:func:`hydratrain.plan.error_margin`) on its predicted part (:meth:`hydratrain.footprint.Plan.with_margin`), at
+    most ``limit``, logged in one line; ``cfg`` itself when the batch size is a number.
     The result is a copy (the composed config is never written).
 
     Raises :class:`~hydratrain.errors.ConfigError` naming ``data.batch_size`` when the planner cannot model this
@@ -72,7 +72,6 @@ def resolve(cfg, strategy, info, precision, vocab_size: Optional[int], limit: in
                           "positive integer") from None
     budget, source = plan.budget_bytes(cfg.plan.get("memory_gb"), info.device, info.local_world_size)
     margin = plan.error_margin(info.device.type)
-    allowed = int(budget / margin)
     peaks: dict[int, int] = {}
 
     first = plan.predict(setup)
@@ -80,15 +79,16 @@ def resolve(cfg, strategy, info, precision, vocab_size: Optional[int], limit: in
         raise ConfigError("data.batch_size", "auto", f"needs the memory planner's whole step, but it does not "
                           f"predict {'; '.join(first.unpredicted)}; allowed here: a positive integer")
 
-    def predict(batch_size: int) -> int:
-        peaks[batch_size] = plan.predict(setup.replace(batch_size=batch_size)).peak
-        return peaks[batch_size]
+    def predict(batch_size: int) -> int:  # the peak with the margin on its predicted part (Plan.with_margin)
+        predicted = plan.predict(setup.replace(batch_size=batch_size))
+        peaks[batch_size] = predicted.peak
+        return predicted.with_margin(margin)
 
     if info.device.type == "cpu":
         limit = min(limit, CPU_LIMIT)
-    chosen = largest_fitting(predict, allowed, limit)
-    where = (f"budget {budget / plan.GiB:.2f} GiB per rank ({source}) with a x{margin:g} margin for the planner's "
-             f"error: {allowed / plan.GiB:.2f} GiB")
+    chosen = largest_fitting(predict, budget, limit)
+    where = (f"budget {budget / plan.GiB:.2f} GiB per rank ({source}), with a x{margin:g} margin for the planner's "
+             f"error on all but the measured baseline ({setup.baseline / plan.GiB:.2f} GiB)")
     if chosen is None:
         log.warning("data.batch_size=auto: not even 1 sample per rank is predicted to fit (predicted peak %.2f GiB; "
                     "%s): training with data.batch_size=1", peaks[1] / plan.GiB, where)

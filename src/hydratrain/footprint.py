@@ -136,6 +136,13 @@ class Plan:
     batch_desc: str = ""
     unpredicted: list = field(default_factory=list)
 
+    def with_margin(self, margin: float) -> int:
+        """The peak with ``margin`` (:func:`hydratrain.plan.error_margin`) on the predicted part only, bytes: the
+        baseline is measured (this process's resident set, or CUDA's allocated bytes), so no prediction error is in
+        it, and a x2 margin on a large baseline alone could exceed a budget that every smaller batch fits."""
+        baseline = min(self.parts.get("baseline", 0), self.peak)
+        return int(baseline + (self.peak - baseline) * margin)
+
     def summary(self) -> str:
         """``peak 5.31 GiB at <moment> (parameters 0.32 + ... GiB)``, and what it leaves out when it could not
         predict a part."""

@@ -65,8 +65,8 @@ def error_margin(device: str) -> float:
 
 
 def suggestions(s: Setup, budget: int, limit: int = 4, margin: float = 1.0) -> list[Suggestion]:
-    """The cheapest changes of ``s`` whose predicted peak times ``margin`` (:func:`error_margin`) fits ``budget``
-    bytes, at most ``limit``, cheapest first.
+    """The cheapest changes of ``s`` whose predicted peak, with ``margin`` (:func:`error_margin`) on its predicted part
+    (:meth:`Plan.with_margin`), fits ``budget`` bytes, at most ``limit``, cheapest first.
 
     Cost order (what each costs in speed): bf16 (nothing where the hardware computes it natively), a smaller
     micro-batch with more accumulation (same tokens per step, smaller kernels), activation checkpointing (one more
@@ -82,7 +82,7 @@ def suggestions(s: Setup, budget: int, limit: int = 4, margin: float = 1.0) -> l
         return plans[candidate]
 
     def first_fit(family: list[Setup]) -> Optional[Setup]:
-        return next((c for c in family if plan_of(c).peak * margin <= budget), None)
+        return next((c for c in family if plan_of(c).with_margin(margin) <= budget), None)
 
     def options(base: Setup) -> list[list[Setup]]:  # one change on top of base, cheapest first
         out = [[base.replace(precision="bf16")]] if base.precision == "fp32" else []
@@ -251,7 +251,7 @@ class RunPlan:
     budget: int
     budget_from: str
     fixes: list
-    margin: float = 1.0  # the fixes' predicted peaks times this fit the budget (error_margin)
+    margin: float = 1.0  # the fixes' peaks with this margin on their predicted parts fit the budget (error_margin)
 
     @property
     def fits(self) -> bool:

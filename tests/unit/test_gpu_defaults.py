@@ -248,8 +248,9 @@ def test_batch_size_takes_a_positive_int_or_auto(compose, value):
 
 def test_batch_size_auto_trains_with_the_planners_largest_fit(compose, tmp_path, caplog, monkeypatch):
     """A run with data.batch_size=auto: the job's config holds the number the planner gives (the largest whose
-    predicted peak, times the planner's margin, fits plan.memory_gb), the data and the step size follow it, and the
-    composed config and the checkpoint's record keep auto (so a relaunch is the same trial)."""
+    predicted peak, with the planner's margin on all but the measured baseline, fits plan.memory_gb), the data and
+    the step size follow it, and the composed config and the checkpoint's record keep auto (so a relaunch is the
+    same trial)."""
     from omegaconf import OmegaConf
 
     from hydratrain import plan
@@ -271,11 +272,11 @@ def test_batch_size_auto_trains_with_the_planners_largest_fit(compose, tmp_path,
     assert f"data.batch_size=auto: {b} samples per micro-batch per rank" in caplog.text
     setup = plan.setup_for(job.cfg, job.strategy, world_size=1, precision="fp32", vocab_size=256, device="cpu",
                            baseline=300 * 2**20)
-    allowed = int(1.5 * plan.GiB / plan.error_margin("cpu"))
-    assert plan.predict(setup).peak <= allowed
+    margin, budget = plan.error_margin("cpu"), int(1.5 * plan.GiB)
+    assert plan.predict(setup).with_margin(margin) <= budget
     # on a CPU auto stops at CPU_LIMIT (time binds before memory there); the largest fit is larger here
     assert b == CPU_LIMIT and "the most auto picks (32)" in caplog.text
-    assert allowed >= plan.predict(setup.replace(batch_size=b + 1)).peak
+    assert budget >= plan.predict(setup.replace(batch_size=b + 1)).with_margin(margin)
 
 
 def test_batch_size_auto_needs_a_model_the_planner_knows(compose, tmp_path):

@@ -157,8 +157,15 @@ def test_suggestions_fit_the_budget_by_the_planners_own_numbers():
     assert suggestions(s, peak * 2) and all(f.plan.peak <= peak * 2 for f in suggestions(s, peak * 2))
     # with a margin for the planner's error (x2 on a CPU with glibc's default malloc), only what fits with it
     kept = suggestions(s, budget, margin=2.0)
-    assert all(f.plan.peak * 2.0 <= budget for f in kept) and len(kept) <= len(fixes)
+    assert all(f.plan.with_margin(2.0) <= budget for f in kept) and len(kept) <= len(fixes)
     assert error_margin("cuda") == 1.15
+    # the margin covers the predicted part only: a measured baseline of half the budget leaves room for fixes that
+    # a margin on the whole peak would refuse (baseline x2 alone = the budget)
+    based = s.replace(baseline=budget // 2)
+    kept = suggestions(based, budget, margin=2.0)
+    assert kept and all(f.plan.with_margin(2.0) <= budget < f.plan.peak * 2.0 for f in kept), kept
+    plan = kept[0].plan
+    assert plan.with_margin(2.0) == budget // 2 + 2 * (plan.peak - budget // 2)
 
 
 def test_the_error_margin_follows_the_cpu_allocator(monkeypatch):
