@@ -215,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             say(e)
         return EXIT_CONFIG
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.out and rank == 0:  # before the check, not after it (tester 9's kind: export's OUT)
+    if cfg.out and rank == 0:  # before the check, not after it: an OUT that cannot be written fails at once
         from hydratrain.paths import prepare_output_file
 
         try:

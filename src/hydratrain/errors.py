@@ -110,7 +110,7 @@ LOW_SPACE_BYTES = 1 << 30
 def say(*parts: object) -> None:
     """Print ``parts`` (joined by spaces) as one line on stderr, in one write: ``print(..., file=sys.stderr)`` writes
     the text and its newline separately, and in a log that several processes share (torchrun's, SLURM's ``-o``,
-    ``2>&1 | tee``) another process's line was glued onto the end of a ``hydratrain: ...`` line (tester 13)."""
+    ``2>&1 | tee``) another process's line was glued onto the end of a ``hydratrain: ...`` line."""
     sys.stderr.write(" ".join(map(str, parts)) + "\n")
     sys.stderr.flush()
 

@@ -317,7 +317,7 @@ def peak_flops(device: torch.device, compute_dtype: Union[torch.dtype, str], ove
     On CPU "one device" is one rank's threads, measured on this process's thread count (so on at most the cores it
     may use). When the node's ``local_world_size`` ranks together run more threads than those cores (4 ranks of 1
     thread on 2 cores), the figure is scaled by cores / (ranks x min(threads, cores)): the node's peak is its cores',
-    not the sum of its ranks' (which made MFU read 2x low; tester 10). One rank of more threads than cores measured
+    not the sum of its ranks' (which made MFU read 2x low). One rank of more threads than cores measured
     the cores already and is not scaled.
 
     Args:

@@ -42,7 +42,7 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
         with _quiet_import():
             from torchao.optim import AdamW8bit
         # torchao compiles its step over a tensor subclass; dynamo's note about that class's caching hash reached the
-        # console at the first step with a source line (tester 8), and says nothing a run can act on
+        # console at the first step with a source line, and says nothing a run can act on
         warnings.filterwarnings("ignore", message=".*does not implement _stable_hash_for_caching", category=UserWarning)
         log.info("optimizer: torchao.optim.AdamW8bit, block_size %d", optim_cfg.block_size)
         return AdamW8bit(groups, block_size=optim_cfg.block_size, **kwargs)
@@ -168,7 +168,7 @@ def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int, done: int =
     """Log one warning line each when the run's length is not what its keys suggest: one optimizer step of
     ``trainer.grad_accum_steps`` micro-batches spans more than an epoch (a typo such as 2**32 would make the first step
     run for days without a word), ``trainer.max_epochs`` ends
-    with micro-batches that fill no whole step of ``trainer.grad_accum_steps`` (they are not trained; tester 8),
+    with micro-batches that fill no whole step of ``trainer.grad_accum_steps`` (they are not trained),
     ``trainer.max_steps`` ends the run before ``trainer.max_epochs`` does (both set), or ``scheduler.warmup_steps``
     is not shorter than the ``steps`` optimizer steps it takes (:func:`total_steps`), so the lr reaches
     ``optim.lr`` only at the last step or never and ``warmup_cosine`` never decays. ``batches`` is the run's

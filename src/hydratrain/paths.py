@@ -32,7 +32,7 @@ def temporary_sibling(path: Path) -> Path:
     """Where to write ``path`` before renaming it into place: ``.<name>.tmp<pid>`` in the same dir (so the rename is
     atomic, on one filesystem), or ``.<sha1 of the name, 16 hex>.tmp<pid>`` when that name would pass the
     filesystem's 255-byte limit on a name: a valid 250-byte target name failed with ``File name too long`` for its
-    temporary name alone (tester 14)."""
+    temporary name alone."""
     import hashlib
 
     name = f".{path.name}.tmp{os.getpid()}"

@@ -95,7 +95,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         exits.end(err, env)
     finally:
         exits.leave(bool(_select(cfg, "checkpoint.save_on_sigterm", True)), lock)
-        OmegaConf.set_readonly(cfg, readonly)  # (tester 11: a second run from Python failed with ReadonlyConfigError)
+        OmegaConf.set_readonly(cfg, readonly)  # a second run from Python with the same cfg works
     if result.preempted:  # (Preemption.stopping logged the checkpoint and the command that resumes)
         if in_multirun():
             from hydratrain.dist.launch import resume_command
@@ -215,7 +215,7 @@ def _printed_config() -> Optional[DictConfig]:
 def _refuse_a_path_that_is_not_utf8(run_dir: Path) -> None:
     """A run dir whose path holds bytes that are not UTF-8 (a dir name in a legacy encoding, which Python keeps as
     surrogates): every log line naming it was a ``--- Logging error ---`` and TensorBoard's writer then failed with a
-    ``UnicodeEncodeError`` traceback (tester 14). Raises :class:`~hydratrain.errors.ConfigError` on
+    ``UnicodeEncodeError`` traceback. Raises :class:`~hydratrain.errors.ConfigError` on
     ``hydra.run.dir`` (``hydra.sweep.dir`` in a sweep)."""
     try:
         str(run_dir).encode("utf-8")
@@ -257,7 +257,7 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
         frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(err.__traceback__)]
         room = None
         # which output, from the code that wrote it (write() errors name no file; an open() error names a lock's)
-        if any("/torch/_inductor/" in f for f in frames):  # (tester 14: it was "the run's outputs under <run dir>")
+        if any("/torch/_inductor/" in f for f in frames):  # (not "the run's outputs under <run dir>")
             what, where = "writing torch.compile's cache (trainer.compile=true)", compile_cache or "its cache dir"
             room = "set TORCHINDUCTOR_CACHE_DIR to a dir this process can write (or trainer.compile=false)"
         elif any("/hydratrain/data/" in f for f in frames):
@@ -586,7 +586,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     return result
 
 
-if __name__ == "__main__":  # tester 11: `python -m hydratrain.run` printed nothing and exited 0
+if __name__ == "__main__":  # `python -m hydratrain.run` says where to start instead of exiting 0 silently
     say("hydratrain: hydratrain.run is the library's entry (main(cfg)); train with python train.py [OVERRIDES] (or "
         "torchrun ... train.py) from the clone, whose conf/ holds the run config")
     raise SystemExit(2)

@@ -355,7 +355,7 @@ def _refuse_a_stored_study_over_its_job_dirs(hc: Any) -> None:
     ``hydra.sweep.dir`` that holds job dirs: Hydra's Optuna sweeper numbers the relaunch's trials from job 0 again
     (hydra issue #3328), so each new trial lands in an earlier trial's dir, where it is refused as another trial
     or, when the seeded sampler proposes the same values again, only re-evaluates the finished one and is told to
-    the study as a new observation (tester 15: the study held 4 trials, two of them copies). Also a stored study
+    the study as a new observation (the study would hold copies of trials). Also a stored study
     searched inside each torchrun rank (one sweeper per rank). Raises :class:`~hydratrain.errors.ConfigError` on
     ``hydra.sweeper.storage``; a storage optuna cannot read is left to the sweeper."""
     from hydratrain.errors import ConfigError
@@ -364,7 +364,7 @@ def _refuse_a_stored_study_over_its_job_dirs(hc: Any) -> None:
     storage, name = sweeper.get("storage"), sweeper.get("study_name")
     if storage and "optuna" in str(sweeper.get("_target_", "")).lower() and \
             int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        # (tester 15: every rank created the study at once: sqlite's IntegrityError traceback, a trial left RUNNING)
+        # (every rank would create the study at once: sqlite's IntegrityError traceback, a trial left RUNNING)
         raise ConfigError("hydra.sweeper.storage", storage, "a search run inside each torchrun rank (torchrun "
                           "train.py -m) has a sweeper per rank, and all of them would write the study: launch the "
                           "search with launcher=torchrun instead (python train.py -m launcher=torchrun "
@@ -540,7 +540,7 @@ class SweepReportCallback(Callback):
         if (hc.job.num + 1, os.getpid()) == getattr(self, "_jobs", None) and any(r["status"] == "FAILED"
                                                                                   for r in sweep_rows(sweep_dir)):
             # Hydra's basic sweeper raises the first failure after the last job, so on_multirun_end would not run:
-            # the report and the closing line come now, and last (tester 13: no report, and Hydra's hint last)
+            # the report and the closing line come now, and last (not Hydra's hint)
             from hydratrain.checkpoint.preemption import take_early_signal
 
             take_early_signal()  # as on_multirun_end: every job has ended
@@ -599,7 +599,7 @@ def await_the_end(sweep_dir: Path) -> None:
     sweeper raising the first failure once the launcher has returned, so ``on_multirun_end`` never runs; and when
     the jobs run in other processes nothing of ours runs in this one after the last job: the torchrun and Ray
     plugins call ``on_job_end`` here only for a job that failed without its workers reporting it,
-    hydra-submitit-launcher never (tester 15: no report and no closing line when the last job completed). The
+    hydra-submitit-launcher never (so no report and no closing line when the last job completed). The
     launchers' return is no place to hook either: hydra-submitit-launcher's is not ours, and the torchrun plugin
     knows no app. The exit of this process is the one point every launcher and sweeper reaches after the last job,
     and after Hydra has printed the failure, so the report and the line come last. An exit hook runs on

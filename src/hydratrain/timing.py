@@ -43,7 +43,7 @@ def begin(phase: str = "python + hydra + compose") -> None:
         _MARKS.clear()
         _MARKS.append((phase, now))
     else:
-        _ORIGIN, _FROM = now, "the job's start"  # (tester 13: a sweep's later jobs said "from process start")
+        _ORIGIN, _FROM = now, "the job's start"  # (a sweep's later jobs count from their own start, not the process's)
         _MARKS.clear()
 
 

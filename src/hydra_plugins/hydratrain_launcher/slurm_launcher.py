@@ -1,8 +1,8 @@
 """``launcher=slurm``: hydra-submitit-launcher's ``SlurmLauncher``, with sbatch's refusal of the jobs as one line.
 
 sbatch refuses a job at submission (an unknown partition or account, a QOS or time limit) with one line on its
-stderr; submitit raises it as a ``FailedJobError`` from a ``CalledProcessError``, which Hydra printed as a 39-line
-traceback with sbatch's line at its bottom (tester 9). Without the ``[slurm]`` extra nothing is defined here
+stderr; submitit raises it as a ``FailedJobError`` from a ``CalledProcessError``, which Hydra would print as a
+39-line traceback with sbatch's line at its bottom. Without the ``[slurm]`` extra nothing is defined here
 (``launcher=slurm`` then says the extra is missing).
 """
 from __future__ import annotations

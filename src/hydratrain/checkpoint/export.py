@@ -200,7 +200,7 @@ def main(argv=None) -> int:
                      " (a dir is written only for a model with an export_to() of its own format)")
     try:
         prepare_output_file(out)
-    except OSError as err:  # tester 9: a traceback, after the whole checkpoint was read
+    except OSError as err:  # one line, before the whole checkpoint is read
         say(f"hydratrain: output error: cannot write {out} ({type(err).__name__}: {err.strerror}: {err.filename}); "
             "nothing was written")
         return EXIT_CHECKPOINT

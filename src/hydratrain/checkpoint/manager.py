@@ -92,7 +92,7 @@ def recover_unfinished_saves(root: Path) -> None:
         try:
             shutil.rmtree(stale)
             log.warning("removed %s, left by a save that did not finish", stale)
-        except OSError as err:  # (tester 14: "removing" was logged while nothing could be removed)
+        except OSError as err:  # (never log "removed" when nothing could be removed)
             log.warning("could not remove %s, left by a save that did not finish (%s: %s); the save of that step "
                         "will fail the same way unless it is removed", stale, type(err).__name__, err)
 
@@ -381,7 +381,7 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
-                if tmp.exists():  # a save of this step that did not finish; its own error if it stays (tester 14)
+                if tmp.exists():  # a save of this step that did not finish; its own error if it stays
                     shutil.rmtree(tmp)
                 tmp.mkdir()
                 (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config)))

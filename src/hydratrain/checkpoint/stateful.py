@@ -163,7 +163,7 @@ class SchedulerState:
         """One line when the lr of optimizer step ``step + 1`` (the first after a resume at ``step``) on this run's
         schedule differs (by more than 1e-6 relative) from the one the saved run's schedule gave it: an extended
         ``trainer.max_steps`` under a decaying schedule sends the lr back up (a public report against another
-        trainer; tester 15), a changed ``optim.lr`` or schedule moves it. None when they agree or the checkpoint
+        trainer), a changed ``optim.lr`` or schedule moves it. None when they agree or the checkpoint
         predates the saved ``lr``."""
         now = float(self.scheduler.get_last_lr()[0])
         if self.saved_lr is None or abs(now - self.saved_lr) <= 1e-6 * max(abs(now), abs(self.saved_lr)):

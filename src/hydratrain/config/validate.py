@@ -73,7 +73,7 @@ def _check_option_nodes(cfg: DictConfig) -> None:
             continue  # (a dataset node: hydratrain.components checks it)
         if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
             if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)) and "trainer" in cfg and \
-                    not dataclasses.is_dataclass(OmegaConf.get_type(cfg.trainer)):  # no node is typed (tester 11)
+                    not dataclasses.is_dataclass(OmegaConf.get_type(cfg.trainer)):  # no node is typed
                 raise ConfigError("--config-name", _ANOTHER_CONFIG, "not conf/train.yaml on its typed schema (a "
                                   "run's saved .hydra/config.yaml?): to run a past run again, give train.py its "
                                   "overrides (and the --config-dir it used, if any): python train.py $(sed 's/^- //' "
@@ -86,13 +86,13 @@ def _check_option_nodes(cfg: DictConfig) -> None:
 
 
 def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
-    """A group node that no option schema types: a user's own option file without its schema line (tester 11:
-    that was reported as removed with ``~group``), or ``~group`` and then an overlay's keys."""
+    """A group node that no option schema types: a user's own option file without its schema line (which must not
+    be reported as removed with ``~group``), or ``~group`` and then an overlay's keys."""
     from hydratrain.config.schema import SCHEMAS
 
     schemas = list(SCHEMAS[group])
     name = node.get("name") if not OmegaConf.is_missing(node, "name") else None
-    if name is None:  # (tester 12: a user's option file with neither its schema line nor a name lands here too)
+    if name is None:  # (a user's option file with neither its schema line nor a name lands here too)
         raise ConfigError(group, _NO_VALUE, f"has no option (removed with ~{group}, or a file of your own without "
                           f"its schema line?): choose one with {group}=NAME (conf/{group}/); an option file of your "
                           f"own begins with 'defaults: [/schema/{group}/SCHEMA@_here_, _self_]' and name: SCHEMA "
@@ -117,8 +117,8 @@ _OFF_SWITCHES = {"checkpoint": "checkpoint.every_n_steps=0 saves no periodic che
 def _refuse_removed_groups(cfg: DictConfig) -> None:
     """``~group`` (Hydra's removal from the defaults list) of a group the run reads: where the group's schema has a
     default for every key (``~checkpoint``, ``~logger``, ``~trainer``), the schema's defaults took the option's place
-    and the run went on as if nothing had been removed (tester 15: ``~checkpoint ~logger`` to save disk in a sweep
-    still wrote checkpoints and events). Reads Hydra's ``runtime.choices`` (the config's own ``hydra`` node, or the
+    and the run went on as if nothing had been removed (``~checkpoint ~logger`` to save disk in a sweep would still
+    write checkpoints and events). Reads Hydra's ``runtime.choices`` (the config's own ``hydra`` node, or the
     running app's); without either, checks nothing. Raises :class:`ConfigError` naming the group and, where there is
     one, the key that turns its work off."""
     if "hydra" in cfg:
@@ -180,7 +180,7 @@ def _check_entries(node: DictConfig | ListConfig, where: str) -> None:
     """The entries of a typed container (``List[str]`` like ``data.paths``, ``Dict[str, float]`` like
     ``launcher.resources_per_worker``) are values of its element type. OmegaConf converts and checks scalar entries but
     lets a nested list or dict through (``data.paths=[[notes/*.md]]``), which then failed deep in the start-up with a
-    ``TypeError`` traceback (tester 11)."""
+    ``TypeError`` traceback."""
     etype = node._metadata.element_type
     if etype not in (str, int, float, bool):
         return
@@ -206,7 +206,7 @@ def _check_resolves(cfg: DictConfig) -> None:
     except OmegaConfBaseException as err:
         key = str(getattr(err, "full_key", "") or "")
         raw: Any = OmegaConf.to_container(cfg, resolve=False)
-        for part in re.findall(r"[^.\[\]]+", key):  # data.paths[0]: a list's entry too (tester 11: it read None)
+        for part in re.findall(r"[^.\[\]]+", key):  # data.paths[0]: a list's entry too (not None)
             if isinstance(raw, dict):
                 raw = raw.get(part)
             else:
@@ -227,7 +227,7 @@ REQUIRED_PATH_KEYS = ("data.train_path", "data.val_path")
 
 def _refuse_empty_paths(cfg: DictConfig) -> None:
     """An empty string is no path: ``checkpoint.resume_from=$CKPT`` with CKPT unset trained from scratch and
-    ``data.tokenizer=$TOK`` trained a new BPE, both without a word (tester 11), because '' read as "not set"."""
+    ``data.tokenizer=$TOK`` trained a new BPE, both without a word, because '' read as "not set"."""
     for key in PATH_KEYS:
         value = _get(cfg, key)
         if isinstance(value, str) and not value.strip():

@@ -19,9 +19,9 @@ log = logging.getLogger(__name__)
 def build_lock(out: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``.<out name>.lock`` beside ``out`` (another process building ``out`` waits, then
     finds it built); stale temporary files in ``out`` from a killed build are removed, and so are this build's when
-    it fails (a full disk kept the partial file that filled it; tester 14). A complete cache (:func:`cache_fault`)
+    it fails (a full disk kept the partial file that filled it). A complete cache (:func:`cache_fault`)
     is used without any write, no lock either: a cache built once on a read-only or another user's shared dir
-    stopped every run at its lock file (tester 14)."""
+    stopped every run at its lock file."""
     if cache_fault(out)[0] is not None:
         yield
         return

@@ -40,7 +40,7 @@ def expand_paths(patterns: Sequence[str], base_dir: Path) -> list[Path]:
     """Files matching ``patterns`` (globs, ``**`` allowed; ``~`` expanded as for the other path keys), relative ones
     resolved against ``base_dir``; sorted. Globbing is the stdlib's (``*`` and ``**`` skip hidden names) except that
     ``**`` does not descend into symlinked directories (``wcmatch``'s GLOBSTAR): two links to a parent made
-    ``glob.glob`` walk 2^40 paths, a silent hang at start (tester 8). A symlinked file, or a symlink named in the
+    ``glob.glob`` walk 2^40 paths, a silent hang at start. A symlinked file, or a symlink named in the
     pattern itself, is followed.
 
     Raises FileNotFoundError naming ``data.paths`` and the pattern when a pattern matches no file, and where it
@@ -116,7 +116,7 @@ def _write_corpus(out: Path, files: Sequence[Path], root: Path, val_fraction: fl
 
     counts = {}
     log.info("corpus: building %s from %d files (%.1f MB; once, cached) ...", out, len(files),
-             sum(s for _, s, _ in listing) / 1e6)  # proportional to the data, silent off a terminal (tester 13)
+             sum(s for _, s, _ in listing) / 1e6)  # proportional to the data; said also off a terminal
     bar = tqdm(total=sum(s for _, s, _ in listing), unit="B", unit_scale=True, desc=f"building corpus {out}",
                disable=None if progress else True)  # None: only on a terminal
     for split, paths in splits.items():

@@ -202,7 +202,7 @@ def trained_tokenizer(files: Sequence[Path], root: Path, val_fraction: float, vo
         if verified_cache(out) is None:
             t0 = time.perf_counter()
             log.info("training a byte-level BPE of %d tokens on %d files into %s (once; cached) ...", vocab_size,
-                     len(train), out)  # tens of seconds and more, silent off a terminal (tester 13)
+                     len(train), out)  # tens of seconds and more; said also off a terminal
             tok = train_bpe(segment_texts(train), vocab_size, out / "tokenizer.json", progress)
             write_manifest(out, {"vocab_size": tok.vocab_size}, ["tokenizer.json"], digest=["tokenizer.json"])
             log.info("trained a byte-level BPE of %d tokens on %d files in %.1f s: %s", tok.vocab_size, len(train),
@@ -252,7 +252,7 @@ def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, to
         sep = np.asarray(sep_ids, dtype=dtype).tobytes()
         total = sum((stop if stop is not None else f.stat().st_size) - start for seg in splits.values()
                     for f, start, stop in seg)
-        log.info("tokenizing %.1f MB into %s (once; cached) ...", total / 1e6, out)  # (tester 13: silent off a tty)
+        log.info("tokenizing %.1f MB into %s (once; cached) ...", total / 1e6, out)  # (said also off a tty)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing into {out}",
                    disable=None if progress else True)  # None: only on a terminal
         t0, counts, replaced = time.perf_counter(), {}, {}

@@ -157,7 +157,7 @@ class RunConsoleHandler(_DropsWhenUnwritable, logging.StreamHandler):
     """The console handler of the default ``hydra/job_logging`` (``conf/hydra/job_logging/hydratrain.yaml``) that,
     when its stream can no longer be written (``| head`` or a ``| tee`` that ended: a broken pipe), says so once on
     stderr and drops its later records, instead of ``logging``'s 30-line ``--- Logging error ---`` block per record,
-    which buried hydratrain's one-line errors on stderr (tester 14). The log file keeps every line. A broken stdout
+    which buried hydratrain's one-line errors on stderr. The log file keeps every line. A broken stdout
     is pointed at ``os.devnull``, so the interpreter's flush at exit raises nothing either."""
 
     def failed_once(self, err: OSError) -> None:

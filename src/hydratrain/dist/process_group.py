@@ -346,10 +346,10 @@ class FailureWatch:
         first worker to exit as the root cause): ``linger_s``, or, when that rank recorded the failure itself
         (``rank N: Type: text``: it is alive and on its way out), until it says it is exiting
         (:func:`_mark_exiting`) and a second more, and never less than ``linger_s`` (this rank's own failure in the
-        meantime, an out-of-memory of its own, keeps its own status), for at most half of ``distributed.failure_timeout_s``. A rank whose
-        teardown after a large failed step took more than the fixed 3 s (tester 14: an out-of-memory rank 0, status
-        6) was reported as SIGTERMed behind its peer's status 5. Returns whether this rank's own main thread stopped
-        the wait (``stop``)."""
+        meantime, an out-of-memory of its own, keeps its own status), for at most half of
+        ``distributed.failure_timeout_s``. A rank whose teardown after a large failed step took more than the fixed
+        3 s (an out-of-memory rank 0, status 6) was reported as SIGTERMed behind its peer's status 5. Returns whether
+        this rank's own main thread stopped the wait (``stop``)."""
         failed = failure.partition(":")[0]
         rank = int(failed[5:]) if failed.startswith("rank ") and failed[5:].isdigit() else None
         if rank is None or rank == self.rank:

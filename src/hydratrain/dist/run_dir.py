@@ -175,7 +175,7 @@ def output_base(*, _root_: Any = None) -> str:
     """``paths.output_dir`` for the default ``hydra.run.dir`` / ``hydra.sweep.dir`` (``${hydratrain.output_base:}``;
     ``<paths.output_dir>`` when the key is gone). Resolved here, not by an interpolation in Hydra's own node, so a
     value that cannot be resolved (``${oc.env:SCRATCH}/runs`` with SCRATCH unset) is the one-line config error, exit
-    status 2, as in every other key, not Hydra's 190-line traceback of its run dir (tester 11). ``_root_``: the whole
+    status 2, as in every other key, not Hydra's 190-line traceback of its run dir. ``_root_``: the whole
     config (OmegaConf passes it)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -185,7 +185,7 @@ def output_base(*, _root_: Any = None) -> str:
         if base is not None or "trainer" not in _root_:  # (Hydra's own node alone: --cfg hydra)
             return str(base if base is not None else "<paths.output_dir>")
         problem = ConfigError("paths.output_dir", "<missing>", "the run dir is built on it: choose a paths option "
-                              "with paths=NAME (conf/paths/), not ~paths")  # tester 12: it made a dir of that name
+                              "with paths=NAME (conf/paths/), not ~paths")  # a config error, not a dir of that name
     except OmegaConfBaseException as err:
         from hydratrain.config.validate import unresolvable
 
@@ -309,8 +309,9 @@ def _of_another_trial(run_dir: Path, root: Any) -> bool:
 def trial_record(run_dir: Path, auto_resume: bool) -> Optional[Path]:
     """The dir whose ``config.yaml`` says which trial a sweep job's ``run_dir`` holds: its latest checkpoint (which
     the job would resume; with ``checkpoint.auto_resume``), else, for a trial that finished without one (a short
-    run, no ``save_last``: its ``results.json`` is there), its ``.hydra/``. Tester 15: a sweep re-run with other
-    values replaced such a trial's results, ``.hydra/`` and curves without a word. None when the dir holds neither."""
+    run, no ``save_last``: its ``results.json`` is there), its ``.hydra/``, so that a sweep re-run with other
+    values cannot replace such a trial's results, ``.hydra/`` and curves without a word. None when the dir holds
+    neither."""
     from hydratrain.checkpoint.manager import list_checkpoints
 
     own = list_checkpoints(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []

@@ -137,7 +137,7 @@ def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int],
     pid = holder.get("pid")
     if holder.get("host") == me["host"] and isinstance(holder.get("dir_ino"), int) and \
             isinstance(me.get("dir_ino"), int) and holder["dir_ino"] != me["dir_ino"]:
-        # (tester 14: a run dir copied with `cp -a` while its run went on was refused as held by that run)
+        # a run dir copied with `cp -a` while its run goes on is not held by that run
         return "it was copied here with the run dir: its holder holds the dir it was written in, not this one"
     running = _holder_running(holder, me, pid_alive, pid_start)
     if running is False:
@@ -148,7 +148,7 @@ def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int],
     if running and pid != me["pid"] and isinstance(holder.get("pid_start"), int) and pid_start(pid) == \
             holder["pid_start"]:
         # the very process that took it, however long since it refreshed: stopped (Ctrl-Z, scontrol suspend,
-        # docker pause) or hung; taken over, it carried on after SIGCONT into the same run dir (tester 14)
+        # docker pause) or hung; taken over, it would carry on after SIGCONT into the same run dir
         return None
     if holder.get("launch") == me["launch"]:
         return f"it is this launch's own ({me['launch']}), left by an earlier attempt"

@@ -92,7 +92,7 @@ class NonFiniteGuard:
         """(the step's loss: the mean of the ranks' ``loss``, as ``train/loss``; how many ranks' loss was not finite;
         the world size). A collective: :meth:`read` calls it on every rank alike when updates were dropped, which
         the global gradient norm decides for all. Each rank used to report its own loss: rank 0's line read "loss
-        5.252", pointing at the lr, when rank 1's batch had given a NaN loss (tester 10)."""
+        5.252", pointing at the lr, when rank 1's batch had given a NaN loss."""
         from hydratrain.dist.collectives import rank_and_world
 
         world = rank_and_world()[1]

@@ -179,7 +179,7 @@ def language_model(cfg: DictConfig) -> bool:
 def printable(text: str) -> str:
     """``text`` with its control characters other than newline and tab shown as escapes (``\\x1b``): a byte-level
     model's sample held NUL, ESC, CR and backspace, which went raw into the console and the log, where ``grep`` then
-    saw a binary file (tester 13)."""
+    saw a binary file."""
     return "".join(ch if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cs")
                    else ch.encode("unicode_escape").decode("ascii") for ch in text)
 

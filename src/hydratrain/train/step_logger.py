@@ -179,7 +179,7 @@ class StepLogger:
         the folded one in ``progress``: the ranks' mean of the window's loss sums, the same on every rank. Kept per
         rank, a window that a save cut was lost with a rank that no longer exists after a resume on another world
         size, and missing on a new one, so the first log line after the resume mixed windows of different lengths
-        (1.5 % off in tester 7's case)."""
+        (1.5 % off in one measured case)."""
         loss_sum = all_reduce_mean(self.window_loss.reshape(1)).item()
         self.progress.window_loss_sum += loss_sum
         self.progress.window_steps += int(self.window_steps.item())
@@ -233,7 +233,7 @@ class StepLogger:
         """(tokens/s, mfu, data wait share) of this launch's timed windows taken together: their tokens over their
         wall seconds, as each window's figure is (NaN if none). Not the mean of the windows' rates: that weighs a
         1-step window like a 100-step one and, by Jensen's inequality, overstates the rate the noisier the steps
-        (tester 8: 1709 for 903 tokens/s)."""
+        (1709 for 903 tokens/s in one measured run)."""
         tokens, seconds, data_s = self._timed_total
         if not self.rates or seconds <= 0:
             return math.nan, math.nan, math.nan
