@@ -110,7 +110,7 @@ def test_the_old_format_checkpoint_still_loads_and_continues_exactly(two_rank_ru
 def test_a_logging_window_cut_by_a_save_continues_exactly_on_another_world_size(tmp_path, cli):
     """A checkpoint saved mid-window (step 15 of a 10-step logging window), resumed on 2 ranks: the log line of
     step 20 averages steps 11-20 as the uninterrupted 1-rank run does. The window's sums were per rank: rank 1
-    started empty (steps 16-20 only) and both weighed 1/2, so the line read 4.9477 against 5.0251 (tester 7)."""
+    started empty (steps 16-20 only) and both weighed 1/2, so the line read 4.9477 against 5.0251."""
     window = ["trainer.max_steps=20", "trainer.log_every_n_steps=10", "trainer.eval_every_n_steps=0",
               "checkpoint.every_n_steps=15"]
     r = cli(["strategy=single", "data.batch_size=8", *window], tmp_path / "one")

@@ -45,7 +45,7 @@ def test_a_divergence_every_rank_sees_alike_exits_as_a_divergence_on_every_rank(
     r = run(["data=python_stdlib", "strategy=fsdp", "precision=fp32", "optim.lr=100", "scheduler=constant",
              "trainer.log_every_n_steps=5"], tmp_path, nproc=2, timeout=240)
     assert r.returncode != 0 and "exitcode  : 5" not in r.output, r.output[-3000:]
-    # alike on both ranks: said once (tester 12); torchrun's summary quotes it as each rank's traceback
+    # alike on both ranks: said once; torchrun's summary quotes it as each rank's traceback
     assert [ln.startswith("hydratrain: diverged:") for ln in r.output.splitlines()].count(True) == 1, r.output[-3000:]
     assert "traceback : hydratrain: diverged: non-finite gradient norm" in r.output, r.output[-3000:]
     for rank in (0, 1):
@@ -170,8 +170,8 @@ def _two_nodes(tmp_path, per_rank: list) -> tuple:
 def test_nodes_whose_per_node_inputs_differ_stop_with_one_line(tmp_path):
     """Data and weight paths may differ per node (node-local copies), so the config check exempts them; but a node
     given init_from when the other is not skipped the load's collectives (every rank hung for
-    collective_timeout_s), and copies of the data that differ had each node train on its own corpus without a word
-    (tester 7). Whether such a path is given is compared with the config; the data itself by its fingerprint."""
+    collective_timeout_s), and copies of the data that differ had each node train on its own corpus without a word.
+    Whether such a path is given is compared with the config; the data itself by its fingerprint."""
     one, two = tmp_path / "one.txt", tmp_path / "two.txt"
     one.write_text("the same words again and again. " * 800)
     two.write_text("other words, another corpus here! " * 800)
@@ -192,7 +192,7 @@ def test_nodes_given_different_weights_to_start_from_stop_before_loading_them(tm
     """model.init_from naming another file on each node (or a stale node-local copy) was refused only after the
     load, as "21 loaded shards differ from the file (rank 0: [])", naming neither the rank nor the cause; and
     checkpoint.resume_from naming another run's checkpoint of the same step on each node trained a spliced model
-    (each rank loaded its own shards, optimizer state and data position) and exited 0 (tester 7)."""
+    (each rank loaded its own shards, optimizer state and data position) and exited 0."""
     for seed in (1, 2):
         run(["strategy=single", "trainer.max_steps=1", "trainer.save_weights=true", f"trainer.seed={seed}",
              "checkpoint.every_n_steps=1"], tmp_path / f"w{seed}").ok()

@@ -126,7 +126,7 @@ def test_failed_jobs_are_reported_and_the_sweep_goes_on_basic_torchrun(tmp_path)
 def test_a_sweep_whose_last_job_completes_after_a_failed_one_ends_with_the_report_and_its_line(tmp_path, launcher):
     """Job 0 diverges, job 1 (the last) completes, each in processes of the launcher's own. The launching process saw
     no job end after the last one, and Hydra's basic sweeper then raised job 0's failure: the output ended with
-    Hydra's error (its HYDRA_FULL_ERROR hint, or its traceback), no report, no closing line (tester 15). Now the
+    Hydra's error (its HYDRA_FULL_ERROR hint, or its traceback), no report, no closing line. Now the
     report and the closing line come last, once, with status 1; under torchrun the launcher's process says that job
     0 failed once (it said it twice)."""
     if launcher == "submitit_local":
@@ -189,7 +189,7 @@ def test_a_signal_to_the_launching_process_ends_the_sweep(tmp_path, sig, jobs):
     checkpoint.preempt_exit_code (it ended with torch's SignalException traceback and status 1, so a batch script
     could not tell a preemption), job 0 recorded as stopped. The same command resumes the sweep. With one job (the
     README's ``python train.py launcher=torchrun ...`` for batch scripts that requeue on 75) the job was the last, and
-    the end-of-sweep summary exited 1 first (tester 14, F14)."""
+    the end-of-sweep summary exited 1 first."""
     sweep = tmp_path / "s"
     proc = start([*(["-m"] if "," in jobs else []), "launcher=torchrun", "launcher.nproc_per_node=1", "strategy=ddp",
                   "trainer.max_steps=100000", "trainer.eval_every_n_steps=0", jobs, f"hydra.sweep.dir={sweep}"],
@@ -339,7 +339,7 @@ def test_optuna_torchrun_search_goes_on_past_failed_trials(tmp_path):
 
 # ------------------------------------------------------------------------------------------------------ slow
 @pytest.mark.slow
-def test_issue_sweep_precision_by_strategy(tmp_path):
+def test_a_sweep_of_precision_by_strategy_completes_every_job_on_two_ranks(tmp_path):
     sweep = tmp_path / "sweep"
     run(["-m", "launcher=torchrun", "launcher.nproc_per_node=2", "precision=fp32,bf16", "strategy=ddp,fsdp",
          "trainer.max_steps=4", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=900).ok()

@@ -60,7 +60,7 @@ def test_a_container_killed_and_restarted_takes_its_lock_at_once(tmp_path):
     """A container restart after a SIGKILL (docker restart, a pod after OOMKilled): the same torchrun command in a
     fresh PID namespace, on the same host, whose processes get the pids the killed ones had. The lock's pid is then
     alive (the relaunch's own rank 0's): its start time tells it apart, and the relaunch resumes at once; it was
-    refused for 120 s as "in use by another job (host vm, pid 6, ...)" (tester 14, F4)."""
+    refused for 120 s as "in use by another job (host vm, pid 6, ...)"."""
     lock = tmp_path / "hydratrain.lock"
     cmd = ["unshare", "-pf", "--mount-proc",
            *command(["strategy=single", "trainer.max_steps=16", "checkpoint.every_n_steps=2",

@@ -162,7 +162,7 @@ def test_a_rendezvous_that_fails_at_once_says_why_and_not_that_it_timed_out(tmp_
     """One node with 10 file descriptors (``ulimit -n 10``): the rendezvous store cannot bind, and the job fails
     within a second. Its line was "no rendezvous with all 1 node(s) within hydra.launcher.rdzv_timeout=600 s (is node
     0 running the same sweep?): RendezvousConnectionError: ... See inner exception for details.", the inner exception
-    shown nowhere (tester 14, F5); now it says that the rendezvous failed, and why. (With 12, the store may bind and
+    shown nowhere; now it says that the rendezvous failed, and why. (With 12, the store may bind and
     its client retry until the rendezvous timeout, 30 s here.)"""
     import resource
 

@@ -38,7 +38,7 @@ def test_8bit_state_is_about_a_quarter_of_adamw():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("default")
         low = _stepped("adamw8bit")
-    # dynamo's note on torchao's state class reached the console at the first step (tester 8)
+    # dynamo's note on torchao's state class reached the console at the first step
     assert not [w for w in seen if "_stable_hash_for_caching" in str(w.message)], [str(w.message) for w in seen]
     full, low = state_bytes(adamw), state_bytes(low)
     n = sum(p.numel() for group in adamw.param_groups for p in group["params"])

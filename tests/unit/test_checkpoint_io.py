@@ -231,7 +231,7 @@ def test_init_from_wrong_shapes_is_refused(tmp_path):
 
 def test_init_from_a_compiled_modules_state_dict_names_the_prefix(tmp_path):
     """A user's own state dict of a torch.compile'd model carries '_orig_mod.' in every key: the refusal says so
-    (tester 7: only the missing/unexpected key lists showed it)."""
+    (not only in the missing/unexpected key lists)."""
     from safetensors.torch import save_file
 
     from hydratrain.checkpoint.io import init_from_file
@@ -354,7 +354,7 @@ def test_a_save_that_cannot_be_written_stops_with_one_line_and_keeps_the_last_ch
 
 @pytest.mark.parametrize("cause", ["quota", "permission", "file size"])
 def test_a_save_refused_for_another_cause_than_space_gives_that_causes_remedy(make_job, tmp_path, monkeypatch, cause):
-    """Tester 14 (F1): every failed save but a read-only one said "make room (or lower checkpoint.keep_last)": with a
+    """Every failed save but a read-only one said "make room (or lower checkpoint.keep_last)": with a
     quota, a ``chattr +i`` checkpoints dir (EPERM) and under ``ulimit -f``, where torch's writer raises a
     ``RuntimeError`` that lost the errno (EFBIG) and 43 GB were free."""
     import errno
@@ -402,7 +402,7 @@ def test_a_save_refused_for_another_cause_than_space_gives_that_causes_remedy(ma
 
 def test_an_architecture_named_as_the_preset_derives_it_is_the_same_architecture():
     """d_ff=null derives the width from d_model (192 for 64) and n_kv_head=null is n_head: naming those values
-    explicitly on resume or init_from is no architecture change (tester 7 saw d_ff=192 refused); another width is."""
+    explicitly on resume or init_from is no architecture change (d_ff=192 is accepted); another width is."""
     from hydratrain.checkpoint.manager import architecture_diff
 
     saved = {"d_model": 64, "n_head": 2, "n_kv_head": None, "d_ff": None, "ff_multiple_of": 64}
@@ -414,7 +414,7 @@ def test_an_architecture_named_as_the_preset_derives_it_is_the_same_architecture
 
 def test_an_unfinished_save_that_cannot_be_removed_is_not_said_to_be_removed(tmp_path, monkeypatch, caplog):
     """``removing .tmp-step_...`` was logged while a checkpoints dir that took no writes kept it (``rmtree`` ignored
-    the error), and the save of that step then failed with a misleading ``FileExistsError`` (tester 14)."""
+    the error), and the save of that step then failed with a misleading ``FileExistsError``."""
     import shutil
 
     from hydratrain.checkpoint.manager import recover_unfinished_saves

@@ -62,7 +62,7 @@ def test_scoring_singles_out_a_late_rank_and_a_slow_link_end():
 
 
 def test_an_out_file_that_cannot_be_written_is_refused_before_the_check(tmp_path, monkeypatch, capsys):
-    """Like export's OUT (tester 9): the JSON-lines file rank 0 writes at the end is checked first, one line and
+    """Like export's OUT: the JSON-lines file rank 0 writes at the end is checked first, one line and
     status 2, instead of a failure after the whole check."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -183,28 +183,28 @@ def test_cfg_job_checks_the_printed_config_as_the_run_does(cli, overrides):
     (["~data", "+debug=fast"], "data=???: has no option (removed with ~data, or a file of your own without its "
                                "schema line?): choose one with data=NAME (conf/data/); an option file of your own "
                                "begins with 'defaults: [/schema/data/SCHEMA@_here_, _self_]' and name: SCHEMA"),
-    # tester 8: ignored (the tokenizer's vocabulary is used) yet recorded as a hyper-parameter
+    # ignored (the tokenizer's vocabulary is used), so refused rather than recorded as a hyper-parameter
     (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer=tok.json", "data.vocab_size=999"],
      "data.vocab_size=999: unused with data.tokenizer=tok.json"),
     (["model=llama_1b", "model.ff_multiple_of=256"], "model.ff_multiple_of=256: unused with model.d_ff=8192"),
-    # tester 11: '' (key=$VAR with VAR unset) read as "not set": a fresh run instead of a resume, a new tokenizer
+    # '' (key=$VAR with VAR unset) is no "not set": not a fresh run instead of a resume, not a new tokenizer
     (["checkpoint.resume_from="], "checkpoint.resume_from='': empty (from an unset shell variable, as in "
                                   "checkpoint.resume_from=$VAR?): give a path, or null for none"),
     (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer="], "data.tokenizer='': empty"),
     (["paths.cache_dir="], "paths.cache_dir='': empty (from an unset shell variable, as in paths.cache_dir=$VAR?): "
                             "give a path, or '.' for the launch dir"),
     (["data=text_files", "data.paths=[a.txt,'']"], "data.paths=['a.txt', '']: holds an empty entry"),
-    # tester 11: tracebacks deep in the run (torch.manual_seed, the rotary tables); a list entry's text read None
+    # one line, not tracebacks deep in the run (torch.manual_seed, the rotary tables); a list entry's own text
     (["trainer.seed=18446744073709551616"], "trainer.seed=18446744073709551616: out of range: integer keys take "
                                             "values that fit torch's int64"),
     (["model.max_seq_len=99999999999999999999"], "model.max_seq_len=99999999999999999999: out of range"),
     (["trainer.seed=${oc.decode:'18446744073709551616'}"], "trainer.seed=18446744073709551616: out of range"),
-    (["paths=workspace", "paths.root="], "paths.root='': empty"),  # tester 12: before the keys built on it
+    (["paths=workspace", "paths.root="], "paths.root='': empty"),  # refused before the keys built on it
     (["data=token_bin", "data.train_path=", "data.val_path=v.bin"],
      "data.train_path='': empty (from an unset shell variable, as in data.train_path=$VAR?): give a path"),
     (["data=text_files", "data.paths=['${oc.env:HT_UNSET_VARIABLE}/*.md']"],
      "data.paths[0]='${oc.env:HT_UNSET_VARIABLE}/*.md': cannot be resolved"),
-    # tester 11: a nested list passed the List[str] schema, then a TypeError traceback in the start-up
+    # a nested list does not pass the List[str] schema (a TypeError traceback in the start-up)
     (["data=text_files", "data.paths=[[notes/*.md]]"],
      "data.paths=[['notes/*.md']]: each entry must be a str; entry 0 is a list"),
 ])
@@ -219,7 +219,7 @@ def test_validate_names_the_key(compose, overrides, key):
                                        ("distributed", None), ("plan", "plan.enabled=false")])
 def test_removing_a_group_whose_schema_has_defaults_is_refused(compose, group, off):
     """``~checkpoint ~logger`` (to save disk in a sweep) left the schema's defaults in the groups' place: the run
-    still wrote checkpoints and events, without a word (tester 15). Every group of the defaults list is read by the
+    still wrote checkpoints and events, without a word. Every group of the defaults list is read by the
     run, so removing one is a config error that names the key turning its work off."""
     from hydratrain.config.validate import DEFAULT_GROUPS
 
@@ -289,7 +289,7 @@ def test_bad_values_found_at_run_time_are_one_line_config_errors(cli, args, expe
 
 def test_a_users_own_option_needs_its_schema_line_and_the_error_says_so(cli, tmp_path):
     """An option file in the user's --config-dir without ``defaults: [/schema/<group>/<schema>@_here_, _self_]``
-    was refused as 'removed with ~data?' (tester 11); with the line it trains."""
+    was refused as 'removed with ~data?'; with the line it trains."""
     (tmp_path / "my_conf" / "data").mkdir(parents=True)
     (tmp_path / "my_conf" / "data" / "bare.yaml").write_text("name: synthetic\nsynthetic_tokens: 6000\n")
     (tmp_path / "my_conf" / "data" / "typed.yaml").write_text(
@@ -306,7 +306,7 @@ def test_a_users_own_option_needs_its_schema_line_and_the_error_says_so(cli, tmp
 
 def test_a_runs_saved_config_composed_again_says_how_to_rerun_it(cli, tmp_path):
     """``--config-dir RUN/.hydra --config-name config`` (a Hydra habit) composes an untyped config: it was refused as
-    'data=???: removed with ~data?' (tester 11)."""
+    'data=???: removed with ~data?'."""
     cli(["strategy=single", "trainer.max_steps=1"], tmp_path / "a").ok()
     r = cli(["--config-dir", str(tmp_path / "a" / ".hydra"), "--config-name", "config"], tmp_path / "b", fast=False)
     assert r.returncode == 2 and r.err.strip().startswith(

@@ -160,7 +160,7 @@ def test_a_pattern_matching_nothing_says_where_it_looked(compose, tmp_path, monk
 
 
 def test_fingerprints_tell_copies_apart_by_length_or_a_sampled_window(tmp_path):
-    """The data and weights fingerprints that ranks compare (tester 7: node-local copies that differ) share one
+    """The data and weights fingerprints that ranks compare (node-local copies may differ) share one
     sampler: equal copies agree, and a changed length, dtype or item inside a sampled window changes the figure."""
     from hydratrain.checkpoint.io import file_fingerprint
 
@@ -187,7 +187,7 @@ def test_fingerprints_tell_copies_apart_by_length_or_a_sampled_window(tmp_path):
 
 
 def test_double_star_does_not_walk_symlinked_dirs(tmp_path):
-    """Two links to a parent dir made ``**`` walk 2^40 paths, a silent hang at start (tester 8). ``**`` now skips
+    """Two links to a parent dir made ``**`` walk 2^40 paths, a silent hang at start. ``**`` now skips
     symlinked dirs (and hidden names, as before); a symlinked file, or a symlinked dir named in the pattern, counts."""
     import time
 
@@ -206,7 +206,7 @@ def test_double_star_does_not_walk_symlinked_dirs(tmp_path):
 
 def test_a_failed_cache_build_leaves_no_partial_file(tmp_path):
     """A corpus build that a full disk stopped kept its partial ``train.bin.tmp<pid>``, the file that filled the
-    disk, until a later build (tester 14). A failed build removes it; the error goes on."""
+    disk, until a later build. A failed build removes it; the error goes on."""
     import errno
 
     from hydratrain.data.cache import build_lock
@@ -222,7 +222,7 @@ def test_a_failed_cache_build_leaves_no_partial_file(tmp_path):
 
 def test_a_complete_cache_is_used_without_a_write(tmp_path, monkeypatch):
     """A corpus cache built once on a shared or read-only dir stopped every later run at its lock file (``Read-only
-    file system`` / ``Permission denied`` on ``.<key>.lock``) before the complete cache was even read (tester 14)."""
+    file system`` / ``Permission denied`` on ``.<key>.lock``) before the complete cache was even read."""
     import errno
     from pathlib import Path
 

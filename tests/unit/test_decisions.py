@@ -47,7 +47,7 @@ def test_main_never_writes_the_config_and_resolves_auto_into_a_new_object(compos
     assert writes == ["refused"] and OmegaConf.to_yaml(cfg) == before and result.steps == 2
     p = Precision.resolve(cfg.precision, torch.device("cpu"))
     assert p.requested == "auto" and p.name in ("fp32", "bf16") and cfg.precision.name == "auto"
-    cfg.trainer.max_steps = 3  # the caller's object again: change one value, run again (tester 11: read-only for good)
+    cfg.trainer.max_steps = 3  # the caller's object again: change one value, run again (not read-only for good)
     assert main(cfg, run_dir=tmp_path / "b").steps == 3
 
 
@@ -414,7 +414,7 @@ def test_a_swept_key_is_one_typed_column_in_the_hparams_table(compose, tmp_path)
      ["scheduler.warmup_steps=40 is not shorter than the 10 optimizer steps this run takes (trainer.max_steps / "
       "max_epochs): the lr never reaches optim.lr (it ends at 25% of it)"]),
     (["scheduler.warmup_steps=9"], []),
-    # tester 8: the last micro-batch of the epoch was dropped without a word
+    # the last micro-batch of the epoch is not dropped without a word
     (["data=synthetic", "data.synthetic_tokens=3000", "trainer.max_steps=null", "trainer.max_epochs=1",
       "trainer.grad_accum_steps=2", "scheduler.warmup_steps=1"],
      ["trainer.max_epochs=1 leaves the run's last 1 micro-batch(es) per rank (4 samples each rank) untrained: its 11 "

@@ -70,7 +70,7 @@ def test_config_error_keeps_its_key_and_exit_status_through_pickle():
 
 def test_every_stderr_line_of_ours_is_one_write(monkeypatch):
     """print(..., file=sys.stderr) wrote the text and its newline in two writes; in a log that several processes
-    share, another process's line was glued onto the end of a 'hydratrain: ...' line (tester 13). No module of ours
+    share, another process's line was glued onto the end of a 'hydratrain: ...' line. No module of ours
     prints to stderr any other way."""
     import ast
     import sys
@@ -94,7 +94,7 @@ def test_every_stderr_line_of_ours_is_one_write(monkeypatch):
 def test_a_rank_waits_for_the_rank_that_failed_to_say_it_is_exiting():
     """Rank 0 ran out of memory and took more than the fixed 3 s to tear down after its line (a 3 GiB step, a loaded
     machine): rank 1 left first with status 5, torchrun named it the root cause and rank 0 showed -15, its status 6
-    lost (tester 14, F17). A peer now waits until the rank that recorded the failure marks itself exiting (bounded
+    lost. A peer now waits until the rank that recorded the failure marks itself exiting (bounded
     by half of distributed.failure_timeout_s); a failure it did not record itself (a killed rank) keeps the 3 s."""
     import threading
     import time

@@ -68,7 +68,7 @@ def test_the_advice_fits_the_errno(tmp_path, monkeypatch):
     (errno.EFBIG, "raise the file-size limit (`ulimit -f`, in the shell or job script that launches the run)"),
 ])
 def test_each_cause_gets_its_own_remedy(tmp_path, monkeypatch, code, remedy):
-    """Tester 14 (F1): every errno but EROFS and EDQUOT was told to "make room", a file-size limit (``ulimit -f``,
+    """Every errno but EROFS and EDQUOT was told to "make room", a file-size limit (``ulimit -f``,
     EFBIG) with 43 GB free and a dir made unwritable (``chmod a-w``: EACCES, ``chattr +i``: EPERM) alike. A
     permission error names the dir that refused (the one the new file was to be made in); a file-size limit gives
     its value."""
@@ -133,7 +133,7 @@ def test_an_error_that_lost_its_errno_is_told_from_the_dir(tmp_path, monkeypatch
 
 
 def test_a_permission_error_is_an_unwritable_output_only_where_the_run_writes(tmp_path, monkeypatch):
-    """EACCES / EPERM (tester 14, F2: a TensorBoard dir made unwritable mid-run gave a traceback and exit 1) count
+    """EACCES / EPERM (a TensorBoard dir made unwritable mid-run: not a traceback and exit 1) count
     for the dirs the run writes (in, below, or above them: a dir made on the way), not for another path, nor for a
     file there that this process may not read (a read of an input): those keep their own report."""
     run_dir = tmp_path / "runs" / "a"
@@ -157,8 +157,8 @@ def test_a_permission_error_is_an_unwritable_output_only_where_the_run_writes(tm
 
 def test_a_console_that_is_gone_is_reported_once_and_dropped(capsys):
     """``train.py ... | head -2``: once head had left, every log record printed logging's 30-line ``--- Logging error
-    --- ... BrokenPipeError`` block on stderr (642 lines for an 8-step run), burying the one-line errors there
-    (tester 14). The console handler says it once and drops the rest; a console that works is unchanged."""
+    --- ... BrokenPipeError`` block on stderr (642 lines for an 8-step run), burying the one-line errors there.
+    The console handler says it once and drops the rest; a console that works is unchanged."""
     import errno
     import io
 
@@ -284,7 +284,7 @@ def test_a_run_dir_that_takes_no_writes_ends_the_start_with_one_line_and_status_
 
 def test_a_tensorboard_dir_that_refuses_by_permission_ends_with_one_line_and_results_json_is_written(
         cli, tmp_path, monkeypatch):
-    """Tester 14 (F2): ``chmod a-w <run>/tensorboard`` (or ``chattr +i``) mid-run: the hparams row's writer could
+    """``chmod a-w <run>/tensorboard`` (or ``chattr +i``) mid-run: the hparams row's writer could
     not make its dir, and the run ended in a 30-line traceback, exit 1, without results.json (written after the
     hparams row) although the run dir took writes. Now: the output-error line naming the TensorBoard dir and how to
     fix it, exit 3, and results.json, the run's figures, written."""
@@ -333,7 +333,7 @@ def test_a_permission_error_reading_an_input_is_not_an_output_error(cli, tmp_pat
 
 def test_a_run_dir_that_cannot_be_made_ends_the_start_with_one_line_before_hydra_makes_it(cli, tmp_path,
                                                                                           monkeypatch):
-    """Tester 14 (F3): a new ``hydra.run.dir`` under a read-only mount was Hydra's traceback from its ``mkdir`` and
+    """A new ``hydra.run.dir`` under a read-only mount was Hydra's traceback from its ``mkdir`` and
     exit 1 (the write probe came after, when Hydra resolves ``hydra.output_subdir``). The run's start callback
     probes first: one line, exit status 3, nothing of Hydra's."""
     read_only = tmp_path / "ro"
@@ -375,7 +375,7 @@ def _without_dac_override() -> list:
 
 
 def test_a_run_or_sweep_dir_without_write_permission_ends_the_start_with_one_line(tmp_path):
-    """Tester 14 (F3): as a user without write permission (``chmod 555``), an existing run dir (to resume) was
+    """As a user without write permission (``chmod 555``), an existing run dir (to resume) was
     Hydra's traceback from opening ``train_rank0.log`` there, a new dir under it Hydra's traceback from its
     ``mkdir``, and a sweep dir under it a traceback from ``multirun.yaml``: exit 1 each. Now exit 3 and one line
     naming the dir whose permissions refused and that they must be fixed."""
@@ -407,7 +407,7 @@ def test_a_run_or_sweep_dir_without_write_permission_ends_the_start_with_one_lin
 
 @pytest.mark.slow  # a torchrun launch of 2 ranks (about 30 s on 2 busy cores)
 def test_a_run_dir_without_write_permission_under_torchrun_ends_every_rank_with_status_3(tmp_path):
-    """Tester 14 (F3), under torchrun: every rank probes the run dir before Hydra opens its log file there; rank 0
+    """Under torchrun: every rank probes the run dir before Hydra opens its log file there; rank 0
     says the one line and leaves first with status 3 (the agent's root cause), the others say nothing."""
     import re
 
@@ -435,7 +435,7 @@ def test_a_run_dir_without_write_permission_under_torchrun_ends_every_rank_with_
 def test_a_compile_cache_that_takes_no_writes_is_named_not_the_run_dir(tmp_path, monkeypatch):
     """torch.compile's cache on a read-only mount (``TORCHINDUCTOR_CACHE_DIR``) ended the run with "writing the
     run's outputs under <run dir> failed (... Read-only file system ...)": the run dir was writable, and the cache was
-    named nowhere (tester 14). The error from inductor's code names its cache and how to move it."""
+    named nowhere. The error from inductor's code names its cache and how to move it."""
     import errno
     import sys
     import types

@@ -40,8 +40,8 @@ def test_a_launch_environment_no_launcher_made_is_one_line(cli, tmp_path, monkey
       "MASTER_PORT": "1"}, None),  # torchrun's
 ])
 def test_a_stray_local_world_size_or_local_rank_is_refused_like_a_stray_rank(monkeypatch, env, expect):
-    """A LOCAL_WORLD_SIZE left in the shell silently halved a single process's CPU threads and memory budget
-    (tester 8); a stray RANK was refused already (above), these now are too."""
+    """A LOCAL_WORLD_SIZE left in the shell silently halved a single process's CPU threads and memory budget;
+    a stray RANK was refused already (above), these now are too."""
     from hydratrain.dist.env import dist_info
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -146,7 +146,7 @@ def test_export_onto_a_directory_is_refused_and_leaves_no_file(cli, tmp_path, ca
         main([str(ckpt_of(tmp_path / "a", 2)), str(target)])
     assert exit_.value.code == 2 and "must be a file path ending in .safetensors" in capsys.readouterr().err
     assert list(tmp_path.glob(".*tmp*")) == [] and list(target.iterdir()) == []
-    # tester 9: an OUT that cannot be written was a traceback (exit 1), after the checkpoint was read
+    # an OUT that cannot be written is one line (not a traceback, exit 1), before the checkpoint is read
     (tmp_path / "afile").write_text("x")
     for out, why in ((tmp_path / "afile" / "w.safetensors", "FileExistsError"),
                      (Path("/proc/w.safetensors"), "No such file or directory")):
@@ -158,7 +158,7 @@ def test_export_onto_a_directory_is_refused_and_leaves_no_file(cli, tmp_path, ca
 
 def test_a_run_dir_whose_path_is_not_utf8_is_one_config_line(cli, tmp_path, monkeypatch):
     """A launch from a dir whose name is in a legacy encoding (Latin-1 ``lat\\xe9n``): every log line naming the run
-    dir was a ``--- Logging error ---`` and TensorBoard's writer then failed with a traceback, exit 1 (tester 14)."""
+    dir was a ``--- Logging error ---`` and TensorBoard's writer then failed with a traceback, exit 1."""
     import os
 
     launch = tmp_path / os.fsdecode(b"lat\xe9n")

@@ -91,8 +91,8 @@ def test_plugin_is_discovered(cli):
 
 
 def test_a_submission_sbatch_refuses_is_one_line(cli, tmp_path, monkeypatch):
-    """An unknown partition or account: sbatch refuses at submission, which was a 39-line submitit traceback
-    (tester 9). A stand-in sbatch fails as a real one does, with its one line on stderr."""
+    """An unknown partition or account: sbatch refuses at submission, which was a 39-line submitit traceback.
+    A stand-in sbatch fails as a real one does, with its one line on stderr."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

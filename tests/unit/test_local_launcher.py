@@ -49,7 +49,7 @@ def test_a_sweep_that_hydras_sweeper_ends_with_a_failure_ends_with_the_report_an
     """hydra.sweeper.max_batch_size=1: Hydra's basic sweeper raises the first batch's failure itself and runs no
     later job; the report callback cannot count such a sweep's jobs, so its end comes from the sweeping process's
     exit hook (the cli fixture runs it as the interpreter would), after Hydra's error: the report and the line, once.
-    The same end under launchers whose jobs run in other processes (tester 15): tests/e2e/test_launchers.py."""
+    The same end under launchers whose jobs run in other processes: tests/e2e/test_launchers.py."""
     sweep = tmp_path / "batches"
     r = cli(["-m", "strategy=single", "trainer.max_steps=-1,2", "hydra.sweeper.max_batch_size=1",
              f"hydra.sweep.dir={sweep}"])
@@ -62,8 +62,8 @@ def test_a_sweep_that_hydras_sweeper_ends_with_a_failure_ends_with_the_report_an
 
 
 def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
-    """Kept in the README's sqlite storage (tester 8: the optuna extra installed SQLAlchemy 2, which optuna 2 cannot
-    use: an AssertionError traceback before any trial)."""
+    """Kept in the README's sqlite storage (the optuna extra pins SQLAlchemy 1.x: with SQLAlchemy 2, which optuna 2
+    cannot use, it was an AssertionError traceback before any trial)."""
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     sweep, db = tmp_path / "sweep", tmp_path / "optuna.db"
     r = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=3", "strategy=single", "trainer.max_steps=3",
@@ -81,7 +81,7 @@ def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
                                                                   abs=1e-4)
     # the same command again: Hydra's sweeper would number the new trials from job 0, into the old trials' dirs
     # (the seeded sampler proposed trial 0's values again, which only re-evaluated dir 0 and added a copy to the
-    # study; tester 15); refused before any trial, the study untouched
+    # study); refused before any trial, the study untouched
     again = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=3", "strategy=single", "trainer.max_steps=3",
                  f"hydra.sweep.dir={sweep}", f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=lr"])
     assert again.returncode == 2, again.output[-3000:]
@@ -242,7 +242,7 @@ def test_a_sweep_run_again_into_its_sweep_dir_resumes_its_trials_and_refuses_oth
 def test_a_sweep_run_again_with_other_values_keeps_a_trial_that_finished_without_a_checkpoint(cli, tmp_path):
     """The refusal of another trial's dir needed a checkpoint there: a short trial (no save_last, fewer steps than
     checkpoint.every_n_steps) had its results.json, .hydra/ and curves replaced by a re-run with other values, with
-    only a TensorBoard warning (tester 15). Its .hydra/config.yaml now tells the trial; the same trial runs again."""
+    only a TensorBoard warning. Its .hydra/config.yaml now tells the trial; the same trial runs again."""
     sweep = tmp_path / "sweep"
     common = ["-m", "strategy=single", "trainer.max_steps=2", "trainer.eval_every_n_steps=0",
               f"hydra.sweep.dir={sweep}"]
@@ -304,6 +304,6 @@ def test_a_relative_sweep_dir_under_job_chdir_is_reported_from_the_launch_dir(cl
     assert [(row["job"], row["status"], row["steps"]) for row in rows] == [("0", "COMPLETED", "2"), ("1", "FAILED", "")]
     assert rows[1]["error"].endswith("FloatingPointError: loss diverged (test)")  # torchrun: in a LaunchError
     # the basic sweeper raises the failed job's error after the last job, so its report and line come with that job
-    # (tester 13: they were never shown, and Hydra's HYDRA_FULL_ERROR hint came last)
+    # (not Hydra's HYDRA_FULL_ERROR hint last)
     assert "hydratrain: 1 of 2 sweep job(s) failed" in r.output and "sweep report: " in r.output, r.output[-3000:]
     assert "HYDRA_FULL_ERROR" not in r.output, r.output[-3000:]

@@ -166,7 +166,7 @@ def _stored(path, flops, *ages_s):
 
 
 def test_cpu_peak_measured_while_busy_is_replaced_by_a_later_launchs_higher_figure(tmp_path, counted_measure, caplog):
-    """A figure measured under load (4x low, as tester 6 saw) does not stay: the next launches (a minute or more
+    """A figure measured under load (4x low, as once seen) does not stay: the next launches (a minute or more
     later) measure again and the best counts; a lower measurement never lowers it; after CPU_PEAK_LAUNCHES
     measurements the figure is final."""
     cpu = torch.device("cpu")
@@ -259,11 +259,11 @@ def test_cuda_peak_memory_reset_calls_torch(monkeypatch):
                                                              (2, 2, 2, 100e9), (1, 4, 2, 200e9), (2, 4, 2, 100e9)])
 def test_cpu_ranks_that_oversubscribe_the_cores_share_their_peak(monkeypatch, ranks, threads, cores, per_rank):
     """A rank's CPU peak is measured on its own threads; 4 ranks of 1 thread on 2 cores do not have 4 one-thread
-    peaks, so MFU read 2x low (tester 10). The node's ranks together get at most its cores' figure."""
+    peaks, so MFU read 2x low. The node's ranks together get at most its cores' figure."""
     from hydratrain.dist import env
 
     # measured on min(threads, cores) cores: 100 GFLOP/s a core (one rank of 4 threads on 2 cores measures 2 cores,
-    # and is not scaled again; tester 12)
+    # and is not scaled again)
     monkeypatch.setattr(metrics, "cpu_peak_flops", lambda dtype, cache_dir=None: (100e9 * min(threads, cores),
                                                                                   "measured"))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)

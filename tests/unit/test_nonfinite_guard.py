@@ -1,6 +1,6 @@
 """The non-finite guard (``hydratrain.train.nonfinite``) drops a non-finite update on the device and is read only
-where the loop synchronises anyway: no ``.item()``/``bool()`` of a tensor between log steps (issue 9: no per-step
-host synchronisation), yet ``stop`` leaves the weights exactly where the last finite step left them and ``skip``
+where the loop synchronises anyway: no ``.item()``/``bool()`` of a tensor between log steps (no per-step host
+synchronisation), yet ``stop`` leaves the weights exactly where the last finite step left them and ``skip``
 counts every dropped update."""
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ def test_a_divergence_after_a_resume_names_the_checkpoint_it_resumed_from(make_j
 ])
 def test_the_divergence_line_gives_the_steps_loss_over_ranks(monkeypatch, other_loss, says):
     """Each rank recorded its own loss: with rank 1's loss NaN (a bad batch), rank 0 said "loss 5.252" and pointed
-    at the lr (tester 10). The line now gives the step's loss as train/loss does (the mean over ranks) and says when
+    at the lr. The line now gives the step's loss as train/loss does (the mean over ranks) and says when
     only some ranks' loss was not finite. Rank 1's side of the all-reduce is played here."""
     from hydratrain.dist import collectives
     from hydratrain.train.nonfinite import NonFiniteGuard

@@ -105,7 +105,7 @@ def test_export_writes_a_relative_file_under_the_model_dir(monkeypatch, tmp_path
 
 def test_a_valid_long_file_name_is_written_through_a_temporary_name_that_fits(tmp_path):
     """A 252-byte export name is valid, but its temporary name ``.<name>.tmp<pid>`` passed the 255-byte limit:
-    ``File name too long``, nothing written (tester 14)."""
+    ``File name too long``, nothing written."""
     import torch
 
     from hydratrain.checkpoint.export import write_safetensors

@@ -73,7 +73,7 @@ def test_logged_mfu_is_tokens_per_second_times_flops_over_the_peak(tmp_path):
 
 
 def test_the_runs_tokens_per_second_is_its_tokens_over_its_time_not_the_mean_of_window_rates(tmp_path):
-    """results.json's tokens/s, MFU and data-wait share take the timed windows together (tester 8: the plain mean
+    """results.json's tokens/s, MFU and data-wait share take the timed windows together (the plain mean
     of the windows' rates said 1709 tokens/s for 903, weighing a fast 1-step window like a slow long one)."""
     from hydratrain.train.step_logger import StepLogger
 
@@ -165,7 +165,7 @@ def test_startup_timeline_charges_each_phase_the_time_since_the_previous_mark(mo
     assert rec["ended_at"] - rec["process_started_at"] == pytest.approx(rec["total"])
     assert timing.summary().startswith(f"{rec['total']:.2f} s from process start to the first optimizer step (")
     assert 0 < time.time() - timing.process_start_time() < 24 * 3600
-    timing.begin()  # a later job of the process (a local sweep) counts from its own start, and says so (tester 13)
+    timing.begin()  # a later job of the process (a local sweep) counts from its own start, and says so
     timing.mark("imports")
     assert " s from the job's start to the first optimizer step (imports " in timing.summary()
 
@@ -239,7 +239,7 @@ def test_cpu_threads_follow_the_affinity_mask_and_an_explicit_omp_num_threads(mo
     (["fastpaths.py", "--rounds", "0"], "argument --rounds: invalid int >= 1 value: '0'"),
 ])
 def test_bench_scripts_refuse_bad_arguments_before_any_run(argv, says):
-    """tester 9: a typo ran every launch of every round (each failing with a traceback), --ranks 0 divided by zero
+    """A typo ran every launch of every round (each failing with a traceback), --ranks 0 divided by zero
     at the end, --only nope failed on an empty max(): each is now argparse's one line, status 2, at once."""
     import subprocess
     import sys

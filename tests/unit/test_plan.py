@@ -378,7 +378,7 @@ def test_planning_a_gpu_run_from_a_cpu_host_models_cudas_fused_rms_norm():
                      "llama_1b, llama_8b)"),
     (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
     (["--cfg", "job"], "takes train.py's overrides (KEY=VALUE) and -h, not '--cfg'"),
-    # tester 9: a launch that cannot exist was planned with two world sizes
+    # a launch that cannot exist is refused, not planned with two world sizes
     (["strategy=single", "plan.world_size=2"], "plan.world_size=2: strategy=single runs one process"),
 ])
 def test_the_cli_names_what_is_wrong_with_an_override_in_one_line(argv, says, capsys):
@@ -391,7 +391,7 @@ def test_the_cli_names_what_is_wrong_with_an_override_in_one_line(argv, says, ca
 
 def test_the_cli_finds_the_clones_conf_when_the_package_is_not_installed_from_it(capsys, monkeypatch, tmp_path):
     """``pip install .`` (not editable) puts the package in site-packages without ``conf/``: the plan CLI said only
-    Hydra's "Primary config directory not found" (tester 11). It now reads ``./conf`` (run from the clone) or
+    Hydra's "Primary config directory not found". It now reads ``./conf`` (run from the clone) or
     ``$HYDRATRAIN_CONF``, and says where it looked when neither has ``train.yaml``."""
     from pathlib import Path
 

@@ -64,7 +64,7 @@ def test_which_locks_are_left_behind():
 def test_a_pid_that_is_now_another_process_is_not_running():
     """A container restarted after a SIGKILL (docker restart, a pod after OOMKilled) has a fresh PID namespace and the
     same hostname: its processes get the pids the killed ones had, possibly the relaunch's own rank 0's. The start
-    time recorded with the pid tells them apart (tester 14, F4: refused for 120 s as "in use by another job")."""
+    time recorded with the pid tells them apart (not refused for 120 s as "in use by another job")."""
     me = {"host": "n1", "pid": 6, "launch": "torchelastic:new@localhost:2", "pid_start": 9000, "boot": "b1"}
     alive, dead = (lambda pid: True), (lambda pid: False)
     started = {7: 100}.get  # pid 7 runs since tick 100; other pids' start times cannot be read
@@ -83,7 +83,7 @@ def test_a_pid_that_is_now_another_process_is_not_running():
     assert why(pid_start=50, pid_alive=dead) == "its holder, pid 7 on this host, is not running"
     assert why(pid=8) is None  # alive, its start time hidden (/proc mounted with hidepid): the pid alone
     # the very process that wrote it, stopped (Ctrl-Z, scontrol suspend) for longer than the heartbeat: still its
-    # (tester 14, F10: taken over, it carried on after SIGCONT into the same run dir); unproven, the heartbeat rules
+    # (taken over, it would carry on after SIGCONT into the same run dir); unproven, the heartbeat rules
     assert why(500.0) is None
     assert "has not refreshed it for 500 s" in why(500.0, pid=8)
     # another boot id: a machine of the same name, or this one rebooted: start times say nothing; the heartbeat does
@@ -242,7 +242,7 @@ def test_a_run_dir_that_cannot_be_created_is_one_config_line(cli, tmp_path, mult
 @pytest.mark.parametrize("multirun", [False, True])
 def test_a_run_dir_under_an_unset_variable_is_one_config_line(cli, multirun, monkeypatch):
     """paths.output_dir=${oc.env:SCRATCH}/runs, the cluster idiom, with SCRATCH unset: the one line every other
-    unresolvable key gives, exit status 2. It was Hydra's 190-line traceback of its run dir (tester 11)."""
+    unresolvable key gives, exit status 2. It was Hydra's 190-line traceback of its run dir."""
     monkeypatch.delenv("HT_UNSET_SCRATCH", raising=False)
     run = cli([*(["-m"] if multirun else []), "paths.output_dir=${oc.env:HT_UNSET_SCRATCH}/runs",
                "trainer.max_steps=1"])
@@ -253,8 +253,7 @@ def test_a_run_dir_under_an_unset_variable_is_one_config_line(cli, multirun, mon
 
 
 def test_a_run_without_paths_makes_no_placeholder_dir(cli, tmp_path, monkeypatch):
-    """``~paths`` made a dir literally named ``<paths.output_dir>`` in the launch dir before the config error
-    (tester 12)."""
+    """``~paths`` made a dir literally named ``<paths.output_dir>`` in the launch dir before the config error."""
     monkeypatch.chdir(tmp_path)
     run = cli(["~paths", "trainer.max_steps=1"])
     assert run.returncode == 2 and run.err.strip().startswith(
@@ -356,7 +355,7 @@ def test_a_rank_waiting_for_rank_0s_answer_still_runs_its_signal_handlers():
 
 def test_run_dirs_that_differ_only_in_the_start_dir_are_blamed_on_the_start_dirs():
     """Nodes started from different directories resolve the default (relative) run dir under each; the refusal
-    blamed ${now:...}, which the default does not use (tester 7)."""
+    blamed ${now:...}, which the default does not use."""
     same_tail = run_lock._split("/a/x/outputs/2026-12-01/12-00-00", "rank 1: /b/outputs/2026-12-01/12-00-00",
                                 "hydra.run.dir")
     assert "the same outputs/2026-12-01/12-00-00 under /a/x and /b: the nodes were started from different " \
@@ -367,7 +366,7 @@ def test_run_dirs_that_differ_only_in_the_start_dir_are_blamed_on_the_start_dirs
 
 def test_a_lock_copied_with_its_run_dir_is_not_the_original_runs(tmp_path, caplog):
     """``cp -a runs/a runs/b`` while run a goes on (to branch off it): a launch into the copy was refused as "in use
-    by another job" -- run a, which holds runs/a, not the copy (tester 14, F21). The lock records its dir's inode;
+    by another job" -- run a, which holds runs/a, not the copy. The lock records its dir's inode;
     on this host a lock in another dir is taken over at once, and the original stays held."""
     original, copy = tmp_path / "a", tmp_path / "b"
     original.mkdir()

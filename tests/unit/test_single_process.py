@@ -1,5 +1,5 @@
 """train.py run in this process (``cli``), single-process runs end to end: epochs with gradient accumulation, user
-paths against the launch dir, the environment report; and issue 7's correctness checks that need no second rank:
+paths against the launch dir, the environment report; and the correctness checks that need no second rank:
 divergence caught before the update, skipped non-finite updates, logged scalars that mean what they say, resuming
 with new hyper-parameters, a checkpoint of another model size refused in one line, every path key under
 hydra.job.chdir. (Multi-rank runs: tests/e2e/.)"""
@@ -37,7 +37,7 @@ def test_text_files_relative_paths_resolve_against_the_launch_dir(cli, tmp_path,
 
 
 def test_running_the_library_module_says_how_to_train(capsys):
-    """``python -m hydratrain.run`` (a guess at an entry point) printed nothing and exited 0 (tester 11)."""
+    """``python -m hydratrain.run`` (a guess at an entry point) printed nothing and exited 0."""
     import runpy
     import warnings
 
@@ -49,7 +49,7 @@ def test_running_the_library_module_says_how_to_train(capsys):
 
 def test_importing_train_py_leaves_sigterm_alone(monkeypatch):
     """train.py's early SIGTERM guard (for the seconds Hydra composes) was installed on import too: a wrapper script
-    or notebook that imported train.py, and every child it spawned, ignored SIGTERM for good (tester 11)."""
+    or notebook that imported train.py, and every child it spawned, ignored SIGTERM for good."""
     import importlib.util
     import signal
 
@@ -73,7 +73,7 @@ def test_env_report(capsys, monkeypatch, tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # hydratrain.env may be imported already
-        monkeypatch.setattr(sys, "argv", ["hydratrain.env", "bogus"])  # tester 9: it printed the report, status 0
+        monkeypatch.setattr(sys, "argv", ["hydratrain.env", "bogus"])  # not the report with status 0
         with pytest.raises(SystemExit) as err:
             runpy.run_module("hydratrain.env", run_name="__main__")
         assert err.value.code == 2 and "unrecognized arguments: bogus" in capsys.readouterr().err
@@ -167,7 +167,7 @@ def test_resume_with_a_new_lr_trains_with_it_and_records_it(cli, tmp_path):
 
 def test_a_resume_that_moves_the_lr_says_by_how_much(cli, tmp_path):
     """A finished 10-step warmup_cosine run extended to 20 steps: its lr went from 2e-4 (the floor, step 10) back up
-    to 1.1e-3 at step 11 without a word (a public report against another trainer; tester 15). The resume now says
+    to 1.1e-3 at step 11 without a word (a public report against another trainer). The resume now says
     so, with both values. A resume whose schedule gives the same lr (constant, a longer run) says nothing."""
     common = ["strategy=single", "optim.lr=2e-3", "trainer.log_every_n_steps=1", "trainer.eval_every_n_steps=0",
               "checkpoint.save_last=true"]
@@ -203,7 +203,7 @@ def test_the_untrained_micro_batches_warning_counts_from_the_resumed_data_positi
     """44 training samples, 2 epochs, trainer.grad_accum_steps=2: at batch 4 (11 micro-batches an epoch) 11 steps
     train everything. Stopped at step 3 (24 samples) and resumed at batch 8: 2 micro-batches are left in epoch 0 and
     5 in epoch 1, 3 steps and 1 micro-batch untrained. The warning was computed before the load, from the fresh
-    config's 10 micro-batches (5 steps, nothing left over), so it said nothing (tester 10)."""
+    config's 10 micro-batches (5 steps, nothing left over), so it said nothing."""
     common = ["strategy=single", "data.synthetic_tokens=3000", "trainer.max_epochs=2", "trainer.grad_accum_steps=2",
               "scheduler.warmup_steps=1", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=3"]
     r = cli([*common, "trainer.max_steps=3"], tmp_path).ok()
@@ -215,7 +215,7 @@ def test_the_untrained_micro_batches_warning_counts_from_the_resumed_data_positi
         r.output[-3000:]
     assert r.output.count(") untrained:") == 1 and results(tmp_path)["steps"] == 6
     # max_steps=5 ends it first: 12 micro-batches of 8 in the 2 epochs' 10, 3 before the resume, 4 after it (1.4
-    # epochs); the fraction was counted as if all 5 steps ran at batch 8 from the start (2 epochs; tester 12)
+    # epochs); the fraction was counted as if all 5 steps ran at batch 8 from the start (2 epochs)
     r = cli([*common, "trainer.max_steps=5", "data.batch_size=8",
              f"checkpoint.resume_from={ckpt_of(tmp_path, 3)}"], tmp_path / "b").ok()
     assert ("trainer.max_steps=5 ends the run before trainer.max_epochs=2 would (at 6 optimizer steps): it stops after "
@@ -322,7 +322,7 @@ def test_hydras_other_logging_options_replace_hydratrains(cli, tmp_path, logging
 
 def test_the_sample_shows_control_characters_as_escapes():
     """A byte-level model's sample held NUL, ESC, CR and backspace, written raw to the console and the log, where
-    grep then answered 'binary file matches' (tester 13)."""
+    grep then answered 'binary file matches'."""
     from hydratrain.train.outputs import printable
 
     assert printable("def f():\n\tx\x00\x1b[31m\r\x08é") == "def f():\n\tx\\x00\\x1b[31m\\r\\x08é"

@@ -45,7 +45,7 @@ def test_a_failed_job_does_not_show_the_figures_an_earlier_job_left_in_its_dir(t
 
 
 def test_the_basic_sweepers_job_count_follows_its_own_expansion():
-    """After the last job of a basic sweep with a failure, the report callback ends the sweep (tester 13): the count
+    """After the last job of a basic sweep with a failure, the report callback ends the sweep: the count
     must be the sweeper's, or a sweep would end early."""
     from omegaconf import OmegaConf
 
@@ -73,7 +73,7 @@ def test_a_search_goes_on_after_a_trial_whose_sampled_value_a_check_refused(tmp_
     """``-m +hparams_search=lr_optuna 'model.d_model=choice(64,66)'``: trial 0 sampled d_model=66, the check refused it
     as ``model.n_head=4: must divide model.d_model=66``, and the search stopped as hopeless ("no sampled value
     (optim.lr, ...) causes it"): keys swept on the command line were not counted as sampled, and the error's key is
-    the other one of the check (tester 15). Either alone now counts; an error naming no sampled key still stops."""
+    the other one of the check. Either alone now counts; an error naming no sampled key still stops."""
     from omegaconf import OmegaConf
 
     from hydratrain.errors import ConfigError
@@ -167,8 +167,8 @@ def test_an_optuna_search_goes_on_after_a_trial_refused_for_its_sampled_value(cl
 
 
 def test_the_exit_hook_ends_a_sweep_that_ended_without_its_line_once(tmp_path, capsys, monkeypatch):
-    """The sweeping process's exit hook (tester 15: under launchers whose jobs run in other processes, a sweep whose
-    last job completed after a failed one ended with Hydra's error, no report and no closing line): the report and
+    """The sweeping process's exit hook (under launchers whose jobs run in other processes, a sweep whose last
+    job completed after a failed one ended with Hydra's error, no report and no closing line): the report and
     the line, once; nothing when the sweep ended with a line of ours (sweep_ended: the closing line, a search
     stopped early, a preemption or Ctrl-C in a job), in a forked copy of the process, after Ctrl-C outside any job
     (Python's KeyboardInterrupt), or when no job failed."""
@@ -204,8 +204,8 @@ def test_the_exit_hook_ends_a_sweep_that_ended_without_its_line_once(tmp_path, c
 
 def test_a_stored_optuna_study_is_not_searched_inside_each_torchrun_rank(tmp_path, monkeypatch):
     """``torchrun ... train.py -m +hparams_search=lr_optuna hydra.sweeper.storage=sqlite:///...``: every rank ran
-    its own sweeper and created the study at once (sqlite's IntegrityError traceback, a trial left RUNNING for good;
-    tester 15). Refused before any trial, naming launcher=torchrun."""
+    its own sweeper and created the study at once (sqlite's IntegrityError traceback, a trial left RUNNING for good).
+    Refused before any trial, naming launcher=torchrun."""
     import pytest
     from omegaconf import OmegaConf
 

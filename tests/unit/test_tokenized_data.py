@@ -221,7 +221,7 @@ def test_tokenized_text_trains_a_bpe_on_the_train_split_and_caches(tmp_path, mon
         tok = tokenizer_for(cfg, tmp_path)
         assert tok.path.parent.parent == tmp_path / "cache" and tok.vocab_size <= 300
         splits = load_splits(cfg, vocab_size_for(cfg, tok, None), tmp_path, progress=False)
-    # each long phase says it starts (off a terminal there is no bar; tester 13), then what it did
+    # each long phase says it starts (off a terminal there is no bar), then what it did
     said = [r.getMessage().split(" ")[0] for r in caplog.records if r.name == "hydratrain.data.tokenized"]
     assert said[:2] == ["training", "trained"] and said[2:4] == ["tokenizing", "tokenized"], said
     by_file = split_files(files, tmp_path / "docs", 0.2)
@@ -340,7 +340,7 @@ def test_tokenizer_cli_trains_on_the_train_split(tmp_path):
 
 
 def test_tokenizer_cli_checks_out_before_training_and_takes_a_json_file_name(tmp_path, monkeypatch, capsys):
-    """tester 8: --out naming a file gave a traceback after the whole training, and --out tok/tokenizer.json made a
+    """--out naming a file gave a traceback after the whole training, and --out tok/tokenizer.json made a
     directory of that name, which data.tokenizer then called "no such file"."""
     from hydratrain.data.tokenizer import main
 

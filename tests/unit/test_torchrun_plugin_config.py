@@ -74,7 +74,7 @@ def _store_failed(inner: Exception):
 def test_a_rendezvous_that_failed_says_why_and_only_a_wait_that_ran_out_is_called_a_timeout():
     """One node, ``ulimit -n 12``: the store could not bind (too many open files) after 1 s, and the job's line was
     "no rendezvous with all 1 node(s) within hydra.launcher.rdzv_timeout=600 s (is node 0 running the same
-    sweep?)" without the inner error (tester 14, F5)."""
+    sweep?)" without the inner error."""
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
