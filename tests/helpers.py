@@ -232,6 +232,60 @@ def likely_writes(root: Path = ROOT) -> set[str]:
     return found
 
 
+# ------------------------------------------------------------------------------ optional extras (pyproject.toml)
+#: each extra of ``[project.optional-dependencies]`` that some tests need, with the modules that tell it is installed
+EXTRAS = {
+    "lowbit": ("torchao",),
+    "ray": ("ray",),
+    "optuna": ("optuna", "hydra_plugins.hydra_optuna_sweeper"),
+    "slurm": ("submitit", "hydra_plugins.hydra_submitit_launcher"),
+    "examples": ("sklearn",),
+    "hf": ("transformers", "datasets"),
+    "docs": ("mkdocs", "material"),
+}
+
+
+def missing(extra: str) -> list[str]:
+    """The modules of ``extra`` (:data:`EXTRAS`) that cannot be imported here; found without importing them."""
+    import importlib.util
+
+    absent = []
+    for name in EXTRAS[extra]:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # a parent package is missing
+            found = False
+        if not found:
+            absent.append(name)
+    return absent
+
+
+def why_missing(*extras: str) -> str:
+    """Why a test that needs ``extras`` cannot run here ('' when they are all installed)."""
+    absent = {extra: missing(extra) for extra in extras}
+    return "; ".join(f"needs the extra [{extra}] ({', '.join(mods)} not installed: pip install -e '.[{extra}]')"
+                     for extra, mods in absent.items() if mods)
+
+
+def requires(*extras: str):
+    """A mark (a test's decorator, a module's ``pytestmark``, a ``pytest.param``'s ``marks``) that skips what needs
+    ``extras`` where one of them is not installed, saying which and how to install it: ``pip install -e ".[dev]"``
+    alone passes the suite, with these skipped."""
+    import pytest
+
+    reason = why_missing(*extras)
+    return pytest.mark.skipif(bool(reason), reason=reason or "installed")
+
+
+def skip_without(*extras: str) -> None:
+    """Skip the running test here when one of ``extras`` is not installed (for a case chosen inside the test)."""
+    import pytest
+
+    reason = why_missing(*extras)
+    if reason:
+        pytest.skip(reason)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

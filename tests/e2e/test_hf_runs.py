@@ -9,10 +9,9 @@ import math
 
 import pytest
 
-from helpers import assert_same_tensors, ckpt_of, load_weights, log_of, results, run, sweep_runs
+from helpers import Sweep, assert_same_tensors, ckpt_of, load_weights, log_of, requires, results, run, sweep_runs
 
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+pytestmark = requires("hf")
 
 HF_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 TINY = ["model=hf_causal_lm", "model.config.hidden_size=64", "model.config.intermediate_size=128",
@@ -34,15 +33,30 @@ def _env(cache_dir) -> dict:
     return {**HF_ENV, "HYDRATRAIN_CACHE": str(cache_dir)}
 
 
-@pytest.mark.slow  # ~40 s on 2 shared cores: a 2-rank launch and an in-process run
-def test_fsdp_meta_init_on_two_ranks_is_the_single_process_init(tmp_path, cli, cache_dir, monkeypatch):
+COMMON = [*TINY, "activation_checkpointing=true", "data.batch_size=4", "optim.lr=1e-2"]
+RESUME = [*COMMON, "strategy=fsdp", "trainer.max_steps=6", "checkpoint.every_n_steps=3", "trainer.save_weights=true"]
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory, cache_dir) -> Sweep:
+    """The 2-rank runs that start from nothing, as the jobs of one sweep: Llama and GPT-2 under DDP and FSDP for 8
+    steps (FSDP builds on meta), and the 6-step FSDP run that checkpoints at step 3 (``resume_a``)."""
+    base = tmp_path_factory.mktemp("hf_runs")
+    gpt2 = gpt2_config(base / "gpt2")
+    runs = {"llama_ddp": [*COMMON, "trainer.max_steps=8", "strategy=ddp"],
+            "llama_fsdp": [*COMMON, "trainer.max_steps=8", "strategy=fsdp"],
+            "gpt2_ddp": [*COMMON, "trainer.max_steps=8", "strategy=ddp", gpt2],
+            "gpt2_fsdp": [*COMMON, "trainer.max_steps=8", "strategy=fsdp", gpt2], "resume_a": RESUME}
+    return sweep_runs(runs, base / "sweep", env=_env(cache_dir), common=[])  # (+debug=fast sets GPT keys)
+
+
+@pytest.mark.slow  # the shared sweep's Llama FSDP job and an in-process run
+def test_fsdp_meta_init_on_two_ranks_is_the_single_process_init(hf_runs, tmp_path, cli, monkeypatch):
     """2 ranks x 4 samples under FSDP (built on meta, each decoder layer its own unit, activations recomputed) and
     1 process x 8 samples see the same samples at step 1: equal step-1 losses mean equal initial weights."""
     for key, value in HF_ENV.items():
         monkeypatch.setenv(key, value)
-    two = tmp_path / "two"
-    run([*TINY, "strategy=fsdp", "activation_checkpointing=true", "data.batch_size=4", "trainer.max_steps=2"], two,
-        nproc=2, fast=False, env=_env(cache_dir)).ok()
+    two = hf_runs.job("llama_fsdp")
     one = tmp_path / "one"
     cli([*TINY, "strategy=single", "data.batch_size=8", "trainer.max_steps=1"], one, fast=False).ok()
     log0 = log_of(two)
@@ -53,15 +67,10 @@ def test_fsdp_meta_init_on_two_ranks_is_the_single_process_init(tmp_path, cli, c
     assert math.isfinite(results(two)["mfu"])
 
 
-@pytest.mark.slow  # ~60 s: four 2-rank jobs
-def test_llama_and_gpt2_train_under_ddp_and_fsdp_with_activation_checkpointing(tmp_path, cache_dir):
-    common = [*TINY, "activation_checkpointing=true", "data.batch_size=4", "trainer.max_steps=8", "optim.lr=1e-2"]
-    gpt2 = gpt2_config(tmp_path / "gpt2")
-    runs = {"llama_ddp": [*common, "strategy=ddp"], "llama_fsdp": [*common, "strategy=fsdp"],
-            "gpt2_ddp": [*common, "strategy=ddp", gpt2], "gpt2_fsdp": [*common, "strategy=fsdp", gpt2]}
-    sweep = sweep_runs(runs, tmp_path / "sweep", env=_env(cache_dir), common=[])  # (+debug=fast sets GPT keys)
-    for name in runs:
-        job = sweep.job(name)
+@pytest.mark.slow  # the shared sweep's four Llama and GPT-2 jobs
+def test_llama_and_gpt2_train_under_ddp_and_fsdp_with_activation_checkpointing(hf_runs):
+    for name in ("llama_ddp", "llama_fsdp", "gpt2_ddp", "gpt2_fsdp"):
+        job = hf_runs.job(name)
         res = results(job)
         assert res["train_loss"] < res["first_loss"] - 0.3, (name, res)
         block = "GPT2Block" if name.startswith("gpt2") else "LlamaDecoderLayer"
@@ -69,13 +78,10 @@ def test_llama_and_gpt2_train_under_ddp_and_fsdp_with_activation_checkpointing(t
         assert f"blocks: 2 {block} (from _no_split_modules)" in log_of(job), name
 
 
-@pytest.mark.slow  # ~40 s: two 2-rank launches
-def test_fsdp_resume_on_two_ranks_is_bit_identical(tmp_path, cache_dir):
-    args = [*TINY, "strategy=fsdp", "activation_checkpointing=true", "data.batch_size=4", "trainer.max_steps=6",
-            "checkpoint.every_n_steps=3", "trainer.save_weights=true", "optim.lr=1e-2"]
-    a, b = tmp_path / "a", tmp_path / "b"
-    run(args, a, nproc=2, fast=False, env=_env(cache_dir)).ok()
-    run([*args, f"checkpoint.resume_from={ckpt_of(a, 3)}"], b, nproc=2, fast=False, env=_env(cache_dir)).ok()
+@pytest.mark.slow  # one 2-rank launch, resuming the shared sweep's resume_a
+def test_fsdp_resume_on_two_ranks_is_bit_identical(hf_runs, tmp_path, cache_dir):
+    a, b = hf_runs.job("resume_a"), tmp_path / "b"
+    run([*RESUME, f"checkpoint.resume_from={ckpt_of(a, 3)}"], b, nproc=2, fast=False, env=_env(cache_dir)).ok()
     assert f"resumed from {ckpt_of(a, 3)}" in log_of(b)
     assert_same_tensors(load_weights(a / "model.safetensors"), load_weights(b / "model.safetensors"),
                         "final weights of a 2-rank FSDP run and of its resume from step 3")

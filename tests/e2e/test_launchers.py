@@ -25,9 +25,11 @@ from helpers import (
     hparams_runs,
     log_of,
     report_rows,
+    requires,
     results,
     run,
     sh,
+    skip_without,
     start,
 )
 
@@ -130,7 +132,7 @@ def test_a_sweep_whose_last_job_completes_after_a_failed_one_ends_with_the_repor
     report and the closing line come last, once, with status 1; under torchrun the launcher's process says that job
     0 failed once (it said it twice)."""
     if launcher == "submitit_local":
-        pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+        skip_without("slurm")
     sweep = tmp_path / "sweep"
     one_rank = {"torchrun": "launcher.nproc_per_node=1", "submitit_local": "launcher.tasks_per_node=1"}[launcher]
     r = run(["-m", f"launcher={launcher}", one_rank, "strategy=ddp", "trainer.max_steps=2",
@@ -300,8 +302,8 @@ def test_two_nodes_with_the_launcher_share_one_group_and_run_dir(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ submitit
 @pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
+@requires("slurm")
 def test_submitit_local_runs_the_default_config_as_two_tasks_of_one_run(tmp_path, cache_dir):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
     run(["launcher=submitit_local", *SHORT, f"hydra.sweep.dir={sweep}"], fast=False, cwd=tmp_path, timeout=400,
         env={"HYDRATRAIN_CACHE": str(cache_dir)}).ok()
@@ -310,10 +312,10 @@ def test_submitit_local_runs_the_default_config_as_two_tasks_of_one_run(tmp_path
 
 
 @pytest.mark.slow  # ~10 s: one job that stops in its checks
+@requires("slurm")
 def test_submitit_local_job_error_reaches_the_console_as_its_one_line(tmp_path):
     """submitit pickles the job's exception back to the launching process: the ConfigError's own line is printed,
     not a TypeError from unpickling it."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     r = run(["launcher=submitit_local", "strategy=ddp", "trainer.max_steps=3", "optim.lr=-1",
              f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=300)
     assert r.returncode != 0 and "optim.lr=-1.0: must be finite and > 0" in r.output, r.output[-3000:]
@@ -323,11 +325,11 @@ def test_submitit_local_job_error_reaches_the_console_as_its_one_line(tmp_path):
 # ------------------------------------------------------------------------------------------------ optuna
 @pytest.mark.slow  # 4 trials x 2 ranks (~20 s); the local search (in-process) and the basic sweeper's torchrun jobs
 # cover its parts in the default selection
+@requires("optuna")
 def test_optuna_torchrun_search_goes_on_past_failed_trials(tmp_path):
     """Optuna + torchrun launcher (2 ranks): a config error on a sampled value (trial 2 with the preset's seed,
     rejected by the job check in the launcher), a crashed rank (job 0), a diverged run (job 3); the study still runs
     all 4 trials."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     sweep = tmp_path / "sweep"
     r = run(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=4", "launcher=torchrun", "launcher.nproc_per_node=2",
              "strategy=ddp", "trainer.max_steps=4", "optim.weight_decay=interval(-0.2,0.2)",

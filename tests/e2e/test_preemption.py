@@ -9,6 +9,7 @@ import re
 import shlex
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +19,6 @@ from hydratrain.checkpoint.manager import latest_checkpoint
 
 def _worker_pids(launcher_pid: int) -> dict[int, int]:
     """{RANK: pid} of the workers torchrun ``launcher_pid`` started."""
-    from pathlib import Path
-
     out = {}
     for d in Path("/proc").iterdir():
         try:
@@ -29,6 +28,48 @@ def _worker_pids(launcher_pid: int) -> dict[int, int]:
         except (OSError, ValueError, KeyError, IndexError):
             continue
     return out
+
+
+def _launches(base: Path) -> dict:
+    """The single-process launches of this module's tests, by test name: ``(args, run_dir, env, cwd)`` as
+    :func:`helpers.start` takes them (``script=FAULTY``), each in its own launch dir under ``base``."""
+    compose = {"HT_FAULT_AT": "compose"}
+    stop = ["strategy=single", "checkpoint.preempt_exit_code=76", "trainer.max_steps=2"]
+    out = {}
+    for phase, fault in (("startup", "sleep"), ("startup", "swallow"), ("final", "sleep")):
+        out[f"test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_status[{phase}-{fault}]"] = (
+            stop, base / f"{phase}-{fault}" / "run", {"HT_FAULT": fault, "HT_FAULT_AT": phase, "HT_FAULT_RANK": "all"},
+            base / f"{phase}-{fault}" / "launch")  # (the run dir outside it: the resume command names it whole)
+    out["test_sigterm_while_a_sweep_composes_keeps_its_default_when_save_on_sigterm_is_off"] = (
+        ["-m", "strategy=single", "checkpoint.save_on_sigterm=false", "optim.lr=1e-3,3e-3",
+         f"hydra.sweep.dir={base / 'default' / 's'}"], None, compose, base / "default")
+    for multirun in ("run", "sweep"):
+        cwd = base / f"compose-{multirun}"
+        args = ["-m", *stop, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={cwd / 's'}"] if multirun == "sweep" else stop
+        out[f"test_sigterm_while_hydra_composes_ends_the_launch_as_preempted[{multirun}]"] = (
+            args, None if multirun == "sweep" else cwd / "run", compose, cwd)
+    return out
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """The launches of this module's tests that run in the current session, started together when the first of
+    them needs its own: each waits idle at its fault (or ends by itself), so their start-ups (an interpreter, torch,
+    Hydra: seconds each, on one core) overlap instead of adding up. ``started(request)`` -> (process, run dir, launch
+    dir) of the calling test."""
+    base = tmp_path_factory.mktemp("preemption")
+    launches = _launches(base)
+    wanted = {item.name for item in request.session.items if item.module is request.module} & set(launches)
+    procs = {}
+    for name in sorted(wanted):
+        args, run_dir, env, cwd = launches[name]
+        cwd.mkdir(parents=True, exist_ok=True)
+        procs[name] = (start(args, run_dir, script=FAULTY, env=env, cwd=cwd), run_dir, cwd)
+    yield lambda req: procs.pop(req.node.name)
+    for proc, _, _ in procs.values():  # a test that did not take its own (it failed before, or was skipped)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
 
 
 @pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
@@ -68,19 +109,18 @@ def _wait_for(path, proc, what: str, timeout: float = 180) -> None:
 @pytest.mark.parametrize("phase,fault", [("startup", "sleep"),
                                          pytest.param("startup", "swallow", marks=pytest.mark.slow),
                                          pytest.param("final", "sleep", marks=pytest.mark.slow)])
-def test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_status(tmp_path, phase, fault):
+def test_sigterm_outside_training_ends_the_launch_at_once_with_the_preempt_status(started, request, phase, fault):
     """A SIGTERM while the run still starts (here while it builds its data, which HT_FAULT=sleep holds for 120 s),
     or after its last step (while it writes its outputs): training cannot stop at a step, so the launch ends at once
     with one line and checkpoint.preempt_exit_code and releases its run dir. It used to die of the signal (status
     143) with nothing said and its lock left behind. Library code that swallows the exception (``swallow``) only
     delays it to the first step."""
-    run_dir = tmp_path / "run"
-    proc = start(["strategy=single", "checkpoint.preempt_exit_code=76", "trainer.max_steps=2"], run_dir,
-                 script=FAULTY, env={"HT_FAULT": fault, "HT_FAULT_AT": phase, "HT_FAULT_RANK": "all"})
+    proc, run_dir, _ = started(request)
     _wait_for(run_dir / f"fault_rank0_{phase}", proc, f"the run did not reach its {phase} fault")
     os.kill(proc.pid, signal.SIGTERM)
+    killed = time.monotonic()
     r = finish(proc, timeout=60)
-    assert r.returncode == 76 and r.seconds < 100, r.output[-3000:]
+    assert r.returncode == 76 and time.monotonic() - killed < 100, r.output[-3000:]  # not after the 120 s fault
     what = ("during start-up, before this launch's first step: nothing trained, nothing to save; to resume"
             if phase == "startup" else "after the last step, during the final evaluation and outputs: nothing saved "
             "since the latest checkpoint; to finish from it")
@@ -121,10 +161,8 @@ def test_a_rank_ending_with_an_error_ignores_sigterm_until_it_has_logged_why():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def test_sigterm_while_a_sweep_composes_keeps_its_default_when_save_on_sigterm_is_off(tmp_path):
-    r = finish(start(["-m", "strategy=single", "checkpoint.save_on_sigterm=false", "optim.lr=1e-3,3e-3",
-                      f"hydra.sweep.dir={tmp_path / 's'}"], script=FAULTY, env={"HT_FAULT_AT": "compose"},
-                     cwd=tmp_path), timeout=120)
+def test_sigterm_while_a_sweep_composes_keeps_its_default_when_save_on_sigterm_is_off(started, request):
+    r = finish(started(request)[0], timeout=120)
     assert r.returncode == -signal.SIGTERM and "preempted" not in r.output, r.output[-3000:]
 
 
@@ -146,15 +184,12 @@ def test_sigterm_between_a_local_sweeps_jobs_ends_the_sweep_as_preempted(tmp_pat
 
 
 @pytest.mark.parametrize("multirun", [False, True], ids=["run", "sweep"])
-def test_sigterm_while_hydra_composes_ends_the_launch_as_preempted(tmp_path, multirun):
+def test_sigterm_while_hydra_composes_ends_the_launch_as_preempted(started, request, multirun):
     """A SIGTERM before hydratrain's start-up guard exists (Hydra's import and composition: seconds on a loaded
     machine) used to kill the launch with 143 and nothing said; now it ends as preempted once the run (or the
     sweep) starts, with one line and checkpoint.preempt_exit_code."""
-    run_dir = None if multirun else tmp_path / "run"
-    args = ["strategy=single", "checkpoint.preempt_exit_code=76", "trainer.max_steps=2"]
-    if multirun:
-        args = ["-m", *args, "optim.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 's'}"]
-    r = finish(start(args, run_dir, script=FAULTY, env={"HT_FAULT_AT": "compose"}, cwd=tmp_path), timeout=120)
+    proc, run_dir, _ = started(request)
+    r = finish(proc, timeout=120)
     assert r.returncode == 76, r.output[-3000:]
     said = ("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started" if multirun else
             "hydratrain: preempted: SIGTERM during start-up, before this launch's first step")

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FAULTY, clean_env, log_of, results, run, tb_scalars
+from helpers import FAULTY, clean_env, log_of, requires, results, run, tb_scalars
 
-pytest.importorskip("ray.train")
+pytestmark = requires("ray")
 
 # every job on the shared cluster; the fault variables reach its workers through the launcher's forward_env
 RAY = ["launcher=ray", "launcher.num_workers=2", "trainer.eval_every_n_steps=0",

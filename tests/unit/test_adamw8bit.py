@@ -8,10 +8,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import ROOT
+from helpers import ROOT, requires
 from hydratrain.errors import ConfigError
 
-pytest.importorskip("torchao")
+pytestmark = requires("lowbit")
 
 
 def _stepped(name: str) -> torch.optim.Optimizer:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, results, tb_all
+from helpers import ROOT, requires, results, tb_all
 
 OWN = ROOT / "examples" / "own_model"
 # a run of seconds on the example: fp32 on the CPU, 12 steps, eval at 6 and 12, no progress bar
@@ -139,9 +139,9 @@ def test_a_model_option_that_names_no_class_is_refused(cli, own):
     assert not (own / "mlp" / "results.json").exists()
 
 
+@requires("examples")
 def test_the_digits_example_reaches_95_percent_accuracy(cli, tmp_path):
     """+experiment=digits_cnn: a CNN with BatchNorm on scikit-learn's digits (extra [examples])."""
-    pytest.importorskip("sklearn", reason="the digits example needs the extra [examples] (scikit-learn)")
     r = cli(["+experiment=digits_cnn", "strategy=single", "device=cpu", "precision=fp32", "trainer.max_steps=120",
              "trainer.eval_every_n_steps=0", "trainer.progress_bar=false", "logger.peak_flops=1e11"], tmp_path,
             fast=False)

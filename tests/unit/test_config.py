@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from helpers import CONF, ROOT
+from helpers import CONF, ROOT, requires
 from hydratrain.config import ConfigError, validate
 
 GROUPS = ["model", "data", "loss", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "trainer",
@@ -46,10 +46,17 @@ def _extra(group: str, option: str, tmp_path: Path) -> list[str]:
     return []
 
 
-HF_OPTIONS = {("model", "hf_causal_lm"), ("data", "hf_dataset")}  # and +experiment=hf_*: the extra [hf]
+# the options (and experiments) that need an extra of pyproject.toml: skipped, with the reason, without it
+NEEDS = {("model", "hf_causal_lm"): "hf", ("data", "hf_dataset"): "hf", ("model", "digits_cnn"): "examples",
+         ("data", "digits"): "examples", ("optim", "adamw8bit"): "lowbit", ("experiment", "hf_llama_tiny"): "hf"}
 
 
-@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def _cases(group_options):
+    return [pytest.param(*case, id="=".join(case), marks=[requires(NEEDS[case])] if case in NEEDS else [])
+            for case in group_options]
+
+
+@pytest.mark.parametrize("group,option", _cases(OPTIONS))
 def test_option_composes_validates_and_instantiates(compose, group, option, tmp_path):
     from hydratrain import components
     from hydratrain.models.gpt import GPT, GPTConfig
@@ -57,10 +64,6 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
     from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.wrap_policy import shard_units
 
-    if "digits" in option:
-        pytest.importorskip("sklearn", reason="the digits example needs the extra [examples] (scikit-learn)")
-    if (group, option) in HF_OPTIONS:
-        pytest.importorskip("transformers" if group == "model" else "datasets", reason="needs the extra [hf]")
     cfg = compose([f"{group}={option}", *_extra(group, option, tmp_path)])
     assert OmegaConf.select(cfg, f"{group}.name") in (option, None) or group in ("trainer", "logger")
     validate(cfg)
@@ -106,10 +109,8 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
         assert len(splits["train"]) > 0 and len(splits["val"]) > 0
 
 
-@pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_overlays_compose(compose, name):
-    if name.startswith("hf_"):
-        pytest.importorskip("transformers", reason="needs the extra [hf]")
+@pytest.mark.parametrize("group,name", _cases(("experiment", name) for name in EXPERIMENTS))
+def test_experiment_overlays_compose(compose, group, name):
     cfg = compose([f"+experiment={name}"])
     validate(cfg)
     base = compose([])

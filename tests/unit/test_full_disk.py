@@ -379,17 +379,19 @@ def test_a_run_or_sweep_dir_without_write_permission_ends_the_start_with_one_lin
     Hydra's traceback from opening ``train_rank0.log`` there, a new dir under it Hydra's traceback from its
     ``mkdir``, and a sweep dir under it a traceback from ``multirun.yaml``: exit 1 each. Now exit 3 and one line
     naming the dir whose permissions refused and that they must be fixed."""
-    from helpers import command, sh
+    from helpers import command, finish, spawn
 
     nocap = _without_dac_override()
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o555)
-    try:
-        for args, dir_, kind in (([f"hydra.run.dir={locked}"], locked, "run"),
-                                 ([f"hydra.run.dir={locked / 'new'}"], locked / "new", "run"),
-                                 (["-m", f"hydra.sweep.dir={locked / 'sweep'}"], locked / "sweep", "sweep")):
-            run = sh([*nocap, *command(["strategy=single", "trainer.max_steps=2", *args])], timeout=120)
+    cases = (([f"hydra.run.dir={locked}"], locked, "run"),
+             ([f"hydra.run.dir={locked / 'new'}"], locked / "new", "run"),
+             (["-m", f"hydra.sweep.dir={locked / 'sweep'}"], locked / "sweep", "sweep"))
+    try:  # the three launches at once (each stops in its start-up): one process start-up's wait, not three
+        procs = [spawn([*nocap, *command(["strategy=single", "trainer.max_steps=2", *args])]) for args, _, _ in cases]
+        for proc, (args, dir_, kind) in zip(procs, cases):
+            run = finish(proc, timeout=120)
             assert run.returncode == 3, run.output[-3000:]
             lines = run.output.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith(

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_same_tensors, ckpt_of, load_weights, log_of, results
+from helpers import assert_same_tensors, ckpt_of, load_weights, log_of, requires, results
 
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
+pytestmark = requires("hf")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from helpers import requires
 from hydratrain.config import ConfigError, validate
 
 
@@ -90,10 +91,10 @@ def test_plugin_is_discovered(cli):
     assert r.returncode == 0 and "TorchrunLauncher" in r.output, r.output
 
 
+@requires("slurm")
 def test_a_submission_sbatch_refuses_is_one_line(cli, tmp_path, monkeypatch):
     """An unknown partition or account: sbatch refuses at submission, which was a 39-line submitit traceback.
     A stand-in sbatch fails as a real one does, with its one line on stderr."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in ("sbatch", "srun"):

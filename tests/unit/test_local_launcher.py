@@ -10,7 +10,7 @@ import socket
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import FAULTY, check_optuna_search, report_rows, results
+from helpers import FAULTY, check_optuna_search, report_rows, requires, results, skip_without
 
 # the default config (data=python_stdlib, model=gpt_tiny, strategy=fsdp, precision=auto), only made short
 SHORT = ["trainer.max_steps=3", "data.batch_size=2", "data.seq_len=64", "trainer.eval_samples=8",
@@ -61,10 +61,10 @@ def test_a_sweep_that_hydras_sweeper_ends_with_a_failure_ends_with_the_report_an
     assert r.output.count("sweep report: ") == 1 and r.output.count("sweep job(s) failed") == 1
 
 
+@requires("optuna")
 def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
     """Kept in the README's sqlite storage (the optuna extra pins SQLAlchemy 1.x: with SQLAlchemy 2, which optuna 2
     cannot use, it was an AssertionError traceback before any trial)."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     sweep, db = tmp_path / "sweep", tmp_path / "optuna.db"
     r = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=3", "strategy=single", "trainer.max_steps=3",
              f"hydra.sweep.dir={sweep}", f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=lr"])
@@ -98,10 +98,10 @@ def test_optuna_search_three_trials_minimises_eval_loss(cli, tmp_path):
 
 
 @pytest.mark.slow  # five in-process trials
+@requires("optuna")
 def test_optuna_local_search_goes_on_past_failed_trials(cli, tmp_path, monkeypatch):
     """Optuna + local launcher: trials that sample an invalid weight decay fail with a config error (with the
     preset's seed, trial 2 does), trial 3 diverges (raises); the study still runs all 5 trials."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     monkeypatch.setenv("HT_FAULT_JOBS", "3:raise")
     sweep = tmp_path / "sweep"
     r = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=5", "strategy=single", "trainer.max_steps=3",
@@ -110,11 +110,11 @@ def test_optuna_local_search_goes_on_past_failed_trials(cli, tmp_path, monkeypat
 
 
 @pytest.mark.slow  # four in-process trials, two under the torchrun launcher, and Optuna's import: about 25 s
+@requires("optuna")
 def test_optuna_search_that_cannot_succeed_stops_with_one_line(cli, tmp_path):
     """An error no sampled value causes (a data path that matches no file) would fail every trial alike: the search
     stops after the first. Trials that all fail for their sampled values (every lr diverges) end with one line, not
     Optuna's `ValueError: No trials are completed yet` traceback."""
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     sweep = tmp_path / "bad_path"
     r = cli(["+hparams_search=lr_optuna", "hydra.sweeper.n_trials=3", f"data.paths=[{tmp_path}/nope.txt]",
              "data=text_files", f"hydra.sweep.dir={sweep}"])
@@ -164,8 +164,8 @@ def test_stop_on_failure_ends_the_sweep(cli, tmp_path):
         r.output[-3000:]
 
 
+@requires("slurm")
 def test_submitit_gpu_task_mismatch_fails_before_submitting(cli, tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     r = cli(["launcher=submitit_local", "launcher.gpus_per_node=2", "launcher.tasks_per_node=1",
              f"hydra.sweep.dir={tmp_path / 's'}"])
     assert r.returncode != 0
@@ -173,10 +173,10 @@ def test_submitit_gpu_task_mismatch_fails_before_submitting(cli, tmp_path):
     assert not (tmp_path / "s" / ".submitit").exists()
 
 
+@requires("slurm")
 def test_slurm_without_sbatch_fails_before_submitting(cli, tmp_path, monkeypatch):
     """launcher=slurm on a machine without SLURM: one line naming the key and what to use instead, not submitit's
     traceback ('Could not detect "srun"')."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, no srun
     r = cli(["launcher=slurm", "strategy=ddp", "launcher.gpus_per_node=2", f"hydra.sweep.dir={tmp_path / 's'}"])
     assert r.returncode != 0 and "Traceback" not in r.output, r.output[-3000:]
@@ -185,10 +185,10 @@ def test_slurm_without_sbatch_fails_before_submitting(cli, tmp_path, monkeypatch
     assert not (tmp_path / "s").exists()
 
 
+@requires("slurm")
 def test_submitit_bad_fixed_value_fails_before_submitting(cli, tmp_path):
     """A job's config checks run on the sweep's config before submitit queues anything: a typo no longer waits in
     the SLURM queue to fail when the job starts."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     r = cli(["-m", "launcher=submitit_local", "optim.lr=-1", "trainer.max_steps=1,2",
              f"hydra.sweep.dir={tmp_path / 's'}"])
     assert r.returncode != 0 and "hydratrain: config error: optim.lr=-1.0: must be finite and > 0" in r.output, \
@@ -197,10 +197,10 @@ def test_submitit_bad_fixed_value_fails_before_submitting(cli, tmp_path):
 
 
 @pytest.mark.parametrize("swept", ["launcher.tasks_per_node=1,2", "launcher.timeout_min=range(5,7)"])
+@requires("slurm")
 def test_submitit_refuses_a_swept_executor_key_before_submitting(cli, tmp_path, swept):
     """hydra-submitit-launcher makes one executor per sweep: -m launcher.tasks_per_node=1,2 ran both jobs on 2
     ranks while job 0's report row said 1."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     r = cli(["-m", "launcher=submitit_local", swept, f"hydra.sweep.dir={tmp_path / 's'}"])
     key, values = swept.split("=")
     assert r.returncode == 2 and (f"hydratrain: config error: {key}='{values}': cannot be swept under "
@@ -288,7 +288,7 @@ def test_a_relative_sweep_dir_under_job_chdir_is_reported_from_the_launch_dir(cl
     for below the job dir: no report, every status.json outside the multirun, and an Optuna search with a failed
     trial exiting 0."""
     if sweeper == "optuna":
-        pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+        skip_without("optuna")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HT_FAULT_JOBS", "1:raise")
     args = {"basic": ["-m", "trainer.max_steps=2,2", "hydra.sweep.dir=rel/sw", "strategy=single"],

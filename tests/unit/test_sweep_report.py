@@ -7,6 +7,7 @@ import os
 import shutil
 import time
 
+from helpers import requires
 from hydratrain.sweep import mark_multirun, sweep_rows, write_job_status
 
 
@@ -151,12 +152,11 @@ def test_a_search_stops_early_only_when_every_trial_provably_fails_alike(tmp_pat
     assert sampled_keys(OmegaConf.create({"overrides": {"task": ["a=choice(1,2"]}})) is None  # unparsable
 
 
+@requires("optuna")
 def test_an_optuna_search_goes_on_after_a_trial_refused_for_its_sampled_value(cli, tmp_path):
     """The search of the report, in this process: trial 0 samples data.seq_len=512 (the preset's seed), which the
     check refuses; the search goes on to trial 1 instead of stopping as hopeless."""
-    import pytest
 
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     r = cli(["-m", "+hparams_search=lr_optuna", "hydra.sweeper.n_trials=2", "data.seq_len=choice(128,512)",
              "model.max_seq_len=256", "strategy=single", "trainer.max_steps=1", "trainer.eval_every_n_steps=0",
              f"hydra.sweep.dir={tmp_path}"])
