@@ -6,7 +6,7 @@ the peak, the moment of the step it falls on, and its parts in bytes. Any model 
 
 * **The model's own memory model.** A model class may define the classmethod ``memory_plan(setup) -> Plan | None``
   (hydratrain's GPT does: :mod:`hydratrain.models.gpt_memory`, an analytic moment-by-moment model of its blocks and
-  head, within 9 % of the measured peak in README "Memory planner"); the planner asks the class named by
+  head, within 9 % of the measured peak in docs/memory-planner.md); the planner asks the class named by
   ``model._target_`` for it, as MFU asks a model for ``flops_per_token``. None falls back to the generic plan.
 * **The generic plan** (:mod:`hydratrain.stepsim`), for any ``nn.Module``: parameter, gradient and optimizer bytes
   exactly from a build on the meta device, sharded as the strategy shards them; activations from running the real
@@ -33,9 +33,9 @@ from typing import Any, Optional
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-# what a CPU plan leaves out (README "Memory planner": measured with glibc as it comes and with the threshold set)
+# what a CPU plan leaves out (docs/memory-planner.md: measured with glibc as it comes and with the threshold set)
 CPU_FACT = ("CPU: this counts tensors; glibc's malloc keeps freed memory in its heap, and the resident set measured "
-            "40-120% above it (README, Memory planner); MALLOC_MMAP_THRESHOLD_=131072 in the environment makes it "
+            "40-120% above it (docs/memory-planner.md); MALLOC_MMAP_THRESHOLD_=131072 in the environment makes it "
             "track the tensors, at the cost of page faults")
 
 

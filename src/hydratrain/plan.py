@@ -55,10 +55,10 @@ def _more_ranks(s: Setup, max_world: int = 4096) -> list[Setup]:
 
 
 def error_margin(device: str) -> float:
-    """How many times its predicted peak a run may need on ``device`` (``cpu``/``cuda``), from measurements (README
-    "Memory planner"): 2.0 on a CPU with glibc's malloc as it comes (its heap keeps freed tensors: up to 1.8x the
-    prediction by ``bench/plan_accuracy.py --malloc default``, 2.1x measured once with activation checkpointing), else
-    1.15 (CUDA, or a CPU with ``MALLOC_MMAP_THRESHOLD_`` set: at most 9 % measured)."""
+    """How many times the predicted part of its peak a run may need on ``device`` (``cpu``/``cuda``), from
+    measurements (docs/memory-planner.md): 2.0 on a CPU with glibc's malloc as it comes (its heap keeps freed tensors:
+    up to 1.8x the prediction by ``bench/plan_accuracy.py --malloc default``, 2.1x measured once with activation
+    checkpointing), else 1.15 (CUDA, or a CPU with ``MALLOC_MMAP_THRESHOLD_`` set: at most 9 % measured)."""
     if device == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         return 2.0
     return 1.15

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
-import weakref
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from hydratrain.models import gpt_memory
 from hydratrain.models.gpt import GPT, GPTConfig
 from hydratrain.models.gpt_memory import model_spec, param_shapes
 from hydratrain.plan import GiB, Setup, error_margin, predict, suggestions
+from live_bytes import LiveBytes
 
 SMALL = dict(d_model=128, n_layer=4, n_head=4, max_seq_len=128, vocab_size=512)
 
@@ -204,36 +204,6 @@ def test_a_plan_is_fast_for_llama_8b_and_imports_no_dynamo():
 
 
 # --------------------------------------------------------------------------------------- activation accounting
-class _Live(torch.utils._python_dispatch.TorchDispatchMode):
-    """Live bytes of real CPU tensor storages and their peak (the same bookkeeping as memsim.Tracker)."""
-
-    def __init__(self):
-        super().__init__()
-        self.now = self.peak = 0
-        self.live = {}
-
-    def track(self, t):
-        st = t.untyped_storage()
-        if st._cdata in self.live:
-            return
-        n = st.nbytes()
-
-        def freed(_, key=st._cdata, n=n):
-            if self.live.pop(key, None) is not None:
-                self.now -= n
-
-        self.live[st._cdata] = weakref.ref(st, freed)
-        self.now += n
-        self.peak = max(self.peak, self.now)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        return out
-
-
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_the_block_simulation_matches_real_cpu_tensors(autocast):
     """One real block on CPU, forward and backward, with every storage counted: the same bytes as the simulation
@@ -243,7 +213,7 @@ def test_the_block_simulation_matches_real_cpu_tensors(autocast):
     cfg = GPTConfig(**SMALL)
     block = Block(cfg)
     cos, sin = rotary_tables(cfg.head_dim, 64, cfg.rope_theta)
-    live = _Live()
+    live = LiveBytes()
     for t in (*block.parameters(), cos, sin):  # counted by the planner's arithmetic, not as activations
         live.track(t)
     fixed = live.now

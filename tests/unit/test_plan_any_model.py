@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import weakref
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from torch import nn
 from hydratrain import stepsim
 from hydratrain.footprint import ModelSpec, PlanUnavailable, Setup, padded, predict
 from hydratrain.memsim import Mode
+from live_bytes import LiveBytes
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "hydratrain"
 PLANNER = ["plan.py", "plan_cli.py", "footprint.py", "memsim.py", "stepsim.py"]
@@ -90,36 +90,6 @@ def spec_of(cls, batch, loss="torch.nn.CrossEntropyLoss", **kwargs) -> ModelSpec
                      stepsim.describe(batch))
 
 
-class _Live(torch.utils._python_dispatch.TorchDispatchMode):
-    """Live bytes of real CPU tensor storages and their peak (memsim.Tracker's bookkeeping on real tensors)."""
-
-    def __init__(self):
-        super().__init__()
-        self.now = self.peak = 0
-        self.live = {}
-
-    def track(self, t):
-        st = t.untyped_storage()
-        if st._cdata in self.live:
-            return
-        n = st.nbytes()
-
-        def freed(_, key=st._cdata, n=n):
-            if self.live.pop(key, None) is not None:
-                self.now -= n
-
-        self.live[st._cdata] = weakref.ref(st, freed)
-        self.now += n
-        self.peak = max(self.peak, self.now)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.track(t)
-        return out
-
-
 def _real_step(model, batch, loss_fn, autocast, drop_grads: bool) -> tuple[int, int, int]:
     """(forward peak, kept for backward, backward peak) of one real CPU step, bytes beyond the model and batch."""
     from hydratrain.train.batch import forward, loss_of
@@ -128,7 +98,7 @@ def _real_step(model, batch, loss_fn, autocast, drop_grads: bool) -> tuple[int, 
     if drop_grads:
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
-    live = _Live()
+    live = LiveBytes()
     for t in (*model.parameters(), *model.buffers(), *torch.utils._pytree.tree_leaves(batch)):
         live.track(t)
     fixed = live.now

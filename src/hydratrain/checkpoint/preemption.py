@@ -182,7 +182,7 @@ class Preemption:
         for sig in signals:
             try:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
-            except ValueError:  # not the main thread: a Ray Train worker runs the job in a thread (README: Ray)
+            except ValueError:  # not the main thread: a Ray Train worker runs the job in a thread (docs/launching.md)
                 log.info("checkpoint.save_on_sigterm: no %s handler outside the main thread (a Ray worker): a "
                          "preemption is not saved here; the run resumes from its latest periodic checkpoint",
                          signal.Signals(sig).name)

@@ -174,7 +174,8 @@ class SchedulerState:
         ratio = f"x{now / self.saved_lr:.3g}" if self.saved_lr else "from 0"
         return (f"resumed at step {step}: the lr of step {step + 1} is {now:.3e} on this launch's schedule ({which}, "
                 f"base lr {self.scheduler.base_lrs[0]:.3g}) and was {self.saved_lr:.3e} on the saved run's "
-                f"({ratio}): the lr follows this launch's config (README: Resuming with other hyper-parameters)")
+                f"({ratio}): the lr follows this launch's config (docs/checkpoints.md, Resuming with other "
+                "hyper-parameters)")
 
 
 class RNGState:

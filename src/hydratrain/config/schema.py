@@ -336,7 +336,7 @@ class SizeBasedWrapPolicy(WrapPolicyConfig):
 # --------------------------------------------------------------------------------------------------- launcher
 @dataclass
 class LauncherConfig:
-    """Who starts the processes (see README.md, "Launching and sweeping"). The keys of each option are the
+    """Who starts the processes (see docs/launching.md). The keys of each option are the
     user-facing ones; ``conf/launcher/<option>.yaml`` maps them onto the Hydra launcher plugin's ``hydra.launcher``."""
 
     option: ClassVar[Optional[LauncherName]] = None

@@ -5,7 +5,7 @@ uses: AC, then compile, then FSDP). Blocks come from :mod:`hydratrain.parallel.b
 
 - ``auto`` (the default): compile on CUDA, not elsewhere. On the CPU compiling gained nothing measurable (gpt_tiny,
   within the noise of eager) and cost about 26 s more start-up; on one H200 the whole gpt_small compiled ran 1.38x
-  the eager loop's tokens/s (README, "Performance").
+  the eager loop's tokens/s (docs/performance.md).
 - ``true``: compile on any device, at the granularity ``auto`` picks on CUDA:
 
   - ``single``: the whole model (``Module.compile()`` on the root, so parameter names keep no ``_orig_mod.``): one

@@ -1,6 +1,6 @@
 """What the loop reports, and when: log lines, TensorBoard scalars and the progress bar.
 
-Each logged scalar means exactly this (README, "Logged metrics"):
+Each logged scalar means exactly this (docs/metrics.md):
 
 - ``train/loss``: mean over the steps of the logging window (since the previous log line) and over ranks of each
   step's loss, itself the mean next-token cross-entropy (nats/token) over the step's micro-batches. A step whose
