@@ -55,24 +55,10 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n N``), the tests that read the shared 2-rank sweep run in one worker, so that its
-    one launch serves them all (``--dist loadgroup``)."""
-    for item in items:
-        if {"shared_sweep", "two_rank_run"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("shared_sweep"))
-
-
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One corpus cache for the session (HYDRATRAIN_CACHE), so the stdlib memmap is built once (shared by the
-    workers of a ``-n N`` session: its builds take a lock, a second builder finds it built)."""
-    worker = __import__("os").environ.get("PYTEST_XDIST_WORKER")
-    if worker is None:
-        return tmp_path_factory.mktemp("cache")
-    shared = tmp_path_factory.getbasetemp().parent / "cache"
-    shared.mkdir(exist_ok=True)
-    return shared
+    """One corpus cache for the session (HYDRATRAIN_CACHE), so the stdlib memmap is built once."""
+    return tmp_path_factory.mktemp("cache")
 
 
 @pytest.fixture
