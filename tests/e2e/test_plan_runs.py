@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, clean_env, command, results
+from helpers import ROOT, clean_env, command, requires, results
 
 # A 4 x 256 GPT whose activations at batch 64 x 256 need about 1.3 GB more than at batch 1.
 OOM_MODEL = ["strategy=single", "device=cpu", "precision=fp32", "model.d_model=256", "model.n_layer=4",
@@ -88,6 +88,7 @@ def test_every_run_starts_with_its_plan_and_records_it(tmp_path, cli):
     assert 0 < res["planned_peak_memory_bytes"] and res["peak_memory_bytes"] > 0
 
 
+@requires("examples")
 def test_a_model_that_is_not_a_gpt_is_planned_within_15_percent_of_its_peak(tmp_path):
     """+experiment=digits_cnn (a CNN with BatchNorm: the generic plan, a simulated step on the data's shapes) logs
     its plan, and the run's measured peak resident set is within 15 % of it."""

@@ -48,7 +48,8 @@ def _extra(group: str, option: str, tmp_path: Path) -> list[str]:
 
 # the options (and experiments) that need an extra of pyproject.toml: skipped, with the reason, without it
 NEEDS = {("model", "hf_causal_lm"): "hf", ("data", "hf_dataset"): "hf", ("model", "digits_cnn"): "examples",
-         ("data", "digits"): "examples", ("optim", "adamw8bit"): "lowbit", ("experiment", "hf_llama_tiny"): "hf"}
+         ("data", "digits"): "examples", ("optim", "adamw8bit"): "lowbit", ("experiment", "hf_llama_tiny"): "hf",
+         ("launcher", "slurm"): "slurm", ("launcher", "submitit_local"): "slurm"}
 
 
 def _cases(group_options):
@@ -338,6 +339,7 @@ def test_help_says_what_hydratrain_is_and_which_groups_are_choices(cli):
     assert "the schema/* groups are the typed schemas behind" in r.out and "strategy: ddp, fsdp, hsdp, single" in r.out
 
 
+@requires("slurm")
 def test_a_job_whose_launcher_started_another_number_of_ranks_is_refused(compose, tmp_path):
     """A swept group or experiment that sets launcher.tasks_per_node per job: submitit's one executor per sweep ran
     every job on the sweep's count while each job's config and report row said its own."""

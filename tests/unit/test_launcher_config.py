@@ -11,15 +11,18 @@ from hydratrain.config import ConfigError, validate
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["launcher=submitit_local", "launcher.gpus_per_node=2", "launcher.tasks_per_node=1"], "launcher.tasks_per_node"),
-    (["launcher=slurm", "launcher.gpus_per_node=8", "launcher.tasks_per_node=4"], "launcher.tasks_per_node"),
+    pytest.param(["launcher=submitit_local", "launcher.gpus_per_node=2", "launcher.tasks_per_node=1"],
+                 "launcher.tasks_per_node", marks=requires("slurm")),
+    pytest.param(["launcher=slurm", "launcher.gpus_per_node=8", "launcher.tasks_per_node=4"], "launcher.tasks_per_node",
+                 marks=requires("slurm")),
     (["launcher=torchrun", "launcher.nnodes=2"], "launcher.rdzv_endpoint"),
     (["launcher=torchrun", "launcher.nnodes=2", "launcher.node_rank=2", "launcher.rdzv_endpoint=h:1"],
      "launcher.node_rank"),
     (["launcher=torchrun", "launcher.rdzv_endpoint=nohostport"], "launcher.rdzv_endpoint"),
     (["launcher=torchrun", "strategy=single"], "strategy.name"),
     (["launcher=torchrun", "launcher.max_restarts=-1"], "launcher.max_restarts"),
-    (["launcher=submitit_local", "launcher.nodes=2"], "launcher.nodes"),  # was submitit's traceback
+    pytest.param(["launcher=submitit_local", "launcher.nodes=2"], "launcher.nodes",  # was submitit's traceback
+                 marks=requires("slurm")),
 ])
 def test_bad_launcher_config_is_one_line_error_naming_the_key(compose, overrides, key):
     cfg = compose(overrides, return_hydra_config=True)
@@ -28,6 +31,7 @@ def test_bad_launcher_config_is_one_line_error_naming_the_key(compose, overrides
     assert err.value.key == key and "\n" not in str(err.value)
 
 
+@requires("slurm")
 def test_slurm_needs_sbatch_and_srun_only_where_it_submits(compose, tmp_path, monkeypatch):
     """The process that submits needs SLURM's commands on PATH; a job's own checks (on a compute node) do not."""
     from hydratrain.config import validate_launcher
@@ -46,7 +50,7 @@ def test_slurm_needs_sbatch_and_srun_only_where_it_submits(compose, tmp_path, mo
     validate_launcher(compose(["launcher=submitit_local"]).launcher, submitting=True)
 
 
-@pytest.mark.parametrize("name", ["torchrun", "submitit_local", "ray"])
+@pytest.mark.parametrize("name", ["torchrun", pytest.param("submitit_local", marks=requires("slurm")), "ray"])
 def test_a_launcher_started_inside_torchrun_is_refused_where_it_would_submit(compose, monkeypatch, name):
     """torchrun ... train.py launcher=torchrun: each outer rank started the same jobs, and one of them failed with a
     misleading "run dir in use by another job"; a sweep inside each rank (launcher=local) stays allowed."""
@@ -62,6 +66,7 @@ def test_a_launcher_started_inside_torchrun_is_refused_where_it_would_submit(com
     validate_launcher(compose([]).launcher, submitting=True)
 
 
+@requires("slurm")
 def test_presets_select_the_hydra_launcher_and_multirun(compose):
     for name, target in [("torchrun", "hydratrain_launcher.torchrun_launcher.TorchrunLauncher"),
                          ("slurm", "hydratrain_launcher.slurm_launcher.SlurmLauncher"),  # submitit's, subclassed

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import requires
 from hydratrain import stepsim
 from hydratrain.footprint import ModelSpec, PlanUnavailable, Setup, padded, predict
 from hydratrain.memsim import Mode
@@ -285,6 +286,7 @@ def test_the_cli_plans_a_users_model_from_a_config_dir(tmp_path, capsys, monkeyp
 
 
 # -------------------------------------------------------------------------------------------------- the run
+@requires("examples")
 def test_a_runs_plan_of_a_users_model_leaves_its_random_state_as_seeded(compose, tmp_path):
     """The plan runs before the model is built, on the data's example batch (a DataLoader iterator, which draws its
     base seed from the global generator): an eagerly built model must start from the same weights with the plan on

@@ -11,6 +11,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
+from helpers import requires
 from hydratrain.config import validate
 from hydratrain.errors import ConfigError
 
@@ -74,6 +75,7 @@ def test_forwarded_env_and_worker_error_lines():
     assert worker_error_line(ValueError("plain words")) == "ValueError: plain words"
 
 
+@requires("ray")
 def test_a_local_cluster_gets_cpus_for_one_job_and_the_forwarded_env(monkeypatch):
     import ray
     from omegaconf import OmegaConf
@@ -94,6 +96,7 @@ def test_a_local_cluster_gets_cpus_for_one_job_and_the_forwarded_env(monkeypatch
     assert _ray_core.connect({**settings, "address": "head:6379"}) is False and calls[-1]["address"] == "head:6379"
 
 
+@requires("ray")
 def test_a_local_cluster_fits_the_sweeps_biggest_job(monkeypatch):
     """-m launcher=ray launcher.num_workers=3,1: the cluster was sized from the sweep-level value (the default's
     2 workers), so on a 2-core machine Ray waited for job 0's third CPU forever."""
