@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,10 +56,45 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_configure(config):
+    """A pytest-xdist worker gets its share of the cores as its intra-op threads (``OMP_NUM_THREADS``, unless set):
+    two workers of 2 threads each on 2 cores would make every in-process run slower. Subprocess ranks get 1 thread
+    each anyway (helpers.clean_env)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts) a shared launch runs once: the tests that
+    read the session's shared 2-rank sweep run in one worker, so do the tests of a module with a module-scoped
+    fixture (its own shared sweep), and the Ray tests (one local Ray cluster at a time). Every other test goes to
+    whichever worker is free."""
+    for item in items:
+        infos = getattr(item, "_fixtureinfo", None)
+        defs = [d for ds in (infos.name2fixturedefs.values() if infos else ()) for d in ds]
+        if {"shared_sweep", "two_rank_run"} & set(getattr(item, "fixturenames", ())):
+            group = "shared_sweep"
+        elif "ray" in item.path.stem:
+            group = "ray"
+        elif any(d.scope == "module" and d.baseid and item.nodeid.startswith(d.baseid) for d in defs):
+            group = item.path.stem
+        else:
+            continue
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One corpus cache for the session (HYDRATRAIN_CACHE), so the stdlib memmap is built once."""
-    return tmp_path_factory.mktemp("cache")
+    """One corpus cache for the session (HYDRATRAIN_CACHE), so the stdlib memmap is built once: under pytest-xdist
+    one for all workers (a corpus build takes a lock; a second builder finds it built)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return tmp_path_factory.mktemp("cache")
+    shared = tmp_path_factory.getbasetemp().parent / "cache"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture
