@@ -233,10 +233,27 @@ def instantiate_node(node: dict, key: str, target: str, what: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ loss, metrics
-def build_loss(cfg: DictConfig) -> Callable:
-    """The loss callable of ``cfg.loss`` (``loss(outputs, targets) -> 0-d mean``; :func:`build_callable`). Raises
-    :class:`ConfigError`."""
-    return build_callable(cfg.get("loss"), "loss")
+def build_loss(cfg: DictConfig, device: Any = None) -> Callable:
+    """The loss callable of ``cfg.loss`` (``loss(outputs, targets) -> 0-d mean``; :func:`build_callable`); an
+    ``nn.Module`` loss is moved to ``device`` (its buffers: class weights). Raises :class:`ConfigError`, also for a
+    loss module with trainable parameters: the optimizer, the gradient sync and the checkpoints cover the model's
+    parameters only, so such a loss's parameters would silently stay as built (they belong in the model, whose
+    forward can return the loss as ``.loss``)."""
+    import torch
+
+    loss = build_callable(cfg.get("loss"), "loss")
+    if isinstance(loss, torch.nn.Module):
+        trained = [name for name, p in loss.named_parameters() if p.requires_grad]
+        if trained:
+            shown = ", ".join(trained[:3]) + (f" and {len(trained) - 3} more" if len(trained) > 3 else "")
+            raise ConfigError("loss._target_", cfg.loss.get("_target_"),
+                              f"has trainable parameters ({shown}) that nothing would train: only the model's "
+                              "parameters are optimised, synced and saved; move them into the model and return the "
+                              "loss from its forward as .loss (docs/own-model.md#the-loss), or freeze them "
+                              "(requires_grad=False)")
+        if device is not None:
+            loss.to(device)
+    return loss
 
 
 def build_metrics(cfg: DictConfig) -> dict:

@@ -7,6 +7,7 @@ with a formula of its own (``flops_per_token(seq_len)``, as hydratrain's GPT: 6N
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 from typing import Any, Callable
@@ -42,13 +43,13 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
 
     def count(mode: Any) -> float:
         model = build_meta()
+        loss = copy.deepcopy(loss_fn).to("meta") if isinstance(loss_fn, torch.nn.Module) else loss_fn  # its buffers
         model.train()
         batch = _meta(example)
         with mode:
             batch = _fake(mode, batch) if isinstance(mode, FakeTensorMode) else batch
             with FlopCounterMode(display=False) as counter:
-                loss = loss_of(forward(model, batch, contextlib.nullcontext()), batch, loss_fn)
-                loss.backward()
+                loss_of(forward(model, batch, contextlib.nullcontext()), batch, loss).backward()
         return counter.get_total_flops() / max(n, 1)
 
     import logging

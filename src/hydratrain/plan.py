@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hydratrain.errors import ConfigError
 from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup, predict
 
 __all__ = ["GiB", "ModelSpec", "Plan", "PlanUnavailable", "Setup", "predict", "suggestions", "budget_bytes",
@@ -237,6 +238,8 @@ def _example(example: Optional[Callable[[int], Any]], batch_size: int, seq_len: 
     if example is not None:
         try:
             return describe(example(batch_size))
+        except ConfigError:  # the data's own fault (a batch outside the contract): the run's, not the plan's
+            raise
         except Exception as err:  # noqa: BLE001 (the plan is advice: it says it has no example instead)
             log.warning("memory plan: no example batch (%s: %s)", type(err).__name__, err)
             return ()
@@ -306,8 +309,9 @@ def plan_run(cfg, strategy, info, precision, vocab_size: Optional[int],
     """Predict this rank's peak before the model is built, log it (rank 0 prints one line; the table goes to each
     rank's log file) and warn with the changes that fit when it exceeds the budget. ``example(n)``: a micro-batch
     of ``n`` samples of the run's data (:meth:`hydratrain.data.streams.ShardedBatches.example`), for a model the
-    planner simulates. Never stops the run: returns None (and logs why) when the planner cannot predict this setup
-    or ``plan.enabled`` is false."""
+    planner simulates. Never stops the run for the planner's sake: returns None (and logs why) when the planner
+    cannot predict this setup or ``plan.enabled`` is false; raises the :class:`ConfigError` of a config fault it
+    meets (a data batch outside the batch contract), which the run would raise at its first step."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.select(cfg, "plan.enabled", default=True):
@@ -335,6 +339,8 @@ def _plan_run(cfg, strategy, info, precision, vocab_size, example) -> Optional[R
         if not run.fits:
             run.fixes = suggestions(setup, budget, margin=run.margin)
         slow = offload_slow_path(setup, budget)
+    except ConfigError:  # the run's own fault, found on the example batch: the same line the run would give
+        raise
     except Exception as err:  # the plan is advice: a planner bug must not stop training
         log.warning("memory plan unavailable: %s: %s", type(err).__name__, err)
         return None

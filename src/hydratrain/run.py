@@ -459,7 +459,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     timing.mark("model")
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", components.model_name(cfg),
              n_params / 1e6, strategy.local_param_bytes(model) / 1e6, summary)
-    loss_fn, metrics = components.build_loss(cfg), components.build_metrics(cfg)
+    loss_fn, metrics = components.build_loss(cfg, device), components.build_metrics(cfg)
     optimizer = build_optimizer(model, cfg.optim)
     optimizer_state = OptimizerState(model, optimizer)  # the configured hyper-parameters, before the scheduler
     timing.mark("optimizer")

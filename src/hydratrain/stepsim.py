@@ -307,6 +307,8 @@ def trace(spec: ModelSpec, batch_size: int, mode: Mode, checkpointed: bool, shar
                 p.register_post_accumulate_grad_hook(lambda p, size=size: made(p, size))
         batch = _materialise(batch_of(spec, batch_size), device, tracker)
         loss_fn = components.build_loss(_config(spec))
+        if isinstance(loss_fn, nn.Module):  # its buffers (class weights) on the step's device, storage-less too
+            shadow_module(loss_fn, None, device, tracker, buffers=True)
         with tracker, ShadowFactories():
             outputs = forward(model, batch, mode.autocast_ctx())
             tracker.phase = "loss"

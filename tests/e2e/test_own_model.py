@@ -1,7 +1,8 @@
 """A model, datasets, loss and metric defined outside the package (examples/own_model, copied into a temp launch dir)
 on 2 gloo ranks: DDP and FSDP2 with its blocks found (wrap_policy=auto), activation checkpointing, a meta build
-initialised through reset_parameters, the same initial weights at any world size, export loading strictly into the
-class; and an exact resume after a kill. (In-process checks of the same example: tests/unit/test_components.py.)
+initialised through reset_parameters, a 0-d parameter under FSDP, the same weights under either strategy and the
+same initial ones at any world size, export loading strictly into the class; and an exact resume after a kill.
+(In-process checks of the same example: tests/unit/test_components.py.)
 """
 from __future__ import annotations
 
@@ -17,10 +18,33 @@ BASE = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precisi
         "trainer.log_every_n_steps=1"]
 
 
+# the example's model with its logits scaled by a learnable 0-d temperature, as CLIP's logit_scale: FSDP2 cannot
+# shard a 0-d parameter, so every rank holds it whole and its gradient is averaged over the ranks
+TEMPERED = """
+import torch
+from torch import nn
+
+from mypkg.nets import ResMLP
+
+
+class TemperedResMLP(ResMLP):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.logit_scale = nn.Parameter(torch.zeros(()))
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.logit_scale)
+
+    def forward(self, x):
+        return super().forward(x) * self.logit_scale.exp()
+"""
+
+
 def _launch_dir(tmp_path):
     launch = tmp_path / "launch"
     for part in ("mypkg", "my_conf"):
         shutil.copytree(OWN / part, launch / part)
+    (launch / "mypkg" / "tempered.py").write_text(TEMPERED)
     return launch
 
 
@@ -28,7 +52,8 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
     launch = _launch_dir(tmp_path)
     sweep = tmp_path / "sweep"
     r = run(["-m", *BASE, "strategy=ddp,fsdp", "activation_checkpointing=true", "+model.init_device=meta",
-             "trainer.max_steps=12", f"hydra.sweep.dir={sweep}"], nproc=2, cwd=launch, fast=False, timeout=600)
+             "model._target_=mypkg.tempered.TemperedResMLP", "trainer.max_steps=12", f"hydra.sweep.dir={sweep}"],
+            nproc=2, cwd=launch, fast=False, timeout=600)
     assert r.returncode == 0, r.output[-4000:]
     ddp, fsdp = (results(sweep / str(i)) for i in (0, 1))
     for res in (ddp, fsdp):
@@ -38,8 +63,9 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
     for job in (0, 1):
         log = log_of(sweep / str(job))
         assert "activation checkpointing on 4 ResidualBlock" in log
-        assert "initialised by the reset_parameters() of 14 modules" in log
+        assert "initialised by the reset_parameters() of 15 modules" in log
     assert "fsdp: sharded 5 modules (4 ResidualBlock by wrap_policy=auto + root)" in log_of(sweep / "1")
+    assert "1 0-d parameters replicated (logit_scale)" in log_of(sweep / "1")
     rows = report_rows(sweep)
     assert [row["status"] for row in rows] == ["COMPLETED"] * 2 and all(row["eval/accuracy"] for row in rows)
 
@@ -47,13 +73,18 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
     from safetensors.torch import load_file
 
     monkeypatch.syspath_prepend(str(launch))
-    from mypkg.nets import ResMLP
+    from mypkg.tempered import TemperedResMLP
 
-    ResMLP().load_state_dict(load_file(sweep / "1" / "model.safetensors"), strict=True)  # FSDP's export: own names
+    exported = [load_file(sweep / job / "model.safetensors") for job in ("0", "1")]
+    TemperedResMLP().load_state_dict(exported[1], strict=True)  # FSDP's export: the model's own names
+    # FSDP trains as DDP does, the replicated temperature included (its gradient averaged over the ranks)
+    assert exported[0]["logit_scale"].abs() > 1e-3
+    for name, value in exported[0].items():
+        torch.testing.assert_close(exported[1][name], value, rtol=1e-4, atol=1e-5, msg=name)
     # the same weights at world size 1 (one process, twice the micro-batch: the same 32 samples at step 1)
     monkeypatch.chdir(launch)
-    one = cli([*BASE, "strategy=fsdp", "+model.init_device=meta", "data.batch_size=32", "trainer.max_steps=1"],
-              tmp_path / "one", fast=False)
+    one = cli([*BASE, "strategy=fsdp", "+model.init_device=meta", "model._target_=mypkg.tempered.TemperedResMLP",
+               "data.batch_size=32", "trainer.max_steps=1"], tmp_path / "one", fast=False)
     assert one.returncode == 0, one.output[-3000:]
     assert results(tmp_path / "one")["first_loss"] == pytest.approx(fsdp["first_loss"], abs=1e-5)
     assert torch.isfinite(torch.tensor(results(tmp_path / "one")["first_loss"]))

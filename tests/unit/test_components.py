@@ -97,6 +97,51 @@ def test_a_module_that_nothing_can_initialise_after_a_meta_build_is_named(cli, o
     assert r.returncode == 0, r.output[-3000:]  # built eagerly (the default for it), its constructor's values train
 
 
+ROPE = """
+import torch
+from torch import nn
+
+from mypkg.nets import ResMLP
+
+
+class RopeMLP(ResMLP):
+    def __init__(self, recompute: bool = False):
+        super().__init__()
+        self.recompute = recompute
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self):
+        return 1.0 / 10000 ** (torch.arange(0, 8, 2, device=self.head.weight.device) / 8)
+
+    def init_weights(self):
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+        if self.recompute:
+            self.inv_freq.copy_(self._inv_freq())
+
+    def forward(self, x):
+        return super().forward(x) * self.inv_freq[0]
+"""
+
+
+def test_a_buffer_the_init_leaves_unset_after_a_meta_build_is_named(cli, own):
+    """A meta build loses what the constructor computed into buffers (a rotary table): an init_weights() that does
+    not compute them again is refused in one line, and one that does trains."""
+    (own / "mypkg" / "rope.py").write_text(ROPE)
+    common = [*QUICK, "strategy=single", "model._target_=mypkg.rope.RopeMLP", "~model.width", "~model.depth",
+              "~model.num_classes", "+model.init_device=meta", "trainer.max_steps=2"]
+    r = cli(common, own / "lost", fast=False)
+    assert r.returncode == 2, r.output[-3000:]
+    assert r.err.strip().splitlines() == [
+        "hydratrain: config error: model.init_device='meta': built on meta, the model's buffers are only as its init "
+        "makes them, and init_weights() left inv_freq unset (a constructor's values are lost on meta): compute them "
+        "there too, or build it with storage: model.init_device=cpu (or cuda)"]
+    r = cli([*common, "+model.recompute=true"], own / "kept", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    assert results(own / "kept")["train_loss"] < 5
+
+
 @pytest.mark.parametrize("args,line", [
     (["model._target_=mypkg.nope.Net"], "model._target_='mypkg.nope.Net': cannot be imported (ModuleNotFoundError: "
                                         "No module named 'mypkg.nope'); is its package in the launch dir or on "
@@ -119,6 +164,9 @@ def test_a_module_that_nothing_can_initialise_after_a_meta_build_is_named(cli, o
                                             "(perplexity is logged with a loss that reports it: loss=next_token)"),
     (["+data.shuffle=true"], "data.shuffle=True: not a keyword of mypkg.data.spirals; allowed: n, classes, noise, "
                              "seed"),
+    (["loss._target_=torch.nn.AdaptiveLogSoftmaxWithLoss", "+loss.in_features=3", "+loss.n_classes=3",
+      "+loss.cutoffs=[1]"], "loss._target_='torch.nn.AdaptiveLogSoftmaxWithLoss': has trainable parameters "
+                            "(head.weight, tail.0.0.weight, tail.0.1.weight) that nothing would train"),
 ])
 def test_each_bad_component_is_one_line_naming_its_key(cli, own, args, line):
     r = cli([*QUICK, "strategy=single", *args], own / "bad", fast=False)
@@ -252,8 +300,17 @@ def test_samples_the_default_collate_cannot_batch_are_one_line_naming_collate_fn
     (own / "mypkg" / "var.py").write_text(
         "import torch\n\nclass Var(torch.utils.data.Dataset):\n    def __len__(self):\n        return 64\n\n"
         "    def __getitem__(self, i):\n        return torch.ones(2 + i % 3), torch.tensor(i % 3)\n\n"
-        "def var():\n    return {'train': Var(), 'val': Var()}\n")
+        "def var():\n    return {'train': Var(), 'val': Var()}\n\n"
+        "def triples():\n    x, y = torch.randn(160, 2), torch.arange(160) % 3\n"
+        "    return torch.utils.data.TensorDataset(x, y, torch.arange(160))\n")
     r = cli([*QUICK, "strategy=single", "data._target_=mypkg.var.var", "~data.n"], own / "var", fast=False)
     assert r.returncode == 2 and r.err.strip().splitlines()[0].startswith(
         "hydratrain: config error: data.collate_fn=None: PyTorch's default collate cannot batch the samples (stack "
         "expects each tensor to be equal size"), r.output[-3000:]
+    # (inputs, mask, labels) would train on the mask and drop the labels: batches are pairs or dicts
+    r = cli([*QUICK, "strategy=single", "data._target_=mypkg.var.triples", "~data.n"], own / "triples", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: data._target_='mypkg.var.triples': its batches hold 3 items ((64, 2) float32, "
+        "(64,) int64, (64,) int64), not (inputs, targets) pairs or dicts: return (inputs, targets), or a dict whose "
+        "keys are the forward's arguments with the targets as 'labels' (TensorDataset(ids, mask, labels): a dataset "
+        "of dicts)"], r.output[-3000:]

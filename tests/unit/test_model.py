@@ -88,3 +88,20 @@ def test_counted_flops_agree_with_the_palm_formula_within_two_percent(tie):
     counted = counted_flops_per_sample(build, batch, NextTokenLoss()) / T
     formula = GPT(cfg).flops_per_token(T)
     assert abs(counted / formula - 1) < 0.02, (counted, formula)
+
+
+def test_flops_are_counted_with_a_loss_module_that_holds_a_buffer():
+    """A loss module's buffers (class weights) are on the run's device while the count runs on meta: a meta copy of
+    the loss is counted, and the run's loss is left where it is."""
+    from hydratrain.flops import counted_flops_per_sample
+
+    def build():
+        with torch.device("meta"):
+            return torch.nn.Linear(8, 3)
+
+    weighted = torch.nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0]))
+    batch = (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    counted = counted_flops_per_sample(build, batch, weighted)
+    # per sample: 2 FLOPs per multiply-add forward, 2 for the weight's gradient (the input needs none)
+    assert counted == counted_flops_per_sample(build, batch, torch.nn.CrossEntropyLoss()) == 4 * 8 * 3
+    assert weighted.weight.device.type == "cpu"

@@ -144,14 +144,18 @@ def loader_fetch(dataset: Any, data: DictConfig, device) -> Any:
         loader = DataLoader(dataset, batch_sampler=_Lists(index_lists), collate_fn=collate,
                             num_workers=s["num_workers"], pin_memory=pin,
                             persistent_workers=bool(s["persistent_workers"]) and s["num_workers"] > 0, **extra)
-        return _collated(iter(loader), s["collate_fn"] is None)
+        return _collated(iter(loader), s["collate_fn"] is None, data)
 
     return fetch
 
 
-def _collated(batches: Iterator[Any], default_collate: bool) -> Iterator[Any]:
+def _collated(batches: Iterator[Any], default_collate: bool, data: DictConfig) -> Iterator[Any]:
     """``batches``, where PyTorch's default collate failing on the samples (tensors of different sizes, types it
-    does not know) is one config-error line naming ``data.collate_fn`` instead of a traceback from a loader."""
+    does not know) is one config-error line naming ``data.collate_fn`` instead of a traceback from a loader, and so
+    is a batch outside the batch contract (:mod:`hydratrain.train.batch`: a pair or a dict; a 3-tuple would train
+    on its second item and drop the third, a bare tensor on its first two rows)."""
+    from collections.abc import Mapping
+
     while True:
         try:
             batch = next(batches)
@@ -164,6 +168,16 @@ def _collated(batches: Iterator[Any], default_collate: bool) -> Iterator[Any]:
             why = lines[-1] if lines[0].startswith("Caught ") else lines[0]
             raise ConfigError("data.collate_fn", None, f"PyTorch's default collate cannot batch the samples ({why}): "
                               "give a function that pads or stacks them (data.collate_fn._target_=...)") from None
+        if not isinstance(batch, Mapping) and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            from hydratrain.train.batch import shapes
+
+            key = "data._target_" if default_collate else "data.collate_fn._target_"
+            node = data.get("_target_") if default_collate else data.collate_fn.get("_target_")
+            what = (f"hold {len(batch)} items {shapes(batch)}" if isinstance(batch, (tuple, list))
+                    else f"are a {type(batch).__name__} {shapes(batch)}")
+            raise ConfigError(key, node, f"its batches {what}, not (inputs, targets) pairs or dicts: "
+                              "return (inputs, targets), or a dict whose keys are the forward's arguments with the "
+                              "targets as 'labels' (TensorDataset(ids, mask, labels): a dataset of dicts)")
         yield batch
 
 

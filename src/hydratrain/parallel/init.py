@@ -154,12 +154,68 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
+class UninitialisedBuffers(ValueError):
+    """After a meta build, the model's init protocol left these buffers as ``to_empty`` made them (garbage)."""
+
+
+_INIT_OF = {PER_PARAMETER: "init_param_() and init_buffers()", WHOLE_MODEL: "init_weights()",
+            PER_MODULE: "the reset_parameters() of its modules"}
+
+
+def _poison_buffers(model: nn.Module) -> dict[int, int]:
+    """Every buffer filled with what an init would not leave in it (NaN; the dtype's largest integer; True), so
+    :func:`_unwritten_buffers` can tell which ones the init did not write. Returns ``{id(buffer): version}``."""
+    marks = {}
+    for buf in model.buffers():
+        if buf.is_floating_point() or buf.is_complex():
+            buf.fill_(float("nan"))
+        elif buf.dtype == torch.bool:
+            buf.fill_(True)
+        else:
+            buf.fill_(torch.iinfo(buf.dtype).max)
+        marks[id(buf)] = buf._version
+    return marks
+
+
+def _unwritten_buffers(model: nn.Module, marks: dict[int, int]) -> list[str]:
+    """Names of the buffers that are the objects :func:`_poison_buffers` filled, not written in place since (their
+    version counter) and still hold its values everywhere (a write through ``.data`` keeps the version)."""
+    left = []
+    for name, buf in model.named_buffers():
+        if id(buf) not in marks or buf._version != marks[id(buf)] or buf.numel() == 0:
+            continue
+        if buf.is_floating_point() or buf.is_complex():
+            unwritten = bool(torch.isnan(buf).all())
+        elif buf.dtype == torch.bool:
+            unwritten = bool(buf.all())
+        else:
+            unwritten = bool((buf == torch.iinfo(buf.dtype).max).all())
+        if unwritten:
+            left.append(canonical_name(name))
+    return left
+
+
 @torch.no_grad()
 def initialise(model: nn.Module, seed: int, device: torch.device, built_on_meta: bool) -> Optional[str]:
     """Initialise ``model`` (plain, or sharded by FSDP2: DTensor parameters) by its :func:`protocol`, seeded by
     ``seed``. ``built_on_meta``: it was built on the meta device and materialised with ``to_empty`` (every
     parameter and buffer holds garbage); an eager build following :data:`PER_MODULE` is left as its constructor
-    made it. Returns a one-line note of what was done, or None when nothing was."""
+    made it. Returns a one-line note of what was done, or None when nothing was. Raises
+    :class:`UninitialisedBuffers` when, after a meta build, the init left a buffer unwritten (a rotary table or a
+    mask that only the constructor computes): it would hold garbage, different on every rank."""
+    marks = _poison_buffers(model) if built_on_meta else {}
+    note = _initialise(model, seed, device, built_on_meta)
+    left = _unwritten_buffers(model, marks) if built_on_meta else []
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        raise UninitialisedBuffers(
+            f"built on meta, the model's buffers are only as its init makes them, and {_INIT_OF[protocol(model)]} "
+            f"left {shown} unset (a constructor's values are lost on meta): compute them there too, or build it "
+            "with storage: model.init_device=cpu (or cuda)")
+    return note
+
+
+def _initialise(model: nn.Module, seed: int, device: torch.device, built_on_meta: bool) -> Optional[str]:
     kind = protocol(model)
     if kind == PER_PARAMETER:
         for name, p in model.named_parameters():

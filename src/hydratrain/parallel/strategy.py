@@ -81,7 +81,7 @@ class Strategy:
         materialised (``built_on_meta``) and initialised (:func:`hydratrain.parallel.init.initialise`, seeded by
         ``seed``). Returns (the model to train, a one-line summary); :attr:`compiled` then says what was compiled
         (None: nothing). Raises :class:`ConfigError` when activation checkpointing or compile has no block to apply
-        to."""
+        to, and naming ``model.init_device`` when, after a meta build, the init left a buffer unset."""
         blocks = self.blocks(raw)
         # which repeated submodules are the FSDP, checkpointing and compile units, and what chose them
         notes = [f"blocks: {blocks.describe()} (from {blocks.source})"] if blocks.modules else []
@@ -96,7 +96,10 @@ class Strategy:
         self.compiled = apply_compile(raw, blocks, choice)
         if self.compiled:
             notes.append(f"compiled {self.compiled} ({choice.why})")
-        model, note = self._wrap(raw, precision, device, seed, blocks, built_on_meta)
+        try:
+            model, note = self._wrap(raw, precision, device, seed, blocks, built_on_meta)
+        except param_init.UninitialisedBuffers as err:
+            raise ConfigError("model.init_device", self.init_device(), str(err)) from None
         return model, "; ".join(notes + [note])
 
     def compile_choice(self, device: torch.device, has_blocks: bool) -> CompileChoice:
@@ -254,6 +257,7 @@ class FSDP(Strategy):
     name = "fsdp"
     needs_process_group = True
     shards_parameters = True
+    _replicated: list = []  # the 0-d parameters each rank holds whole (_wrap)
 
     def _mesh(self, device: torch.device):
         """The 1-D mesh of all ranks (every parameter sharded across all of them)."""
@@ -286,6 +290,11 @@ class FSDP(Strategy):
             log.warning("wrap_policy=auto found no blocks in the model (no _no_split_modules, no nn.ModuleList of "
                         "one class): FSDP shards it as one unit and gathers all of it at once; name them with "
                         "wrap_policy.block_classes, or use wrap_policy=size_based")
+        # fully_shard cannot shard a 0-d parameter (CLIP's logit_scale, a learnable temperature): each rank keeps it
+        # whole, and grad_sync averages its gradient over the ranks as the reduce-scatter does the others'
+        scalars = [name for name, p in raw.named_parameters() if p.dim() == 0]
+        if scalars:
+            kwargs["ignored_params"] = {raw.get_parameter(name) for name in scalars}
         ties = param_init.tied_parameters(raw)
         norms = []
         if precision.compute_dtype != torch.float32:  # BatchNorm computes in float32 (Precision.float32_policy)
@@ -303,9 +312,15 @@ class FSDP(Strategy):
             raw.to_empty(device="cpu" if scfg.cpu_offload else device)
         param_init.retie(ties)
         param_init.move_buffers(raw, device)
+        self._replicated = [raw.get_parameter(name) for name in scalars]
+        for p in self._replicated:  # not offloaded: it lives where the compute does
+            p.data = p.data.to(device)
         init_note = param_init.initialise(raw, seed, device, built_on_meta)
         what = blocks.describe() if policy in ("auto", "transformer_block") and units else f"{len(units)}"
         what += f" + {len(norms)} BatchNorm in float32" if norms else ""
+        if scalars:
+            shown = ", ".join(scalars[:3]) + (f" and {len(scalars) - 3} more" if len(scalars) > 3 else "")
+            init_note = "; ".join(filter(None, [f"{len(scalars)} 0-d parameters replicated ({shown})", init_note]))
         return raw, (f"{self.name}: sharded {len(units) + len(norms) + 1} modules ({what} by wrap_policy={policy} + "
                      "root)"
                      f"{self._mesh_note(mesh)}, reshard_after_forward={scfg.reshard_after_forward}, cpu_offload="
@@ -329,13 +344,31 @@ class FSDP(Strategy):
 
     def grad_sync(self, model, enabled):
         model.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
+        return self._average_replicated() if enabled and self._replicated else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _average_replicated(self):
+        """After the backward it wraps: the gradients of the parameters every rank holds whole (0-d, which
+        fully_shard leaves out) averaged over all ranks, in one all-reduce (sum / world_size: gloo has no AVG)."""
+        import torch.distributed as dist
+
+        yield
+        grads = [p.grad for p in self._replicated if p.grad is not None]
+        if not grads or dist.get_world_size() == 1:
+            return
+        flat = torch.stack([g.float() for g in grads])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for g, value in zip(grads, flat):
+            g.copy_(value)
 
     def _global_norm(self, norm):
-        return norm.full_tensor()  # the DTensor of per-shard partial norms, reduced over the mesh
+        # the DTensor of per-shard partial norms, reduced over the mesh (plain only when no parameter is sharded)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def local_param_bytes(self, model):
-        return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+        return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                   for p in model.parameters())
 
     def shard_degree(self, world_size, local_world_size):
         return world_size
