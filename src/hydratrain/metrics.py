@@ -175,8 +175,9 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype, m: int = 2048
     lower the peak much. Sustained contention still does: MFU on a shared CPU is indicative only. A dtype so slow
     that the warm-up call alone takes ``budget_s`` (fp16 on a CPU without native fp16: ~1 GFLOP/s) is timed once more
     instead of ``min_iters`` times, so the probe stays under a few seconds."""
-    a = torch.randn(m, n, device=device).to(dtype)
-    w = torch.randn(n, n, device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)  # the run's RNG stays as seeded, measured or cached
+    a = torch.randn(m, n, device=device, generator=gen).to(dtype)
+    w = torch.randn(n, n, device=device, generator=gen).to(dtype)
     start = time.perf_counter()
     torch.nn.functional.linear(a, w)  # warm-up
     if time.perf_counter() - start > budget_s:

@@ -314,3 +314,57 @@ def test_samples_the_default_collate_cannot_batch_are_one_line_naming_collate_fn
         "(64,) int64, (64,) int64), not (inputs, targets) pairs or dicts: return (inputs, targets), or a dict whose "
         "keys are the forward's arguments with the targets as 'labels' (TensorDataset(ids, mask, labels): a dataset "
         "of dicts)"], r.output[-3000:]
+
+
+NOISY = """
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from mypkg.data import spirals
+from mypkg.nets import ResMLP
+
+
+class Jittered(Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        x, y = self.base[i]
+        return x + 0.05 * torch.randn_like(x), y
+
+
+def jittered(n: int = 600):
+    splits = spirals(n=n)
+    return {"train": Jittered(splits["train"]), "val": splits["val"]}
+
+
+class DropResMLP(ResMLP):
+    def __init__(self, p: float = 0.2, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return super().forward(self.drop(x))
+"""
+
+
+def test_a_resume_is_exact_with_dropout_and_random_augmentation(cli, own):
+    """The random numbers of dropout (the global RNG, in the training process) and of an augmentation drawn in
+    __getitem__ are the same after a resume as in an uninterrupted run, whichever process loads the data and whether
+    or not the run measured the peak FLOP/s or found it cached: the weights are bit-identical."""
+    from safetensors.torch import load_file
+
+    (own / "mypkg" / "noisy.py").write_text(NOISY)
+    common = [*QUICK, "strategy=single", "model._target_=mypkg.noisy.DropResMLP", "data._target_=mypkg.noisy.jittered",
+              "scheduler=constant", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=4"]
+    cli([*common, "trainer.max_steps=8"], own / "whole", fast=False).ok()
+    cli([*common, "trainer.max_steps=4"], own / "halves", fast=False).ok()
+    # the augmentation's numbers depend on the batch, not on the process that loads it: a loader worker now
+    r = cli([*common, "trainer.max_steps=8", "data.num_workers=1"], own / "halves", fast=False).ok()
+    assert "resumed from" in r.output
+    whole, halves = (load_file(own / d / "model.safetensors") for d in ("whole", "halves"))
+    assert all(whole[k].equal(halves[k]) for k in whole), [k for k in whole if not whole[k].equal(halves[k])]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import zlib
 from typing import Any, Iterable, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -128,9 +129,16 @@ def split(dataset: Any, val_fraction: float) -> dict:
     return {"train": Subset(dataset, sorted(order[n_val:])), "val": Subset(dataset, sorted(order[:n_val]))}
 
 
-def loader_fetch(dataset: Any, data: DictConfig, device) -> Any:
+def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
     """``fetch(index lists) -> batches`` (:data:`hydratrain.data.streams.Fetch`): a ``DataLoader`` over ``dataset``
-    with the index lists as its batch sampler and the node's loader keys (``pin_memory`` null: on CUDA)."""
+    with the index lists as its batch sampler and the node's loader keys (``pin_memory`` null: on CUDA).
+
+    Each batch is fetched under torch's, numpy's and python's RNGs seeded by (``seed``, its epoch, its first index)
+    (:class:`_SeededBatches`), and the loader's own seed comes from a generator of ``seed``: the random numbers an
+    augmentation draws in ``__getitem__`` depend on which batch it is, not on which process (main or worker) loads it
+    or when the loader started, so a resume repeats them exactly; the training process's RNG (dropout) is left as it
+    was."""
+    import torch
     from torch.utils.data import DataLoader
 
     from hydratrain.components import build_callable
@@ -140,10 +148,13 @@ def loader_fetch(dataset: Any, data: DictConfig, device) -> Any:
     pin = s["pin_memory"] if s["pin_memory"] is not None else device.type == "cuda"
     extra = {"prefetch_factor": s["prefetch_factor"]} if s["prefetch_factor"] is not None else {}
 
+    seeded = _SeededBatches(dataset, seed)
+
     def fetch(index_lists: Iterable[list]) -> Iterator[Any]:
-        loader = DataLoader(dataset, batch_sampler=_Lists(index_lists), collate_fn=collate,
+        loader = DataLoader(seeded, batch_sampler=_Lists(index_lists), collate_fn=collate,
                             num_workers=s["num_workers"], pin_memory=pin,
-                            persistent_workers=bool(s["persistent_workers"]) and s["num_workers"] > 0, **extra)
+                            persistent_workers=bool(s["persistent_workers"]) and s["num_workers"] > 0,
+                            generator=torch.Generator().manual_seed(seed), **extra)
         return _collated(iter(loader), s["collate_fn"] is None, data)
 
     return fetch
@@ -185,6 +196,42 @@ def _frames(err: BaseException) -> str:
     import traceback
 
     return " ".join(f.name for f in traceback.extract_tb(err.__traceback__))
+
+
+class _SeededBatches:
+    """``dataset`` read a batch at a time (``__getitems__``, which the DataLoader calls with a batch's keys: indices,
+    or ``(epoch, index)`` pairs) under torch's CPU, numpy's and python's global RNGs seeded by (``seed``, the epoch,
+    the batch's first index), each restored afterwards. A plain index counts as epoch -1 (eval, example batches)."""
+
+    def __init__(self, dataset: Any, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list) -> list:
+        import random
+
+        import numpy as np
+        import torch
+
+        pairs = [key if isinstance(key, tuple) else (-1, key) for key in keys]
+        indices = [i for _, i in pairs]
+        batch_seed = zlib.crc32(f"{self.seed}:{pairs[0][0]}:{indices[0]}".encode())
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(batch_seed)
+            random.seed(batch_seed)
+            np.random.seed(batch_seed)
+            try:
+                many = getattr(self.dataset, "__getitems__", None)
+                return list(many(indices)) if callable(many) else [self.dataset[i] for i in indices]
+            finally:
+                random.setstate(py_state)
+                np.random.set_state(np_state)
 
 
 class _Lists:
@@ -234,13 +281,14 @@ def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = N
     try:
         train = ShardedBatches(splits["train"], batch_size, info.rank, info.world_size, seed=cfg.trainer.seed,
                                device=info.device, strict_position=cfg.checkpoint.restore_data_position,
-                               fetch=loader_fetch(splits["train"], data, info.device))
+                               fetch=loader_fetch(splits["train"], data, info.device, cfg.trainer.seed))
     except ValueError as err:
         raise ConfigError("data.batch_size", batch_size, f"train split ({len(splits['train'])} samples): {err}") \
             from None
     try:
         evals = EvalBatches(splits["val"], cfg.trainer.eval_samples, batch_size, info.rank, info.world_size,
-                            device=info.device, fetch=loader_fetch(splits["val"], data, info.device))
+                            device=info.device, fetch=loader_fetch(splits["val"], data, info.device,
+                                                                   cfg.trainer.seed))
     except ValueError as err:
         raise ConfigError("data.val_fraction", data.get("val_fraction", DATA_KEYS["val_fraction"]),
                           f"val split: {err}") from None

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: ``fetch(index lists) -> batches``: one batch per index list, in order
+#: ``fetch(index lists) -> batches``: one batch per index list, in order; an item of a training list is an
+#: ``(epoch, index)`` pair (the epoch seeds the batch's random numbers: :func:`hydratrain.data.loader.loader_fetch`),
+#: of an eval or example list a plain index
 Fetch = Callable[[Iterable[list]], Iterator[Any]]
 
 
@@ -218,7 +220,7 @@ class ShardedBatches:
         def index_lists() -> Iterator[list]:
             for indices, cursor in self._positions():
                 cursors.append(cursor)
-                yield indices
+                yield [(cursor.epoch, i) for i in indices]
 
         for batch in self.fetch(index_lists()):  # in order: the loader hands batches out as their lists came
             yield to_device(batch, self.device), cursors.popleft()
