@@ -279,7 +279,10 @@ def test_a_loss_without_a_graph_and_a_parameter_ddp_never_sees_are_one_line_at_t
         "import torch.nn.functional as F\nfrom torch import nn\nfrom mypkg.nets import ResMLP\n\n"
         "def detached_ce(outputs, targets):\n    return F.cross_entropy(outputs.detach(), targets)\n\n"
         "class WithAux(ResMLP):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
-        "        self.aux = nn.Linear(3, 3)  # used only sometimes, in a researcher's model\n")
+        "        self.aux = nn.Linear(3, 3)  # used only sometimes, in a researcher's model\n\n"
+        "class SometimesAux(WithAux):\n    calls = 0\n\n    def forward(self, x):\n"
+        "        self.calls += 1\n        out = super().forward(x)\n"
+        "        return out + self.aux(out) if self.calls % 3 else out\n")
     r = cli([*QUICK, "strategy=single", "loss._target_=mypkg.quirks.detached_ce"], own / "det", fast=False)
     assert r.returncode == 2 and r.err.strip().splitlines() == [
         "hydratrain: config error: loss._target_='mypkg.quirks.detached_ce': its result does not depend on the "
@@ -291,6 +294,11 @@ def test_a_loss_without_a_graph_and_a_parameter_ddp_never_sees_are_one_line_at_t
         "first step (the forward did not use them), which stalls DistributedDataParallel's next step: set "
         "strategy.find_unused_parameters=true, or freeze them (requires_grad=False)"], r.output[-3000:]
     assert "step 1/" not in r.output  # refused before the first log line
+    r = cli([*QUICK, "strategy=ddp", "model._target_=mypkg.quirks.SometimesAux"], own / "saux", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [  # unused at step 3: the same line, not torch's
+        "hydratrain: config error: strategy.find_unused_parameters=False: aux.weight, aux.bias got no gradient in the "
+        "previous step (the forward used them only in some steps), which stops DistributedDataParallel: set "
+        "strategy.find_unused_parameters=true"], r.output[-3000:]
     ok = cli([*QUICK, "strategy=ddp", "model._target_=mypkg.quirks.WithAux", "strategy.find_unused_parameters=true",
               "trainer.max_steps=2"], own / "aux_ok", fast=False)
     assert ok.returncode == 0, ok.output[-3000:]

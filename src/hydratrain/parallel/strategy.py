@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from typing import ContextManager, Optional
 
 import torch
@@ -131,6 +132,11 @@ class Strategy:
         """Context for one micro-batch's backward: gradient sync only on the last micro-batch of a step."""
         return contextlib.nullcontext()
 
+    def explain(self, model: nn.Module, err: BaseException) -> Optional[ConfigError]:
+        """The config error behind ``err``, raised by a training step's forward or backward, when the strategy knows
+        it (DDP: parameters unused in some step); None otherwise."""
+        return None
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
         """Global L2 norm of all gradients (over all ranks and shards), before clipping; clips to ``max_norm`` when
         it is > 0. Returns the norm as a 0-d float tensor on ``device``."""
@@ -221,6 +227,23 @@ class DDP(Strategy):
             raise ConfigError("strategy.find_unused_parameters", False, f"{shown} got no gradient in the first step "
                               "(the forward did not use them), which stalls DistributedDataParallel's next step: set "
                               "strategy.find_unused_parameters=true, or freeze them (requires_grad=False)")
+
+    def explain(self, model: nn.Module, err: BaseException) -> Optional[ConfigError]:
+        # DDP's reducer, at the forward after a backward that left some parameter without a gradient (a branch the
+        # forward takes only sometimes: LayerDrop, an auxiliary head every N steps); it lists their indices among
+        # the parameters that require grad
+        message = str(err)
+        if self.cfg.strategy.find_unused_parameters or "Expected to have finished reduction" not in message:
+            return None
+        trained = [n for n, p in model.module.named_parameters() if p.requires_grad]
+        found = re.search(r"did not receive grad for rank \d+: ([\d ,]+)", message)
+        indices = [int(i) for i in re.findall(r"\d+", found.group(1))] if found else []
+        unused = [trained[i] for i in indices if i < len(trained)]
+        shown = (", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+                 if unused else "some parameters")
+        return ConfigError("strategy.find_unused_parameters", False, f"{shown} got no gradient in the previous step "
+                           "(the forward used them only in some steps), which stops DistributedDataParallel: set "
+                           "strategy.find_unused_parameters=true")
 
     def unwrap(self, model):
         return model.module

@@ -205,8 +205,14 @@ class Trainer:
             self.logger.data_waited(time.perf_counter() - waited)
             first = not self._contract_checked
             with self.strategy.grad_sync(self.model, micro == accum - 1):
-                loss = self.checked_loss_of(batch)
-                self.scaler.scale(loss / accum).backward()
+                try:
+                    loss = self.checked_loss_of(batch)
+                    self.scaler.scale(loss / accum).backward()
+                except RuntimeError as err:
+                    explained = self.strategy.explain(self.model, err)
+                    if explained is None:
+                        raise
+                    raise explained from err
             if first:
                 self.strategy.check_first_gradients(self.model)
             total += loss.detach()
