@@ -127,7 +127,7 @@ def end_composition(err: BaseException) -> None:
     prints it: every rank composes the same config), exit status 2; under torchrun the other ranks leave after rank 0,
     which the agent then names as the root cause. Returns (raising nothing) for any other error, or when the config
     was composed already."""
-    if not _COMPOSING["on"] or not type(err).__module__.startswith(("hydra.", "omegaconf.")):
+    if not _COMPOSING["on"] or not (type(err).__module__.startswith(("hydra.", "omegaconf.")) or _raised_by_hydra(err)):
         return
     composing(False)
     line = f"hydratrain: config error: {composition_error_line(err)}"
@@ -137,6 +137,16 @@ def end_composition(err: BaseException) -> None:
     if os.environ.get("RANK", "0") not in ("", "0") and "TORCHELASTIC_RUN_ID" in os.environ:
         time.sleep(10.0)  # rank 0, which says it, leaves first: the agent's root cause (it stops this rank then)
     raise SystemExit(EXIT_CONFIG) from None
+
+
+def _raised_by_hydra(err: BaseException) -> bool:
+    """A plain ``ValueError``/``TypeError`` raised inside Hydra or OmegaConf (``data=10``: "Config group override
+    must be a string or a list. Got int"): a composition error too."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    return isinstance(err, (ValueError, TypeError)) and bool(frames) and any(
+        part in frames[-1].filename for part in (f"{os.sep}hydra{os.sep}", f"{os.sep}omegaconf{os.sep}"))
 
 
 def composition_error_line(err: BaseException) -> str:
@@ -151,6 +161,9 @@ def composition_error_line(err: BaseException) -> str:
     hints = [ln for ln in lines[1:] if ln.startswith("To ")]
     if hints:
         line += f" ({hints[0][0].lower()}{hints[0][1:].rstrip('.')})"
+    if "Config group override must be a string" in text:
+        line += (" (an option name that Hydra's grammar reads as a number, as in data=10 or loss=nan, needs quotes: "
+                 "data=\"'10'\")")
     if "Available options in" in text:
         options = [o.strip() for o in text.split("Available options in", 1)[1].split("Config search path")[0]
                    .splitlines()[1:] if o.strip()]

@@ -127,6 +127,8 @@ def test_experiment_overlays_compose(compose, group, name):
                        "Float"),
     (["--cfg", "job", "bad_key=1"], "Could not override 'bad_key'"),
     (["-m", "model=nope", "optim.lr=1e-3,2e-3"], "In 'train': Could not find 'model/nope'"),  # the sweep's own
+    (["data=10"], "Config group override must be a string or a list. Got int (an option name that Hydra's grammar "
+                  "reads as a number, as in data=10 or loss=nan, needs quotes: data=\"'10'\")"),
 ])
 def test_an_error_hydra_finds_while_composing_is_a_one_line_config_error(cli, args, line):
     """An unknown key or option, a wrong type: Hydra's few lines (on every rank under torchrun) and exit status 1;
