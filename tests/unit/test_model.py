@@ -105,3 +105,16 @@ def test_flops_are_counted_with_a_loss_module_that_holds_a_buffer():
     # per sample: 2 FLOPs per multiply-add forward, 2 for the weight's gradient (the input needs none)
     assert counted == counted_flops_per_sample(build, batch, torch.nn.CrossEntropyLoss()) == 4 * 8 * 3
     assert weighted.weight.device.type == "cpu"
+
+
+def test_a_configured_loss_gets_low_precision_predictions_in_float32():
+    """The loss runs outside autocast: torch.nn.CrossEntropyLoss on bf16 logits computed in bf16 (3 significant
+    digits); it is handed float32 logits, as autocast's policy would give it, and computes what fp32 computes."""
+    from hydratrain.train.batch import loss_of
+
+    logits, targets = torch.randn(8, 5).bfloat16(), torch.arange(8) % 5
+    loss = loss_of(logits, (None, targets), torch.nn.CrossEntropyLoss())
+    assert loss.dtype == torch.float32
+    assert loss == torch.nn.functional.cross_entropy(logits.float(), targets)
+    pair = loss_of((logits, logits), (None, targets), lambda out, y: out[0].sum() + out[1].sum())  # in a tuple too
+    assert pair.dtype == torch.float32

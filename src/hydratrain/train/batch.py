@@ -49,11 +49,24 @@ def prediction(outputs: Any) -> Any:
 
 def loss_of(outputs: Any, batch: Any, loss_fn: Callable) -> torch.Tensor:
     """The 0-d loss of ``outputs`` for ``batch``: the model's own (:func:`builtin_loss`), else
-    ``loss_fn(prediction(outputs), targets_of(batch))``."""
+    ``loss_fn(prediction(outputs), targets_of(batch))`` with bf16/fp16 predictions cast to float32 first: the loss
+    runs outside the autocast region, where ``torch.nn.CrossEntropyLoss`` would compute in bf16 (3 significant
+    digits) what autocast's policy computes in float32."""
     own = builtin_loss(outputs)
     if own is not None:
         return own
-    return loss_fn(prediction(outputs), targets_of(batch))
+    return loss_fn(_float32(prediction(outputs)), targets_of(batch))
+
+
+def _float32(value: Any) -> Any:
+    """``value`` with its bf16/fp16 tensors (in tuples, lists and dicts too) as float32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
+    if isinstance(value, Mapping):
+        return type(value)({k: _float32(v) for k, v in value.items()}) if isinstance(value, dict) else value
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_float32(v) for v in value)
+    return value
 
 
 def rows(batch: Any) -> int:
