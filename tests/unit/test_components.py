@@ -91,7 +91,7 @@ def test_a_module_that_nothing_can_initialise_after_a_meta_build_is_named(cli, o
     assert r.err.strip().splitlines() == [
         "hydratrain: config error: model.init_device='meta': built on meta, the model must be initialised after "
         "sharding, but scale (Scale) own parameters or buffers without a reset_parameters() (and the model has no "
-        "init_weights()): give them one, or build it with storage: model.init_device=cpu (or cuda)"]
+        "init_weights()): give them one, or build it with storage: ++model.init_device=cpu (or cuda)"]
     r = cli([*QUICK, "strategy=single", "model._target_=mypkg.odd.Odd", "~model.width", "~model.depth",
              "~model.num_classes", "trainer.max_steps=2"], own / "odd_eager", fast=False)
     assert r.returncode == 0, r.output[-3000:]  # built eagerly (the default for it), its constructor's values train
@@ -136,7 +136,7 @@ def test_a_buffer_the_init_leaves_unset_after_a_meta_build_is_named(cli, own):
     assert r.err.strip().splitlines() == [
         "hydratrain: config error: model.init_device='meta': built on meta, the model's buffers are only as its init "
         "makes them, and init_weights() left inv_freq unset (a constructor's values are lost on meta): compute them "
-        "there too, or build it with storage: model.init_device=cpu (or cuda)"]
+        "there too, or build it with storage: ++model.init_device=cpu (or cuda)"]
     r = cli([*common, "+model.recompute=true"], own / "kept", fast=False)
     assert r.returncode == 0, r.output[-3000:]
     assert results(own / "kept")["train_loss"] < 5
@@ -160,6 +160,9 @@ def test_a_buffer_the_init_leaves_unset_after_a_meta_build_is_named(cli, own):
     (["metrics.accuracy.num_classes=2"], "metrics.accuracy._target_='torchmetrics.classification.accuracy."
                                          "MulticlassAccuracy': refused the model's outputs (64, 3) float32 against "
                                          "targets (64,) int64"),
+    (["+metrics.accuracy.average=null"], "metrics.accuracy._target_='torchmetrics.classification.accuracy."
+                                        "MulticlassAccuracy': its compute() returns a tensor of shape (3,), and each "
+                                        "metric is logged as one number"),
     (["trainer.objective=eval/perplexity"], "trainer.objective='eval/perplexity': allowed: eval/loss, eval/accuracy "
                                             "(perplexity is logged with a loss that reports it: loss=next_token)"),
     (["+data.shuffle=true"], "data.shuffle=True: not a keyword of mypkg.data.spirals; allowed: n, classes, noise, "
@@ -282,7 +285,11 @@ def test_a_loss_without_a_graph_and_a_parameter_ddp_never_sees_are_one_line_at_t
         "        self.aux = nn.Linear(3, 3)  # used only sometimes, in a researcher's model\n\n"
         "class SometimesAux(WithAux):\n    calls = 0\n\n    def forward(self, x):\n"
         "        self.calls += 1\n        out = super().forward(x)\n"
-        "        return out + self.aux(out) if self.calls % 3 else out\n")
+        "        return out + self.aux(out) if self.calls % 3 else out\n\n"
+        "class TrainAux(WithAux):\n    def forward(self, x):\n        out = super().forward(x)\n"
+        "        return (out, self.aux(out)) if self.training else out\n\n"
+        "def with_aux(outputs, targets):\n    logits, aux = outputs\n"
+        "    return F.cross_entropy(logits, targets) + 0.4 * F.cross_entropy(aux, targets)\n")
     r = cli([*QUICK, "strategy=single", "loss._target_=mypkg.quirks.detached_ce"], own / "det", fast=False)
     assert r.returncode == 2 and r.err.strip().splitlines() == [
         "hydratrain: config error: loss._target_='mypkg.quirks.detached_ce': its result does not depend on the "
@@ -299,6 +306,15 @@ def test_a_loss_without_a_graph_and_a_parameter_ddp_never_sees_are_one_line_at_t
         "hydratrain: config error: strategy.find_unused_parameters=False: aux.weight, aux.bias got no gradient in the "
         "previous step (the forward used them only in some steps), which stops DistributedDataParallel: set "
         "strategy.find_unused_parameters=true"], r.output[-3000:]
+    # an auxiliary output only in training mode (inception_v3's): refused after step 1, not at the eval after training
+    r = cli([*QUICK, "strategy=single", "model._target_=mypkg.quirks.TrainAux", "loss._target_=mypkg.quirks.with_aux",
+             "~metrics.accuracy", "trainer.objective=eval/loss", "trainer.eval_every_n_steps=0"], own / "train_aux",
+            fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines()[0].startswith(
+        "hydratrain: config error: loss._target_='mypkg.quirks.with_aux': refused the model's eval-mode outputs "
+        "(64, 3) float32 (model.eval(), as the eval runs it; in training mode they were accepted): ValueError: too "
+        "many values to unpack"), r.output[-3000:]
+    assert "step 2/" not in r.output
     ok = cli([*QUICK, "strategy=ddp", "model._target_=mypkg.quirks.WithAux", "strategy.find_unused_parameters=true",
               "trainer.max_steps=2"], own / "aux_ok", fast=False)
     assert ok.returncode == 0, ok.output[-3000:]
@@ -322,6 +338,25 @@ def test_samples_the_default_collate_cannot_batch_are_one_line_naming_collate_fn
         "(64,) int64, (64,) int64), not (inputs, targets) pairs or dicts: return (inputs, targets), or a dict whose "
         "keys are the forward's arguments with the targets as 'labels' (TensorDataset(ids, mask, labels): a dataset "
         "of dicts)"], r.output[-3000:]
+
+
+def test_a_data_function_returns_train_and_val_by_their_names(cli, own):
+    """A dict with 'validation' (Hugging Face's name) and 'test' evaluates on 'validation'; a tuple of datasets
+    used to be taken as one dataset of 2 samples, and a dict's unknown keys were dropped without a word."""
+    (own / "mypkg" / "named.py").write_text(
+        "from mypkg.data import spirals\n\n"
+        "def hf_names(n: int = 600):\n    s = spirals(n=n)\n"
+        "    return {'train': s['train'], 'validation': s['val'], 'test': s['val']}\n\n"
+        "def pair(n: int = 600):\n    s = spirals(n=n)\n    return s['train'], s['val']\n")
+    ok = cli([*QUICK, "strategy=single", "data._target_=mypkg.named.hf_names", "trainer.max_steps=2"], own / "hf",
+             fast=False)
+    assert ok.returncode == 0 and "train 480 samples, val 120 samples" in ok.output, ok.output[-3000:]
+    assert "its 'test' split is not used" in ok.output
+    r = cli([*QUICK, "strategy=single", "data._target_=mypkg.named.pair"], own / "pair", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: data._target_='mypkg.named.pair': returned a tuple of 2 datasets; return "
+        "{'train': Dataset, 'val': Dataset} ('validation' as Hugging Face names it) or one Dataset (split by "
+        "data.val_fraction)"], r.output[-3000:]
 
 
 NOISY = """

@@ -96,16 +96,31 @@ def load_datasets(data: DictConfig) -> dict:
     node = {"_target_": target, **{k: v for k, v in OmegaConf.to_container(data, resolve=True).items()
                                    if k.startswith("_") and k != "_target_"}, **_kwargs(data)}
     made = instantiate_node(node, "data._target_", target, "raised")
-    if isinstance(made, dict):
-        if "train" not in made:
-            raise ConfigError("data._target_", target, f"returned a dict without 'train' (keys: "
-                              f"{', '.join(map(str, made))}); return {{'train': Dataset, 'val': Dataset}} or one "
-                              "Dataset (split by data.val_fraction)")
-        if made.get("val") is not None:
-            return {"train": _checked(made["train"], target, "train"), "val": _checked(made["val"], target, "val")}
+    expected = ("return {'train': Dataset, 'val': Dataset} ('validation' as Hugging Face names it) or one Dataset "
+                "(split by data.val_fraction)")
+    if isinstance(made, dict):  # datasets' DatasetDict too
+        keys = [str(k) for k in made]
+        val = [k for k in ("val", "validation") if made.get(k) is not None]
+        if "train" not in made or [k for k in keys if k not in ("train", "val", "validation", "test")] or len(val) > 1:
+            raise ConfigError("data._target_", target, f"returned a dict with keys {', '.join(keys)}; {expected}")
+        if "test" in made:
+            log.info("data %s: its 'test' split is not used (the eval runs on the val split)", target)
+        if val:
+            return {"train": _checked(made["train"], target, "train"), "val": _checked(made[val[0]], target, "val")}
         made = made["train"]
+    if isinstance(made, (tuple, list)) and made and all(_is_dataset(d) for d in made):
+        raise ConfigError("data._target_", target, f"returned a {type(made).__name__} of {len(made)} datasets; "
+                          f"{expected}")
     dataset = _checked(made, target, "dataset")
     return split(dataset, float(data.get("val_fraction", DATA_KEYS["val_fraction"])))
+
+
+def _is_dataset(value: Any) -> bool:
+    """A map-style dataset object (``__len__`` and ``__getitem__``), not a sample (a tuple, tensor, dict, string)."""
+    import torch
+
+    return hasattr(value, "__len__") and hasattr(value, "__getitem__") and \
+        not isinstance(value, (tuple, list, dict, str, bytes, torch.Tensor))
 
 
 def _checked(dataset: Any, target: str, what: str) -> Any:

@@ -211,7 +211,7 @@ def initialise(model: nn.Module, seed: int, device: torch.device, built_on_meta:
         raise UninitialisedBuffers(
             f"built on meta, the model's buffers are only as its init makes them, and {_INIT_OF[protocol(model)]} "
             f"left {shown} unset (a constructor's values are lost on meta): compute them there too, or build it "
-            "with storage: model.init_device=cpu (or cuda)")
+            "with storage: ++model.init_device=cpu (or cuda)")
     return note
 
 

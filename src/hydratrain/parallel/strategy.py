@@ -510,7 +510,7 @@ def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.dev
             raise ConfigError("model.init_device", strategy.init_device(), f"built on meta, the model must be "
                               f"initialised after sharding, but {shown} own parameters or buffers without a "
                               "reset_parameters() (and the model has no init_weights()): give them one, or build it "
-                              "with storage: model.init_device=cpu (or cuda)")
+                              "with storage: ++model.init_device=cpu (or cuda)")
     n_params = sum(p.numel() for p in raw.parameters())
     model, summary = strategy.parallelize(raw, precision, device, cfg.trainer.seed, built_on_meta=on_meta)
     return model, raw, n_params, summary

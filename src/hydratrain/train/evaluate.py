@@ -42,7 +42,29 @@ class Evaluator:
         with torch.no_grad():
             detached = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, prediction(outputs))
             for name, metric in self.metrics.items():
-                self._update(name, metric.clone(), detached, targets_of(batch))
+                copy = metric.clone()
+                self._update(name, copy, detached, targets_of(batch))
+                copy.sync_on_compute = False  # this rank's copy alone: no collective
+                try:
+                    value = copy.compute()
+                except Exception:  # noqa: BLE001 (one batch may be too little for it: the eval's data decides)
+                    continue
+                self._check_value(name, f"{type(metric).__module__}.{type(metric).__qualname__}", value)
+
+    @staticmethod
+    def _check_value(name: str, target: str, value) -> None:
+        """A metric's ``compute()`` is logged as one number (``eval/<name>``): a dict (``ClasswiseWrapper``,
+        ``MeanAveragePrecision``) or a vector (``average=None``: per class) is a config error naming it."""
+        if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, (int, float)):
+            return
+        from hydratrain.errors import ConfigError
+
+        what = (f"a dict ({', '.join(map(str, list(value)[:4]))}{', ...' if len(value) > 4 else ''})"
+                if isinstance(value, dict) else f"a tensor of shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+        raise ConfigError(f"metrics.{name}._target_", target, f"its compute() returns {what}, and each metric is "
+                          "logged as one number (eval/<name>): give one metric per value, or reduce it (for a "
+                          "per-class metric: average='macro' or 'micro')")
 
     def _update(self, name: str, metric, outputs, targets) -> None:
         if self._checked:
@@ -90,6 +112,6 @@ class Evaluator:
         self._checked = True
         for name, metric in self.metrics.items():
             value = metric.compute()
-            out[name] = float(value.float().mean()) if isinstance(value, torch.Tensor) else float(value)
+            out[name] = float(value) if isinstance(value, torch.Tensor) else float(value)
             metric.reset()
         return out

@@ -199,11 +199,14 @@ class Trainer:
                                         self.scaler.is_enabled(), self.progress.consecutive_skipped)
         accum = self.tcfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
+        probe = None  # this launch's first micro-batch, for the eval-mode check after its first step
         for micro in range(accum):
             waited = time.perf_counter()
             batch = next(batches)
             self.logger.data_waited(time.perf_counter() - waited)
             first = not self._contract_checked
+            if first:
+                probe = batch
             with self.strategy.grad_sync(self.model, micro == accum - 1):
                 try:
                     loss = self.checked_loss_of(batch)
@@ -237,7 +240,37 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.progress.step += 1
+        if probe is not None:
+            self._check_eval_mode(probe)
         return loss, grad_norm, lr, skip
+
+    def _check_eval_mode(self, batch) -> None:
+        """The eval runs the model in eval mode, where some models return other outputs (torchvision's inception_v3
+        and googlenet drop their auxiliary logits): after this launch's first step, one no-grad eval-mode forward of
+        its first micro-batch, the loss and each metric (on copies), so an output the loss or a metric refuses is one
+        config-error line now, not a traceback at the first eval after the training. Raises :class:`ConfigError`."""
+        from hydratrain.plan import is_out_of_memory
+
+        stage, outputs = "forward", None
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                outputs = batches_.forward(self.model, batch, self.autocast)
+                stage = "loss"
+                batches_.loss_of(outputs, batch, self.loss_fn)
+                self.evaluator.check_metrics(outputs, batch)
+        except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError) as err:
+            if is_out_of_memory(err) or isinstance(err, ConfigError):
+                raise
+            why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+            if stage == "forward":
+                raise ConfigError("model._target_", self.contract[0], "in eval mode (model.eval(), as the eval runs "
+                                  f"it) its forward refused the first batch: {why}") from err
+            raise ConfigError("loss._target_", self.contract[1], "refused the model's eval-mode outputs "
+                              f"{batches_.shapes(batches_.prediction(outputs))} (model.eval(), as the eval runs it; "
+                              f"in training mode they were accepted): {why}") from err
+        finally:
+            self.model.train()
 
     def read_guard(self, step: int, defer: bool = False) -> Optional[DivergenceError]:
         """Bring the guard's counts into :attr:`progress` (a host synchronisation) after step ``step``; raises
