@@ -301,6 +301,26 @@ def _instantiate(node: Any, key: str) -> Any:
 
 
 # --------------------------------------------------------------------------------------------------- checks
+def check_parameters(model: Any, target: str) -> None:
+    """Parameters hydratrain cannot train, as one line naming ``model._target_``: a lazy module's (``nn.LazyLinear``:
+    no shape until a forward, so nothing can count, shard or plan it) and sparse gradients (``nn.Embedding(sparse=
+    True)``: gradient clipping, fused AdamW and DDP/FSDP reduce dense gradients). Raises :class:`ConfigError`."""
+    from torch import nn
+    from torch.nn.parameter import UninitializedParameter
+
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, UninitializedParameter)]
+    if lazy:
+        raise ConfigError("model._target_", target, f"{', '.join(lazy[:4])} {'is a' if len(lazy) == 1 else 'are'} "
+                          "lazy module parameter(s) without a shape (nn.LazyLinear, LazyConv...): give the module its "
+                          "input size (nn.Linear(in_features, ...))")
+    sparse = [name for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ConfigError("model._target_", target, f"{', '.join(sparse[:4])} make(s) sparse gradients "
+                          "(sparse=True), which gradient clipping, the optimizers and DDP/FSDP do not take: use "
+                          "sparse=False")
+
+
 def check_components(cfg: DictConfig) -> None:
     """Every check of the components that needs no process group (see the module docstring): the model's target,
     keywords, types, hydratrain's model keys and the model's own checks (a build on the meta device, whose
@@ -319,6 +339,8 @@ def check_components(cfg: DictConfig) -> None:
         if err.key != "model._target_":  # the model's own check, naming its key
             raise
         model = None
+    if model is not None:
+        check_parameters(model, target)
     limit, seq_len = getattr(model, "max_seq_len", None), cfg.data.get("seq_len") if cfg.get("data") else None
     if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
         raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "

@@ -359,6 +359,23 @@ def test_a_data_function_returns_train_and_val_by_their_names(cli, own):
         "data.val_fraction)"], r.output[-3000:]
 
 
+def test_lazy_and_sparse_parameters_are_refused_before_the_run(cli, own):
+    (own / "mypkg" / "odd_params.py").write_text(
+        "from torch import nn\n\n"
+        "class Lazy(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.a, self.head = nn.LazyLinear(8), nn.Linear(8, 3)\n\n"
+        "    def forward(self, x):\n        return self.head(self.a(x))\n\n"
+        "class Sparse(Lazy):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.a = nn.Embedding(10, 8, sparse=True)\n")
+    off = ["~model.width", "~model.depth", "~model.num_classes", "strategy=single"]
+    for model, line in [("Lazy", "a.weight, a.bias are lazy module parameter(s) without a shape"),
+                        ("Sparse", "a make(s) sparse gradients (sparse=True)")]:
+        r = cli([*QUICK, *off, f"model._target_=mypkg.odd_params.{model}"], own / model, fast=False)
+        assert r.returncode == 2 and r.err.startswith(
+            f"hydratrain: config error: model._target_='mypkg.odd_params.{model}': {line}"), r.output[-2000:]
+        assert "run dir" not in r.output  # before the run starts
+
+
 NOISY = """
 import torch
 from torch import nn
