@@ -93,9 +93,13 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
 @pytest.mark.slow  # three 2-rank launches
 def test_own_model_resumes_bit_identically_after_a_kill(tmp_path):
     """An uninterrupted FSDP run, and the same run SIGKILLed right after its step-10 save and relaunched with the same
-    command: the same final weights, bit for bit (the DataLoader's position, the sampler and the RNGs restored)."""
+    command: the same final weights, bit for bit (the DataLoader's position, the sampler and the RNGs restored); its
+    eval, with a rank that holds no eval sample, syncs a metric with list states."""
     launch = _launch_dir(tmp_path)
-    args = [*BASE, "strategy=fsdp", "trainer.max_steps=16", "checkpoint.every_n_steps=10", "data.num_workers=1"]
+    # one eval sample: rank 1 has none, and AUROC's list states still sync (it updates them with zero rows)
+    args = [*BASE, "strategy=fsdp", "trainer.max_steps=16", "checkpoint.every_n_steps=10", "data.num_workers=1",
+            "trainer.eval_samples=1", "+metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
+            "+metrics.auroc.num_classes=3"]
     run([*args, f"hydra.run.dir={tmp_path / 'a'}"], nproc=2, cwd=launch, fast=False, timeout=600).ok()
     kill = {"HT_FAULT": "kill", "HT_FAULT_STEP": "10", "HT_FAULT_AT": "after_step", "HT_FAULT_RANK": "all"}
     killed = run([*args, f"hydra.run.dir={tmp_path / 'b'}"], nproc=2, cwd=launch, fast=False, script=FAULTY,
@@ -108,3 +112,4 @@ def test_own_model_resumes_bit_identically_after_a_kill(tmp_path):
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("a", "b"))
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert results(tmp_path / "a")["train_loss"] == results(tmp_path / "b")["train_loss"]
+    assert "auroc" in results(tmp_path / "b")["eval_metrics"]

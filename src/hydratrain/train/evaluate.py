@@ -66,6 +66,14 @@ class Evaluator:
                           "logged as one number (eval/<name>): give one metric per value, or reduce it (for a "
                           "per-class metric: average='macro' or 'micro')")
 
+    def _update_empty(self, outputs, targets) -> None:
+        """Zero rows into each metric whose states are lists (``MulticlassAUROC``'s predictions): a rank that has no
+        eval samples would otherwise hold an empty list, and the sync, which gathers one tensor per list state from
+        every rank, would mismatch (a gloo abort). Sum states sync as they are."""
+        for metric in self.metrics.values():
+            if any(isinstance(default, list) for default in metric._defaults.values()):
+                metric.update(outputs, targets)
+
     def _update(self, name: str, metric, outputs, targets) -> None:
         if self._checked:
             metric.update(outputs, targets)
@@ -94,7 +102,8 @@ class Evaluator:
         for batch, valid in self.batches:
             n_valid = int(valid.sum())
             if n_valid == 0:
-                forward(model, batch, autocast)  # this rank's share is padding: the forward FSDP needs, discarded
+                outputs = forward(model, batch, autocast)  # this rank's share is padding: the forward FSDP needs
+                self._update_empty(select(prediction(outputs), valid), select(targets_of(batch), valid))
                 continue
             if n_valid < rows(batch):
                 batch = select(batch, valid)
