@@ -7,6 +7,7 @@ same initial ones at any world size, export loading strictly into the class; and
 from __future__ import annotations
 
 import shutil
+import sys
 
 import pytest
 
@@ -74,6 +75,9 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
 
     monkeypatch.syspath_prepend(str(launch))
     from mypkg.tempered import TemperedResMLP
+
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        del sys.modules[name]  # this test's copy: the next test that imports mypkg gets its own
 
     exported = [load_file(sweep / job / "model.safetensors") for job in ("0", "1")]
     TemperedResMLP().load_state_dict(exported[1], strict=True)  # FSDP's export: the model's own names

@@ -20,6 +20,16 @@ QUICK = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precis
          "trainer.progress_bar=false", "data.n=600"]
 
 
+def _forget_mypkg() -> None:
+    """Drop every imported ``mypkg`` module (another test's copy, from another dir) and the import system's
+    directory caches, so this test's copy, and the modules it writes into it, are the ones imported."""
+    import importlib
+
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+
+
 @pytest.fixture
 def own(tmp_path, monkeypatch):
     """A launch dir holding the example's package and option files (a copy, outside hydratrain); cwd is there."""
@@ -27,9 +37,9 @@ def own(tmp_path, monkeypatch):
         shutil.copytree(OWN / part, tmp_path / part)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))
+    _forget_mypkg()
     yield tmp_path
-    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
-        del sys.modules[name]
+    _forget_mypkg()
 
 
 def test_a_model_data_loss_and_metric_of_ones_own_train_export_and_report(cli, own):
