@@ -41,20 +41,40 @@ class TemperedResMLP(ResMLP):
 """
 
 
+# cross-entropy over the global batch: every rank's logits and labels all-gathered, as contrastive losses (CLIP's)
+# gather their embeddings; every rank must call it as often and with as many rows at the eval too
+GATHERED = """
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_gather
+
+
+def cross_entropy(outputs, targets):
+    if not dist.is_initialized():
+        return F.cross_entropy(outputs, targets)
+    return F.cross_entropy(torch.cat(all_gather(outputs)), torch.cat(all_gather(targets)))
+"""
+
+
 def _launch_dir(tmp_path):
     launch = tmp_path / "launch"
     for part in ("mypkg", "my_conf"):
         shutil.copytree(OWN / part, launch / part)
     (launch / "mypkg" / "tempered.py").write_text(TEMPERED)
+    (launch / "mypkg" / "gathered.py").write_text(GATHERED)
     return launch
 
 
 def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_init(tmp_path, cli, monkeypatch):
     launch = _launch_dir(tmp_path)
     sweep = tmp_path / "sweep"
+    # 113 eval samples in global batches of 2 x 16: the last gives rank 0 nine and rank 1 eight, and the loss, which
+    # all-gathers, still gets as many rows on each (whole batches)
+    gathered = ["loss._target_=mypkg.gathered.cross_entropy", "trainer.eval_samples=113"]
     r = run(["-m", *BASE, "strategy=ddp,fsdp", "activation_checkpointing=true", "+model.init_device=meta",
-             "model._target_=mypkg.tempered.TemperedResMLP", "trainer.max_steps=12", f"hydra.sweep.dir={sweep}"],
-            nproc=2, cwd=launch, fast=False, timeout=600)
+             "model._target_=mypkg.tempered.TemperedResMLP", *gathered, "trainer.max_steps=12",
+             f"hydra.sweep.dir={sweep}"], nproc=2, cwd=launch, fast=False, timeout=300)
     assert r.returncode == 0, r.output[-4000:]
     ddp, fsdp = (results(sweep / str(i)) for i in (0, 1))
     for res in (ddp, fsdp):
@@ -65,6 +85,7 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
         log = log_of(sweep / str(job))
         assert "activation checkpointing on 4 ResidualBlock" in log
         assert "initialised by the reset_parameters() of 15 modules" in log
+        assert "eval: the loss communicates across ranks" in log
     assert "fsdp: sharded 5 modules (4 ResidualBlock by wrap_policy=auto + root)" in log_of(sweep / "1")
     assert "1 0-d parameters replicated (logit_scale)" in log_of(sweep / "1")
     rows = report_rows(sweep)
@@ -88,7 +109,7 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
     # the same weights at world size 1 (one process, twice the micro-batch: the same 32 samples at step 1)
     monkeypatch.chdir(launch)
     one = cli([*BASE, "strategy=fsdp", "+model.init_device=meta", "model._target_=mypkg.tempered.TemperedResMLP",
-               "data.batch_size=32", "trainer.max_steps=1"], tmp_path / "one", fast=False)
+               *gathered, "data.batch_size=32", "trainer.max_steps=1"], tmp_path / "one", fast=False)
     assert one.returncode == 0, one.output[-3000:]
     assert results(tmp_path / "one")["first_loss"] == pytest.approx(fsdp["first_loss"], abs=1e-5)
     assert torch.isfinite(torch.tensor(results(tmp_path / "one")["first_loss"]))

@@ -4,6 +4,7 @@ them.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Callable, ContextManager, Optional
 
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from hydratrain.train.batch import forward, loss_of, prediction, rows, select, targets_of
+
+log = logging.getLogger("hydratrain.eval")
 
 
 class Evaluator:
@@ -23,6 +26,11 @@ class Evaluator:
     model: the mean over tokens, every sample having ``seq_len`` of them), kept as two ``torchmetrics.SumMetric`` in
     float64. The padding of the last global batch is left out by running the forward on the valid rows only (a
     rank with none runs the whole padded batch, so every rank runs as many forwards as FSDP needs, and discards it).
+
+    A loss that communicates (a contrastive loss that all-gathers its embeddings: any ``c10d`` op while it runs,
+    seen once by :meth:`check_loss`) needs every rank to call it as often and on batches of the same shape, or the
+    ranks wait for each other forever. Such a loss gets the whole padded batch on every rank, each rank's value
+    weighted by its valid samples (none: weight 0); the metrics still see the valid rows only.
     """
 
     def __init__(self, eval_batches, device: torch.device, loss_fn: Callable, metrics: Optional[dict] = None):
@@ -30,6 +38,30 @@ class Evaluator:
         self.metrics = {name: m.to(device) for name, m in (metrics or {}).items()}
         self.perplexity = bool(getattr(loss_fn, "perplexity", False))
         self._checked = False  # the first eval turns a metric that refuses the outputs into one config-error line
+        self.loss_communicates: Optional[bool] = None  # known after check_loss (every rank learns the same)
+
+    def check_loss(self, outputs, batch) -> torch.Tensor:
+        """``loss_of(outputs, batch)``, noting whether the loss ran a collective (``c10d`` or functional
+        collective ops, seen by a ``TorchDispatchMode``): the trainer calls it on the eval-mode outputs of its first
+        micro-batch, every rank alike (a loss that communicates must not be left out on any rank)."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Collectives(TorchDispatchMode):
+            seen = False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+                    Collectives.seen = True
+                return func(*args, **(kwargs or {}))
+
+        with Collectives():
+            loss = loss_of(outputs, batch, self.loss_fn)
+        if Collectives.seen and not self.loss_communicates:
+            log.info("eval: the loss communicates across ranks (it ran a collective), so every rank evaluates whole "
+                     "batches, the last one padded with copies of the eval set's first sample; the metrics see the "
+                     "eval samples only")
+        self.loss_communicates = Collectives.seen
+        return loss
 
     def check_metrics(self, outputs, batch) -> None:
         """Update a copy of each metric with ``outputs`` (a training micro-batch's, detached) and ``batch``'s
@@ -100,19 +132,27 @@ class Evaluator:
         was_training = model.training
         model.eval()
         for batch, valid in self.batches:
-            n_valid = int(valid.sum())
-            if n_valid == 0:
+            if self.loss_communicates is None:  # no training step in this launch (a resume at max_steps)
+                self.check_loss(forward(model, batch, autocast), batch)
+            n_valid, whole = int(valid.sum()), self.loss_communicates
+            if n_valid == 0 and not whole:
                 outputs = forward(model, batch, autocast)  # this rank's share is padding: the forward FSDP needs
                 self._update_empty(select(prediction(outputs), valid), select(targets_of(batch), valid))
                 continue
-            if n_valid < rows(batch):
+            if n_valid < rows(batch) and not whole:
                 batch = select(batch, valid)
             outputs = forward(model, batch, autocast)
             loss = loss_of(outputs, batch, self.loss_fn)
             loss_sum.update(loss.detach().to(torch.float64) * n_valid)
             samples.update(torch.tensor(float(n_valid), dtype=torch.float64, device=self.device))
+            predicted, expected = prediction(outputs), targets_of(batch)
+            if whole and n_valid < rows(batch):
+                predicted, expected = select(predicted, valid), select(expected, valid)
+                if n_valid == 0:
+                    self._update_empty(predicted, expected)
+                    continue
             for name, metric in self.metrics.items():
-                self._update(name, metric, prediction(outputs), targets_of(batch))
+                self._update(name, metric, predicted, expected)
         model.train(was_training)
         loss = (loss_sum.compute() / samples.compute()).item()
         out = {"loss": loss}

@@ -257,7 +257,7 @@ class Trainer:
             with torch.no_grad():
                 outputs = batches_.forward(self.model, batch, self.autocast)
                 stage = "loss"
-                batches_.loss_of(outputs, batch, self.loss_fn)
+                self.evaluator.check_loss(outputs, batch)  # and learns whether the loss communicates
                 self.evaluator.check_metrics(outputs, batch)
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError) as err:
             if is_out_of_memory(err) or isinstance(err, ConfigError):
