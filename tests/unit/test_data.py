@@ -159,6 +159,34 @@ def test_a_pattern_matching_nothing_says_where_it_looked(compose, tmp_path, monk
         check_environment(cfg, 1, launch)
 
 
+def test_a_datasets_fingerprint_holds_images_and_augmentation_and_draws_nothing_from_the_global_rng():
+    """Ranks compare their datasets' fingerprints before the model is built from the global RNG: samples that are
+    PIL images (whose repr holds a memory address) or drawn through a random augmentation fingerprint alike in every
+    process, the global RNG moves not at all, and other pixels are another figure."""
+    from PIL import Image
+
+    from hydratrain.data.loader import dataset_fingerprint
+
+    class Augmented:
+        def __init__(self, shade: int = 0):
+            self.shade = shade
+
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            jitter = torch.rand(3)  # a random transform, as torchvision's draw from torch's global RNG
+            return Image.new("RGB", (4, 4), (i + self.shade, 0, 0)), jitter, i % 3
+
+    splits = {"train": Augmented(), "val": Augmented()}
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    first = dataset_fingerprint(splits)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert dataset_fingerprint({"train": Augmented(), "val": Augmented()}) == first  # other objects, same samples
+    assert dataset_fingerprint({"train": Augmented(1), "val": Augmented()}) != first
+
+
 def test_fingerprints_tell_copies_apart_by_length_or_a_sampled_window(tmp_path):
     """The data and weights fingerprints that ranks compare (node-local copies may differ) share one
     sampler: equal copies agree, and a changed length, dtype or item inside a sampled window changes the figure."""

@@ -261,19 +261,39 @@ class _Lists:
 
 def dataset_fingerprint(splits: dict, samples: int = 4) -> str:
     """``train N samples, val M samples, <hash>``: the splits' lengths and a digest of the first and last
-    ``samples`` samples of each (their tensors' bytes, other values' repr). Tells two ranks' datasets apart."""
-    import torch
+    ``samples`` samples of each (the bytes of their tensors, arrays and images; other values' repr without memory
+    addresses). Tells two ranks' datasets apart. The samples are read as the batches are (:class:`_SeededBatches`):
+    a random augmentation in ``__getitem__`` draws the same on every rank, and nothing from the global RNGs, which
+    the model's initial weights come from next."""
     from torch.utils._pytree import tree_leaves
 
     digest = hashlib.blake2b(digest_size=8)
     for name in ("train", "val"):
-        ds = splits[name]
+        ds = _SeededBatches(splits[name], 0)
         n = len(ds)
         digest.update(f"{name}:{n}".encode())
         for i in sorted(set(list(range(min(samples, n))) + list(range(max(0, n - samples), n)))):
             for leaf in tree_leaves(ds[i]):
-                digest.update(leaf.cpu().numpy().tobytes() if isinstance(leaf, torch.Tensor) else repr(leaf).encode())
+                digest.update(_leaf_bytes(leaf))
     return f"train {len(splits['train']):,} samples, val {len(splits['val']):,} samples, {digest.hexdigest()}"
+
+
+def _leaf_bytes(leaf: Any) -> bytes:
+    """What a sample's value is, as bytes: a tensor's, an array's or an image's (``PIL.Image``: its pixels) data,
+    else its repr with any memory address (``<... at 0x7f...>``, which differs between processes) left out."""
+    import re
+
+    import numpy as np
+    import torch
+
+    if isinstance(leaf, torch.Tensor):
+        return leaf.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    if hasattr(leaf, "__array_interface__") or hasattr(leaf, "__array__"):
+        try:
+            return np.asarray(leaf).tobytes()
+        except (TypeError, ValueError):
+            pass
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(leaf)).encode()
 
 
 def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = None):
