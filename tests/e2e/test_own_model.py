@@ -10,6 +10,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 from helpers import FAULTY, ROOT, log_of, report_rows, results, run
 
@@ -57,6 +58,16 @@ def cross_entropy(outputs, targets):
 """
 
 
+def _forget_mypkg() -> None:
+    """Drop every imported ``mypkg`` module and the import system's directory caches: the next import reads the
+    copy of the test at hand."""
+    import importlib
+
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+
+
 def _launch_dir(tmp_path):
     launch = tmp_path / "launch"
     for part in ("mypkg", "my_conf"):
@@ -91,14 +102,13 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
     rows = report_rows(sweep)
     assert [row["status"] for row in rows] == ["COMPLETED"] * 2 and all(row["eval/accuracy"] for row in rows)
 
-    import torch
     from safetensors.torch import load_file
 
     monkeypatch.syspath_prepend(str(launch))
+    _forget_mypkg()  # another test's copy, imported in this process, has no tempered.py
     from mypkg.tempered import TemperedResMLP
 
-    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
-        del sys.modules[name]  # this test's copy: the next test that imports mypkg gets its own
+    _forget_mypkg()  # this test's copy: the next test that imports mypkg gets its own
 
     exported = [load_file(sweep / job / "model.safetensors") for job in ("0", "1")]
     TemperedResMLP().load_state_dict(exported[1], strict=True)  # FSDP's export: the model's own names
@@ -138,3 +148,58 @@ def test_own_model_resumes_bit_identically_after_a_kill(tmp_path):
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert results(tmp_path / "a")["train_loss"] == results(tmp_path / "b")["train_loss"]
     assert "auroc" in results(tmp_path / "b")["eval_metrics"]
+
+
+# sequences of 1 to 12 real tokens, padded to 12 with targets -100 (as a supervised fine-tuning collate pads)
+PADDED = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 16, width: int = 8):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+def padded(n: int = 64, seq_len: int = 12, vocab: int = 16):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, vocab, (2, n, seq_len), generator=g)
+    lengths = torch.randint(1, seq_len + 1, (n,), generator=g)
+    y[torch.arange(seq_len) >= lengths[:, None]] = -100
+    return {"train": TensorDataset(x[:48], y[:48]), "val": TensorDataset(x[48:], y[48:])}
+"""
+
+
+def test_padded_targets_weigh_the_same_whatever_the_accumulation_and_world_size(tmp_path, cli, monkeypatch):
+    """The next-token loss is a mean over the targets that are not -100: one step of 4 padded sequences gives the same
+    loss, gradient and eval loss as 1 process x batch 4, or as 2 FSDP ranks x 2 micro-batches of 1 (each micro-batch
+    weighed by its real tokens, not as one of 4), and the eval loss is the mean over the eval set's real tokens at
+    any eval batch size."""
+    launch = _launch_dir(tmp_path)
+    (launch / "mypkg" / "padded.py").write_text(PADDED)
+    (launch / "my_conf" / "model" / "tiny_lm.yaml").write_text("_target_: mypkg.padded.TinyLM\n")
+    (launch / "my_conf" / "data" / "padded.yaml").write_text("_target_: mypkg.padded.padded\nbatch_size: 4\n")
+    args = ["--config-dir", "my_conf", "model=tiny_lm", "data=padded", "loss=next_token", "device=cpu",
+            "precision=fp32", "logger.peak_flops=1e11", "trainer.progress_bar=false", "trainer.max_steps=3",
+            "trainer.eval_every_n_steps=0", "trainer.eval_samples=13", "metrics={}", "trainer.objective=eval/loss"]
+    two = run([*args, "strategy=fsdp", "data.batch_size=1", "trainer.grad_accum_steps=2",
+               f"hydra.run.dir={tmp_path / 'two'}"], nproc=2, cwd=launch, fast=False, timeout=300).ok()
+    monkeypatch.chdir(launch)
+    monkeypatch.syspath_prepend(str(launch))
+    _forget_mypkg()  # another test's copy, imported in this process, has no padded.py
+    one = cli([*args, "strategy=single"], tmp_path / "one", fast=False)
+    assert one.returncode == 0, one.output[-3000:]
+    a, b = results(tmp_path / "one"), results(tmp_path / "two")
+    assert b["first_loss"] == pytest.approx(a["first_loss"], rel=1e-6), two.output[-2000:]
+    assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6)
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "two"))
+    for name, value in wa.items():
+        torch.testing.assert_close(wb[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _forget_mypkg()

@@ -438,3 +438,33 @@ def test_a_resume_is_exact_with_dropout_and_random_augmentation(cli, own):
     assert "resumed from" in r.output
     whole, halves = (load_file(own / d / "model.safetensors") for d in ("whole", "halves"))
     assert all(whole[k].equal(halves[k]) for k in whole), [k for k in whole if not whole[k].equal(halves[k])]
+
+
+def test_a_list_state_metric_that_refuses_zero_rows_is_named_at_step_one_when_a_rank_will_have_none():
+    """1 eval sample on 2 ranks: rank 1 updates list-state metrics with zero rows at every eval (so their sync
+    matches); a metric whose update refuses them is one line at the first step naming it and the cause, and a metric
+    that takes them, or an eval set that leaves no rank empty, passes."""
+    from types import SimpleNamespace
+
+    from torchmetrics import CatMetric
+    from torchmetrics.classification import MulticlassAUROC
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.train.evaluate import Evaluator
+
+    class Normalised(CatMetric):  # list states (cat), as MulticlassAUROC's
+        def update(self, preds, target):
+            super().update(preds.max(dim=-1).values / preds.max())  # max() of an empty tensor raises
+
+        def compute(self):
+            return super().compute().mean()
+
+    outputs, batch = torch.randn(4, 3), (torch.randn(4, 2), torch.tensor([0, 1, 2, 0]))
+    one_sample = SimpleNamespace(n_samples=1, batch_size=4, world_size=2, global_batches=1)
+    with pytest.raises(ConfigError) as err:
+        Evaluator(one_sample, torch.device("cpu"), None, {"ns": Normalised()}).check_metrics(outputs, batch)
+    assert str(err.value).startswith("metrics.ns._target_=") and "refused an update with zero rows" in str(err.value)
+    assert "(1 eval samples on 2 ranks x data.batch_size=4)" in str(err.value)
+    Evaluator(one_sample, torch.device("cpu"), None, {"auroc": MulticlassAUROC(3)}).check_metrics(outputs, batch)
+    every_rank = SimpleNamespace(n_samples=10, batch_size=4, world_size=2, global_batches=2)  # 2 left: 1 each
+    Evaluator(every_rank, torch.device("cpu"), None, {"ns": Normalised()}).check_metrics(outputs, batch)

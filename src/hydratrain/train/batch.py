@@ -7,6 +7,9 @@
 ``outputs`` reach the loss and the metrics as the model returns them, except that an output object or dict with
 ``logits`` gives its logits (:func:`prediction`). The forward runs inside the strategy's autocast region, the loss
 outside it (the built-in losses compute in float32).
+
+A loss that is a mean over the targets it does not ignore (:func:`item_counter`) weighs each micro-batch by that
+count, so an optimizer step's loss is the mean over all its targets, whatever the accumulation and world size.
 """
 from __future__ import annotations
 
@@ -69,6 +72,43 @@ def _float32(value: Any) -> Any:
     return value
 
 
+def item_counter(loss_fn: Callable, model: nn.Module, own_loss: bool,
+                 batch: Any) -> Optional[Callable[[Any], torch.Tensor]]:
+    """How many targets a micro-batch's loss is the mean of, as a function of the batch (a 0-d float64 tensor on
+    the targets' device), or None when every micro-batch of the same rows weighs the same (the loss counts samples,
+    or its averaging is unknown).
+
+    The mean-reduced ``torch.nn.CrossEntropyLoss``/``NLLLoss`` and :class:`hydratrain.losses.NextTokenLoss` average
+    over the integer targets that are not ``ignore_index`` (with class ``weight``: over the sum of their weights, as
+    ``torch.nn.functional.cross_entropy`` divides), and a ``transformers`` model that computes its own loss
+    (``own_loss``) over its ``labels`` that are not -100, shifted by one for a ``...ForCausalLM``. A micro-batch of
+    padded sequences then weighs what its real tokens do, as in transformers' ``num_items_in_batch`` (PR #34191) and
+    torchtune's per-token normalisation (PR #1875)."""
+    targets = targets_of(batch)
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or targets.is_complex() \
+            or targets.dtype == torch.bool:
+        return None
+    if own_loss:
+        module = getattr(model, "module", model)  # DDP's wrapper
+        if not any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+                   for c in type(module).__mro__):
+            return None
+        causal = type(module).__name__.endswith("ForCausalLM")
+        return lambda b: _count(targets_of(b)[..., 1:] if causal else targets_of(b), -100, None)
+    ignore = getattr(loss_fn, "ignore_index", None)
+    if not isinstance(ignore, int) or getattr(loss_fn, "reduction", "mean") != "mean":
+        return None
+    weight = getattr(loss_fn, "weight", None)
+    return lambda b: _count(targets_of(b), ignore, weight if isinstance(weight, torch.Tensor) else None)
+
+
+def _count(targets: torch.Tensor, ignore_index: int, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    kept = targets != ignore_index
+    if weight is None:
+        return kept.sum(dtype=torch.float64)
+    return (weight.to(targets.device, torch.float64)[targets.where(kept, 0)] * kept).sum()
+
+
 def rows(batch: Any) -> int:
     """Samples in ``batch`` (the first dim of its first tensor)."""
     from torch.utils._pytree import tree_leaves
@@ -81,12 +121,15 @@ def rows(batch: Any) -> int:
 
 def select(value: Any, mask: torch.Tensor) -> Any:
     """``value`` (a tensor, or tuples, lists and dicts of them; outputs or targets) with only the rows of ``mask``
-    (``(B,)`` bool) kept along the first dim; other values as they are."""
+    (``(B,)`` bool) kept along the first dim; a list or tuple of ``B`` plain values (strings, numbers: what the
+    default collate makes of a string field) is a column, and keeps those rows too; other values as they are."""
     if isinstance(value, torch.Tensor):
         return value[mask] if value.dim() > 0 and value.shape[0] == mask.shape[0] else value
     if isinstance(value, Mapping):
         return {k: select(v, mask) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
+        if len(value) == mask.shape[0] and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in value):
+            return type(value)(v for v, keep in zip(value, mask.tolist()) if keep)
         return type(value)(select(v, mask) for v in value)
     return value
 

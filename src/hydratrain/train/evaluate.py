@@ -11,7 +11,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from hydratrain.train.batch import forward, loss_of, prediction, rows, select, targets_of
+from hydratrain.train.batch import builtin_loss, forward, item_counter, loss_of, prediction, rows, select, targets_of
 
 log = logging.getLogger("hydratrain.eval")
 
@@ -22,10 +22,11 @@ class Evaluator:
     updated with ``(outputs, targets)`` of every sample), all synced across ranks by torchmetrics' ``compute()``
     (every rank calls).
 
-    The loss is the mean over samples of each batch's mean loss, weighted by the batch's samples (for a language
-    model: the mean over tokens, every sample having ``seq_len`` of them), kept as two ``torchmetrics.SumMetric`` in
-    float64. The padding of the last global batch is left out by running the forward on the valid rows only (a
-    rank with none runs the whole padded batch, so every rank runs as many forwards as FSDP needs, and discards it).
+    The loss is the mean of each batch's mean loss weighted by what it is the mean of: its targets that are not
+    ignored where the loss counts them (:func:`~hydratrain.train.batch.item_counter`: the mean over the eval set's
+    tokens, padding left out), else its samples; kept as two ``torchmetrics.SumMetric`` in float64. The padding of
+    the last global batch is left out by running the forward on the valid rows only (a rank with none runs the
+    whole padded batch, so every rank runs as many forwards as FSDP needs, and discards it).
 
     A loss that communicates (a contrastive loss that all-gathers its embeddings: any ``c10d`` op while it runs,
     seen once by :meth:`check_loss`) needs every rank to call it as often and on batches of the same shape, or the
@@ -39,6 +40,12 @@ class Evaluator:
         self.perplexity = bool(getattr(loss_fn, "perplexity", False))
         self._checked = False  # the first eval turns a metric that refuses the outputs into one config-error line
         self.loss_communicates: Optional[bool] = None  # known after check_loss (every rank learns the same)
+        self.count, self._count_known = None, False  # batch.item_counter's rule, from the trainer's first forward
+
+    def counts(self, rule) -> None:
+        """Weigh each batch's loss by ``rule(batch)`` (:func:`~hydratrain.train.batch.item_counter`; None: by its
+        samples)."""
+        self.count, self._count_known = rule, True
 
     def check_loss(self, outputs, batch) -> torch.Tensor:
         """``loss_of(outputs, batch)``, noting whether the loss ran a collective (``c10d`` or functional
@@ -73,9 +80,13 @@ class Evaluator:
 
         with torch.no_grad():
             detached = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, prediction(outputs))
+            empty = self._some_rank_empty()
             for name, metric in self.metrics.items():
                 copy = metric.clone()
                 self._update(name, copy, detached, targets_of(batch))
+                if empty and any(isinstance(default, list) for default in metric._defaults.values()):
+                    none = torch.zeros(rows(batch), dtype=torch.bool, device=self.device)
+                    self._update_none(name, metric.clone(), select(detached, none), select(targets_of(batch), none))
                 copy.sync_on_compute = False  # this rank's copy alone: no collective
                 try:
                     value = copy.compute()
@@ -102,9 +113,33 @@ class Evaluator:
         """Zero rows into each metric whose states are lists (``MulticlassAUROC``'s predictions): a rank that has no
         eval samples would otherwise hold an empty list, and the sync, which gathers one tensor per list state from
         every rank, would mismatch (a gloo abort). Sum states sync as they are."""
-        for metric in self.metrics.values():
+        for name, metric in self.metrics.items():
             if any(isinstance(default, list) for default in metric._defaults.values()):
-                metric.update(outputs, targets)
+                self._update_none(name, metric, outputs, targets)
+
+    def _update_none(self, name: str, metric, outputs, targets) -> None:
+        """``metric.update`` with zero rows; a metric that refuses them is a config error naming it and why it
+        gets them."""
+        try:
+            metric.update(outputs, targets)
+        except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, ZeroDivisionError) as err:
+            from hydratrain.errors import ConfigError
+
+            why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            b = self.batches
+            raise ConfigError(f"metrics.{name}._target_", f"{type(metric).__module__}.{type(metric).__qualname__}",
+                              f"refused an update with zero rows ({type(err).__name__}: {why}), which a rank that "
+                              f"holds no eval sample gives it ({b.n_samples} eval samples on {b.world_size} ranks x "
+                              f"data.batch_size={b.batch_size}): let its update() take an empty batch, or make "
+                              f"trainer.eval_samples a multiple of {b.world_size}") from err
+
+    def _some_rank_empty(self) -> bool:
+        """Whether the last global batch leaves some rank without an eval sample (rank ``r`` takes its positions
+        ``r, r + W, ...``: those at or past the batch's samples get none)."""
+        b = self.batches
+        if not all(hasattr(b, key) for key in ("n_samples", "batch_size", "world_size", "global_batches")):
+            return False
+        return b.n_samples - (b.global_batches - 1) * b.world_size * b.batch_size < b.world_size
 
     def _update(self, name: str, metric, outputs, targets) -> None:
         if self._checked:
@@ -128,7 +163,7 @@ class Evaluator:
         from torchmetrics import SumMetric
 
         loss_sum = SumMetric(nan_strategy="disable").to(self.device)
-        samples = SumMetric(nan_strategy="disable").to(self.device)
+        counted = SumMetric(nan_strategy="disable").to(self.device)  # what the losses are means of
         was_training = model.training
         model.eval()
         for batch, valid in self.batches:
@@ -142,9 +177,14 @@ class Evaluator:
             if n_valid < rows(batch) and not whole:
                 batch = select(batch, valid)
             outputs = forward(model, batch, autocast)
+            if not self._count_known:  # no training step in this launch
+                self.counts(item_counter(self.loss_fn, model, builtin_loss(outputs) is not None, batch))
             loss = loss_of(outputs, batch, self.loss_fn)
-            loss_sum.update(loss.detach().to(torch.float64) * n_valid)
-            samples.update(torch.tensor(float(n_valid), dtype=torch.float64, device=self.device))
+            items = (torch.tensor(float(n_valid), dtype=torch.float64, device=self.device) if self.count is None
+                     else self.count(select(batch, valid) if whole and n_valid < rows(batch) else batch))
+            # a batch whose targets are all ignored has a NaN mean over none of them: it counts for nothing
+            loss_sum.update(torch.where(items > 0, loss.detach().to(torch.float64) * items, 0.0))
+            counted.update(items)
             predicted, expected = prediction(outputs), targets_of(batch)
             if whole and n_valid < rows(batch):
                 predicted, expected = select(predicted, valid), select(expected, valid)
@@ -154,7 +194,7 @@ class Evaluator:
             for name, metric in self.metrics.items():
                 self._update(name, metric, predicted, expected)
         model.train(was_training)
-        loss = (loss_sum.compute() / samples.compute()).item()
+        loss = (loss_sum.compute() / counted.compute()).item()
         out = {"loss": loss}
         if self.perplexity:
             out["perplexity"] = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf

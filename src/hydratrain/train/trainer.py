@@ -121,6 +121,8 @@ class Trainer:
         self._guard_on_device = False
         self._contract_checked = False
         self._stage, self._outputs = "forward", None  # where loss_of is, for the first batch's error line
+        self._own_loss: Optional[bool] = None  # whether the model returns its own loss (seen at the first forward)
+        self._counter = None  # batches_.item_counter's rule, decided after the first forward
 
     # ----------------------------------------------------------------------------------------------- steps
     def loss_of(self, batch) -> torch.Tensor:
@@ -132,7 +134,29 @@ class Trainer:
         if not self._contract_checked:  # kept for the first batch's error line only (it holds the logits)
             self._outputs = outputs
             self._check_outputs_visible(outputs)
+        if self._own_loss is None:
+            self._own_loss = batches_.builtin_loss(outputs) is not None
+            self._counter = batches_.item_counter(self.loss_fn, self.model, self._own_loss, batch)
+            self.evaluator.counts(self._counter)
         return batches_.loss_of(outputs, batch, self.loss_fn)
+
+    def _divisors(self, batches: list) -> list:
+        """What each micro-batch's loss is divided by before its backward: ``grad_accum_steps`` when every
+        micro-batch weighs the same, else ``N / (n_i * world_size)`` with ``n_i`` its targets
+        (:func:`~hydratrain.train.batch.item_counter`) and ``N`` the step's on all ranks (one all-reduce): the
+        gradient DDP/FSDP average over the ranks is then that of the mean over all N targets (0-d device tensors;
+        no host synchronisation)."""
+        accum = len(batches)
+        if self._counter is None:
+            return [accum] * accum
+        import torch.distributed as dist
+
+        counts = torch.stack([self._counter(b) for b in batches])
+        total = counts.sum()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            dist.all_reduce(total)
+        return list((total / (counts * world)).to(torch.float32).unbind())
 
     def _check_outputs_visible(self, outputs) -> None:
         """Under FSDP, the output's tensors must be reachable as PyTorch walks module outputs (tensors, and lists,
@@ -189,7 +213,9 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro-batches; the non-finite guard drops its update when the
         gradient norm is not finite (without a host synchronisation when the optimizer takes ``found_inf``).
 
-        Returns (mean loss over the micro-batches, a 0-d device tensor; pre-clipping global grad norm, the same; the
+        Returns (the loss over the micro-batches, a 0-d device tensor: their mean, or, when the loss counts its
+        targets (:meth:`_divisors`), the sum of ``loss_i * n_i * world_size / N``, whose mean over the ranks is the
+        mean over the step's N targets; pre-clipping global grad norm, the same; the
         lr this update used; the skip flag, a 0-d device tensor, non-zero when the update was dropped). Raises
         :class:`DivergenceError` per ``trainer.on_nonfinite`` when the guard is read.
         """
@@ -200,17 +226,20 @@ class Trainer:
         accum = self.tcfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
         probe = None  # this launch's first micro-batch, for the eval-mode check after its first step
-        for micro in range(accum):
-            waited = time.perf_counter()
-            batch = next(batches)
-            self.logger.data_waited(time.perf_counter() - waited)
+        waited = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(accum)]  # all first: the step's targets weigh its losses
+        self.logger.data_waited(time.perf_counter() - waited)
+        divisors = None
+        for micro, batch in enumerate(micro_batches):
             first = not self._contract_checked
             if first:
                 probe = batch
             with self.strategy.grad_sync(self.model, micro == accum - 1):
                 try:
                     loss = self.checked_loss_of(batch)
-                    self.scaler.scale(loss / accum).backward()
+                    if divisors is None:  # after the first forward, which tells whose loss it is
+                        divisors = self._divisors(micro_batches)
+                    self.scaler.scale(loss / divisors[micro]).backward()
                 except RuntimeError as err:
                     explained = self.strategy.explain(self.model, err)
                     if explained is None:
@@ -218,8 +247,11 @@ class Trainer:
                     raise explained from err
             if first:
                 self.strategy.check_first_gradients(self.model)
-            total += loss.detach()
-        loss = total / accum
+            if self._counter is None:
+                total += loss.detach()
+            else:  # a micro-batch whose targets are all ignored: a NaN mean over none, a zero gradient, weight 0
+                total += torch.where(divisors[micro].isinf(), 0.0, loss.detach() / divisors[micro])
+        loss = total / accum if self._counter is None else total
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm_(self.model, self.tcfg.grad_clip, self.device)
         lr = float(self.optimizer.param_groups[0]["lr"])  # a value: a tensor lr (torchao) is filled in place later
