@@ -255,3 +255,34 @@ def test_fp16_grad_scaler_state_round_trips(tmp_path):
     run([*CKPT, "precision=fp16", "trainer.max_steps=3", "checkpoint.save_last=true", f"checkpoint.resume_from={src}"],
         tmp_path / "b").ok()
     assert diff_checkpoints(src, ckpt_of(tmp_path / "b", 3)) == []
+
+
+def _buffers_after_sync(rank: int, store_path: str, out: str) -> None:
+    """One rank of the DDP buffer check: a BatchNorm updated with this rank's own batch, then the strategy's sync."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hydratrain.parallel.strategy import Strategy
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    model = DistributedDataParallel(nn.BatchNorm1d(3))
+    model(torch.full((4, 3), float(rank)) + torch.arange(4.0)[:, None])  # each rank's running stats its own
+    Strategy.sync_buffers(None, model)
+    torch.save({k: v.clone() for k, v in model.module.state_dict().items()}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_ddp_buffers_are_rank_0s_before_a_save_or_an_eval(tmp_path):
+    """DDP sends rank 0's buffers before each training forward, which each rank then updates with its own batch: a
+    save (DCP writes a replicated tensor from any one rank) or an eval after it must first make them rank 0's on every
+    rank, or a resume of a BatchNorm model continues from another rank's statistics."""
+    import torch
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_buffers_after_sync, args=(str(tmp_path / "store"), str(tmp_path / "bn")), nprocs=2,
+                       start_method="spawn")
+    rank0, rank1 = (torch.load(tmp_path / f"bn.{r}") for r in (0, 1))
+    assert rank0["running_mean"].abs().sum() > 0
+    assert all(rank0[k].equal(rank1[k]) for k in rank0), {k: (rank0[k], rank1[k]) for k in rank0}

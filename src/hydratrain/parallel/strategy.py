@@ -159,8 +159,17 @@ class Strategy:
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Make the model's persistent buffers (BatchNorm's running statistics) rank 0's on every rank, before an
-        eval or a save reads them (every rank calls). DDP already does it before each forward; FSDP leaves each
-        rank its own, so the eval would mix per-rank statistics and a checkpoint would hold rank 0's alone."""
+        eval or a save reads them (every rank calls). FSDP leaves each rank its own; DDP sends rank 0's before each
+        training forward, which then updates each rank's copy with its own batch. Without this the eval would mix
+        per-rank statistics, and a checkpoint could hold any rank's (DCP writes each replicated tensor from one
+        rank of its choosing), so a resume would not continue the run exactly."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        for value in model.state_dict(keep_vars=True).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                dist.broadcast(value.data, src=0)
 
     def local_param_bytes(self, model: nn.Module) -> int:
         """Bytes of parameter storage this rank holds (its shards under FSDP)."""
@@ -354,16 +363,6 @@ class FSDP(Strategy):
 
     def autocast(self, precision, device):
         return contextlib.nullcontext()
-
-    def sync_buffers(self, model):
-        import torch.distributed as dist
-
-        if dist.get_world_size() == 1:
-            return
-        buffers = [v for v in model.state_dict(keep_vars=True).values()
-                   if not isinstance(v, nn.Parameter) and isinstance(v, torch.Tensor)]
-        for buf in buffers:
-            dist.broadcast(buf.data, src=0)
 
     def grad_sync(self, model, enabled):
         model.set_requires_gradient_sync(enabled)
