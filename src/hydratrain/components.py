@@ -238,7 +238,8 @@ def build_loss(cfg: DictConfig, device: Any = None) -> Callable:
     ``nn.Module`` loss is moved to ``device`` (its buffers: class weights). Raises :class:`ConfigError`, also for a
     loss module with trainable parameters: the optimizer, the gradient sync and the checkpoints cover the model's
     parameters only, so such a loss's parameters would silently stay as built (they belong in the model, whose
-    forward can return the loss as ``.loss``)."""
+    forward can return the loss as ``.loss``), and for a ``reduction`` other than a mean (``sum`` scales the loss
+    and its gradient with the batch size)."""
     import torch
 
     loss = build_callable(cfg.get("loss"), "loss")
@@ -253,6 +254,11 @@ def build_loss(cfg: DictConfig, device: Any = None) -> Callable:
                               "(requires_grad=False)")
         if device is not None:
             loss.to(device)
+    reduction = getattr(loss, "reduction", "mean")
+    if isinstance(reduction, str) and reduction not in ("mean", "batchmean"):
+        raise ConfigError("loss.reduction", reduction, "allowed: mean (batchmean for KLDivLoss): the loss must be a "
+                          "mean, which hydratrain weighs by the samples or targets it averages over, so that a step "
+                          "and eval/loss are the same at any batch size, accumulation and world size")
     return loss
 
 

@@ -177,6 +177,7 @@ def test_a_buffer_the_init_leaves_unset_after_a_meta_build_is_named(cli, own):
                                             "(perplexity is logged with a loss that reports it: loss=next_token)"),
     (["+data.shuffle=true"], "data.shuffle=True: not a keyword of mypkg.data.spirals; allowed: n, classes, noise, "
                              "seed"),
+    (["+loss.reduction=sum"], "loss.reduction='sum': allowed: mean (batchmean for KLDivLoss)"),
     (["loss._target_=torch.nn.AdaptiveLogSoftmaxWithLoss", "+loss.in_features=3", "+loss.n_classes=3",
       "+loss.cutoffs=[1]"], "loss._target_='torch.nn.AdaptiveLogSoftmaxWithLoss': has trainable parameters "
                             "(head.weight, tail.0.0.weight, tail.0.1.weight) that nothing would train"),
@@ -188,6 +189,23 @@ def test_each_bad_component_is_one_line_naming_its_key(cli, own, args, line):
     assert len(lines) == 1 and lines[0].startswith(f"hydratrain: config error: {line}"), r.err[-2000:]
     assert "step 2/" not in r.output and "eval at step" not in r.output  # refused at the first step at the latest
     assert "Error getting object" not in r.output  # (Hydra's own 3-line log of a failed import)
+
+
+def test_a_parameter_that_the_forward_creates_is_refused_at_the_first_step(cli, own):
+    """A layer built on the forward's first call (old TensorFlow-port style) came after the optimizer took the
+    parameters: it trained never, under ddp was never synced, and under fsdp broke the clipping with a traceback."""
+    (own / "mypkg" / "lazy.py").write_text(
+        "import torch\nfrom torch import nn\n\n\nclass LazyByHand(nn.Module):\n"
+        "    def __init__(self, width: int = 8):\n        super().__init__()\n"
+        "        self.width, self.fc, self.head = width, None, nn.Linear(width, 3)\n\n"
+        "    def forward(self, x):\n        if self.fc is None:\n"
+        "            self.fc = nn.Linear(x.shape[-1], self.width)\n        return self.head(torch.relu(self.fc(x)))\n")
+    r = cli([*QUICK, "strategy=single", "model._target_=mypkg.lazy.LazyByHand", "~model.depth", "~model.num_classes",
+             "model.width=8"], own / "lazy", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: model._target_='mypkg.lazy.LazyByHand': its forward created parameters (fc.weight, "
+        "fc.bias) on its first call, after the optimizer and the strategy took the model's parameters, so they would "
+        "never train: create them in __init__ (give the input size as a keyword)"], r.output[-2000:]
 
 
 def test_a_model_option_that_names_no_class_is_refused(cli, own):

@@ -175,6 +175,17 @@ class Trainer:
                               "whose tensors FSDP cannot see (it walks tensors, lists, tuples, dicts and dataclasses): "
                               "return one of those (a dict {'logits': ...} or a dataclass), or use strategy=ddp")
 
+    def _check_no_new_parameters(self, known: set) -> None:
+        """A forward that creates parameters on its first call (``if self.fc is None: self.fc = nn.Linear(...)``)
+        made them after the optimizer and the strategy took the model's parameters: they would never be updated
+        nor synced across ranks, while exported as if trained. Raises :class:`ConfigError` naming them."""
+        new = [name for name, p in self.strategy.unwrap(self.model).named_parameters() if id(p) not in known]
+        if new:
+            shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
+            raise ConfigError("model._target_", self.contract[0], f"its forward created parameters ({shown}) on its "
+                              "first call, after the optimizer and the strategy took the model's parameters, so "
+                              "they would never train: create them in __init__ (give the input size as a keyword)")
+
     def checked_loss_of(self, batch) -> torch.Tensor:
         """:meth:`loss_of`, where an error of the forward or the loss on this launch's first micro-batch becomes a
         :class:`ConfigError` naming ``model._target_`` or ``loss._target_``, the batch's shapes and the error (the
@@ -184,8 +195,10 @@ class Trainer:
         from hydratrain.plan import is_out_of_memory
 
         model_target, loss_target = self.contract
+        known = {id(p) for p in self.model.parameters()}
         try:
             loss = self.loss_of(batch)
+            self._check_no_new_parameters(known)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"it returned {batches_.shapes(loss)}, not a 0-d tensor (reduce it to a mean)")
             if torch.is_grad_enabled() and not loss.requires_grad:
