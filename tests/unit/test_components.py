@@ -486,3 +486,49 @@ def test_a_list_state_metric_that_refuses_zero_rows_is_named_at_step_one_when_a_
     Evaluator(one_sample, torch.device("cpu"), None, {"auroc": MulticlassAUROC(3)}).check_metrics(outputs, batch)
     every_rank = SimpleNamespace(n_samples=10, batch_size=4, world_size=2, global_batches=2)  # 2 left: 1 each
     Evaluator(every_rank, torch.device("cpu"), None, {"ns": Normalised()}).check_metrics(outputs, batch)
+
+
+def test_a_models_own_loss_gets_no_perplexity_and_padded_targets_weigh_the_eval_by_their_count():
+    """exp of a model's own loss (with an auxiliary term) is no perplexity: none is reported, though the loss node
+    (the next-token default) has one; and the next-token eval loss of padded sequences is their tokens' mean, at any
+    eval batch size."""
+    from torch import nn
+
+    from hydratrain.losses import NextTokenLoss
+    from hydratrain.train.evaluate import Evaluator
+
+    class OwnLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(2, 3)
+
+        def forward(self, x, labels):
+            logits = self.head(x)
+            return {"logits": logits, "loss": nn.functional.cross_entropy(logits, labels) + logits.pow(2).mean()}
+
+    class Lookup(nn.Module):  # (B, T) ids -> (B, T, 5) logits
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(5, 5)
+
+        def forward(self, x):
+            return self.table(x)
+
+    def batches(samples, size):
+        return [(tuple(t[i:i + size] for t in samples), torch.ones(len(samples[0][i:i + size]), dtype=torch.bool))
+                for i in range(0, len(samples[0]), size)]
+
+    cpu, plain = torch.device("cpu"), __import__("contextlib").nullcontext()
+    x, labels = torch.randn(6, 2), torch.tensor([0, 1, 2, 0, 1, 2])
+    dict_batches = [({"x": b[0], "labels": b[1]}, v) for b, v in batches((x, labels), 3)]
+    out = Evaluator(dict_batches, cpu, NextTokenLoss()).evaluate(OwnLoss(), plain)
+    assert "perplexity" not in out and out["loss"] > 0
+
+    ids = torch.randint(0, 5, (6, 4), generator=torch.Generator().manual_seed(0))
+    targets = ids.roll(1, dims=1)
+    targets[torch.arange(4) >= torch.tensor([1, 4, 2, 3, 1, 4])[:, None]] = -100  # 15 real tokens of 24
+    model = Lookup()
+    expected = nn.functional.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).item()  # over the 15
+    for size in (1, 2, 6):
+        out = Evaluator(batches((ids, targets), size), cpu, NextTokenLoss()).evaluate(model, plain)
+        assert out["loss"] == pytest.approx(expected, rel=1e-6) and "perplexity" in out, size

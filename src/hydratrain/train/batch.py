@@ -89,17 +89,25 @@ def item_counter(loss_fn: Callable, model: nn.Module, own_loss: bool,
             or targets.dtype == torch.bool:
         return None
     if own_loss:
-        module = getattr(model, "module", model)  # DDP's wrapper
-        if not any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
-                   for c in type(module).__mro__):
+        kind = hf_kind(model)
+        if kind is None:
             return None
-        causal = type(module).__name__.endswith("ForCausalLM")
-        return lambda b: _count(targets_of(b)[..., 1:] if causal else targets_of(b), -100, None)
+        return lambda b: _count(targets_of(b)[..., 1:] if kind == "causal" else targets_of(b), -100, None)
     ignore = getattr(loss_fn, "ignore_index", None)
     if not isinstance(ignore, int) or getattr(loss_fn, "reduction", "mean") != "mean":
         return None
     weight = getattr(loss_fn, "weight", None)
     return lambda b: _count(targets_of(b), ignore, weight if isinstance(weight, torch.Tensor) else None)
+
+
+def hf_kind(model: nn.Module) -> Optional[str]:
+    """``"causal"`` for a ``transformers`` ``...ForCausalLM`` (its own loss: the next-token cross-entropy over its
+    labels shifted by one), ``"other"`` for another ``transformers`` model, None for any other model."""
+    module = getattr(model, "module", model)  # DDP's wrapper
+    if not any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+               for c in type(module).__mro__):
+        return None
+    return "causal" if type(module).__name__.endswith("ForCausalLM") else "other"
 
 
 def _count(targets: torch.Tensor, ignore_index: int, weight: Optional[torch.Tensor]) -> torch.Tensor:

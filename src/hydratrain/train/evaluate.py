@@ -11,7 +11,17 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from hydratrain.train.batch import builtin_loss, forward, item_counter, loss_of, prediction, rows, select, targets_of
+from hydratrain.train.batch import (
+    builtin_loss,
+    forward,
+    hf_kind,
+    item_counter,
+    loss_of,
+    prediction,
+    rows,
+    select,
+    targets_of,
+)
 
 log = logging.getLogger("hydratrain.eval")
 
@@ -42,10 +52,13 @@ class Evaluator:
         self.loss_communicates: Optional[bool] = None  # known after check_loss (every rank learns the same)
         self.count, self._count_known = None, False  # batch.item_counter's rule, from the trainer's first forward
 
-    def counts(self, rule) -> None:
+    def counts(self, rule, own_loss: bool = False) -> None:
         """Weigh each batch's loss by ``rule(batch)`` (:func:`~hydratrain.train.batch.item_counter`; None: by its
-        samples)."""
+        samples). ``own_loss``: the model returns its own loss, of which the ``loss`` node says nothing (an
+        auxiliary term in it would make ``exp`` of it no perplexity), so no perplexity is reported, unless the
+        model is a ``transformers`` causal LM, whose own loss is the next-token cross-entropy."""
         self.count, self._count_known = rule, True
+        self.perplexity = self.perplexity and not own_loss
 
     def check_loss(self, outputs, batch) -> torch.Tensor:
         """``loss_of(outputs, batch)``, noting whether the loss ran a collective (``c10d`` or functional
@@ -178,7 +191,8 @@ class Evaluator:
                 batch = select(batch, valid)
             outputs = forward(model, batch, autocast)
             if not self._count_known:  # no training step in this launch
-                self.counts(item_counter(self.loss_fn, model, builtin_loss(outputs) is not None, batch))
+                own = builtin_loss(outputs) is not None
+                self.counts(item_counter(self.loss_fn, model, own, batch), own and hf_kind(model) != "causal")
             loss = loss_of(outputs, batch, self.loss_fn)
             items = (torch.tensor(float(n_valid), dtype=torch.float64, device=self.device) if self.count is None
                      else self.count(select(batch, valid) if whole and n_valid < rows(batch) else batch))

@@ -137,7 +137,7 @@ class Trainer:
         if self._own_loss is None:
             self._own_loss = batches_.builtin_loss(outputs) is not None
             self._counter = batches_.item_counter(self.loss_fn, self.model, self._own_loss, batch)
-            self.evaluator.counts(self._counter)
+            self.evaluator.counts(self._counter, self._own_loss and batches_.hf_kind(self.model) != "causal")
         return batches_.loss_of(outputs, batch, self.loss_fn)
 
     def _divisors(self, batches: list) -> list:
