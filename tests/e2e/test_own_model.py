@@ -80,8 +80,8 @@ def _launch_dir(tmp_path):
 def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_init(tmp_path, cli, monkeypatch):
     launch = _launch_dir(tmp_path)
     sweep = tmp_path / "sweep"
-    # 113 eval samples in global batches of 2 x 16: the last gives rank 0 nine and rank 1 eight, and the loss, which
-    # all-gathers, still gets as many rows on each (whole batches)
+    # 113 eval samples in global batches of 2 x 16: the loss, which all-gathers, is called on the 3 whole ones by
+    # every rank (the last, nine samples on rank 0 and eight on rank 1, goes to the metrics alone)
     gathered = ["loss._target_=mypkg.gathered.cross_entropy", "trainer.eval_samples=113"]
     r = run(["-m", *BASE, "strategy=ddp,fsdp", "activation_checkpointing=true", "+model.init_device=meta",
              "model._target_=mypkg.tempered.TemperedResMLP", *gathered, "trainer.max_steps=12",
@@ -96,7 +96,8 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
         log = log_of(sweep / str(job))
         assert "activation checkpointing on 4 ResidualBlock" in log
         assert "initialised by the reset_parameters() of 15 modules" in log
-        assert "eval: the loss communicates across ranks" in log
+        assert "eval: the loss communicates across ranks (it ran a collective), so eval/loss is over whole global " \
+               "batches: 96 of the 113 eval samples (the rest fill no global batch)" in log
     assert "fsdp: sharded 5 modules (4 ResidualBlock by wrap_policy=auto + root)" in log_of(sweep / "1")
     assert "1 0-d parameters replicated (logit_scale)" in log_of(sweep / "1")
     rows = report_rows(sweep)

@@ -532,3 +532,46 @@ def test_a_models_own_loss_gets_no_perplexity_and_padded_targets_weigh_the_eval_
     for size in (1, 2, 6):
         out = Evaluator(batches((ids, targets), size), cpu, NextTokenLoss()).evaluate(model, plain)
         assert out["loss"] == pytest.approx(expected, rel=1e-6) and "perplexity" in out, size
+
+
+def test_a_loss_that_communicates_is_evaluated_on_whole_global_batches_only():
+    """A loss that runs a collective (a contrastive loss all-gathering its embeddings) is called by every rank on
+    whole global batches only: the padded last one (copies of the first sample: extra positives and negatives)
+    goes to the metrics alone, and an eval set that fills no global batch is a config error at the first step."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch import nn
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.train.evaluate import Evaluator
+
+    def gathered(outputs, targets):  # world size 1: the all-reduce changes nothing, but it is a collective
+        dist.all_reduce(outputs.detach().clone())
+        return nn.functional.cross_entropy(outputs, targets)
+
+    class Padded(list):  # EvalBatches' shape: 10 samples in global batches of 1 rank x 4, the last 2 padded
+        n_samples, batch_size, world_size, global_batches = 10, 4, 1, 3
+
+    x, y = torch.randn(10, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    pad = torch.tensor([2, 3, 0, 0])  # positions 10 and 11: the first sample again
+    batches = Padded([((x[i:i + 4], y[i:i + 4]), torch.ones(4, dtype=torch.bool)) for i in (0, 4)])
+    batches.append(((torch.cat([x[8:], x[:2]]), torch.cat([y[8:], y[:2]])), pad < 2))
+    model, plain = nn.Linear(2, 3), __import__("contextlib").nullcontext()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        accuracy = MulticlassAccuracy(3, average="micro")
+        evaluator = Evaluator(batches, torch.device("cpu"), gathered, {"accuracy": accuracy})
+        evaluator.check_loss(model(x[:4]), (x[:4], y[:4]))
+        assert evaluator.loss_communicates
+        out = evaluator.evaluate(model, plain)
+        with torch.no_grad():
+            assert out["loss"] == pytest.approx(nn.functional.cross_entropy(model(x[:8]), y[:8]).item(), rel=1e-6)
+            assert out["accuracy"] == pytest.approx((model(x).argmax(-1) == y).float().mean().item())  # all 10
+        tiny = SimpleNamespace(n_samples=3, batch_size=4, world_size=2)
+        with pytest.raises(ConfigError, match=r"^trainer.eval_samples=3: 3 eval samples fill no global batch of 2 "
+                                              r"ranks x data.batch_size=4, and the loss communicates"):
+            Evaluator(tiny, torch.device("cpu"), gathered).check_loss(model(x[:4]), (x[:4], y[:4]))
+    finally:
+        dist.destroy_process_group()

@@ -40,8 +40,9 @@ class Evaluator:
 
     A loss that communicates (a contrastive loss that all-gathers its embeddings: any ``c10d`` op while it runs,
     seen once by :meth:`check_loss`) needs every rank to call it as often and on batches of the same shape, or the
-    ranks wait for each other forever. Such a loss gets the whole padded batch on every rank, each rank's value
-    weighted by its valid samples (none: weight 0); the metrics still see the valid rows only.
+    ranks wait for each other forever; and copies of a sample padding a batch would be extra positives and
+    negatives in it. Such a loss is called on the whole global batches only (the padded last one, if any, goes to
+    the metrics alone), and an eval set that fills none is a config error.
     """
 
     def __init__(self, eval_batches, device: torch.device, loss_fn: Callable, metrics: Optional[dict] = None):
@@ -77,11 +78,29 @@ class Evaluator:
         with Collectives():
             loss = loss_of(outputs, batch, self.loss_fn)
         if Collectives.seen and not self.loss_communicates:
-            log.info("eval: the loss communicates across ranks (it ran a collective), so every rank evaluates whole "
-                     "batches, the last one padded with copies of the eval set's first sample; the metrics see the "
-                     "eval samples only")
+            n, whole = self._whole_samples()
+            if whole == 0:
+                from hydratrain.errors import ConfigError
+
+                b = self.batches
+                raise ConfigError("trainer.eval_samples", n, f"{n} eval samples fill no global batch of "
+                                  f"{b.world_size} ranks x data.batch_size={b.batch_size}, and the loss communicates "
+                                  "across ranks (it ran a collective), so its eval/loss needs whole global batches: "
+                                  f"give trainer.eval_samples >= {b.world_size * b.batch_size} (a larger val split), "
+                                  "or a smaller data.batch_size")
+            log.info("eval: the loss communicates across ranks (it ran a collective), so eval/loss is over whole "
+                     "global batches: %s of the %s eval samples%s; the metrics see them all", whole, n,
+                     "" if whole == n else " (the rest fill no global batch)")
         self.loss_communicates = Collectives.seen
         return loss
+
+    def _whole_samples(self) -> tuple:
+        """(eval samples, those in whole global batches) of an :class:`~hydratrain.data.streams.EvalBatches`;
+        both None for another iterable."""
+        b = self.batches
+        if not all(hasattr(b, key) for key in ("n_samples", "batch_size", "world_size")):
+            return None, None
+        return b.n_samples, b.n_samples - b.n_samples % (b.world_size * b.batch_size)
 
     def check_metrics(self, outputs, batch) -> None:
         """Update a copy of each metric with ``outputs`` (a training micro-batch's, detached) and ``batch``'s
@@ -121,6 +140,18 @@ class Evaluator:
         raise ConfigError(f"metrics.{name}._target_", target, f"its compute() returns {what}, and each metric is "
                           "logged as one number (eval/<name>): give one metric per value, or reduce it (for a "
                           "per-class metric: average='macro' or 'micro')")
+
+    def _metrics_only(self, outputs, batch, valid: Optional[torch.Tensor]) -> None:
+        """Update each metric with ``outputs`` against ``batch``'s targets, only their ``valid`` rows when given
+        (none: the zero-row update of :meth:`_update_empty`)."""
+        predicted, expected = prediction(outputs), targets_of(batch)
+        if valid is not None:
+            predicted, expected = select(predicted, valid), select(expected, valid)
+            if not bool(valid.any()):
+                self._update_empty(predicted, expected)
+                return
+        for name, metric in self.metrics.items():
+            self._update(name, metric, predicted, expected)
 
     def _update_empty(self, outputs, targets) -> None:
         """Zero rows into each metric whose states are lists (``MulticlassAUROC``'s predictions): a rank that has no
@@ -179,10 +210,16 @@ class Evaluator:
         counted = SumMetric(nan_strategy="disable").to(self.device)  # what the losses are means of
         was_training = model.training
         model.eval()
-        for batch, valid in self.batches:
+        for g, (batch, valid) in enumerate(self.batches):
             if self.loss_communicates is None:  # no training step in this launch (a resume at max_steps)
                 self.check_loss(forward(model, batch, autocast), batch)
             n_valid, whole = int(valid.sum()), self.loss_communicates
+            n, in_whole = self._whole_samples() if whole else (None, None)
+            if in_whole is not None and in_whole < n and g == len(self.batches) - 1:
+                # the padded last global batch, on every rank alike: the metrics only (copies of the first
+                # sample in a contrastive loss would be extra positives and negatives)
+                self._metrics_only(forward(model, batch, autocast), batch, valid)
+                continue
             if n_valid == 0 and not whole:
                 outputs = forward(model, batch, autocast)  # this rank's share is padding: the forward FSDP needs
                 self._update_empty(select(prediction(outputs), valid), select(targets_of(batch), valid))
@@ -199,14 +236,7 @@ class Evaluator:
             # a batch whose targets are all ignored has a NaN mean over none of them: it counts for nothing
             loss_sum.update(torch.where(items > 0, loss.detach().to(torch.float64) * items, 0.0))
             counted.update(items)
-            predicted, expected = prediction(outputs), targets_of(batch)
-            if whole and n_valid < rows(batch):
-                predicted, expected = select(predicted, valid), select(expected, valid)
-                if n_valid == 0:
-                    self._update_empty(predicted, expected)
-                    continue
-            for name, metric in self.metrics.items():
-                self._update(name, metric, predicted, expected)
+            self._metrics_only(outputs, batch, valid if whole and n_valid < rows(batch) else None)
         model.train(was_training)
         loss = (loss_sum.compute() / counted.compute()).item()
         out = {"loss": loss}

@@ -175,11 +175,11 @@ class Trainer:
                               "whose tensors FSDP cannot see (it walks tensors, lists, tuples, dicts and dataclasses): "
                               "return one of those (a dict {'logits': ...} or a dataclass), or use strategy=ddp")
 
-    def _check_no_new_parameters(self, known: set) -> None:
+    def _check_no_new_parameters(self, known: set) -> None:  # (by name: FSDP swaps the root's Parameter objects)
         """A forward that creates parameters on its first call (``if self.fc is None: self.fc = nn.Linear(...)``)
         made them after the optimizer and the strategy took the model's parameters: they would never be updated
         nor synced across ranks, while exported as if trained. Raises :class:`ConfigError` naming them."""
-        new = [name for name, p in self.strategy.unwrap(self.model).named_parameters() if id(p) not in known]
+        new = [name for name, _ in self.strategy.unwrap(self.model).named_parameters() if name not in known]
         if new:
             shown = ", ".join(new[:4]) + (f" and {len(new) - 4} more" if len(new) > 4 else "")
             raise ConfigError("model._target_", self.contract[0], f"its forward created parameters ({shown}) on its "
@@ -195,7 +195,7 @@ class Trainer:
         from hydratrain.plan import is_out_of_memory
 
         model_target, loss_target = self.contract
-        known = {id(p) for p in self.model.parameters()}
+        known = {name for name, _ in self.strategy.unwrap(self.model).named_parameters()}
         try:
             loss = self.loss_of(batch)
             self._check_no_new_parameters(known)
