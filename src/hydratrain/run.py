@@ -457,6 +457,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     timing.mark("memory plan")
     model, raw, n_params, summary = build_model(cfg, strategy, precision, device, vocab_size)
     timing.mark("model")
+    seed_training_rng(cfg.trainer.seed, info.rank)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", components.model_name(cfg),
              n_params / 1e6, strategy.local_param_bytes(model) / 1e6, summary)
     loss_fn, metrics = components.build_loss(cfg, device), components.build_metrics(cfg)
@@ -505,6 +506,27 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
                       contract=(cfg.model.get("_target_"), cfg.loss.get("_target_")))
     timing.mark("logger, checkpoints, trainer")
     return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer, vocab_size)
+
+
+def seed_training_rng(seed: int, rank: int) -> None:
+    """After the model is built (its weights the same on every rank), give each rank its own stream of the global
+    RNGs for training: dropout and other randomness in the forward draws independently per rank, as it does per
+    sample of one process's batch (with one seed on every rank, rank r's masks were rank 0's, position for
+    position: transformers issue #31412). Rank 0 keeps its stream, so a one-process run is as before; rank r > 0
+    is seeded by (``seed``, ``r``). Randomness that must agree across ranks (a layer dropped for the whole batch, as
+    LayerDrop does) draws from a generator of its own seeded alike."""
+    import random
+    import zlib
+
+    import numpy as np
+    import torch
+
+    if rank == 0:
+        return
+    derived = zlib.crc32(f"{seed}:rank{rank}".encode())
+    torch.manual_seed(derived)
+    random.seed(derived)
+    np.random.seed(derived)
 
 
 def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Optional[int], seq_len: int) -> float:

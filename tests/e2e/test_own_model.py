@@ -58,6 +58,36 @@ def cross_entropy(outputs, targets):
 """
 
 
+# the example's model with dropout after its embedding; with MASK_RECORD set, each rank writes the mask of its first
+# training forward to MASK_RECORD/rank<R>.txt
+DROPPED = """
+import os
+
+import torch
+from torch import nn
+
+from mypkg.nets import ResMLP
+
+
+class DroppedResMLP(ResMLP):
+    def __init__(self, p: float = 0.2, **kwargs):
+        super().__init__(**kwargs)
+        self.drop = nn.Dropout(p)
+        self.record = os.environ.get("MASK_RECORD")
+
+    def forward(self, x):
+        x = self.drop(self.embed(x))
+        if self.training and self.record:
+            mask = (x != 0).int().flatten().tolist()
+            with open(os.path.join(self.record, f"rank{os.environ['RANK']}.txt"), "w") as f:
+                f.write("".join(map(str, mask)))
+            self.record = None
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+"""
+
+
 def _forget_mypkg() -> None:
     """Drop every imported ``mypkg`` module and the import system's directory caches: the next import reads the
     copy of the test at hand."""
@@ -74,6 +104,7 @@ def _launch_dir(tmp_path):
         shutil.copytree(OWN / part, launch / part)
     (launch / "mypkg" / "tempered.py").write_text(TEMPERED)
     (launch / "mypkg" / "gathered.py").write_text(GATHERED)
+    (launch / "mypkg" / "dropped.py").write_text(DROPPED)
     return launch
 
 
@@ -129,14 +160,20 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
 @pytest.mark.slow  # three 2-rank launches
 def test_own_model_resumes_bit_identically_after_a_kill(tmp_path):
     """An uninterrupted FSDP run, and the same run SIGKILLed right after its step-10 save and relaunched with the same
-    command: the same final weights, bit for bit (the DataLoader's position, the sampler and the RNGs restored); its
-    eval, with a rank that holds no eval sample, syncs a metric with list states."""
+    command: the same final weights, bit for bit (the DataLoader's position, the sampler and each rank's RNGs
+    restored); the model's dropout draws other masks on each rank; its eval, with a rank that holds no eval sample,
+    syncs a metric with list states."""
     launch = _launch_dir(tmp_path)
     # one eval sample: rank 1 has none, and AUROC's list states still sync (it updates them with zero rows)
     args = [*BASE, "strategy=fsdp", "trainer.max_steps=16", "checkpoint.every_n_steps=10", "data.num_workers=1",
             "trainer.eval_samples=1", "+metrics.auroc._target_=torchmetrics.classification.MulticlassAUROC",
-            "+metrics.auroc.num_classes=3"]
-    run([*args, f"hydra.run.dir={tmp_path / 'a'}"], nproc=2, cwd=launch, fast=False, timeout=600).ok()
+            "+metrics.auroc.num_classes=3", "model._target_=mypkg.dropped.DroppedResMLP"]
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    run([*args, f"hydra.run.dir={tmp_path / 'a'}"], nproc=2, cwd=launch, fast=False, timeout=600,
+        env={"MASK_RECORD": str(masks)}).ok()
+    rank0, rank1 = ((masks / f"rank{r}.txt").read_text() for r in (0, 1))
+    assert len(rank0) == len(rank1) == 16 * 64 and "0" in rank0 and rank0 != rank1  # one seed gave equal masks
     kill = {"HT_FAULT": "kill", "HT_FAULT_STEP": "10", "HT_FAULT_AT": "after_step", "HT_FAULT_RANK": "all"}
     killed = run([*args, f"hydra.run.dir={tmp_path / 'b'}"], nproc=2, cwd=launch, fast=False, script=FAULTY,
                  env=kill, timeout=600)
