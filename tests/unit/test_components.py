@@ -177,6 +177,8 @@ def test_a_buffer_the_init_leaves_unset_after_a_meta_build_is_named(cli, own):
                                             "(perplexity is logged with a loss that reports it: loss=next_token)"),
     (["+data.shuffle=true"], "data.shuffle=True: not a keyword of mypkg.data.spirals; allowed: n, classes, noise, "
                              "seed"),
+    (["loss._target_=torch.atleast_1d"], "loss._target_='torch.atleast_1d': returned ((64, 3) float32, (64,) int64), "
+                                         "not a 0-d tensor: return the mean alone (log other terms as metrics)"),
     (["+loss.reduction=sum"], "loss.reduction='sum': allowed: mean (batchmean for KLDivLoss)"),
     (["loss._target_=torch.nn.AdaptiveLogSoftmaxWithLoss", "+loss.in_features=3", "+loss.n_classes=3",
       "+loss.cutoffs=[1]"], "loss._target_='torch.nn.AdaptiveLogSoftmaxWithLoss': has trainable parameters "

@@ -200,7 +200,10 @@ class Trainer:
             loss = self.loss_of(batch)
             self._check_no_new_parameters(known)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"it returned {batches_.shapes(loss)}, not a 0-d tensor (reduce it to a mean)")
+                key, target = ("model._target_", model_target) if self._own_loss else ("loss._target_", loss_target)
+                raise ConfigError(key, target, f"{'its .loss is' if self._own_loss else 'returned'} "
+                                  f"{batches_.shapes(loss)}, not a 0-d tensor: return the mean alone (log other terms "
+                                  "as metrics)")
             if torch.is_grad_enabled() and not loss.requires_grad:
                 raise ConfigError("loss._target_", loss_target, "its result does not depend on the model's parameters "
                                   "(no grad_fn: the outputs detached, computed under no_grad, or every parameter "
