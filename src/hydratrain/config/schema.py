@@ -499,7 +499,7 @@ class TrainerConfig:
     eval_every_n_steps: int = 100  # 0 = only at the end
     eval_samples: int = 256  # val samples per eval, the same set whatever the world size and batch; 0 = all
     log_every_n_steps: int = 10  # a log line and the train/* and perf/* scalars (also at step 1 and the last step)
-    seed: int = 1234  # model init, data order (per epoch), dropout (per rank); the eval set's order: seed 0
+    seed: int = 1234  # model init (every rank alike), data order (per epoch), dropout (per rank); eval order: seed 0
     # torch.compile: auto (on CUDA: the whole model, or per block under fsdp/hsdp and ddp with activation
     # checkpointing; elsewhere none) | true (the same on any device) | false | model | blocks
     compile: Any = "auto"
