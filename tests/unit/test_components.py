@@ -468,3 +468,39 @@ def test_a_list_state_metric_that_refuses_zero_rows_is_named_at_step_one_when_a_
     Evaluator(one_sample, torch.device("cpu"), None, {"auroc": MulticlassAUROC(3)}).check_metrics(outputs, batch)
     every_rank = SimpleNamespace(n_samples=10, batch_size=4, world_size=2, global_batches=2)  # 2 left: 1 each
     Evaluator(every_rank, torch.device("cpu"), None, {"ns": Normalised()}).check_metrics(outputs, batch)
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A stream of (x, y) samples, with or without a length."""
+
+    def __iter__(self):
+        return iter([(torch.zeros(2), 0)] * 8)
+
+
+class _SizedStream(_Stream):
+    def __len__(self):
+        return 8
+
+
+def streams(sized: bool = False):
+    return {"train": (_SizedStream if sized else _Stream)(), "val": [(torch.zeros(2), 0)] * 4}
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_an_iterable_dataset_is_one_line_naming_data_target_with_or_without_a_length(sized):
+    """torch's IterableDataset inherits a __getitem__ that raises: with a __len__ it is still a stream, refused at
+    the build with the same line as one without (not a collate_fn error, nor the fingerprint's traceback)."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.data.loader import load_datasets
+    from hydratrain.errors import ConfigError
+
+    target = f"{__name__}.streams"
+    with pytest.raises(ConfigError) as err:
+        load_datasets(OmegaConf.create({"_target_": target, "sized": sized}))
+    name = "_SizedStream" if sized else "_Stream"
+    assert str(err.value) == (
+        f"data._target_='{target}': its train is a {name} (an IterableDataset), not a map-style Dataset (__len__ and "
+        "__getitem__(index)): samples are drawn by index, so that a resume is exact on any world size; return a "
+        "map-style Dataset (a list of samples, a torch.utils.data.TensorDataset, a Dataset subclass), or for token "
+        "streams use data=token_bin or data=text_files")

@@ -124,9 +124,19 @@ def _is_dataset(value: Any) -> bool:
 
 
 def _checked(dataset: Any, target: str, what: str) -> Any:
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise ConfigError("data._target_", target, f"its {what} is a {type(dataset).__name__}, not a map-style "
-                          "Dataset (__len__ and __getitem__)")
+    """``dataset`` when it is map-style (``__len__`` and ``__getitem__``, not a ``torch.utils.data.IterableDataset``,
+    which inherits a ``__getitem__`` that raises). Raises :class:`ConfigError` naming ``data._target_`` and what to
+    return instead."""
+    from torch.utils.data import IterableDataset
+
+    iterable = isinstance(dataset, IterableDataset)
+    if iterable or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        kind = " (an IterableDataset)" if iterable else ""
+        raise ConfigError("data._target_", target, f"its {what} is a {type(dataset).__name__}{kind}, not a map-style "
+                          "Dataset (__len__ and __getitem__(index)): samples are drawn by index, so that a resume is "
+                          "exact on any world size; return a map-style Dataset (a list of samples, a "
+                          "torch.utils.data.TensorDataset, a Dataset subclass), or for token streams use "
+                          "data=token_bin or data=text_files")
     return dataset
 
 
