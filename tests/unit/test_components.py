@@ -504,3 +504,25 @@ def test_an_iterable_dataset_is_one_line_naming_data_target_with_or_without_a_le
         "__getitem__(index)): samples are drawn by index, so that a resume is exact on any world size; return a "
         "map-style Dataset (a list of samples, a torch.utils.data.TensorDataset, a Dataset subclass), or for token "
         "streams use data=token_bin or data=text_files")
+
+
+def no_val(key: str = "val"):
+    return {"train": [(torch.zeros(2), 0)] * 8, key: []}
+
+
+@pytest.mark.parametrize("key", ["val", "validation"])
+def test_an_empty_val_split_a_data_function_returns_names_data_target_not_val_fraction(key):
+    """data.val_fraction plays no part when the function returns the splits: the line names data._target_ and what
+    to return."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.data.loader import load_datasets
+    from hydratrain.errors import ConfigError
+
+    target = f"{__name__}.no_val"
+    with pytest.raises(ConfigError) as err:
+        load_datasets(OmegaConf.create({"_target_": target, "key": key, "val_fraction": 0.1}))
+    assert str(err.value) == (
+        f"data._target_='{target}': returned an empty '{key}' split: every eval (each trainer.eval_every_n_steps and "
+        "the last step) runs on it; return at least one val sample, or {'train': Dataset} or one Dataset, which "
+        "data.val_fraction splits")

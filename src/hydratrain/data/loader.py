@@ -88,7 +88,7 @@ def check_data_node(data: DictConfig) -> None:
 def load_datasets(data: DictConfig) -> dict:
     """``{"train": Dataset, "val": Dataset}`` from the dataset node (its target's result, or one dataset split by
     ``data.val_fraction``). Raises :class:`ConfigError` naming ``data._target_`` when the target raises or returns
-    something else."""
+    something else, or an empty val split."""
     from hydratrain.components import importable, instantiate_node, target_of
 
     target = target_of(data, "data")
@@ -106,7 +106,12 @@ def load_datasets(data: DictConfig) -> dict:
         if "test" in made:
             log.info("data %s: its 'test' split is not used (the eval runs on the val split)", target)
         if val:
-            return {"train": _checked(made["train"], target, "train"), "val": _checked(made[val[0]], target, "val")}
+            splits = {"train": _checked(made["train"], target, "train"), "val": _checked(made[val[0]], target, "val")}
+            if len(splits["val"]) == 0:
+                raise ConfigError("data._target_", target, f"returned an empty '{val[0]}' split: every eval (each "
+                                  "trainer.eval_every_n_steps and the last step) runs on it; return at least one val "
+                                  "sample, or {'train': Dataset} or one Dataset, which data.val_fraction splits")
+            return splits
         made = made["train"]
     if isinstance(made, (tuple, list)) and made and all(_is_dataset(d) for d in made):
         raise ConfigError("data._target_", target, f"returned a {type(made).__name__} of {len(made)} datasets; "
