@@ -526,3 +526,23 @@ def test_an_empty_val_split_a_data_function_returns_names_data_target_not_val_fr
         f"data._target_='{target}': returned an empty '{key}' split: every eval (each trainer.eval_every_n_steps and "
         "the last step) runs on it; return at least one val sample, or {'train': Dataset} or one Dataset, which "
         "data.val_fraction splits")
+
+
+def test_a_metric_collection_is_refused_for_what_it_is_and_told_to_list_its_metrics():
+    """A MetricCollection syncs, but computes several values where each metrics: key is logged as one number."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.components import build_metrics
+    from hydratrain.errors import ConfigError
+
+    acc = {"_target_": "torchmetrics.classification.MulticlassAccuracy", "num_classes": 3}
+    f1 = {"_target_": "torchmetrics.classification.MulticlassF1Score", "num_classes": 3}
+    cfg = OmegaConf.create({"metrics": {"both": {"_target_": "torchmetrics.MetricCollection",
+                                                 "metrics": {"acc": acc, "f1": f1}}}})
+    with pytest.raises(ConfigError) as err:
+        build_metrics(cfg)
+    assert str(err.value) == (
+        "metrics.both._target_='torchmetrics.MetricCollection': built a MetricCollection, which computes several "
+        "values, and each key of metrics: is one torchmetrics.Metric logged as one number (eval/<name>): list its "
+        "metrics one per key under metrics: (metrics.acc._target_=..., metrics.f1._target_=...)")
+    assert list(build_metrics(OmegaConf.create({"metrics": {"acc": acc, "f1": f1}}))) == ["acc", "f1"]
