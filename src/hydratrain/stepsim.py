@@ -322,6 +322,9 @@ def trace(spec: ModelSpec, batch_size: int, mode: Mode, checkpointed: bool, shar
             loss.backward()
             bwd_peak = tracker.peak
     except Exception as err:  # noqa: BLE001 (the plan says what it could not predict; the run goes on)
+        if tracker.phase == "loss":  # the model ran; the loss refused its outputs, which a real step may do too
+            return Trace(error=f"the loss did not take the model's storage-less outputs ({type(err).__name__}; if the "
+                         "real outputs fail too, the first step says why)")
         return Trace(error="the planner could not simulate the step on storage-less tensors, a limit of the "
                      f"planner (the run is not affected): {_one_line(err)}")
     points = tuple((phase, done, alive) for (phase, done), alive in tracker.points.items())

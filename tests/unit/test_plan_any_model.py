@@ -262,6 +262,23 @@ def test_a_kernel_buffer_no_shape_tells_is_named_as_a_limit_of_the_planner():
         "limit of the planner)"]
 
 
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        logits = self.lin(x)
+        return logits, logits.softmax(-1)
+
+
+def test_a_loss_that_refuses_the_outputs_is_not_called_a_limit_of_the_planner_nor_quoted_before_the_first_step():
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    plan = predict(Setup(spec_of(Pair, batch), batch_size=8, seq_len=0))
+    assert plan.unpredicted == ["activations and the loss (the loss did not take the model's storage-less outputs "
+                                "(TypeError; if the real outputs fail too, the first step says why))"]
+
+
 def test_state_bytes_come_exactly_from_the_meta_build():
     """Parameters (and buffers), gradients and AdamW's moments of the generic plan are the real model's bytes,
     and under FSDP this rank's padded shard of each."""
