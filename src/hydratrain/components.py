@@ -263,9 +263,9 @@ def build_loss(cfg: DictConfig, device: Any = None) -> Callable:
 
 
 def build_metrics(cfg: DictConfig) -> dict:
-    """``{name: torchmetrics.Metric}`` of ``cfg.metrics`` (empty by default). Raises :class:`ConfigError` naming
-    ``metrics.<name>``."""
-    from torchmetrics import Metric
+    """``{name: torchmetrics.Metric}`` of ``cfg.metrics`` (empty by default), each logged as one number. Raises
+    :class:`ConfigError` naming ``metrics.<name>``: for anything else, a ``MetricCollection`` (several values) too."""
+    from torchmetrics import Metric, MetricCollection
 
     out = {}
     for name, node in (cfg.get("metrics") or {}).items():
@@ -274,9 +274,16 @@ def build_metrics(cfg: DictConfig) -> dict:
             raise ConfigError(key, _plain(node), "is logged as eval/loss or eval/perplexity already: give the metric "
                               "another name")
         metric = _instantiate(node, key)
+        if isinstance(metric, MetricCollection):
+            names = list(metric.keys()) or ["acc", "f1"]
+            listed = ", ".join(f"metrics.{n}._target_=..." for n in names[:3])
+            raise ConfigError(f"{key}._target_", node.get("_target_"), "built a MetricCollection, which computes "
+                              "several values, and each key of metrics: is one torchmetrics.Metric logged as one "
+                              f"number (eval/<name>): list its metrics one per key under metrics: ({listed})")
         if not isinstance(metric, Metric):
             raise ConfigError(f"{key}._target_", node.get("_target_"), f"built a {type(metric).__name__}, not a "
-                              "torchmetrics.Metric (which syncs across ranks)")
+                              "torchmetrics.Metric: give one (torchmetrics.classification.MulticlassAccuracy, a "
+                              "subclass of torchmetrics.Metric), one per key under metrics:")
         out[str(name)] = metric
     return out
 

@@ -32,8 +32,9 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
     """Training FLOPs (forward and backward) per sample of the model ``build_meta()`` returns (built on meta) on
     ``example`` (a batch; only its shapes and dtypes are used), counted by ``FlopCounterMode``. A forward that reads a
     value on the way (``.item()``, ``if mask.all()``: meta tensors have none) is counted again under
-    ``FakeTensorMode``, where libraries that check for tracing (``transformers``) take their value-free path. NaN
-    when the model runs in neither (the run goes on without MFU)."""
+    ``FakeTensorMode``, where libraries that check for tracing (``transformers``) take their value-free path. A loss
+    that refuses the outputs is counted as :func:`_stand_in_loss` (the first step names the refusal; no warning
+    here repeats it). NaN when the model runs in neither (the run goes on without MFU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -49,7 +50,12 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
         with mode:
             batch = _fake(mode, batch) if isinstance(mode, FakeTensorMode) else batch
             with FlopCounterMode(display=False) as counter:
-                loss_of(forward(model, batch, contextlib.nullcontext()), batch, loss).backward()
+                outputs = forward(model, batch, contextlib.nullcontext())
+                try:
+                    value = loss_of(outputs, batch, loss)
+                except Exception as err:  # noqa: BLE001 (the first step names a loss that refuses the outputs)
+                    value = _stand_in_loss(outputs, err)
+                value.backward()
         return counter.get_total_flops() / max(n, 1)
 
     import logging
@@ -69,6 +75,19 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
         return math.nan
     finally:
         quiet.disabled = was
+
+
+def _stand_in_loss(outputs: Any, err: Exception) -> torch.Tensor:
+    """The sum of the floating tensors of ``outputs`` that need a gradient, as the loss to count a backward with
+    when the run's loss refuses the outputs (a tuple where it takes a tensor): the first training step reports that
+    refusal in one line, and the backward through the model, where the counted matrix products are, is the same
+    (the loss's own elementwise work is not counted). Raises ``err`` when the outputs have no such tensor."""
+    from torch.utils._pytree import tree_leaves
+
+    leaves = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        raise err
+    return sum(t.float().sum() for t in leaves)
 
 
 def _fake(mode: Any, value: Any) -> Any:

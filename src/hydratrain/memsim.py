@@ -45,6 +45,7 @@ class Tracker:
         self.peak = 0
         self._live: dict[int, weakref.ref] = {}
         self._ignored: dict[int, torch.UntypedStorage] = {}  # strong refs, so their ids are not reused
+        self.unsized: set[str] = set()  # what ran but allocates bytes no shape tells (:data:`UNSIZED`)
 
     def track(self, t: torch.Tensor) -> None:
         st = inner(t).untyped_storage()
@@ -114,8 +115,12 @@ class Shadow(torch.Tensor):
             return t
 
         out = _meta_call(func, tree_map(unwrap, args), tree_map(unwrap, kwargs))
+        if torch.Tag.inplace_view in func.tags:  # transpose_, unsqueeze_, as_strided_ (an RNN's batch_first)
+            _restride(func, args, kwargs)
         device = device or kwargs.get("device") or torch.device("cpu")
         tracker = _TRACKERS[-1] if _TRACKERS else None
+        if tracker is not None and func in UNSIZED:
+            tracker.unsized.add(UNSIZED[func])
 
         def wrap(t):
             if not isinstance(t, torch.Tensor) or t.device != META:
@@ -127,6 +132,21 @@ class Shadow(torch.Tensor):
             return Shadow(t, device)
 
         return tree_map(wrap, out)
+
+
+def _restride(func, args, kwargs) -> None:
+    """After an in-place view op changed the sizes or strides of the meta tensor inside a :class:`Shadow` (its
+    ``self``), the same change on the Shadow itself, by torch's meta kernel of ``func`` (the way
+    ``torch.utils._python_dispatch.return_and_correct_aliasing`` keeps a wrapper subclass's metadata)."""
+    from torch.utils._mode_utils import no_dispatch
+
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
 
 
 def _empty(shape, dtype, like: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -145,9 +165,13 @@ def _empty(shape, dtype, like: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 def _pointwise(func, args, kwargs):
     """A functional pointwise op on floating tensors: the broadcast shape, the promoted dtype, the layout of the first
-    input of full shape. None (use torch's meta kernel) for anything else."""
+    input of full shape (``memory_format=torch.contiguous_format``, as ``reshape`` clones a tensor it cannot view:
+    contiguous). None (use torch's meta kernel) for anything else, another ``memory_format`` included."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     if not tensors or not all(t.is_floating_point() for t in tensors):
+        return None
+    memory_format = kwargs.get("memory_format")
+    if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
         return None
     shape = torch.Size([])
     for t in tensors:
@@ -158,7 +182,7 @@ def _pointwise(func, args, kwargs):
     for t in ranked[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     like = next((t for t in tensors if tuple(t.shape) == tuple(shape)), None)
-    return _empty(shape, dtype, like)
+    return _empty(shape, dtype, None if memory_format is torch.contiguous_format else like)
 
 
 def _reduce(x, dim, keepdim=False, *, dtype=None):
@@ -229,6 +253,9 @@ _RULES = {
     torch.ops.aten._fused_rms_norm_backward.default: _rms_norm_backward,
 }
 USE_RULES = True  # False runs every op through torch's own meta kernels (tests compare the two)
+#: ops whose real kernel allocates a buffer that torch's meta kernel gives as empty, its size known to the library
+#: alone (oneDNN's LSTM workspace, kept for backward: 204 KiB for 12 x 4 x 64 on a CPU, where the meta kernel says 0)
+UNSIZED = {torch.ops.aten.mkldnn_rnn_layer.default: "the oneDNN workspace of nn.LSTM layers on a CPU"}
 
 
 def _meta_call(func, args, kwargs):

@@ -21,8 +21,9 @@ For a model class without a memory model of its own (see :mod:`hydratrain.footpr
 
 The peak is the larger of the simulated step's (with the state above) and the optimizer step's. What cannot be
 predicted is said, never guessed: a model that does not build on meta raises :class:`PlanUnavailable`; a forward,
-loss or backward that does not run on storage-less tensors (data-dependent shapes, ``.item()``, custom kernels)
-leaves the activations out of the peak and names them in :attr:`~hydratrain.footprint.Plan.unpredicted`.
+loss or backward the planner cannot simulate on storage-less tensors (data-dependent shapes, ``.item()``, custom
+kernels) leaves the activations out of the peak and names them in :attr:`~hydratrain.footprint.Plan.unpredicted`, as
+a limit of the planner, and so does a kernel's buffer no shape tells (:data:`hydratrain.memsim.UNSIZED`).
 Costs: one meta build and one forward + backward of shadow ops per (micro-batch, precision, checkpointing), cached;
 the first run of some ops' meta kernels imports ``torch._dynamo`` (1-3 s), which the run's first optimizer step
 imports anyway.
@@ -236,13 +237,15 @@ class Trace:
     gradient bytes done, most bytes alive), ...): for each phase (forward, loss, backward) and amount of finished
     parameter gradients (bytes of their full fp32 -- their own dtype's -- copies), the most alive then; ``fwd_peak``,
     ``kept`` (alive once the outputs are dropped, the loss computed: what backward needs) and ``bwd_peak`` for the
-    table; ``error``: why the step did not run on storage-less tensors ("" when it did)."""
+    table; ``error``: why the step did not run on storage-less tensors ("" when it did); ``unsized``: buffers the
+    step's kernels allocate that no shape tells (:data:`hydratrain.memsim.UNSIZED`), left out of the bytes."""
 
     points: tuple = ()
     fwd_peak: int = 0
     kept: int = 0
     bwd_peak: int = 0
     error: str = ""
+    unsized: tuple = ()
 
     def peak(self, grad_factor: float) -> tuple[int, str, int]:
         """(most bytes alive, its phase, gradient bytes done then), the gradients counted ``grad_factor`` times
@@ -319,9 +322,13 @@ def trace(spec: ModelSpec, batch_size: int, mode: Mode, checkpointed: bool, shar
             loss.backward()
             bwd_peak = tracker.peak
     except Exception as err:  # noqa: BLE001 (the plan says what it could not predict; the run goes on)
-        return Trace(error=f"the step does not run on storage-less tensors: {_one_line(err)}")
+        if tracker.phase == "loss":  # the model ran; the loss refused its outputs, which a real step may do too
+            return Trace(error=f"the loss did not take the model's storage-less outputs ({type(err).__name__}; if the "
+                         "real outputs fail too, the first step says why)")
+        return Trace(error="the planner could not simulate the step on storage-less tensors, a limit of the "
+                     f"planner (the run is not affected): {_one_line(err)}")
     points = tuple((phase, done, alive) for (phase, done), alive in tracker.points.items())
-    return Trace(points, fwd_peak, kept, bwd_peak)
+    return Trace(points, fwd_peak, kept, bwd_peak, unsized=tuple(sorted(tracker.unsized)))
 
 
 def _cast_inputs(dtype: torch.dtype):
@@ -419,6 +426,8 @@ def predict(s: Setup) -> Plan:
     else:
         facts.append(f"the step: forward peak {step.fwd_peak / MiB:.1f} MiB, kept for backward {step.kept / MiB:.1f} "
                      f"MiB, backward peak {step.bwd_peak / MiB:.1f} MiB (gradients apart)")
+    unpredicted += [f"{what} (its size is the library's own, not known from shapes: a limit of the planner)"
+                    for what in step.unsized]
     if s.device == "cpu":
         facts.append(CPU_FACT)
     return Plan(s, sum(parts.values()), moment, parts, notes, facts, n_params,

@@ -577,3 +577,81 @@ def test_a_loss_that_communicates_is_evaluated_on_whole_global_batches_only():
             Evaluator(tiny, torch.device("cpu"), gathered).check_loss(model(x[:4]), (x[:4], y[:4]))
     finally:
         dist.destroy_process_group()
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A stream of (x, y) samples, with or without a length."""
+
+    def __iter__(self):
+        return iter([(torch.zeros(2), 0)] * 8)
+
+
+class _SizedStream(_Stream):
+    def __len__(self):
+        return 8
+
+
+def streams(sized: bool = False):
+    return {"train": (_SizedStream if sized else _Stream)(), "val": [(torch.zeros(2), 0)] * 4}
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_an_iterable_dataset_is_one_line_naming_data_target_with_or_without_a_length(sized):
+    """torch's IterableDataset inherits a __getitem__ that raises: with a __len__ it is still a stream, refused at
+    the build with the same line as one without (not a collate_fn error, nor the fingerprint's traceback)."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.data.loader import load_datasets
+    from hydratrain.errors import ConfigError
+
+    target = f"{__name__}.streams"
+    with pytest.raises(ConfigError) as err:
+        load_datasets(OmegaConf.create({"_target_": target, "sized": sized}))
+    name = "_SizedStream" if sized else "_Stream"
+    assert str(err.value) == (
+        f"data._target_='{target}': its train is a {name} (an IterableDataset), not a map-style Dataset (__len__ and "
+        "__getitem__(index)): samples are drawn by index, so that a resume is exact on any world size; return a "
+        "map-style Dataset (a list of samples, a torch.utils.data.TensorDataset, a Dataset subclass), or for token "
+        "streams use data=token_bin or data=text_files")
+
+
+def no_val(key: str = "val"):
+    return {"train": [(torch.zeros(2), 0)] * 8, key: []}
+
+
+@pytest.mark.parametrize("key", ["val", "validation"])
+def test_an_empty_val_split_a_data_function_returns_names_data_target_not_val_fraction(key):
+    """data.val_fraction plays no part when the function returns the splits: the line names data._target_ and what
+    to return."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.data.loader import load_datasets
+    from hydratrain.errors import ConfigError
+
+    target = f"{__name__}.no_val"
+    with pytest.raises(ConfigError) as err:
+        load_datasets(OmegaConf.create({"_target_": target, "key": key, "val_fraction": 0.1}))
+    assert str(err.value) == (
+        f"data._target_='{target}': returned an empty '{key}' split: every eval (each trainer.eval_every_n_steps and "
+        "the last step) runs on it; return at least one val sample, or {'train': Dataset} or one Dataset, which "
+        "data.val_fraction splits")
+
+
+def test_a_metric_collection_is_refused_for_what_it_is_and_told_to_list_its_metrics():
+    """A MetricCollection syncs, but computes several values where each metrics: key is logged as one number."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.components import build_metrics
+    from hydratrain.errors import ConfigError
+
+    acc = {"_target_": "torchmetrics.classification.MulticlassAccuracy", "num_classes": 3}
+    f1 = {"_target_": "torchmetrics.classification.MulticlassF1Score", "num_classes": 3}
+    cfg = OmegaConf.create({"metrics": {"both": {"_target_": "torchmetrics.MetricCollection",
+                                                 "metrics": {"acc": acc, "f1": f1}}}})
+    with pytest.raises(ConfigError) as err:
+        build_metrics(cfg)
+    assert str(err.value) == (
+        "metrics.both._target_='torchmetrics.MetricCollection': built a MetricCollection, which computes several "
+        "values, and each key of metrics: is one torchmetrics.Metric logged as one number (eval/<name>): list its "
+        "metrics one per key under metrics: (metrics.acc._target_=..., metrics.f1._target_=...)")
+    assert list(build_metrics(OmegaConf.create({"metrics": {"acc": acc, "f1": f1}}))) == ["acc", "f1"]

@@ -118,3 +118,29 @@ def test_a_configured_loss_gets_low_precision_predictions_in_float32():
     assert loss == torch.nn.functional.cross_entropy(logits.float(), targets)
     pair = loss_of((logits, logits), (None, targets), lambda out, y: out[0].sum() + out[1].sum())  # in a tuple too
     assert pair.dtype == torch.float32
+
+
+def test_a_loss_that_refuses_the_outputs_leaves_the_flops_counted_and_warns_nothing(caplog):
+    """A model returning (logits, probs) with loss=cross_entropy: the first step names the loss in one line, so the
+    FLOP count does not warn with the same error before it; the model's FLOPs are those of a loss that takes them."""
+    from hydratrain.flops import counted_flops_per_sample
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return logits, logits.softmax(-1)
+
+    def build(cls):
+        with torch.device("meta"):
+            return cls()
+
+    batch = (torch.zeros(4, 8), torch.zeros(4, dtype=torch.long))
+    with caplog.at_level("WARNING", logger="hydratrain.flops"):
+        counted = counted_flops_per_sample(lambda: build(Pair), batch, torch.nn.CrossEntropyLoss())
+    assert not caplog.records, caplog.text
+    assert counted == counted_flops_per_sample(lambda: torch.nn.Linear(8, 3, device="meta"), batch,
+                                               torch.nn.CrossEntropyLoss()) == 4 * 8 * 3

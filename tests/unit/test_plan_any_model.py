@@ -85,6 +85,50 @@ class MetaShy(nn.Module):
         self.scale = float(self.lin.weight.detach().abs().max())
 
 
+class AttentionLM(nn.Module):
+    """Hand-written causal attention (nanoGPT's): heads merged back by ``transpose(1, 2).reshape``, a copy."""
+
+    def __init__(self, vocab: int = 50, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads, self.tok, self.qkv = heads, nn.Embedding(vocab, width), nn.Linear(width, 3 * width)
+        self.proj, self.out = nn.Linear(width, width), nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        x = self.tok(idx)
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(x + self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class TorchLayersLM(nn.Module):
+    """torch's own layers: nn.TransformerEncoder (nn.MultiheadAttention) with a causal mask, then a batch-first
+    nn.GRU (whose kernel transposes its output in place)."""
+
+    def __init__(self, vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        layer = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.rnn = nn.GRU(width, width, batch_first=True)
+        self.out = nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
+        h, _ = self.rnn(self.enc(self.tok(idx), mask=mask, is_causal=True))
+        return self.out(h)
+
+
+class LSTMNet(nn.Module):
+    def __init__(self, vocab: int = 50, width: int = 16):
+        super().__init__()
+        self.tok, self.rnn, self.out = nn.Embedding(vocab, width), nn.LSTM(width, width, batch_first=True), \
+            nn.Linear(width, vocab)
+
+    def forward(self, idx):
+        return self.out(self.rnn(self.tok(idx))[0])
+
+
 def spec_of(cls, batch, loss="torch.nn.CrossEntropyLoss", **kwargs) -> ModelSpec:
     target = f"{cls.__module__}.{cls.__qualname__}"
     return ModelSpec(target, json.dumps({"_target_": target, **kwargs}), json.dumps({"_target_": loss}),
@@ -193,6 +237,48 @@ def test_tensors_a_forward_makes_are_simulated_and_counted_too():
     assert (trace.fwd_peak, trace.kept, trace.bwd_peak) == _real_step(Positions(), batch, NextTokenLoss(), None, True)
 
 
+@pytest.mark.parametrize("cls", [AttentionLM, TorchLayersLM])
+def test_transformers_and_rnns_are_simulated_as_real_cpu_tensors_hold_them(cls):
+    """A reshape that copies (heads merged after a transpose), nn.MultiheadAttention, nn.TransformerEncoder and a
+    batch-first nn.GRU run on storage-less tensors, with the bytes of the real step."""
+    from hydratrain.losses import NextTokenLoss
+
+    batch = (torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12)))
+    trace = stepsim.trace(spec_of(cls, batch, "hydratrain.losses.NextTokenLoss"), 4, Mode(torch.float32, None),
+                          False, False)
+    assert not trace.error and not trace.unsized, trace
+    torch.manual_seed(0)
+    assert (trace.fwd_peak, trace.kept, trace.bwd_peak) == _real_step(cls(), batch, NextTokenLoss(), None, True)
+
+
+def test_a_kernel_buffer_no_shape_tells_is_named_as_a_limit_of_the_planner():
+    """oneDNN's LSTM keeps a workspace whose size torch's meta kernel does not know: the plan says so."""
+    batch = (torch.randint(0, 50, (4, 12)), torch.randint(0, 50, (4, 12)))
+    plan = predict(Setup(spec_of(LSTMNet, batch, "hydratrain.losses.NextTokenLoss"), batch_size=4, seq_len=0))
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch runs nn.LSTM without oneDNN")
+    assert "activations" in plan.parts and plan.unpredicted == [
+        "the oneDNN workspace of nn.LSTM layers on a CPU (its size is the library's own, not known from shapes: a "
+        "limit of the planner)"]
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        logits = self.lin(x)
+        return logits, logits.softmax(-1)
+
+
+def test_a_loss_that_refuses_the_outputs_is_not_called_a_limit_of_the_planner_nor_quoted_before_the_first_step():
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    plan = predict(Setup(spec_of(Pair, batch), batch_size=8, seq_len=0))
+    assert plan.unpredicted == ["activations and the loss (the loss did not take the model's storage-less outputs "
+                                "(TypeError; if the real outputs fail too, the first step says why))"]
+
+
 def test_state_bytes_come_exactly_from_the_meta_build():
     """Parameters (and buffers), gradients and AdamW's moments of the generic plan are the real model's bytes,
     and under FSDP this rank's padded shard of each."""
@@ -219,8 +305,9 @@ def test_what_cannot_be_simulated_is_named_not_guessed():
     batch = (torch.randn(8, 4), torch.randint(0, 4, (8,)))
     plan = predict(Setup(spec_of(Picky, batch), batch_size=8, seq_len=0))
     assert "activations" not in plan.parts and plan.parts["parameters"] == 4 * (16 + 4)
-    assert plan.unpredicted and plan.unpredicted[0].startswith("activations and the loss (the step does not run on "
-                                                               "storage-less tensors")
+    assert plan.unpredicted and plan.unpredicted[0].startswith("activations and the loss (the planner could not "
+                                                               "simulate the step on storage-less tensors, a limit "
+                                                               "of the planner")
     assert "not predicted: activations" in plan.summary() and plan.not_covered()[0] == plan.unpredicted[0]
     with pytest.raises(PlanUnavailable, match=r"MetaShy does not build on the meta device"):
         predict(Setup(spec_of(MetaShy, batch), batch_size=8, seq_len=0))

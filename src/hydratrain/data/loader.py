@@ -88,7 +88,7 @@ def check_data_node(data: DictConfig) -> None:
 def load_datasets(data: DictConfig) -> dict:
     """``{"train": Dataset, "val": Dataset}`` from the dataset node (its target's result, or one dataset split by
     ``data.val_fraction``). Raises :class:`ConfigError` naming ``data._target_`` when the target raises or returns
-    something else."""
+    something else, or an empty val split."""
     from hydratrain.components import importable, instantiate_node, target_of
 
     target = target_of(data, "data")
@@ -106,7 +106,12 @@ def load_datasets(data: DictConfig) -> dict:
         if "test" in made:
             log.info("data %s: its 'test' split is not used (the eval runs on the val split)", target)
         if val:
-            return {"train": _checked(made["train"], target, "train"), "val": _checked(made[val[0]], target, "val")}
+            splits = {"train": _checked(made["train"], target, "train"), "val": _checked(made[val[0]], target, "val")}
+            if len(splits["val"]) == 0:
+                raise ConfigError("data._target_", target, f"returned an empty '{val[0]}' split: every eval (each "
+                                  "trainer.eval_every_n_steps and the last step) runs on it; return at least one val "
+                                  "sample, or {'train': Dataset} or one Dataset, which data.val_fraction splits")
+            return splits
         made = made["train"]
     if isinstance(made, (tuple, list)) and made and all(_is_dataset(d) for d in made):
         raise ConfigError("data._target_", target, f"returned a {type(made).__name__} of {len(made)} datasets; "
@@ -124,9 +129,19 @@ def _is_dataset(value: Any) -> bool:
 
 
 def _checked(dataset: Any, target: str, what: str) -> Any:
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise ConfigError("data._target_", target, f"its {what} is a {type(dataset).__name__}, not a map-style "
-                          "Dataset (__len__ and __getitem__)")
+    """``dataset`` when it is map-style (``__len__`` and ``__getitem__``, not a ``torch.utils.data.IterableDataset``,
+    which inherits a ``__getitem__`` that raises). Raises :class:`ConfigError` naming ``data._target_`` and what to
+    return instead."""
+    from torch.utils.data import IterableDataset
+
+    iterable = isinstance(dataset, IterableDataset)
+    if iterable or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        kind = " (an IterableDataset)" if iterable else ""
+        raise ConfigError("data._target_", target, f"its {what} is a {type(dataset).__name__}{kind}, not a map-style "
+                          "Dataset (__len__ and __getitem__(index)): samples are drawn by index, so that a resume is "
+                          "exact on any world size; return a map-style Dataset (a list of samples, a "
+                          "torch.utils.data.TensorDataset, a Dataset subclass), or for token streams use "
+                          "data=token_bin or data=text_files")
     return dataset
 
 
