@@ -210,6 +210,19 @@ def test_a_parameter_that_the_forward_creates_is_refused_at_the_first_step(cli, 
         "never train: create them in __init__ (give the input size as a keyword)"], r.output[-2000:]
 
 
+def test_a_tuple_output_that_the_loss_refuses_is_one_line_with_the_fix(cli, own):
+    (own / "mypkg" / "pair.py").write_text(
+        "from mypkg.nets import ResMLP\n\n\nclass Pair(ResMLP):\n    def forward(self, x):\n"
+        "        logits = super().forward(x)\n        return logits, logits.softmax(-1)\n")
+    r = cli([*QUICK, "strategy=single", "model._target_=mypkg.pair.Pair"], own / "pair", fast=False)
+    assert r.returncode == 2, r.output[-2000:]
+    (line,) = r.err.strip().splitlines()
+    assert line.startswith("hydratrain: config error: loss._target_='torch.nn.CrossEntropyLoss': refused the model's "
+                           "outputs ((64, 3) float32, (64, 3) float32) against targets (64,) int64: TypeError: ")
+    assert line.endswith("; the model returns a tuple: return a dict with its 'logits' (the loss and the metrics get "
+                         "them) or give a loss that takes the tuple"), line
+
+
 def test_a_model_option_that_names_no_class_is_refused(cli, own):
     """A model file holding only ``name: mlp`` used to train the built-in GPT under that name."""
     (own / "my_conf" / "model" / "mlp.yaml").write_text("name: mlp\n")

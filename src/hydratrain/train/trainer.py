@@ -217,9 +217,13 @@ class Trainer:
                 inputs = batch if isinstance(batch, dict) else batch[0]
                 raise ConfigError("model._target_", model_target, f"its forward refused the first batch (inputs "
                                   f"{batches_.shapes(inputs)}): {type(err).__name__}: {why}") from err
+            predicted = batches_.prediction(self._outputs)
+            hint = ("; the model returns a tuple: return a dict with its 'logits' (the loss and the metrics get them) "
+                    "or give a loss that takes the tuple") if isinstance(predicted, (tuple, list)) else ""
             raise ConfigError("loss._target_", loss_target, f"refused the model's outputs "
-                              f"{batches_.shapes(batches_.prediction(self._outputs))} against targets "
-                              f"{batches_.shapes(batches_.targets_of(batch))}: {type(err).__name__}: {why}") from err
+                              f"{batches_.shapes(predicted)} against targets "
+                              f"{batches_.shapes(batches_.targets_of(batch))}: {type(err).__name__}: {why}{hint}") \
+                from err
         finally:
             self._outputs = None
         self._contract_checked = True
