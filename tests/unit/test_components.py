@@ -248,6 +248,20 @@ def test_blocks_are_never_containers_and_lists_of_lists_give_the_blocks_inside()
         find_blocks(model, ["ModuleList"])
 
 
+def test_parametrizations_and_lists_of_parameterless_modules_are_not_blocks():
+    """weight_norm's ParametrizationList was taken as the largest nn.ModuleList: "blocks: 2 _WeightNorm", modules that
+    own no parameters, became FSDP units that shard nothing and checkpointed the g * v / |v| computation."""
+    from torch import nn
+    from torch.nn.utils import parametrizations
+
+    from hydratrain.parallel.blocks import find_blocks
+
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(4, 8)), nn.ReLU(),
+                          parametrizations.spectral_norm(nn.Linear(8, 8)))
+    model.acts = nn.ModuleList(nn.ReLU() for _ in range(3))
+    assert find_blocks(model).describe() == "no blocks"
+
+
 def test_an_output_fsdp_cannot_walk_is_one_line_at_the_first_step(cli, own):
     """A forward returning a plain object with .logits (a SimpleNamespace) left FSDP's backward on freed parameters:
     an opaque storage error. Under FSDP it is refused in one line; single and DDP train with it."""

@@ -5,9 +5,9 @@
   (``LlamaDecoderLayer``), matched against the classes of the model's modules;
 - else a Hugging Face model's ``_no_split_modules`` (the class names ``transformers`` itself keeps whole when it
   splits a model across devices; accelerate's FSDP auto-wrap reads the same list);
-- else the class of the children of the model's largest ``nn.ModuleList`` (by parameter count) whose children are all
-  of one class: the decoder layers of a transformer, the stages of a CNN; lists of lists (stages of blocks) give the
-  blocks inside them.
+- else the class of the children of the model's largest ``nn.ModuleList`` (by the parameters of its children) whose
+  children are all of one class and own parameters: the decoder layers of a transformer, the stages of a CNN; lists
+  of lists (stages of blocks) give the blocks inside them. A parametrization's list (``weight_norm``) is not one.
 
 Containers without a forward of their own (``nn.ModuleList``, ``nn.ModuleDict``) are never blocks: nothing calls them,
 so FSDP cannot shard them as a unit and activation checkpointing or compile would wrap nothing.
@@ -77,16 +77,20 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never a 
 
 
 def largest_module_list(model: nn.Module) -> Optional[nn.ModuleList]:
-    """The ``nn.ModuleList`` of ``model`` holding the most parameters among those whose children are all of one
-    class that is not a container (:data:`CONTAINERS`), or None when it has none."""
-    best, most = None, -1
+    """The ``nn.ModuleList`` of ``model`` holding the most parameters in its children, among those whose children
+    are all of one class that is not a container (:data:`CONTAINERS`), or None when it has none. A
+    ``ParametrizationList`` (``weight_norm``, ``spectral_norm``: it holds the original weight, its children compute
+    from it and own nothing) and a list whose children own no parameters are not lists of blocks."""
+    from torch.nn.utils.parametrize import ParametrizationList
+
+    best, most = None, 0
     for m in model.modules():
-        if not isinstance(m, nn.ModuleList) or not len(m):
+        if not isinstance(m, nn.ModuleList) or isinstance(m, ParametrizationList) or not len(m):
             continue
         kinds = {type(_inner(c)) for c in m}
         if len(kinds) != 1 or issubclass(next(iter(kinds)), CONTAINERS):
             continue
-        n = sum(p.numel() for p in m.parameters())
+        n = sum(p.numel() for c in m for p in c.parameters())
         if n > most:
             best, most = m, n
     return best
