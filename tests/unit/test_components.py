@@ -248,6 +248,20 @@ def test_blocks_are_never_containers_and_lists_of_lists_give_the_blocks_inside()
         find_blocks(model, ["ModuleList"])
 
 
+def test_block_classes_are_matched_by_the_class_a_dotted_path_imports():
+    """torch.nn.Embedding was refused as matching no module: its __module__ is torch.nn.modules.sparse."""
+    from torch import nn
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.parallel.blocks import find_blocks
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    for names in (["torch.nn.Embedding", "torch.nn.Linear"], ["torch.nn.modules.sparse.Embedding", "Linear"]):
+        assert find_blocks(model, names).describe() == "1 Embedding + 2 Linear"
+    with pytest.raises(ConfigError, match="'torch.nn.Conv2d' matches no module of the model"):
+        find_blocks(model, ["torch.nn.Conv2d"])
+
+
 def test_parametrizations_and_lists_of_parameterless_modules_are_not_blocks():
     """weight_norm's ParametrizationList was taken as the largest nn.ModuleList: "blocks: 2 _WeightNorm", modules that
     own no parameters, became FSDP units that shard nothing and checkpointed the g * v / |v| computation."""

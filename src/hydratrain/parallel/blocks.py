@@ -1,8 +1,8 @@
 """A model's blocks: the repeated submodules that FSDP shards as units, activation checkpointing recomputes and
 ``trainer.compile`` compiles one by one. Found for any model, without knowing its classes:
 
-- ``wrap_policy.block_classes``: dotted class names (``mypkg.nets.Block``) or bare class names
-  (``LlamaDecoderLayer``), matched against the classes of the model's modules;
+- ``wrap_policy.block_classes``: dotted paths (``mypkg.nets.Block``, ``torch.nn.Embedding``: imported, matched by
+  class identity) or bare class names (``LlamaDecoderLayer``), matched against the classes of the model's modules;
 - else a Hugging Face model's ``_no_split_modules`` (the class names ``transformers`` itself keeps whole when it
   splits a model across devices; accelerate's FSDP auto-wrap reads the same list);
 - else the class of the children of the model's largest ``nn.ModuleList`` (by the parameters of its children) whose
@@ -14,6 +14,7 @@ so FSDP cannot shard them as a unit and activation checkpointing or compile woul
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -96,7 +97,25 @@ def largest_module_list(model: nn.Module) -> Optional[nn.ModuleList]:
     return best
 
 
+@functools.lru_cache(maxsize=None)
+def _resolved(name: str) -> Optional[type]:
+    """The class a dotted ``name`` imports as (``torch.nn.Embedding``, whose ``__module__`` is
+    ``torch.nn.modules.sparse``), or None (a bare name, or one that does not import to a class)."""
+    if "." not in name:
+        return None
+    from hydra.utils import get_object
+
+    try:
+        obj = get_object(name)
+    except Exception:  # noqa: BLE001 (not importable: matched by its spelling)
+        return None
+    return obj if isinstance(obj, type) else None
+
+
 def _class_matches(cls: type, name: str) -> bool:
+    resolved = _resolved(name)
+    if resolved is not None:
+        return cls is resolved
     return name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
 
 
