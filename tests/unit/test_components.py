@@ -496,3 +496,23 @@ def test_a_list_state_metric_that_refuses_zero_rows_is_named_at_step_one_when_a_
     Evaluator(one_sample, torch.device("cpu"), None, {"auroc": MulticlassAUROC(3)}).check_metrics(outputs, batch)
     every_rank = SimpleNamespace(n_samples=10, batch_size=4, world_size=2, global_batches=2)  # 2 left: 1 each
     Evaluator(every_rank, torch.device("cpu"), None, {"ns": Normalised()}).check_metrics(outputs, batch)
+
+
+def test_multihead_attention_is_initialised_after_a_meta_build_as_its_constructor_does():
+    """nn.MultiheadAttention has _reset_parameters(), not reset_parameters(): a meta build of an nn.TransformerEncoder
+    was refused as uninitialisable."""
+    from torch import nn
+
+    from hydratrain.parallel import init as param_init
+
+    with torch.device("meta"):
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    assert param_init.uninitialisable(model) == []
+    model.to_empty(device="cpu")
+    note = param_init.initialise(model, 0, torch.device("cpu"), built_on_meta=True)
+    assert note == "initialised by the reset_parameters() of 12 modules"
+    attn = model.layers[0].self_attn
+    assert torch.equal(attn.in_proj_bias, torch.zeros(48)) and torch.equal(attn.out_proj.bias, torch.zeros(16))
+    assert 0.1 < attn.in_proj_weight.std() < 0.3  # xavier-uniform over (48, 16)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
