@@ -516,3 +516,26 @@ def test_multihead_attention_is_initialised_after_a_meta_build_as_its_constructo
     assert torch.equal(attn.in_proj_bias, torch.zeros(48)) and torch.equal(attn.out_proj.bias, torch.zeros(16))
     assert 0.1 < attn.in_proj_weight.std() < 0.3  # xavier-uniform over (48, 16)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_layer_used_at_every_depth_is_checkpointed_at_each_use_and_sharded_once(cli, own):
+    """ALBERT-style sharing (nn.ModuleList([layer] * depth)): activation checkpointing wrapped the first use only,
+    the other uses ran unchecked, and under FSDP the root sharded the layer's parameters a second time (a traceback
+    inside fully_shard)."""
+    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+
+    (own / "mypkg" / "shared.py").write_text(
+        "from torch import nn\nfrom mypkg.nets import ResMLP\n\n"
+        "class Shared(ResMLP):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
+        "        self.blocks = nn.ModuleList([self.blocks[0]] * len(self.blocks))\n")
+    sys.path.insert(0, str(own))  # (the fixture restores sys.path)
+    from mypkg.shared import Shared
+
+    model = Shared(width=8, depth=3)
+    assert apply_activation_checkpointing(model) == 1
+    assert len({id(b) for b in model.blocks}) == 1
+    assert all(hasattr(b, "_checkpoint_wrapped_module") for b in model.blocks)
+    args = [*QUICK, "model._target_=mypkg.shared.Shared", "trainer.max_steps=2", "activation_checkpointing=true"]
+    r = cli([*args, "strategy=fsdp"], own / "fsdp", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "activation checkpointing on 1 ResidualBlock; fsdp: sharded 2 modules (1 ResidualBlock" in r.output
