@@ -539,3 +539,29 @@ def test_a_layer_used_at_every_depth_is_checkpointed_at_each_use_and_sharded_onc
     r = cli([*args, "strategy=fsdp"], own / "fsdp", fast=False)
     assert r.returncode == 0, r.output[-3000:]
     assert "activation checkpointing on 1 ResidualBlock; fsdp: sharded 2 modules (1 ResidualBlock" in r.output
+
+
+def test_parameters_of_mixed_dtypes_in_one_fsdp_unit_are_one_line_naming_them_and_their_own_unit_trains(cli, own):
+    """A float64 (or complex) parameter beside float32 ones failed at step 1 inside FSDP ("uniform original parameter
+    dtype"), blamed on the model's forward."""
+    (own / "mypkg" / "dtypes.py").write_text(
+        "import torch\nfrom torch import nn\nfrom mypkg.nets import ResMLP\n\n"
+        "class Scale(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.w = nn.Parameter(torch.ones(3, dtype=torch.float64))\n\n"
+        "    def forward(self, x):\n        return (x * self.w).float()\n\n"
+        "class Mixed(ResMLP):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
+        "        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float64))\n\n"
+        "    def forward(self, x):\n        return (super().forward(x) * self.scale).float()\n\n"
+        "class OwnUnit(ResMLP):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
+        "        self.scale = Scale()\n\n"
+        "    def forward(self, x):\n        return self.scale(super().forward(x))\n")
+    args = [*QUICK, "trainer.max_steps=2", "strategy=fsdp"]
+    r = cli([*args, "model._target_=mypkg.dtypes.Mixed"], own / "mixed", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: strategy='fsdp': FSDP shards each unit's parameters as one buffer of one dtype, "
+        "but scale (float64) in the root unit, whose other parameters are float32: use strategy=ddp, or give them a "
+        "module of their own and add its class to wrap_policy.block_classes"], r.output[-3000:]
+    r = cli([*args, "model._target_=mypkg.dtypes.OwnUnit", "wrap_policy.block_classes=[mypkg.dtypes.Scale]"],
+            own / "own_unit", fast=False)
+    assert r.returncode == 0 and "fsdp: sharded 2 modules (1 Scale by wrap_policy=auto + root)" in r.output, \
+        r.output[-3000:]
