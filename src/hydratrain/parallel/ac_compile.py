@@ -99,9 +99,10 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Optional[Blocks] = 
     Uses ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (its prefix is stripped from state-dict keys
     by ``torch.distributed.checkpoint.state_dict``, so checkpoints do not depend on it). ``blocks`` then holds the
     wrappers: one per distinct block, put in every place the block is used (a layer shared across depths, as in
-    ALBERT, is checkpointed at each use and is one FSDP unit). A block holding BatchNorm layers that track running statistics recomputes its forward in train mode
-    in backward, which would update those statistics a second time per step: its recomputation keeps them as the
-    forward left them (:func:`_statistics_kept`), so checkpointing changes nothing a step computes.
+    ALBERT, is checkpointed at each use and is one FSDP unit). A block holding BatchNorm layers that track running
+    statistics recomputes its forward in train mode in backward, which would update those statistics a second time
+    per step: its recomputation keeps them as the forward left them (:func:`_statistics_kept`), so checkpointing
+    changes nothing a step computes.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
