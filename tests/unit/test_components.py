@@ -565,3 +565,25 @@ def test_parameters_of_mixed_dtypes_in_one_fsdp_unit_are_one_line_naming_them_an
             own / "own_unit", fast=False)
     assert r.returncode == 0 and "fsdp: sharded 2 modules (1 Scale by wrap_policy=auto + root)" in r.output, \
         r.output[-3000:]
+
+
+def test_a_null_vocab_size_takes_token_datas_vocabulary_and_is_refused_naming_datasets_that_have_none(own):
+    """vocab_size: null was refused as "must be int" for a model annotating vocab_size: int, before the data's
+    vocabulary was put in; with a data function's datasets (no vocabulary) it said the same."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.components import check_components
+    from hydratrain.errors import ConfigError
+
+    (own / "mypkg" / "lm.py").write_text(
+        "from torch import nn\n\nclass LM(nn.Sequential):\n    def __init__(self, vocab_size: int, width: int = 8):\n"
+        "        super().__init__(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))\n")
+    cfg = OmegaConf.create({"model": {"_target_": "mypkg.lm.LM", "vocab_size": None},
+                            "data": {"name": "synthetic", "seq_len": 8}, "loss": {"_target_": "torch.nn.MSELoss"}})
+    check_components(cfg)
+    cfg.data = {"_target_": "mypkg.data.spirals"}
+    with pytest.raises(ConfigError) as err:
+        check_components(cfg)
+    assert str(err.value) == (
+        "model.vocab_size=None: null takes the data's vocabulary, but data._target_=mypkg.data.spirals builds "
+        "datasets, which have none (only token data does): set model.vocab_size to the number of ids your data holds")
