@@ -334,6 +334,30 @@ def check_parameters(model: Any, target: str) -> None:
                           "sparse=False")
 
 
+def _vocabulary_for_checks(cfg: DictConfig, cls: Any) -> Optional[int]:
+    """What a ``vocab_size: null`` keyword becomes for the checks before the run: the data's vocabulary where it is
+    known without a tokenizer (256 for bytes and synthetic tokens), else a stand-in of its type (the run takes the
+    tokenizer's); None when the keyword is not null. Raises :class:`ConfigError` naming ``model.vocab_size`` when
+    the data builds datasets (no vocabulary to take) and ``cls`` does not take None."""
+    if model_kwargs(cfg).get("vocab_size", 0) is not None:
+        return None
+    from hydratrain.data.loader import is_dataset_node
+
+    data = cfg.get("data")
+    if not is_dataset_node(data):
+        from hydratrain.data.tokenized import vocab_size_for
+
+        try:
+            return vocab_size_for(data, None, None)
+        except ConfigError:  # token_bin without a tokenizer: the run says so where it looks for the vocabulary
+            return 256
+    if "vocab_size" in _hints(cls) and _accepts(_hints(cls)["vocab_size"], None) is not None:
+        raise ConfigError("model.vocab_size", None, f"null takes the data's vocabulary, but data._target_="
+                          f"{data.get('_target_')} builds datasets, which have none (only token data does): set "
+                          "model.vocab_size to the number of ids your data holds")
+    return None
+
+
 def check_components(cfg: DictConfig) -> None:
     """Every check of the components that needs no process group (see the module docstring): the model's target,
     keywords, types, hydratrain's model keys and the model's own checks (a build on the meta device, whose
@@ -345,9 +369,10 @@ def check_components(cfg: DictConfig) -> None:
         raise ConfigError("model.init_device", settings["init_device"], f"allowed: {', '.join(INIT_DEVICES)}")
     target = target_of(cfg.get("model"), "model")
     cls = locate(target, "model")
-    check_call(cls, model_kwargs(cfg), "model", target)
+    vocab = _vocabulary_for_checks(cfg, cls)
+    check_call(cls, model_kwargs(cfg, vocab), "model", target)
     try:
-        model = build_model(cfg, "meta")
+        model = build_model(cfg, "meta", vocab)
     except ConfigError as err:
         if err.key != "model._target_":  # the model's own check, naming its key
             raise

@@ -281,6 +281,34 @@ def test_blocks_are_never_containers_and_lists_of_lists_give_the_blocks_inside()
         find_blocks(model, ["ModuleList"])
 
 
+def test_block_classes_are_matched_by_the_class_a_dotted_path_imports():
+    """torch.nn.Embedding was refused as matching no module: its __module__ is torch.nn.modules.sparse."""
+    from torch import nn
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.parallel.blocks import find_blocks
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    for names in (["torch.nn.Embedding", "torch.nn.Linear"], ["torch.nn.modules.sparse.Embedding", "Linear"]):
+        assert find_blocks(model, names).describe() == "1 Embedding + 2 Linear"
+    with pytest.raises(ConfigError, match="'torch.nn.Conv2d' matches no module of the model"):
+        find_blocks(model, ["torch.nn.Conv2d"])
+
+
+def test_parametrizations_and_lists_of_parameterless_modules_are_not_blocks():
+    """weight_norm's ParametrizationList was taken as the largest nn.ModuleList: "blocks: 2 _WeightNorm", modules that
+    own no parameters, became FSDP units that shard nothing and checkpointed the g * v / |v| computation."""
+    from torch import nn
+    from torch.nn.utils import parametrizations
+
+    from hydratrain.parallel.blocks import find_blocks
+
+    model = nn.Sequential(parametrizations.weight_norm(nn.Linear(4, 8)), nn.ReLU(),
+                          parametrizations.spectral_norm(nn.Linear(8, 8)))
+    model.acts = nn.ModuleList(nn.ReLU() for _ in range(3))
+    assert find_blocks(model).describe() == "no blocks"
+
+
 def test_an_output_fsdp_cannot_walk_is_one_line_at_the_first_step(cli, own):
     """A forward returning a plain object with .logits (a SimpleNamespace) left FSDP's backward on freed parameters:
     an opaque storage error. Under FSDP it is refused in one line; single and DDP train with it."""
@@ -668,3 +696,94 @@ def test_a_metric_collection_is_refused_for_what_it_is_and_told_to_list_its_metr
         "values, and each key of metrics: is one torchmetrics.Metric logged as one number (eval/<name>): list its "
         "metrics one per key under metrics: (metrics.acc._target_=..., metrics.f1._target_=...)")
     assert list(build_metrics(OmegaConf.create({"metrics": {"acc": acc, "f1": f1}}))) == ["acc", "f1"]
+
+
+def test_multihead_attention_is_initialised_after_a_meta_build_as_its_constructor_does():
+    """nn.MultiheadAttention has _reset_parameters(), not reset_parameters(): a meta build of an nn.TransformerEncoder
+    was refused as uninitialisable."""
+    from torch import nn
+
+    from hydratrain.parallel import init as param_init
+
+    with torch.device("meta"):
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+        model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    assert param_init.uninitialisable(model) == []
+    model.to_empty(device="cpu")
+    note = param_init.initialise(model, 0, torch.device("cpu"), built_on_meta=True)
+    assert note == "initialised by the reset_parameters() of 12 modules"
+    attn = model.layers[0].self_attn
+    assert torch.equal(attn.in_proj_bias, torch.zeros(48)) and torch.equal(attn.out_proj.bias, torch.zeros(16))
+    assert 0.1 < attn.in_proj_weight.std() < 0.3  # xavier-uniform over (48, 16)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_layer_used_at_every_depth_is_checkpointed_at_each_use_and_sharded_once(cli, own):
+    """ALBERT-style sharing (nn.ModuleList([layer] * depth)): activation checkpointing wrapped the first use only,
+    the other uses ran unchecked, and under FSDP the root sharded the layer's parameters a second time (a traceback
+    inside fully_shard)."""
+    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+
+    (own / "mypkg" / "shared.py").write_text(
+        "from torch import nn\nfrom mypkg.nets import ResMLP\n\n"
+        "class Shared(ResMLP):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
+        "        self.blocks = nn.ModuleList([self.blocks[0]] * len(self.blocks))\n")
+    sys.path.insert(0, str(own))  # (the fixture restores sys.path)
+    from mypkg.shared import Shared
+
+    model = Shared(width=8, depth=3)
+    assert apply_activation_checkpointing(model) == 1
+    assert len({id(b) for b in model.blocks}) == 1
+    assert all(hasattr(b, "_checkpoint_wrapped_module") for b in model.blocks)
+    args = [*QUICK, "model._target_=mypkg.shared.Shared", "trainer.max_steps=2", "activation_checkpointing=true"]
+    r = cli([*args, "strategy=fsdp"], own / "fsdp", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "activation checkpointing on 1 ResidualBlock; fsdp: sharded 2 modules (1 ResidualBlock" in r.output
+
+
+def test_parameters_of_mixed_dtypes_in_one_fsdp_unit_are_one_line_naming_them_and_their_own_unit_trains(cli, own):
+    """A float64 (or complex) parameter beside float32 ones failed at step 1 inside FSDP ("uniform original parameter
+    dtype"), blamed on the model's forward."""
+    (own / "mypkg" / "dtypes.py").write_text(
+        "import torch\nfrom torch import nn\nfrom mypkg.nets import ResMLP\n\n"
+        "class Scale(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.w = nn.Parameter(torch.ones(3, dtype=torch.float64))\n\n"
+        "    def forward(self, x):\n        return (x * self.w).float()\n\n"
+        "class Mixed(ResMLP):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
+        "        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float64))\n\n"
+        "    def forward(self, x):\n        return (super().forward(x) * self.scale).float()\n\n"
+        "class OwnUnit(ResMLP):\n    def __init__(self, **kw):\n        super().__init__(**kw)\n"
+        "        self.scale = Scale()\n\n"
+        "    def forward(self, x):\n        return self.scale(super().forward(x))\n")
+    args = [*QUICK, "trainer.max_steps=2", "strategy=fsdp"]
+    r = cli([*args, "model._target_=mypkg.dtypes.Mixed"], own / "mixed", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: strategy='fsdp': FSDP shards each unit's parameters as one buffer of one dtype, "
+        "but scale (float64) in the root unit, whose other parameters are float32: use strategy=ddp, or give them a "
+        "module of their own and add its class to wrap_policy.block_classes"], r.output[-3000:]
+    r = cli([*args, "model._target_=mypkg.dtypes.OwnUnit", "wrap_policy.block_classes=[mypkg.dtypes.Scale]"],
+            own / "own_unit", fast=False)
+    assert r.returncode == 0 and "fsdp: sharded 2 modules (1 Scale by wrap_policy=auto + root)" in r.output, \
+        r.output[-3000:]
+
+
+def test_a_null_vocab_size_takes_token_datas_vocabulary_and_is_refused_naming_datasets_that_have_none(own):
+    """vocab_size: null was refused as "must be int" for a model annotating vocab_size: int, before the data's
+    vocabulary was put in; with a data function's datasets (no vocabulary) it said the same."""
+    from omegaconf import OmegaConf
+
+    from hydratrain.components import check_components
+    from hydratrain.errors import ConfigError
+
+    (own / "mypkg" / "lm.py").write_text(
+        "from torch import nn\n\nclass LM(nn.Sequential):\n    def __init__(self, vocab_size: int, width: int = 8):\n"
+        "        super().__init__(nn.Embedding(vocab_size, width), nn.Linear(width, vocab_size))\n")
+    cfg = OmegaConf.create({"model": {"_target_": "mypkg.lm.LM", "vocab_size": None},
+                            "data": {"name": "synthetic", "seq_len": 8}, "loss": {"_target_": "torch.nn.MSELoss"}})
+    check_components(cfg)
+    cfg.data = {"_target_": "mypkg.data.spirals"}
+    with pytest.raises(ConfigError) as err:
+        check_components(cfg)
+    assert str(err.value) == (
+        "model.vocab_size=None: null takes the data's vocabulary, but data._target_=mypkg.data.spirals builds "
+        "datasets, which have none (only token data does): set model.vocab_size to the number of ids your data holds")

@@ -98,15 +98,13 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Optional[Blocks] = 
 
     Uses ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper`` (its prefix is stripped from state-dict keys
     by ``torch.distributed.checkpoint.state_dict``, so checkpoints do not depend on it). ``blocks`` then holds the
-    wrappers. A block holding BatchNorm layers that track running statistics recomputes its forward in train mode
-    in backward, which would update those statistics a second time per step: its recomputation keeps them as the
-    forward left them (:func:`_statistics_kept`), so checkpointing changes nothing a step computes.
+    wrappers: one per distinct block, put in every place the block is used (a layer shared across depths, as in
+    ALBERT, is checkpointed at each use and is one FSDP unit). A block holding BatchNorm layers that track running
+    statistics recomputes its forward in train mode in backward, which would update those statistics a second time
+    per step: its recomputation keeps them as the forward left them (:func:`_statistics_kept`), so checkpointing
+    changes nothing a step computes.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     blocks = blocks if blocks is not None else find_blocks(model)
 
@@ -119,9 +117,12 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Optional[Blocks] = 
         return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                   context_fn=lambda: (contextlib.nullcontext(), _statistics_kept(norms)))
 
-    chosen = {id(m) for m in blocks.modules}
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in chosen)
-    blocks.modules = [w for w in model.modules() if id(getattr(w, "_checkpoint_wrapped_module", None)) in chosen]
+    wrappers = {id(m): wrapper(m) for m in blocks.modules}  # one per distinct block, however often it is used
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):  # every use (named_children yields a module once)
+            if id(child) in wrappers and parent is not wrappers[id(child)]:
+                setattr(parent, name, wrappers[id(child)])
+    blocks.modules = list(wrappers.values())
     return len(blocks.modules)
 
 

@@ -1,19 +1,20 @@
 """A model's blocks: the repeated submodules that FSDP shards as units, activation checkpointing recomputes and
 ``trainer.compile`` compiles one by one. Found for any model, without knowing its classes:
 
-- ``wrap_policy.block_classes``: dotted class names (``mypkg.nets.Block``) or bare class names
-  (``LlamaDecoderLayer``), matched against the classes of the model's modules;
+- ``wrap_policy.block_classes``: dotted paths (``mypkg.nets.Block``, ``torch.nn.Embedding``: imported, matched by
+  class identity) or bare class names (``LlamaDecoderLayer``), matched against the classes of the model's modules;
 - else a Hugging Face model's ``_no_split_modules`` (the class names ``transformers`` itself keeps whole when it
   splits a model across devices; accelerate's FSDP auto-wrap reads the same list);
-- else the class of the children of the model's largest ``nn.ModuleList`` (by parameter count) whose children are all
-  of one class: the decoder layers of a transformer, the stages of a CNN; lists of lists (stages of blocks) give the
-  blocks inside them.
+- else the class of the children of the model's largest ``nn.ModuleList`` (by the parameters of its children) whose
+  children are all of one class and own parameters: the decoder layers of a transformer, the stages of a CNN; lists
+  of lists (stages of blocks) give the blocks inside them. A parametrization's list (``weight_norm``) is not one.
 
 Containers without a forward of their own (``nn.ModuleList``, ``nn.ModuleDict``) are never blocks: nothing calls them,
 so FSDP cannot shard them as a unit and activation checkpointing or compile would wrap nothing.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -77,22 +78,44 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never a 
 
 
 def largest_module_list(model: nn.Module) -> Optional[nn.ModuleList]:
-    """The ``nn.ModuleList`` of ``model`` holding the most parameters among those whose children are all of one
-    class that is not a container (:data:`CONTAINERS`), or None when it has none."""
-    best, most = None, -1
+    """The ``nn.ModuleList`` of ``model`` holding the most parameters in its children, among those whose children
+    are all of one class that is not a container (:data:`CONTAINERS`), or None when it has none. A
+    ``ParametrizationList`` (``weight_norm``, ``spectral_norm``: it holds the original weight, its children compute
+    from it and own nothing) and a list whose children own no parameters are not lists of blocks."""
+    from torch.nn.utils.parametrize import ParametrizationList
+
+    best, most = None, 0
     for m in model.modules():
-        if not isinstance(m, nn.ModuleList) or not len(m):
+        if not isinstance(m, nn.ModuleList) or isinstance(m, ParametrizationList) or not len(m):
             continue
         kinds = {type(_inner(c)) for c in m}
         if len(kinds) != 1 or issubclass(next(iter(kinds)), CONTAINERS):
             continue
-        n = sum(p.numel() for p in m.parameters())
+        n = sum(p.numel() for c in m for p in c.parameters())
         if n > most:
             best, most = m, n
     return best
 
 
+@functools.lru_cache(maxsize=None)
+def _resolved(name: str) -> Optional[type]:
+    """The class a dotted ``name`` imports as (``torch.nn.Embedding``, whose ``__module__`` is
+    ``torch.nn.modules.sparse``), or None (a bare name, or one that does not import to a class)."""
+    if "." not in name:
+        return None
+    from hydra.utils import get_object
+
+    try:
+        obj = get_object(name)
+    except Exception:  # noqa: BLE001 (not importable: matched by its spelling)
+        return None
+    return obj if isinstance(obj, type) else None
+
+
 def _class_matches(cls: type, name: str) -> bool:
+    resolved = _resolved(name)
+    if resolved is not None:
+        return cls is resolved
     return name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
 
 

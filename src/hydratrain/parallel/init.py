@@ -11,9 +11,11 @@ composer; hydratrain's own GPT uses the first):
 2. ``model.init_weights()``: the whole model at once, from the global RNG seeded with ``trainer.seed``. Under FSDP
    every sharded parameter is lent a full-size tensor for the call (the model is materialised whole on each rank
    once, then each rank keeps its slices): exact at any world size.
-3. ``reset_parameters()`` of every module that owns parameters or buffers (``torch.nn`` layers have it; BatchNorm's
-   also resets its running statistics), each from the global RNG seeded by (``trainer.seed``, the module's name),
-   lent full-size tensors under FSDP, one module at a time. A module that owns parameters or buffers and has no
+3. ``reset_parameters()`` of every module that owns parameters or buffers (``torch.nn`` layers have it,
+   ``nn.MultiheadAttention`` as ``_reset_parameters()``; BatchNorm's also resets its running statistics), children
+   before parents (as constructors run: ``nn.MultiheadAttention``'s zeroes its ``out_proj.bias``), each from the
+   global RNG seeded by (``trainer.seed``, the module's name), lent full-size tensors under FSDP, one module at a
+   time. A module that owns parameters or buffers and has no
    ``reset_parameters()`` cannot be initialised after a meta build: :func:`uninitialisable` names them.
 
 Protocols 1 and 2 run after an eager build too (so it matches a meta build); protocol 3 does not: an eager build
@@ -91,6 +93,15 @@ def returned_class(factory: Callable) -> Optional[type]:
     return returned if isinstance(returned, type) else None
 
 
+def _reset_of(module: nn.Module) -> Optional[Callable[[], None]]:
+    """The module's ``reset_parameters()``, or ``nn.MultiheadAttention``'s ``_reset_parameters()`` (the one
+    ``torch.nn`` layer that names it so), or None."""
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset) and isinstance(module, nn.MultiheadAttention):
+        reset = module._reset_parameters
+    return reset if callable(reset) else None
+
+
 def _owns_state(module: nn.Module) -> bool:
     return any(p is not None for p in module._parameters.values()) or \
         any(b is not None for b in module._buffers.values())
@@ -102,7 +113,7 @@ def uninitialisable(model: nn.Module) -> list[str]:
     if protocol(model) != PER_MODULE:
         return []
     return [f"{canonical_name(name) or '<root>'} ({type(m).__name__})" for name, m in model.named_modules()
-            if _owns_state(m) and not callable(getattr(m, "reset_parameters", None))
+            if _owns_state(m) and _reset_of(m) is None
             and not hasattr(m, "_checkpoint_wrapped_module")]
 
 
@@ -237,9 +248,9 @@ def _initialise(model: nn.Module, seed: int, device: torch.device, built_on_meta
     if not built_on_meta:
         return None
     done = 0
-    for name, module in model.named_modules():
-        reset = getattr(module, "reset_parameters", None)
-        if not _owns_state(module) or not callable(reset):
+    for name, module in reversed(list(model.named_modules())):  # children first: a parent's reset has the last word
+        reset = _reset_of(module)
+        if not _owns_state(module) or reset is None:
             continue
         with _seeded(param_seed(seed, name), device), _full_parameters([module]):
             reset()

@@ -31,7 +31,7 @@ from hydratrain.parallel.ac_compile import (
 )
 from hydratrain.parallel.blocks import Blocks, find_blocks
 from hydratrain.parallel.precision import Precision
-from hydratrain.parallel.wrap_policy import shard_units
+from hydratrain.parallel.wrap_policy import mixed_dtypes, shard_units
 
 log = logging.getLogger(__name__)
 
@@ -327,6 +327,11 @@ class FSDP(Strategy):
         scalars = [name for name, p in raw.named_parameters() if p.dim() == 0]
         if scalars:
             kwargs["ignored_params"] = {raw.get_parameter(name) for name in scalars}
+        mixed = mixed_dtypes(raw, units, {id(raw.get_parameter(name)) for name in scalars})
+        if mixed:
+            raise ConfigError("strategy", self.name, f"FSDP shards each unit's parameters as one buffer of one dtype, "
+                              f"but {mixed}: use strategy=ddp, or give them a module of their own and add its class "
+                              "to wrap_policy.block_classes")
         ties = param_init.tied_parameters(raw)
         norms = []
         if precision.compute_dtype != torch.float32:  # BatchNorm computes in float32 (Precision.float32_policy)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import nn
 
 from hydratrain.parallel.blocks import Blocks, find_blocks
@@ -77,3 +78,26 @@ def _lift_out_of_checkpointing(model: nn.Module, units: list[nn.Module]) -> list
             for sub in m.modules():
                 wrapper_of.setdefault(id(sub), m)
     return [wrapper_of.get(id(u), u) for u in units]
+
+
+def mixed_dtypes(model: nn.Module, units: list[nn.Module], ignored: set[int]) -> Optional[str]:
+    """What keeps FSDP from sharding ``model`` when ``units`` (in the order ``fully_shard`` is called on them, the
+    root after them) each take the parameters in them that no earlier unit took, ``ignored`` (ids) left out: the
+    first unit whose parameters are not all of one dtype (``fully_shard`` holds a unit's parameters as one flat
+    buffer), as ``scale (float64) in the root unit, whose other parameters are float32``; None when there is none."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    claimed = set(ignored)
+    for unit in [*units, model]:
+        params = [p for p in unit.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in params)
+        counts: dict[torch.dtype, int] = {}
+        for p in params:
+            counts[p.dtype] = counts.get(p.dtype, 0) + 1
+        if len(counts) < 2:
+            continue
+        common = max(counts, key=counts.get)
+        odd = [f"{names[id(p)]} ({str(p.dtype).removeprefix('torch.')})" for p in params if p.dtype != common]
+        where = "the root unit" if unit is model else f"the unit {type(unit).__name__}"
+        shown = ", ".join(odd[:4]) + (f" and {len(odd) - 4} more" if len(odd) > 4 else "")
+        return f"{shown} in {where}, whose other parameters are {str(common).removeprefix('torch.')}"
+    return None
