@@ -134,7 +134,7 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
                           "join_timeout": conf.rdzv_timeout,
                           "read_timeout": conf.rdzv_timeout},  # also bounds a node waiting for node 0's store
             max_restarts=conf.max_restarts, monitor_interval=conf.monitor_interval, start_method=conf.start_method)
-        with _signals_end_the_launch():
+        with _signals_end_the_launch(), _quiet_child_tracebacks():
             values = elastic_launch(launch_cfg, _worker)(payload)
         return min(cloudpickle.loads(v) for v in values.values())[1]  # the lowest global rank's JobReturn
     except ChildFailedError as err:
@@ -158,6 +158,20 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, ret)
     return ret
+
+
+@contextlib.contextmanager
+def _quiet_child_tracebacks() -> Iterator[None]:
+    """torch's elastic process context logs, at ERROR, the traceback of its own wait (``ProcessExitedException``)
+    when a worker exits non-zero: seven lines that say nothing of the worker's error, which the job's FAILED
+    reason and the closing line give (with the exit code or signal). That logger is silenced for the launch."""
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 _BEFORE_WORKERS = {"signal": False}  # whether the signal that stopped the launch came before its workers started
