@@ -246,8 +246,8 @@ class FSDPStrategy(StrategyConfig):
     backend: Optional[Backend] = None  # null = nccl on CUDA (plus gloo for CPU tensors with cpu_offload), gloo on CPU
     reshard_after_forward: bool = True  # free gathered params after forward (ZeRO-3) or keep them (ZeRO-2)
     cpu_offload: bool = False  # keep sharded params, grads and optimizer state in CPU memory
-    # at world size 1 FSDP shards nothing: auto (train as strategy=single on a GPU, where the unsharded FSDP units
-    # only cost; keep FSDP on a CPU and with cpu_offload) | true (always FSDP) | false (always single)
+    # at world size 1 FSDP shards nothing: auto (train as strategy=single on a GPU, where FSDP's per-unit work
+    # costs at small batches; keep FSDP on a CPU and with cpu_offload) | true (always FSDP) | false (always single)
     shard_on_one_rank: Any = "auto"
 
 
