@@ -210,18 +210,33 @@ def padded(n: int = 64, seq_len: int = 12, vocab: int = 16):
     lengths = torch.randint(1, seq_len + 1, (n,), generator=g)
     y[torch.arange(seq_len) >= lengths[:, None]] = -100
     return {"train": TensorDataset(x[:48], y[:48]), "val": TensorDataset(x[48:], y[48:])}
+
+
+def ignored(train: bool = True, val: bool = False):  # padded(), every target of the chosen splits ignored
+    splits = padded()
+    for name, dead in (("train", train), ("val", val)):
+        if dead:
+            x, y = splits[name].tensors
+            splits[name] = TensorDataset(x, torch.full_like(y, -100))
+    return splits
 """
 
+
+def _padded_launch(tmp_path):
+    """A launch dir with PADDED as mypkg.padded, and my_conf's model=tiny_lm, data=padded and data=ignored."""
+    launch = _launch_dir(tmp_path)
+    (launch / "mypkg" / "padded.py").write_text(PADDED)
+    (launch / "my_conf" / "model" / "tiny_lm.yaml").write_text("_target_: mypkg.padded.TinyLM\n")
+    for name in ("padded", "ignored"):
+        (launch / "my_conf" / "data" / f"{name}.yaml").write_text(f"_target_: mypkg.padded.{name}\nbatch_size: 4\n")
+    return launch
 
 def test_padded_targets_weigh_the_same_whatever_the_accumulation_and_world_size(tmp_path, cli, monkeypatch):
     """The next-token loss is a mean over the targets that are not -100: one step of 4 padded sequences gives the same
     loss, gradient and eval loss as 1 process x batch 4, or as 2 FSDP ranks x 2 micro-batches of 1 (each micro-batch
     weighed by its real tokens, not as one of 4), and the eval loss is the mean over the eval set's real tokens at
     any eval batch size."""
-    launch = _launch_dir(tmp_path)
-    (launch / "mypkg" / "padded.py").write_text(PADDED)
-    (launch / "my_conf" / "model" / "tiny_lm.yaml").write_text("_target_: mypkg.padded.TinyLM\n")
-    (launch / "my_conf" / "data" / "padded.yaml").write_text("_target_: mypkg.padded.padded\nbatch_size: 4\n")
+    launch = _padded_launch(tmp_path)
     args = ["--config-dir", "my_conf", "model=tiny_lm", "data=padded", "loss=next_token", "device=cpu",
             "precision=fp32", "logger.peak_flops=1e11", "trainer.progress_bar=false", "trainer.max_steps=3",
             "trainer.eval_every_n_steps=0", "trainer.eval_samples=13", "metrics={}", "trainer.objective=eval/loss"]
@@ -240,4 +255,33 @@ def test_padded_targets_weigh_the_same_whatever_the_accumulation_and_world_size(
     wa, wb = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "two"))
     for name, value in wa.items():
         torch.testing.assert_close(wb[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    _forget_mypkg()
+
+
+def test_steps_and_eval_sets_whose_targets_are_all_ignored(tmp_path, cli, monkeypatch):
+    """Every train target ignored: each step has nothing to learn from, so its update is skipped and counted (the
+    weights stay as built: AdamW's weight decay does not shrink them), no NaN train/loss is logged, and
+    ``trainer.on_nonfinite=stop`` does not stop. Every eval target ignored: one config-error line naming
+    ``trainer.eval_samples``, not a divergence."""
+    launch = _padded_launch(tmp_path)
+    monkeypatch.chdir(launch)
+    monkeypatch.syspath_prepend(str(launch))
+    _forget_mypkg()
+    args = ["--config-dir", "my_conf", "model=tiny_lm", "data=ignored", "loss=next_token", "device=cpu",
+            "precision=fp32", "logger.peak_flops=1e11", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0",
+            "metrics={}", "strategy=single", "trainer.on_nonfinite=stop", "trainer.log_every_n_steps=1",
+            "trainer.grad_accum_steps=2"]
+    for steps in (1, 3):
+        run = cli([*args, f"trainer.max_steps={steps}"], tmp_path / f"s{steps}", fast=False)
+        assert run.returncode == 0, run.output[-3000:]
+        assert results(tmp_path / f"s{steps}")["skipped_steps"] == steps
+    assert "had no target on any rank" in run.output and "loss n/a (every update skipped)" in run.output
+    assert "loss nan" not in run.output
+    from safetensors.torch import load_file
+
+    built, after = (load_file(tmp_path / d / "model.safetensors") for d in ("s1", "s3"))
+    assert all(built[k].equal(after[k]) for k in built)
+    dead_eval = cli([*args, "+data.train=false", "+data.val=true", "trainer.max_steps=1"], tmp_path / "e", fast=False)
+    assert dead_eval.returncode == 2, dead_eval.output[-3000:]
+    assert "config error: trainer.eval_samples=16: every target of the 16 eval samples is ignored" in dead_eval.output
     _forget_mypkg()

@@ -130,12 +130,14 @@ def test_skipped_steps_stay_out_of_the_logged_loss_and_of_the_checkpoint(make_jo
     assert all(torch.isfinite(v).all() for v in saved.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
 
 
-def test_a_window_of_dropped_steps_logs_a_nan_loss(make_job, tmp_path, caplog):
+def test_a_window_of_dropped_steps_logs_no_loss(make_job, tmp_path, caplog):
+    """A log window whose every update was dropped has no loss to report: the line says so and train/loss is left
+    out, rather than a NaN that reads like the divergence the skips avoided."""
     job = make_job(tmp_path, *RUN, "trainer.on_nonfinite=skip")
     _poison(job.trainer, {2, 3, 4})
     with caplog.at_level(logging.INFO, "hydratrain.trainer"):
         job.trainer.fit()
-    assert any(r.getMessage().startswith("step 4/8 loss nan") for r in caplog.records)
+    assert any(r.getMessage().startswith("step 4/8 loss n/a (every update skipped)") for r in caplog.records)
 
 
 def test_skip_stops_after_too_many_in_a_row_naming_the_step_the_limit_was_reached(make_job, tmp_path):
@@ -245,3 +247,29 @@ def test_the_divergence_line_gives_the_steps_loss_over_ranks(monkeypatch, other_
     monkeypatch.setattr(torch.distributed, "all_reduce", with_rank_1)
     err = guard.read(TrainProgress(), 5, lambda: None)
     assert str(err).startswith(says), str(err)
+
+
+def test_a_step_with_no_target_is_skipped_without_halting_or_breaking_a_run_of_skips(caplog):
+    """A step whose targets are all ignored on every rank has nothing to learn from: its update is dropped and
+    counted as skipped, with one warning at the read; under ``stop`` it halts nothing, and under ``skip`` it neither
+    adds to nor resets a run of non-finite steps (``max_consecutive_nonfinite``)."""
+    from hydratrain.train.nonfinite import NonFiniteGuard
+    from hydratrain.train.trainer import TrainProgress
+
+    yes, no = torch.tensor(True), torch.tensor(False)
+    stop = NonFiniteGuard("stop", 20, torch.device("cpu"), scaler_skips=False)
+    flags = [stop.update(1, torch.tensor(1.0), torch.tensor(2.0), no),
+             stop.update(2, torch.tensor(float("nan")), torch.tensor(float("nan")), yes),  # NaN from no targets
+             stop.update(3, torch.tensor(1.0), torch.tensor(2.0), no)]
+    assert [float(f) for f in flags] == [0.0, 1.0, 0.0]
+    progress = TrainProgress()
+    with caplog.at_level("WARNING", logger="hydratrain.trainer"):
+        assert stop.read(progress, 3, lambda: None) is None
+    assert progress.skipped_steps == 1 and "step 2 had no target on any rank" in caplog.text
+
+    skip = NonFiniteGuard("skip", 2, torch.device("cpu"), scaler_skips=False)
+    for step, norm, empty in [(1, float("inf"), no), (2, 0.0, yes), (3, float("inf"), no)]:
+        assert float(skip.update(step, torch.tensor(norm), torch.tensor(1.0), empty)) == 1.0
+    progress = TrainProgress()
+    err = skip.read(progress, 3, lambda: None)  # steps 1 and 3: two non-finite steps in a row, step 2 between
+    assert progress.skipped_steps == 3 and "2 steps in a row up to step 3" in str(err)

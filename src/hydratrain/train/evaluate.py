@@ -11,6 +11,7 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch import nn
 
+from hydratrain.errors import ConfigError
 from hydratrain.train.batch import (
     builtin_loss,
     forward,
@@ -80,8 +81,6 @@ class Evaluator:
         if Collectives.seen and not self.loss_communicates:
             n, whole = self._whole_samples()
             if whole == 0:
-                from hydratrain.errors import ConfigError
-
                 b = self.batches
                 raise ConfigError("trainer.eval_samples", n, f"{n} eval samples fill no global batch of "
                                   f"{b.world_size} ranks x data.batch_size={b.batch_size}, and the loss communicates "
@@ -132,7 +131,6 @@ class Evaluator:
         ``MeanAveragePrecision``) or a vector (``average=None``: per class) is a config error naming it."""
         if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, (int, float)):
             return
-        from hydratrain.errors import ConfigError
 
         what = (f"a dict ({', '.join(map(str, list(value)[:4]))}{', ...' if len(value) > 4 else ''})"
                 if isinstance(value, dict) else f"a tensor of shape {tuple(value.shape)}"
@@ -167,8 +165,6 @@ class Evaluator:
         try:
             metric.update(outputs, targets)
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, ZeroDivisionError) as err:
-            from hydratrain.errors import ConfigError
-
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             b = self.batches
             raise ConfigError(f"metrics.{name}._target_", f"{type(metric).__module__}.{type(metric).__qualname__}",
@@ -192,7 +188,6 @@ class Evaluator:
         try:
             metric.update(outputs, targets)
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError) as err:
-            from hydratrain.errors import ConfigError
             from hydratrain.train.batch import shapes
 
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -238,7 +233,13 @@ class Evaluator:
             counted.update(items)
             self._metrics_only(outputs, batch, valid if whole and n_valid < rows(batch) else None)
         model.train(was_training)
-        loss = (loss_sum.compute() / counted.compute()).item()
+        total = counted.compute()
+        if total.item() == 0:  # the same on every rank: the sums are synchronised
+            n = getattr(self.batches, "n_samples", "all")
+            raise ConfigError("trainer.eval_samples", n, f"every target of the {n} eval samples is ignored (the "
+                              "loss's ignore_index), so the eval loss would be a mean over none: give the validation "
+                              "split targets to score (data), or set trainer.eval_every_n_steps=0")
+        loss = (loss_sum.compute() / total).item()
         out = {"loss": loss}
         if self.perplexity:
             out["perplexity"] = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf

@@ -68,22 +68,35 @@ class NonFiniteGuard:
         self._first_norm, self._first_loss = zero.clone(), zero.clone()
         self._last = zero.clone()  # step of the last of them
         self._limit_step = zero.clone()  # first step since the last read at which the run of skips hit the limit
+        self._empty, self._first_empty = zero.clone(), zero.clone()  # steps with no target since the last read
 
-    def update(self, step: int, grad_norm: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    def update(self, step: int, grad_norm: torch.Tensor, loss: torch.Tensor,
+               empty: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Record optimizer step ``step`` (1-based) with its global ``grad_norm`` and mean ``loss`` (0-d device
-        tensors). Returns the skip flag: a 0-d float32 device tensor, 1.0 when this step's update must be dropped.
-        Only device ops: no host synchronisation."""
+        tensors). ``empty``: the step had no target on any rank (every one ignored by the loss; a 0-d bool device
+        tensor, or None): its update is dropped too, since a step with nothing to learn from would still decay the
+        weights and the optimizer's moments, and it is counted as skipped but is no divergence (under ``stop`` it
+        halts nothing; it neither adds to nor breaks a run of non-finite steps). Returns the skip flag: a 0-d
+        float32 device tensor, 1.0 when this step's update must be dropped. Only device ops: no host
+        synchronisation."""
         bad = ~torch.isfinite(grad_norm.detach())
+        if empty is not None:
+            bad = bad & ~empty
         skip = bad | self._halted if self.stop else bad
         if self.stop:
             self._halted = skip
+        if empty is not None:
+            self._first_empty = torch.where(empty & (self._first_empty == 0), step, self._first_empty)
+            self._empty = self._empty + empty
+            skip = skip | empty
         first = bad & (self._first == 0)
         self._first = torch.where(first, step, self._first)
         self._first_norm = torch.where(first, grad_norm.detach().double(), self._first_norm)
         self._first_loss = torch.where(first, loss.detach().double(), self._first_loss)
         self._last = torch.where(bad, step, self._last)
         self._count = self._count + skip
-        self._consecutive = torch.where(bad, self._consecutive + 1, 0.0)
+        self._consecutive = torch.where(bad, self._consecutive + 1, 0.0 if empty is None
+                                        else torch.where(empty, self._consecutive, 0.0))
         hit = (self._consecutive >= self.max_consecutive) & (self._limit_step == 0)
         self._limit_step = torch.where(hit, step, self._limit_step)
         return skip.float()
@@ -107,14 +120,18 @@ class NonFiniteGuard:
         (a ``TrainProgress``: ``skipped_steps``, ``consecutive_skipped``) and warn about skipped updates. Returns the
         :class:`DivergenceError` to raise (``stop`` after a non-finite step; ``max_consecutive`` skips in a row), else
         None. ``last_checkpoint()`` names the newest checkpoint for the error."""
-        count, consecutive, first, norm, loss, last, limit_step = torch.stack(
+        count, consecutive, first, norm, loss, last, limit_step, empty, first_empty = torch.stack(
             [self._count, self._consecutive, self._first, self._first_norm, self._first_loss, self._last,
-             self._limit_step]).tolist()
-        for t in (self._count, self._first, self._last, self._limit_step):
+             self._limit_step, self._empty, self._first_empty]).tolist()
+        for t in (self._count, self._first, self._last, self._limit_step, self._empty, self._first_empty):
             t.zero_()
         progress.skipped_steps += int(count)
         progress.consecutive_skipped = int(consecutive)
-        if not count:
+        if empty:
+            more = f" and {int(empty) - 1} more step(s) up to step {step}" if empty > 1 else ""
+            log.warning("step %d%s had no target on any rank (every target is the loss's ignore_index): nothing to "
+                        "learn from, update skipped (counted in train/skipped_steps)", int(first_empty), more)
+        if not count - empty:
             return None
         first, last = int(first), int(last)
         loss, ranks, world = self._loss_over_ranks(loss)

@@ -202,7 +202,10 @@ class StepLogger:
         self.last_loss = loss
         scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
                    "mem/peak": peak_memory_bytes(self.device)}
-        msg = f"step {step}/{self.max_steps} loss {loss:.4f} lr {lr:.2e} grad_norm {norm:.3f}"
+        if not steps:  # every update of the window was skipped: no loss to report rather than a NaN one
+            del scalars["train/loss"]
+        msg = (f"step {step}/{self.max_steps} loss {f'{loss:.4f}' if steps else 'n/a (every update skipped)'} "
+               f"lr {lr:.2e} grad_norm {norm:.3f}")
         if timed:
             seconds = self._timed_s + time.perf_counter() - self._t0
             tps = self._tokens / max(seconds, 1e-9)

@@ -155,23 +155,27 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         return counts, total, dist.all_reduce(total, async_op=True) if world > 1 else None
 
-    def _divisors(self, batches: list, counted: Optional[tuple]) -> list:
+    def _divisors(self, batches: list, counted: Optional[tuple]) -> tuple[list, Optional[torch.Tensor]]:
         """What each micro-batch's loss is divided by before its backward: ``grad_accum_steps`` when every
         micro-batch weighs the same, else ``N / (n_i * world_size)`` with ``n_i`` its targets and ``N`` the step's on
         all ranks (``counted``, from :meth:`_count`; counted here at the first step, whose forward decides the
-        rule): the gradient DDP/FSDP average over the ranks is then that of the mean over all N targets (0-d device
-        tensors; no host synchronisation)."""
+        rule): the gradient DDP/FSDP average over the ranks is then that of the mean over all N targets. A
+        micro-batch with no target (``n_i = 0``), and every one of a step with none on any rank (``N = 0``), is
+        divided by infinity: a zero gradient. Returns (the divisors, 0-d device tensors; the step's "no target on
+        any rank" flag, a 0-d bool device tensor, or None when every micro-batch weighs the same). No host
+        synchronisation."""
         accum = len(batches)
         counted = counted or self._count(batches)
         if counted is None:
-            return [accum] * accum
+            return [accum] * accum, None
         import torch.distributed as dist
 
         counts, total, work = counted
         if work is not None:
             work.wait()
         world = dist.get_world_size() if dist.is_initialized() else 1
-        return list((total / (counts * world)).to(torch.float32).unbind())
+        divisors = torch.where(total > 0, total / (counts * world), math.inf).to(torch.float32)
+        return list(divisors.unbind()), total == 0
 
     def _check_outputs_visible(self, outputs) -> None:
         """Under FSDP, the output's tensors must be reachable as PyTorch walks module outputs (tensors, and lists,
@@ -265,6 +269,7 @@ class Trainer:
         micro_batches = [next(batches) for _ in range(accum)]  # all first: the step's targets weigh its losses
         self.logger.data_waited(time.perf_counter() - waited)
         divisors, counted = None, self._count(micro_batches)  # (None until the first forward decides the rule)
+        empty = None  # a step with no target on any rank: nothing to learn from, its update is dropped
         for micro, batch in enumerate(micro_batches):
             first = not self._contract_checked
             if first:
@@ -273,7 +278,7 @@ class Trainer:
                 try:
                     loss = self.checked_loss_of(batch)
                     if divisors is None:  # after the first forward, which tells whose loss it is
-                        divisors = self._divisors(micro_batches, counted)
+                        divisors, empty = self._divisors(micro_batches, counted)
                     self.scaler.scale(loss / divisors[micro]).backward()
                 except RuntimeError as err:
                     explained = self.strategy.explain(self.model, err)
@@ -290,9 +295,10 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm_(self.model, self.tcfg.grad_clip, self.device)
         lr = float(self.optimizer.param_groups[0]["lr"])  # a value: a tensor lr (torchao) is filled in place later
-        skip = self.guard.update(self.progress.step + 1, grad_norm, loss)
+        skip = self.guard.update(self.progress.step + 1, grad_norm, loss, empty)
         if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # drops a non-finite update itself
+            if empty is None or not bool(empty):  # (the scaler takes no flag: read it, with fp16 only)
+                self.scaler.step(self.optimizer)  # drops a non-finite update itself
             self.scaler.update()
         elif self._guard_on_device:
             self.optimizer.found_inf = skip  # as torch.amp.GradScaler hands it to a fused optimizer
