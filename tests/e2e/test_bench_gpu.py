@@ -74,6 +74,8 @@ def test_table_plan_puts_the_targets_rows_first_and_fits_the_budget():
                        ("llama_1b fsdp", "hand eager"), ("llama_1b fsdp", "hand compiled (per block)")]
     assert any("FSDP kept" in side for _, side in one)
     assert not any("FSDP kept" in r.side for r in gt.rows(8))  # on 8 GPUs the defaults shard
+    defaults = [r.group for r in gt.rows(1) if r.side == "hydratrain defaults"]  # on one GPU fsdp trains as single
+    assert defaults == ["gpt_small single", "llama_1b fsdp"] and len(gt.rows(8)) == len(gt.rows(1))
     assert {r.impl for r in gt.rows(1)} == {"hand", "hydratrain"}
     assert all(r.compile == "default" for r in gt.rows(1) if r.impl == "hydratrain")  # no compile override
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan"]).output
