@@ -260,9 +260,9 @@ def test_padded_targets_weigh_the_same_whatever_the_accumulation_and_world_size(
 
 def test_steps_and_eval_sets_whose_targets_are_all_ignored(tmp_path, cli, monkeypatch):
     """Every train target ignored: each step has nothing to learn from, so its update is skipped and counted (the
-    weights stay as built: AdamW's weight decay does not shrink them), no NaN train/loss is logged, and
-    ``trainer.on_nonfinite=stop`` does not stop. Every eval target ignored: one config-error line naming
-    ``trainer.eval_samples``, not a divergence."""
+    weights stay as built: AdamW's weight decay does not shrink them), no NaN train/loss is logged,
+    ``trainer.on_nonfinite=stop`` does not stop, and fp16's loss scale does not grow on such steps. Every eval
+    target ignored: no eval/loss and one warning, not a divergence, and the run's outputs are written."""
     launch = _padded_launch(tmp_path)
     monkeypatch.chdir(launch)
     monkeypatch.syspath_prepend(str(launch))
@@ -281,7 +281,11 @@ def test_steps_and_eval_sets_whose_targets_are_all_ignored(tmp_path, cli, monkey
 
     built, after = (load_file(tmp_path / d / "model.safetensors") for d in ("s1", "s3"))
     assert all(built[k].equal(after[k]) for k in built)
+    fp16 = cli([*args, "precision=fp16", "precision.growth_interval=1", "trainer.max_steps=2"], tmp_path / "h",
+               fast=False)
+    assert fp16.returncode == 0 and "loss_scale 65536 skipped_steps 2" in fp16.output, fp16.output[-3000:]
     dead_eval = cli([*args, "+data.train=false", "+data.val=true", "trainer.max_steps=1"], tmp_path / "e", fast=False)
-    assert dead_eval.returncode == 2, dead_eval.output[-3000:]
-    assert "config error: trainer.eval_samples=16: every target of the 16 eval samples is ignored" in dead_eval.output
+    assert dead_eval.returncode == 0, dead_eval.output[-3000:]
+    assert "every target of the 16 eval samples is ignored (the loss's ignore_index): no eval/loss" in dead_eval.output
+    assert results(tmp_path / "e")["eval_loss"] is None and (tmp_path / "e" / "model.safetensors").is_file()
     _forget_mypkg()

@@ -268,8 +268,12 @@ def test_a_step_with_no_target_is_skipped_without_halting_or_breaking_a_run_of_s
     assert progress.skipped_steps == 1 and "step 2 had no target on any rank" in caplog.text
 
     skip = NonFiniteGuard("skip", 2, torch.device("cpu"), scaler_skips=False)
-    for step, norm, empty in [(1, float("inf"), no), (2, 0.0, yes), (3, float("inf"), no)]:
+    for step, norm, empty in [(1, float("inf"), no), (2, 0.0, yes), (3, float("inf"), no), (4, 0.0, yes)]:
         assert float(skip.update(step, torch.tensor(norm), torch.tensor(1.0), empty)) == 1.0
     progress = TrainProgress()
-    err = skip.read(progress, 3, lambda: None)  # steps 1 and 3: two non-finite steps in a row, step 2 between
-    assert progress.skipped_steps == 3 and "2 steps in a row up to step 3" in str(err)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hydratrain.trainer"):
+        err = skip.read(progress, 5, lambda: None)  # steps 1 and 3: two non-finite steps in a row, step 2 between
+    assert progress.skipped_steps == 4 and "2 steps in a row up to step 3" in str(err)
+    assert "step 2 and 1 more step(s) up to step 4 had no target" in caplog.text
+    assert "at step 1 (loss 1) and at 1 more step(s) up to step 3: update skipped" in caplog.text

@@ -53,6 +53,7 @@ class Evaluator:
         self._checked = False  # the first eval turns a metric that refuses the outputs into one config-error line
         self.loss_communicates: Optional[bool] = None  # known after check_loss (every rank learns the same)
         self.count, self._count_known = None, False  # batch.item_counter's rule, from the trainer's first forward
+        self._warned_no_target = False
 
     def counts(self, rule, own_loss: bool = False) -> None:
         """Weigh each batch's loss by ``rule(batch)`` (:func:`~hydratrain.train.batch.item_counter`; None: by its
@@ -198,7 +199,8 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, autocast: ContextManager) -> dict:
         """``{"loss": nats, "perplexity": exp(loss) (when reported), name: value per metric}`` of ``model`` (every
-        rank calls; the model is put back in train mode)."""
+        rank calls; the model is put back in train mode). No ``loss`` nor ``perplexity`` when the loss counts its
+        targets and the eval set has none (every one ignored): one warning, the first time."""
         from torchmetrics import SumMetric
 
         loss_sum = SumMetric(nan_strategy="disable").to(self.device)
@@ -233,16 +235,17 @@ class Evaluator:
             counted.update(items)
             self._metrics_only(outputs, batch, valid if whole and n_valid < rows(batch) else None)
         model.train(was_training)
-        total = counted.compute()
-        if total.item() == 0:  # the same on every rank: the sums are synchronised
-            n = getattr(self.batches, "n_samples", "all")
-            raise ConfigError("trainer.eval_samples", n, f"every target of the {n} eval samples is ignored (the "
-                              "loss's ignore_index), so the eval loss would be a mean over none: give the validation "
-                              "split targets to score (data), or set trainer.eval_every_n_steps=0")
-        loss = (loss_sum.compute() / total).item()
-        out = {"loss": loss}
-        if self.perplexity:
-            out["perplexity"] = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
+        total, out = counted.compute(), {}
+        if total.item() > 0:  # the same on every rank: the sums are synchronised
+            loss = (loss_sum.compute() / total).item()
+            out["loss"] = loss
+            if self.perplexity:
+                out["perplexity"] = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
+        elif not self._warned_no_target:
+            self._warned_no_target = True
+            n = getattr(self.batches, "n_samples", "the")
+            log.warning("every target of the %s eval samples is ignored (the loss's ignore_index): no eval/loss, which "
+                        "would be a mean over none; give the validation split targets to score (data)", n)
         self._checked = True
         for name, metric in self.metrics.items():
             value = metric.compute()

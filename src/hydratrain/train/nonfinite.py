@@ -68,7 +68,8 @@ class NonFiniteGuard:
         self._first_norm, self._first_loss = zero.clone(), zero.clone()
         self._last = zero.clone()  # step of the last of them
         self._limit_step = zero.clone()  # first step since the last read at which the run of skips hit the limit
-        self._empty, self._first_empty = zero.clone(), zero.clone()  # steps with no target since the last read
+        # steps with no target since the last read: how many, the first, the last
+        self._empty, self._first_empty, self._last_empty = zero.clone(), zero.clone(), zero.clone()
 
     def update(self, step: int, grad_norm: torch.Tensor, loss: torch.Tensor,
                empty: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -87,6 +88,7 @@ class NonFiniteGuard:
             self._halted = skip
         if empty is not None:
             self._first_empty = torch.where(empty & (self._first_empty == 0), step, self._first_empty)
+            self._last_empty = torch.where(empty, step, self._last_empty)
             self._empty = self._empty + empty
             skip = skip | empty
         first = bad & (self._first == 0)
@@ -120,18 +122,20 @@ class NonFiniteGuard:
         (a ``TrainProgress``: ``skipped_steps``, ``consecutive_skipped``) and warn about skipped updates. Returns the
         :class:`DivergenceError` to raise (``stop`` after a non-finite step; ``max_consecutive`` skips in a row), else
         None. ``last_checkpoint()`` names the newest checkpoint for the error."""
-        count, consecutive, first, norm, loss, last, limit_step, empty, first_empty = torch.stack(
+        count, consecutive, first, norm, loss, last, limit_step, empty, first_empty, last_empty = torch.stack(
             [self._count, self._consecutive, self._first, self._first_norm, self._first_loss, self._last,
-             self._limit_step, self._empty, self._first_empty]).tolist()
-        for t in (self._count, self._first, self._last, self._limit_step, self._empty, self._first_empty):
+             self._limit_step, self._empty, self._first_empty, self._last_empty]).tolist()
+        for t in (self._count, self._first, self._last, self._limit_step, self._empty, self._first_empty,
+                  self._last_empty):
             t.zero_()
         progress.skipped_steps += int(count)
         progress.consecutive_skipped = int(consecutive)
         if empty:
-            more = f" and {int(empty) - 1} more step(s) up to step {step}" if empty > 1 else ""
+            more = f" and {int(empty) - 1} more step(s) up to step {int(last_empty)}" if empty > 1 else ""
             log.warning("step %d%s had no target on any rank (every target is the loss's ignore_index): nothing to "
                         "learn from, update skipped (counted in train/skipped_steps)", int(first_empty), more)
-        if not count - empty:
+        count -= empty  # from here: the non-finite steps, and under stop the steps after the first of them
+        if not count:
             return None
         first, last = int(first), int(last)
         loss, ranks, world = self._loss_over_ranks(loss)

@@ -199,7 +199,8 @@ class StepLogger:
         loss_sum, norm, votes = stats.tolist()  # every rank counts the same steps (a skip is decided for all)
         steps = self.progress.window_steps + int(self.window_steps.item())
         loss = (self.progress.window_loss_sum + loss_sum) / steps if steps else math.nan
-        self.last_loss = loss
+        if steps:  # (a window of skipped updates only keeps the loss of the last one that had some)
+            self.last_loss = loss
         scalars = {"train/loss": loss, "train/lr": lr, "train/grad_norm": norm,
                    "mem/peak": peak_memory_bytes(self.device)}
         if not steps:  # every update of the window was skipped: no loss to report rather than a NaN one
@@ -224,7 +225,7 @@ class StepLogger:
             msg += f" {key.split('/')[-1]} {value:g}"
         self.tb.scalars(scalars, step)
         log.info(msg)
-        if self._bar is not None:
+        if self._bar is not None and steps:
             self._bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         self.window_loss.zero_()
         self.window_steps.zero_()

@@ -292,14 +292,18 @@ class Trainer:
             else:  # a micro-batch whose targets are all ignored: a NaN mean over none, a zero gradient, weight 0
                 total += torch.where(divisors[micro].isinf(), 0.0, loss.detach() / divisors[micro])
         loss = total / accum if self._counter is None else total
-        self.scaler.unscale_(self.optimizer)
+        # fp16 with a step that has no target: the scaler takes no skip flag, so the flag is read (fp16 only) and the
+        # scaler left alone: no step, and no update that would count the step towards growing the scale
+        scaler_idle = self.scaler.is_enabled() and empty is not None and bool(empty)
+        if not scaler_idle:
+            self.scaler.unscale_(self.optimizer)
         grad_norm = self.strategy.clip_grad_norm_(self.model, self.tcfg.grad_clip, self.device)
         lr = float(self.optimizer.param_groups[0]["lr"])  # a value: a tensor lr (torchao) is filled in place later
         skip = self.guard.update(self.progress.step + 1, grad_norm, loss, empty)
         if self.scaler.is_enabled():
-            if empty is None or not bool(empty):  # (the scaler takes no flag: read it, with fp16 only)
+            if not scaler_idle:
                 self.scaler.step(self.optimizer)  # drops a non-finite update itself
-            self.scaler.update()
+                self.scaler.update()
         elif self._guard_on_device:
             self.optimizer.found_inf = skip  # as torch.amp.GradScaler hands it to a fused optimizer
             try:
@@ -425,7 +429,8 @@ class Trainer:
                          "trainer.max_steps resumes from it and trains them again: %s trainer.max_steps=<more>",
                          self._last_checkpoint(), resume_command(self.checkpoints.root.parent))
         evaluated = self._eval_and_log(self.progress.step)
-        result.eval_loss, result.eval_perplexity = evaluated["loss"], evaluated.get("perplexity", math.nan)
+        result.eval_loss = evaluated.get("loss", math.nan)
+        result.eval_perplexity = evaluated.get("perplexity", math.nan)
         result.eval_metrics = {k: v for k, v in evaluated.items() if k not in ("loss", "perplexity")}
         result.objective = evaluated.get(self.tcfg.objective.removeprefix("eval/"), math.nan)
         result.seconds = time.perf_counter() - t_start
@@ -459,7 +464,7 @@ class Trainer:
         with self.logger.paused(), eager():  # compiled graphs serve training steps only (ac_compile.eager)
             self.strategy.sync_buffers(self.model)
             values = self.evaluator.evaluate(self.model, self.autocast)
-        loss = values["loss"]
+        loss = values.get("loss", 0.0)  # (none: the eval set has no target, which the evaluator said)
         if not math.isfinite(loss):
             raise DivergenceError(f"non-finite eval loss ({loss}) at step {step}", step, self._last_checkpoint())
         self.logger.tb.scalars({f"eval/{name}": value for name, value in values.items()}, step)
