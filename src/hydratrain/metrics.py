@@ -11,8 +11,10 @@ times world_size. :func:`peak_flops` chooses the per-device peak, in this order:
    guessed figure;
 3. CPU: a matmul measured per machine in the compute dtype and cached in ``<cache dir>/cpu_peak_flops.json``, so
    runs on one machine report comparable MFU and do not pay the measurement at every start. The figure is the best
-   of the first :data:`CPU_PEAK_LAUNCHES` launches' measurements (at least a minute apart): one taken while the CPU
-   was busy would otherwise stay, and every later MFU on that machine would read high (3.9x was seen).
+   of every measurement: the first :data:`CPU_PEAK_LAUNCHES` launches (at least a minute apart) measure, then one
+   launch an hour (:data:`CPU_PEAK_RECHECK_S`), since contention only ever lowers a measurement. Three launches
+   can all fall in one busy hour, and a low figure kept for good makes every later MFU on that machine read high
+   (3.9x was seen).
 
 Peak memory (``mem/peak``, bytes): :func:`peak_memory_bytes` since the last :func:`reset_peak_memory`.
 """
@@ -114,6 +116,7 @@ CPU_PEAK_CACHE = "cpu_peak_flops.json"  # in the cache dir ($HYDRATRAIN_CACHE or
 _CPU_MEASURE_VERSION = 1  # part of the cache key: bump when measure_matmul_flops changes what it measures
 CPU_PEAK_LAUNCHES = 3  # launches that measure the CPU peak (the best counts) before the cached figure is final
 _CPU_REMEASURE_AFTER_S = 60.0  # a launch's ranks measure at once: a new measurement only after this long
+CPU_PEAK_RECHECK_S = 3600.0  # after CPU_PEAK_LAUNCHES measurements: one more, for the best, after this long
 _WARNED: set = set()  # (device name, mode) pairs already warned about, so a sweep warns once per process
 
 
@@ -244,10 +247,11 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path] = None) -> tupl
     """(FLOP/s of this process's CPU matmul in ``dtype``, where it comes from): read from
     ``<cache_dir>/cpu_peak_flops.json`` under :func:`cpu_peak_key`, else measured with :func:`measure_matmul_flops`
     (about 0.5 s) and stored there. Until :data:`CPU_PEAK_LAUNCHES` measurements at least a minute apart are stored
-    (so, by different launches), a launch measures again and the figure is the best so far: a machine busy during one
-    measurement does not fix a low peak (high MFU) for good. A new figure more than 25 % above the stored one is
-    logged as a warning. Concurrent ranks on one machine take a file lock, so one measures and the others read its
-    figure. Delete the file to measure again."""
+    (so, by different launches), a launch measures again, and after that one launch an hour
+    (:data:`CPU_PEAK_RECHECK_S`); the figure is the best so far: a machine busy during the first measurements does
+    not fix a low peak (high MFU) for good. A new figure more than 25 % above the stored one is logged as a warning.
+    Concurrent ranks on one machine take a file lock, so one measures and the others read its figure. Delete the
+    file to measure again."""
     path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / CPU_PEAK_CACHE
     key = cpu_peak_key(dtype)
     with _file_lock(path.with_name(path.name + ".lock")):
@@ -260,7 +264,8 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path] = None) -> tupl
         valid = isinstance(hit, dict) and isinstance(hit.get("flops"), (int, float)) and hit["flops"] > 0
         taken = [t for t in (hit.get("measurements") or [hit.get("measured_at")]) if isinstance(t, str)] if valid \
             else []
-        if valid and (len(taken) >= CPU_PEAK_LAUNCHES or not _measured_long_ago(taken)):
+        wait = _CPU_REMEASURE_AFTER_S if len(taken) < CPU_PEAK_LAUNCHES else CPU_PEAK_RECHECK_S
+        if valid and not _measured_long_ago(taken, wait):
             return float(hit["flops"]), f"cached in {path} ({key}, best of {len(taken)} launches' measurements)"
         flops = measure_matmul_flops(torch.device("cpu"), dtype)
         if valid:
@@ -270,7 +275,7 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path] = None) -> tupl
                             "read %.1fx high", flops, flops / hit["flops"], hit["flops"], path, flops / hit["flops"])
             flops = max(flops, float(hit["flops"]))
         now = time.strftime("%Y-%m-%dT%H:%M:%S")
-        entries[key] = {"flops": flops, "measured_at": now, "measurements": taken + [now]}
+        entries[key] = {"flops": flops, "measured_at": now, "measurements": (taken + [now])[-CPU_PEAK_LAUNCHES:]}
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
             tmp.write_text(json.dumps({"entries": entries}, indent=1, sort_keys=True))
@@ -283,14 +288,14 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path] = None) -> tupl
     return flops, where
 
 
-def _measured_long_ago(taken: list) -> bool:
-    """Whether the newest of the ``measured_at`` stamps ``taken`` is at least :data:`_CPU_REMEASURE_AFTER_S` old (an
-    unreadable stamp counts as old)."""
+def _measured_long_ago(taken: list, seconds: float) -> bool:
+    """Whether the newest of the ``measured_at`` stamps ``taken`` is at least ``seconds`` old (an unreadable stamp
+    counts as old)."""
     try:
         newest = max(time.mktime(time.strptime(t, "%Y-%m-%dT%H:%M:%S")) for t in taken)
     except (ValueError, OverflowError):
         return True
-    return time.time() - newest >= _CPU_REMEASURE_AFTER_S
+    return time.time() - newest >= seconds
 
 
 def matmul_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False,

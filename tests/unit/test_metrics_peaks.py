@@ -168,7 +168,7 @@ def _stored(path, flops, *ages_s):
 def test_cpu_peak_measured_while_busy_is_replaced_by_a_later_launchs_higher_figure(tmp_path, counted_measure, caplog):
     """A figure measured under load (4x low, as once seen) does not stay: the next launches (a minute or more
     later) measure again and the best counts; a lower measurement never lowers it; after CPU_PEAK_LAUNCHES
-    measurements the figure is final."""
+    measurements one launch an hour measures again (three launches can all fall in one busy hour)."""
     cpu = torch.device("cpu")
     _stored(tmp_path, 0.25e11, 120)
     with caplog.at_level("WARNING", logger="hydratrain.metrics"):
@@ -179,10 +179,15 @@ def test_cpu_peak_measured_while_busy_is_replaced_by_a_later_launchs_higher_figu
     assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 2.0e11
     entry = json.loads((tmp_path / metrics.CPU_PEAK_CACHE).read_text())["entries"][metrics.cpu_peak_key(FP32)]
     assert len(entry["measurements"]) == metrics.CPU_PEAK_LAUNCHES and counted_measure == [FP32, FP32]
-    assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 2.0e11  # final: read, not measured
+    assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 2.0e11  # measured just now: read, not measured
     _stored(tmp_path, 0.5e11, 10)  # a rank of the launch that measured 10 s ago reads it
     assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 0.5e11
     assert counted_measure == [FP32, FP32]
+    _stored(tmp_path, 0.5e11, 7300, 7200, 3700)  # three busy launches: over an hour after the last, once more
+    assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 1.0e11
+    entry = json.loads((tmp_path / metrics.CPU_PEAK_CACHE).read_text())["entries"][metrics.cpu_peak_key(FP32)]
+    assert len(entry["measurements"]) == metrics.CPU_PEAK_LAUNCHES and counted_measure == [FP32, FP32, FP32]
+    assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 1.0e11 and len(counted_measure) == 3
 
 
 def test_cpu_cache_key_changes_with_threads(tmp_path, counted_measure):
