@@ -216,6 +216,7 @@ def instantiate_node(node: dict, key: str, target: str, what: str) -> Any:
     """``hydra.utils.instantiate(node)`` (containers as plain lists and dicts). What the target raises becomes a
     :class:`ConfigError` naming ``key``, ``target`` and ``<what> <ExceptionType>: <its first line>``; a ConfigError the
     target raises itself (a component's own check, naming its key) is raised as it is."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     try:
@@ -224,7 +225,9 @@ def instantiate_node(node: dict, key: str, target: str, what: str) -> Any:
         raise
     except Exception as err:
         cause = err
-        while cause.__cause__ is not None:  # Hydra's InstantiationException wraps the target's error
+        # Hydra's InstantiationException wraps the target's error; the target's own error stays whole, since its
+        # message ("needs scikit-learn: pip install ...") says more than the error it chains ("No module named ...")
+        while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
             cause = cause.__cause__
         if isinstance(cause, ConfigError):
             raise cause from None

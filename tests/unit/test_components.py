@@ -193,6 +193,21 @@ def test_each_bad_component_is_one_line_naming_its_key(cli, own, args, line):
     assert "Error getting object" not in r.output  # (Hydra's own 3-line log of a failed import)
 
 
+def test_a_components_own_error_is_kept_over_the_error_it_chains(own, monkeypatch):
+    """A target that turns a missing module into its own advice (``raise ImportError("... pip install ...") from
+    err``) is quoted with that advice, not with the bare "No module named" it chains."""
+    from hydratrain.components import instantiate_node
+    from hydratrain.errors import ConfigError
+
+    (own / "mypkg" / "needs.py").write_text(
+        "def needs_extra():\n    try:\n        import not_installed_xyz  # noqa: F401\n"
+        "    except ImportError as err:\n        raise ImportError(\"needs xyz: pip install -e '.[xyz]'\") from err\n")
+    monkeypatch.syspath_prepend(str(own))
+    with pytest.raises(ConfigError) as err:
+        instantiate_node({"_target_": "mypkg.needs.needs_extra"}, "data._target_", "mypkg.needs.needs_extra", "raised")
+    assert str(err.value) == ("data._target_='mypkg.needs.needs_extra': raised ImportError: needs xyz: "
+                              "pip install -e '.[xyz]'")
+
 def test_a_parameter_that_the_forward_creates_is_refused_at_the_first_step(cli, own):
     """A layer built on the forward's first call (old TensorFlow-port style) came after the optimizer took the
     parameters: it trained never, under ddp was never synced, and under fsdp broke the clipping with a traceback."""
