@@ -612,11 +612,16 @@ def test_a_loss_that_communicates_is_evaluated_on_whole_global_batches_only():
     class Padded(list):  # EvalBatches' shape: 10 samples in global batches of 1 rank x 4, the last 2 padded
         n_samples, batch_size, world_size, global_batches = 10, 4, 1, 3
 
-    x, y = torch.randn(10, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
-    pad = torch.tensor([2, 3, 0, 0])  # positions 10 and 11: the first sample again
+    with torch.random.fork_rng():  # data where the padding copies (x[0], x[1]) would change the accuracy
+        torch.manual_seed(2998)
+        x, y = torch.randn(10, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+        model, plain = nn.Linear(2, 3), __import__("contextlib").nullcontext()
+    with torch.no_grad():
+        hits = model(x).argmax(-1) == y
+    assert hits[8:].sum() != hits[:2].sum()
     batches = Padded([((x[i:i + 4], y[i:i + 4]), torch.ones(4, dtype=torch.bool)) for i in (0, 4)])
-    batches.append(((torch.cat([x[8:], x[:2]]), torch.cat([y[8:], y[:2]])), pad < 2))
-    model, plain = nn.Linear(2, 3), __import__("contextlib").nullcontext()
+    last_valid = torch.tensor([True, True, False, False])  # samples 8 and 9, then two copies of samples 0 and 1
+    batches.append(((torch.cat([x[8:], x[:2]]), torch.cat([y[8:], y[:2]])), last_valid))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         accuracy = MulticlassAccuracy(3, average="micro")
@@ -626,7 +631,7 @@ def test_a_loss_that_communicates_is_evaluated_on_whole_global_batches_only():
         out = evaluator.evaluate(model, plain)
         with torch.no_grad():
             assert out["loss"] == pytest.approx(nn.functional.cross_entropy(model(x[:8]), y[:8]).item(), rel=1e-6)
-            assert out["accuracy"] == pytest.approx((model(x).argmax(-1) == y).float().mean().item())  # all 10
+            assert out["accuracy"] == pytest.approx(hits.float().mean().item())  # all 10, no copy
         tiny = SimpleNamespace(n_samples=3, batch_size=4, world_size=2)
         with pytest.raises(ConfigError, match=r"^trainer.eval_samples=3: 3 eval samples fill no global batch of 2 "
                                               r"ranks x data.batch_size=4, and the loss communicates"):
