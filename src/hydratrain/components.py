@@ -85,11 +85,16 @@ def locate(target: str, key: str) -> Any:
     try:
         return get_object(target)
     except Exception as err:  # ImportError, AttributeError, a module that raises on import
-        cause = err
-        while cause.__cause__ is not None:
-            cause = cause.__cause__
-        why = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise ConfigError(f"{key}._target_", target, f"cannot be imported ({type(cause).__name__}: {why}); is its "
+        # Hydra wraps what the import raised in one ImportError("Error loading '<target>': ..."); the error under it
+        # is the target's own, kept whole: a module that turns a missing package into advice is quoted with it
+        wrapped = isinstance(err, ImportError) and str(err).startswith("Error loading ") and err.__cause__ is not None
+        cause = err.__cause__ if wrapped else err
+        kind, why = type(cause).__name__, (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        if isinstance(cause, ModuleNotFoundError) and cause.name and "is not a package" in why:
+            # Hydra tried the missing name as a submodule of a plain module: the module lacks that name
+            kind, (module, _, name) = "AttributeError", cause.name.rpartition(".")
+            why = f"module '{module}' has no attribute '{name}'"
+        raise ConfigError(f"{key}._target_", target, f"cannot be imported ({kind}: {why}); is its "
                           "package in the launch dir or on PYTHONPATH?") from None
     finally:
         quiet.disabled = was

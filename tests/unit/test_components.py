@@ -195,18 +195,28 @@ def test_each_bad_component_is_one_line_naming_its_key(cli, own, args, line):
 
 def test_a_components_own_error_is_kept_over_the_error_it_chains(own, monkeypatch):
     """A target that turns a missing module into its own advice (``raise ImportError("... pip install ...") from
-    err``) is quoted with that advice, not with the bare "No module named" it chains."""
-    from hydratrain.components import instantiate_node
+    err``), when called or when its module is imported, is quoted with that advice, not with the bare "No module
+    named" it chains; a target that is not there is still named with the missing module."""
+    from hydratrain.components import instantiate_node, locate
     from hydratrain.errors import ConfigError
 
-    (own / "mypkg" / "needs.py").write_text(
-        "def needs_extra():\n    try:\n        import not_installed_xyz  # noqa: F401\n"
-        "    except ImportError as err:\n        raise ImportError(\"needs xyz: pip install -e '.[xyz]'\") from err\n")
+    advice = ("    try:\n        import not_installed_xyz  # noqa: F401\n    except ImportError as err:\n"
+              "        raise ImportError(\"needs xyz: pip install -e '.[xyz]'\") from err\n")
+    (own / "mypkg" / "needs.py").write_text("def needs_extra():\n" + advice)
+    (own / "mypkg" / "needs_at_import.py").write_text("if True:\n" + advice + "\n\ndef net():\n    pass\n")
     monkeypatch.syspath_prepend(str(own))
     with pytest.raises(ConfigError) as err:
         instantiate_node({"_target_": "mypkg.needs.needs_extra"}, "data._target_", "mypkg.needs.needs_extra", "raised")
     assert str(err.value) == ("data._target_='mypkg.needs.needs_extra': raised ImportError: needs xyz: "
                               "pip install -e '.[xyz]'")
+    with pytest.raises(ConfigError) as err:
+        locate("mypkg.needs_at_import.net", "model")
+    assert str(err.value).startswith("model._target_='mypkg.needs_at_import.net': cannot be imported (ImportError: "
+                                     "needs xyz: pip install -e '.[xyz]'); ")
+    for target, missing in [("mypkg.absent.net", "ModuleNotFoundError: No module named 'mypkg.absent'"),
+                            ("mypkg.needs.absent", "AttributeError: module 'mypkg.needs' has no attribute 'absent'")]:
+        with pytest.raises(ConfigError, match=rf"^model._target_='{target}': cannot be imported \({missing}\); "):
+            locate(target, "model")
 
 def test_a_parameter_that_the_forward_creates_is_refused_at_the_first_step(cli, own):
     """A layer built on the forward's first call (old TensorFlow-port style) came after the optimizer took the
