@@ -306,3 +306,46 @@ def test_a_datasets_position_resumes_exactly_on_another_world_size_and_batch_wit
     assert not set(later) & set(seen) and len(set(seen) | set(later)) == 38
     nxt = [int(i) for _ in range(10) for i in next(it)[0]]  # epoch 1: another order, all 40 again
     assert sorted(nxt) == list(range(40)) and nxt != seen + later[:2]
+
+
+def test_persistent_workers_serve_every_eval_and_a_probe_does_not_take_them():
+    """``data.persistent_workers=true``: every eval of a run is served by the same loader workers (a loader made per
+    eval started new ones each time, so the setting did nothing); a fetch made while another is under way (a probe
+    next to the epoch's batches) gets a loader of its own; an eval abandoned midway leaves the next one whole."""
+    import os
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from hydratrain.data.loader import loader_fetch
+    from hydratrain.data.streams import EvalBatches
+
+    class Pids(torch.utils.data.Dataset):  # each sample: its index and the pid of the process that loaded it
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            return torch.tensor(i), torch.tensor(os.getpid())
+
+    def run(persistent):
+        node = OmegaConf.create({"_target_": "x", "num_workers": 1, "persistent_workers": persistent})
+        fetch = loader_fetch(Pids(), node, torch.device("cpu"))
+        evals = EvalBatches(Pids(), 12, 4, 0, 1, device=torch.device("cpu"), fetch=fetch)
+        pids, indices = [], []
+        for _ in range(2):
+            batches = [b for b, _ in evals]
+            pids.append({int(p) for _, ps in batches for p in ps})
+            indices.append([int(i) for i, _ in batches for i in i])
+        half = iter(evals)
+        next(half)  # an eval that stops after its first batch
+        during = next(iter(fetch([[0, 1]])))  # a probe while it is held
+        del half
+        after = [int(i) for (b, _), _ in evals for i in b]
+        return pids, indices, int(during[1][0]), after
+
+    pids, indices, probe, after = run(True)
+    assert len(pids[0]) == 1 and pids[0] == pids[1] and os.getpid() not in pids[0]  # one worker served both evals
+    assert sorted(indices[0]) == list(range(12)) and indices[1] == after == indices[0]
+    assert probe not in pids[0] | {os.getpid()}  # the probe's own loader
+    pids, *_ = run(False)
+    assert pids[0] != pids[1]  # a new worker per eval

@@ -167,7 +167,12 @@ def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
     (:class:`_SeededBatches`), and the loader's own seed comes from a generator of ``seed``: the random numbers an
     augmentation draws in ``__getitem__`` depend on which batch it is, not on which process (main or worker) loads it
     or when the loader started, so a resume repeats them exactly; the training process's RNG (dropout) is left as it
-    was."""
+    was.
+
+    With ``persistent_workers`` (and ``num_workers > 0``), calls of one ``fetch`` reuse one loader and its workers (an
+    eval every N steps starts none); a call made while another call's batches are still being handed out gets a
+    loader of its own, whose workers end with it. A call abandoned midway is fine: torch drops what its workers had
+    prefetched when the loader is iterated again."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -177,15 +182,33 @@ def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
     collate = build_callable(data.collate_fn, "data.collate_fn") if s["collate_fn"] is not None else None
     pin = s["pin_memory"] if s["pin_memory"] is not None else device.type == "cuda"
     extra = {"prefetch_factor": s["prefetch_factor"]} if s["prefetch_factor"] is not None else {}
+    persistent = bool(s["persistent_workers"]) and s["num_workers"] > 0
 
     seeded = _SeededBatches(dataset, seed)
+    kept: dict = {}  # the persistent loader ("loader", its sampler "lists") and whether a call iterates it ("busy")
+
+    def loader_of(lists: "_Lists", keep: bool) -> DataLoader:
+        return DataLoader(seeded, batch_sampler=lists, collate_fn=collate, num_workers=s["num_workers"],
+                          pin_memory=pin, persistent_workers=keep, generator=torch.Generator().manual_seed(seed),
+                          **extra)
+
+    def reused(index_lists: Iterable[list]) -> Iterator[Any]:
+        if kept.get("busy"):
+            yield from _collated(iter(loader_of(_Lists(index_lists), False)), s["collate_fn"] is None, data)
+            return
+        if "loader" not in kept:
+            kept["lists"] = _Lists(())
+            kept["loader"] = loader_of(kept["lists"], True)
+        kept["lists"].lists, kept["busy"] = index_lists, True
+        try:
+            yield from _collated(iter(kept["loader"]), s["collate_fn"] is None, data)
+        finally:  # exhausted, or closed when the caller drops it
+            kept["busy"] = False
 
     def fetch(index_lists: Iterable[list]) -> Iterator[Any]:
-        loader = DataLoader(seeded, batch_sampler=_Lists(index_lists), collate_fn=collate,
-                            num_workers=s["num_workers"], pin_memory=pin,
-                            persistent_workers=bool(s["persistent_workers"]) and s["num_workers"] > 0,
-                            generator=torch.Generator().manual_seed(seed), **extra)
-        return _collated(iter(loader), s["collate_fn"] is None, data)
+        if persistent:
+            return reused(index_lists)  # (its loader is taken at the first batch asked for)
+        return _collated(iter(loader_of(_Lists(index_lists), False)), s["collate_fn"] is None, data)
 
     return fetch
 
@@ -265,7 +288,8 @@ class _SeededBatches:
 
 
 class _Lists:
-    """An iterable of index lists as a DataLoader batch sampler (iterated once)."""
+    """An iterable of index lists as a DataLoader batch sampler (iterated once; a persistent loader's is given new
+    ``lists`` before each iteration)."""
 
     def __init__(self, lists: Iterable[list]):
         self.lists = lists
