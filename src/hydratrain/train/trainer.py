@@ -464,9 +464,9 @@ class Trainer:
         with self.logger.paused(), eager():  # compiled graphs serve training steps only (ac_compile.eager)
             self.strategy.sync_buffers(self.model)
             values = self.evaluator.evaluate(self.model, self.autocast)
-        loss = values.get("loss", 0.0)  # (none: the eval set has no target, which the evaluator said)
-        if not math.isfinite(loss):
-            raise DivergenceError(f"non-finite eval loss ({loss}) at step {step}", step, self._last_checkpoint())
+        if "loss" in values and not math.isfinite(values["loss"]):  # (no loss: the eval set has no target)
+            raise DivergenceError(f"non-finite eval loss ({values['loss']}) at step {step}", step,
+                                  self._last_checkpoint())
         self.logger.tb.scalars({f"eval/{name}": value for name, value in values.items()}, step)
         formats = {"loss": ".4f", "perplexity": ".3f"}
         log.info("eval at step %d: %s", step, " ".join(f"{name} {value:{formats.get(name, '.4g')}}"
