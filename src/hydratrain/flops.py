@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from hydratrain.train.batch import rebuilt
+
 log = logging.getLogger(__name__)
 
 
@@ -24,7 +26,7 @@ def _meta(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _meta(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_meta(v) for v in value)
+        return rebuilt(value, [_meta(v) for v in value])
     return value
 
 
@@ -97,5 +99,5 @@ def _fake(mode: Any, value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _fake(mode, v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_fake(mode, v) for v in value)
+        return rebuilt(value, [_fake(mode, v) for v in value])
     return value

@@ -34,6 +34,8 @@ def to_device(batch: Any, device: Optional[torch.device]) -> Any:
     ``non_blocking`` (from pinned memory on CUDA, so the copy overlaps the step before it)."""
     import torch
 
+    from hydratrain.train.batch import rebuilt
+
     if device is None:
         return batch
     if isinstance(batch, torch.Tensor):
@@ -43,8 +45,7 @@ def to_device(batch: Any, device: Optional[torch.device]) -> Any:
     if isinstance(batch, Mapping):
         return {k: to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):
-        moved = [to_device(v, device) for v in batch]
-        return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+        return rebuilt(batch, [to_device(v, device) for v in batch])
     return batch
 
 class TokenDataset:

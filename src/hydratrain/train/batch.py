@@ -19,6 +19,12 @@ import torch
 from torch import nn
 
 
+def rebuilt(value: Any, items: Any) -> Any:
+    """A list or tuple of ``value``'s type holding ``items``: a namedtuple takes them as separate arguments, a plain
+    tuple or list (or a subclass of one) as one iterable."""
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+
+
 def targets_of(batch: Any) -> Optional[Any]:
     """The targets of ``batch``: the second item of a pair, ``labels`` of a dict (None when absent)."""
     if isinstance(batch, Mapping):
@@ -58,17 +64,17 @@ def loss_of(outputs: Any, batch: Any, loss_fn: Callable) -> torch.Tensor:
     own = builtin_loss(outputs)
     if own is not None:
         return own
-    return loss_fn(_float32(prediction(outputs)), targets_of(batch))
+    return loss_fn(upcast(prediction(outputs)), targets_of(batch))
 
 
-def _float32(value: Any) -> Any:
+def upcast(value: Any) -> Any:
     """``value`` with its bf16/fp16 tensors (in tuples, lists and dicts too) as float32."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.dtype in (torch.bfloat16, torch.float16) else value
     if isinstance(value, Mapping):
-        return type(value)({k: _float32(v) for k, v in value.items()}) if isinstance(value, dict) else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_float32(v) for v in value)
+        return type(value)({k: upcast(v) for k, v in value.items()}) if isinstance(value, dict) else value
+    if isinstance(value, (list, tuple)):
+        return rebuilt(value, [upcast(v) for v in value])
     return value
 
 
@@ -137,8 +143,8 @@ def select(value: Any, mask: torch.Tensor) -> Any:
         return {k: select(v, mask) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         if len(value) == mask.shape[0] and not any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in value):
-            return type(value)(v for v, keep in zip(value, mask.tolist()) if keep)
-        return type(value)(select(v, mask) for v in value)
+            return rebuilt(value, [v for v, keep in zip(value, mask.tolist()) if keep])
+        return rebuilt(value, [select(v, mask) for v in value])
     return value
 
 

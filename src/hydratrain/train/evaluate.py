@@ -22,6 +22,7 @@ from hydratrain.train.batch import (
     rows,
     select,
     targets_of,
+    upcast,
 )
 
 log = logging.getLogger("hydratrain.eval")
@@ -30,8 +31,8 @@ log = logging.getLogger("hydratrain.eval")
 class Evaluator:
     """``eval/loss`` (the run's loss over the eval set), ``eval/perplexity`` (``exp`` of it, when the loss has
     ``perplexity = True``: the next-token loss) and each metric of ``metrics`` (``{name: torchmetrics.Metric}``,
-    updated with ``(outputs, targets)`` of every sample), all synced across ranks by torchmetrics' ``compute()``
-    (every rank calls).
+    updated with ``(outputs, targets)`` of every sample, bf16/fp16 outputs in float32 as the loss gets them), all
+    synced across ranks by torchmetrics' ``compute()`` (every rank calls).
 
     The loss is the mean of each batch's mean loss weighted by what it is the mean of: its targets that are not
     ignored where the loss counts them (:func:`~hydratrain.train.batch.item_counter`: the mean over the eval set's
@@ -111,7 +112,8 @@ class Evaluator:
         from torch.utils._pytree import tree_map
 
         with torch.no_grad():
-            detached = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, prediction(outputs))
+            outputs = upcast(prediction(outputs))  # as the loss and the eval's metrics get them
+            detached = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, outputs)
             empty = self._some_rank_empty()
             for name, metric in self.metrics.items():
                 copy = metric.clone()
@@ -143,7 +145,7 @@ class Evaluator:
     def _metrics_only(self, outputs, batch, valid: Optional[torch.Tensor]) -> None:
         """Update each metric with ``outputs`` against ``batch``'s targets, only their ``valid`` rows when given
         (none: the zero-row update of :meth:`_update_empty`)."""
-        predicted, expected = prediction(outputs), targets_of(batch)
+        predicted, expected = upcast(prediction(outputs)), targets_of(batch)  # as the loss gets them
         if valid is not None:
             predicted, expected = select(predicted, valid), select(expected, valid)
             if not bool(valid.any()):
@@ -219,7 +221,7 @@ class Evaluator:
                 continue
             if n_valid == 0 and not whole:
                 outputs = forward(model, batch, autocast)  # this rank's share is padding: the forward FSDP needs
-                self._update_empty(select(prediction(outputs), valid), select(targets_of(batch), valid))
+                self._update_empty(select(upcast(prediction(outputs)), valid), select(targets_of(batch), valid))
                 continue
             if n_valid < rows(batch) and not whole:
                 batch = select(batch, valid)
