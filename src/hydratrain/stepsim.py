@@ -6,8 +6,8 @@ For a model class without a memory model of its own (see :mod:`hydratrain.footpr
   (:func:`hydratrain.components.build_model`): every parameter's shape and dtype, gradients and AdamW's two moments
   for the trainable ones, buffers whole on every rank; under FSDP this rank's shard of each parameter, dim 0 padded
   as ``fully_shard`` pads it, and FSDP's units as the run makes them (:func:`hydratrain.parallel.wrap_policy.
-  shard_units` on the meta model, after activation checkpointing wraps its blocks; BatchNorm its own fp32 unit under
-  bf16/fp16);
+  shard_units` on the meta model, after activation checkpointing wraps its blocks; BatchNorm and parametrized
+  layers their own fp32 units under bf16/fp16: :func:`hydratrain.parallel.precision.float32_modules`);
 * activations from one training step of the real model on storage-less tensors (:func:`trace`,
   :mod:`hydratrain.memsim`): the example micro-batch of the run's shapes (the data's first samples, or a token batch
   of ``data.seq_len``), forward in the strategy's autocast region (FSDP: parameters in the compute dtype, the
@@ -185,15 +185,6 @@ def _blocks(model: nn.Module, spec: ModelSpec):
     return find_blocks(model, list(spec.block_classes) or None)
 
 
-def _batch_norms(model: nn.Module) -> list[nn.Module]:
-    """BatchNorm layers with parameters: FSDP keeps each in float32 as a unit of its own under bf16/fp16
-    (:meth:`hydratrain.parallel.strategy.FSDP._wrap`)."""
-    from torch.nn.modules.batchnorm import _BatchNorm
-
-    return [m for m in model.modules() if isinstance(m, _BatchNorm) and m is not model
-            and any(p is not None for p in m._parameters.values())]
-
-
 @dataclass(frozen=True)
 class Structure:
     """The model's state as one rank sees it: ``params`` ((name, shape, bytes per value, trainable) of every
@@ -213,12 +204,13 @@ def structure(spec: ModelSpec, checkpointed: bool, wrap_policy: str, min_num_par
     """The :class:`Structure` of ``spec``'s model under this activation checkpointing and wrap policy (``none``
     for strategies that do not shard). Raises :class:`PlanUnavailable` (the model does not build on meta)."""
     from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+    from hydratrain.parallel.precision import float32_modules
 
     model = meta_model(spec)
     params = tuple((n, tuple(p.shape), p.element_size(), p.requires_grad) for n, p in model.named_parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
     name_of = {id(p): n for n, p in model.named_parameters()}
-    norms = [[name_of[id(p)] for p in m.parameters()] for m in _batch_norms(model)] if fp32_norms else []
+    norms = [[name_of[id(p)] for p in m.parameters()] for m in float32_modules(model)] if fp32_norms else []
     blocks = _blocks(model, spec)
     if checkpointed and blocks.modules:
         apply_activation_checkpointing(model, blocks)
@@ -277,6 +269,7 @@ def trace(spec: ModelSpec, batch_size: int, mode: Mode, checkpointed: bool, shar
     for the model's sake: a step that does not run gives a Trace with ``error`` set."""
     from hydratrain import components
     from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+    from hydratrain.parallel.precision import float32_modules
     from hydratrain.train.batch import forward, loss_of
 
     if not spec.batch:
@@ -287,7 +280,7 @@ def trace(spec: ModelSpec, batch_size: int, mode: Mode, checkpointed: bool, shar
         model.train()
         sizes = [p.numel() * p.element_size() for p in model.parameters()]  # the master weights' dtypes
         low = shards and mode.param_dtype != torch.float32
-        norms = _batch_norms(model) if low else []
+        norms = float32_modules(model) if low else []
         blocks = _blocks(model, spec)
         if checkpointed and blocks.modules:
             apply_activation_checkpointing(model, blocks)

@@ -865,3 +865,21 @@ def test_a_null_vocab_size_takes_token_datas_vocabulary_and_is_refused_naming_da
     assert str(err.value) == (
         "model.vocab_size=None: null takes the data's vocabulary, but data._target_=mypkg.data.spirals builds "
         "datasets, which have none (only token data does): set model.vocab_size to the number of ids your data holds")
+
+
+def test_parametrized_layers_train_under_fsdp_in_bf16_in_float32_units(cli, own):
+    """spectral_norm (both APIs) and orthogonal compute a layer's weight from its parameters and float32 buffers; FSDP
+    gathered the parameters in bf16 and step 1 failed in the parametrization ("addmv input tensors must have the same
+    dtype"), blamed on the model's forward. Such layers are float32 units of their own, as BatchNorm is."""
+    (own / "mypkg" / "normed.py").write_text(
+        "import torch\nfrom torch import nn\nfrom torch.nn.utils import parametrizations, spectral_norm\n\n"
+        "class Normed(nn.Module):\n    def __init__(self, in_features=2, num_classes=3):\n        super().__init__()\n"
+        "        self.a = parametrizations.spectral_norm(nn.Linear(in_features, 16))\n"
+        "        self.b = parametrizations.orthogonal(nn.Linear(16, 16))\n"
+        "        self.c = spectral_norm(nn.Linear(16, num_classes))\n\n"
+        "    def forward(self, x):\n        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))\n")
+    r = cli([*QUICK, "trainer.max_steps=2", "strategy=fsdp", "strategy.shard_on_one_rank=true", "precision=bf16",
+             "model._target_=mypkg.normed.Normed", "~model.width", "~model.depth"], own / "normed", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "fsdp: sharded 4 modules (0 + 3 in float32 (Linear, ParametrizedLinear) by wrap_policy=auto + root)" \
+        in r.output, r.output[-3000:]

@@ -158,3 +158,22 @@ class Precision:
 
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def float32_modules(model: "torch.nn.Module") -> list:
+    """The modules of ``model`` (not itself) that FSDP keeps in float32 inside a lower-precision model, each its own
+    unit (:meth:`Precision.float32_policy`), because their forward combines their
+    parameters with float32 state that a low-precision weight cannot meet: BatchNorm with affine parameters (its
+    running statistics; FSDP1 kept it in float32 by default), and a module whose weight is computed from its
+    parameters (``torch.nn.utils.parametrize``: ``spectral_norm``'s power-iteration vectors, ``orthogonal``'s base;
+    the older hook-based ``torch.nn.utils.spectral_norm`` too). Under autocast (DDP) these work as they are."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    def kept(m) -> bool:
+        if isinstance(m, _BatchNorm):
+            return any(p is not None for p in m._parameters.values())
+        return parametrize.is_parametrized(m) or any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values())
+
+    return [m for m in model.modules() if m is not model and kept(m)]

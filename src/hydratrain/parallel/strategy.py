@@ -30,7 +30,7 @@ from hydratrain.parallel.ac_compile import (
     choose_compile,
 )
 from hydratrain.parallel.blocks import Blocks, find_blocks
-from hydratrain.parallel.precision import Precision
+from hydratrain.parallel.precision import Precision, float32_modules
 from hydratrain.parallel.wrap_policy import mixed_dtypes, shard_units
 
 log = logging.getLogger(__name__)
@@ -333,14 +333,10 @@ class FSDP(Strategy):
                               f"but {mixed}: use strategy=ddp, or give them a module of their own and add its class "
                               "to wrap_policy.block_classes")
         ties = param_init.tied_parameters(raw)
-        norms = []
-        if precision.compute_dtype != torch.float32:  # BatchNorm computes in float32 (Precision.float32_policy)
-            from torch.nn.modules.batchnorm import _BatchNorm
-
-            norms = [m for m in raw.modules() if isinstance(m, _BatchNorm) and m is not raw
-                     and any(p is not None for p in m._parameters.values())]
-            for norm in norms:
-                fully_shard(norm, **{**kwargs, "mp_policy": precision.float32_policy()})
+        norms = float32_modules(raw) if precision.compute_dtype != torch.float32 else []
+        kinds = ", ".join(sorted({type(m).__name__ for m in norms}))  # (before fully_shard renames the classes)
+        for norm in norms:  # (Precision.float32_policy)
+            fully_shard(norm, **{**kwargs, "mp_policy": precision.float32_policy()})
         for unit in units:
             fully_shard(unit, **kwargs)
         # The root holds what no unit took; it is never resharded after forward since backward needs it at once.
@@ -354,7 +350,7 @@ class FSDP(Strategy):
             p.data = p.data.to(device)
         init_note = param_init.initialise(raw, seed, device, built_on_meta)
         what = blocks.describe() if policy in ("auto", "transformer_block") and units else f"{len(units)}"
-        what += f" + {len(norms)} BatchNorm in float32" if norms else ""
+        what += f" + {len(norms)} in float32 ({kinds})" if norms else ""
         if scalars:
             shown = ", ".join(scalars[:3]) + (f" and {len(scalars) - 3} more" if len(scalars) > 3 else "")
             init_note = "; ".join(filter(None, [f"{len(scalars)} 0-d parameters replicated ({shown})", init_note]))
