@@ -21,7 +21,7 @@ from typing import ContextManager, Optional
 import torch
 from torch import nn
 
-from hydratrain.errors import ConfigError
+from hydratrain.errors import ConfigError, HydratrainError
 from hydratrain.parallel import init as param_init
 from hydratrain.parallel.ac_compile import (
     CompileChoice,
@@ -34,6 +34,33 @@ from hydratrain.parallel.precision import Precision, float32_modules
 from hydratrain.parallel.wrap_policy import mixed_dtypes, shard_units
 
 log = logging.getLogger(__name__)
+
+#: what to do when ranks run different modules in one step, under FSDP
+_SAME_MODULES_FIX = ("use strategy=ddp strategy.find_unused_parameters=true, or make every module run every step "
+                     "(an expert on zero rows)")
+
+
+def is_collective_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that waited past the process group's timeout
+    (``distributed.collective_timeout_s``): gloo's "Timed out waiting ...", NCCL's watchdog timeout."""
+    message = str(err)
+    return isinstance(err, RuntimeError) and ("Timed out waiting" in message or "collective operation timeout"
+                                              in message or "timed out" in message.lower() and "gloo" in message)
+
+
+class CollectiveTimeout(HydratrainError):
+    """A collective of a training step waited past ``distributed.collective_timeout_s``: the other ranks failed, hang,
+    or issued other collectives (under FSDP: ranks that ran different modules in that step). One line, not the
+    backend's traceback and not a blame of the forward, which only happened to be waiting."""
+
+    def __init__(self, step: Optional[int], strategy: str):
+        where = f"step {step}" if step is not None else "a training step"
+        sharded = strategy in ("fsdp", "hsdp")
+        why = (f"either another rank failed or hangs (see its log), or the ranks ran different modules in {where} "
+               f"(a forward that picks modules per batch, as top-1 MoE routing), so FSDP's per-module gathers and "
+               f"reduce-scatters no longer pair up across ranks: {_SAME_MODULES_FIX}") if sharded else \
+            "another rank failed, hangs, or issued a different collective (see its log)"
+        super().__init__(f"a collective of {where} waited past distributed.collective_timeout_s: {why}")
 
 
 class Strategy:
@@ -128,13 +155,21 @@ class Strategy:
     def check_first_gradients(self, model: nn.Module) -> None:
         """Checks of the gradients the first backward made (DDP: every trained parameter got one)."""
 
+    def check_first_forward(self, model: nn.Module) -> ContextManager:
+        """Context for the first training forward, for the checks that must run around it (FSDP: every rank runs
+        the same modules); nothing by default."""
+        return contextlib.nullcontext()
+
     def grad_sync(self, model: nn.Module, enabled: bool) -> ContextManager:
         """Context for one micro-batch's backward: gradient sync only on the last micro-batch of a step."""
         return contextlib.nullcontext()
 
-    def explain(self, model: nn.Module, err: BaseException) -> Optional[ConfigError]:
-        """The config error behind ``err``, raised by a training step's forward or backward, when the strategy knows
-        it (DDP: parameters unused in some step); None otherwise."""
+    def explain(self, model: nn.Module, err: BaseException, step: Optional[int] = None):
+        """The error to report for ``err``, raised by a training step's forward or backward, when the strategy knows
+        what is behind it (DDP: parameters unused in some step; any strategy: a collective that timed out, as
+        :class:`CollectiveTimeout`); None otherwise."""
+        if is_collective_timeout(err):
+            return CollectiveTimeout(step, self.name)
         return None
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, device: torch.device) -> torch.Tensor:
@@ -237,13 +272,13 @@ class DDP(Strategy):
                               "(the forward did not use them), which stalls DistributedDataParallel's next step: set "
                               "strategy.find_unused_parameters=true, or freeze them (requires_grad=False)")
 
-    def explain(self, model: nn.Module, err: BaseException) -> Optional[ConfigError]:
+    def explain(self, model: nn.Module, err: BaseException, step: Optional[int] = None):
         # DDP's reducer, at the forward after a backward that left some parameter without a gradient (a branch the
         # forward takes only sometimes: LayerDrop, an auxiliary head every N steps); it lists their indices among
         # the parameters that require grad
         message = str(err)
         if self.cfg.strategy.find_unused_parameters or "Expected to have finished reduction" not in message:
-            return None
+            return super().explain(model, err, step)
         trained = [n for n, p in model.module.named_parameters() if p.requires_grad]
         found = re.search(r"did not receive grad for rank \d+: ([\d ,]+)", message)
         indices = [int(i) for i in re.findall(r"\d+", found.group(1))] if found else []
@@ -290,6 +325,7 @@ class FSDP(Strategy):
     needs_process_group = True
     shards_parameters = True
     _replicated: list = []  # the 0-d parameters each rank holds whole (_wrap)
+    _device: Optional[torch.device] = None  # where the model computes (_wrap): the device of the checks' collectives
 
     def _mesh(self, device: torch.device):
         """The 1-D mesh of all ranks (every parameter sharded across all of them)."""
@@ -302,6 +338,7 @@ class FSDP(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         scfg, policy = self.cfg.strategy, str(self.cfg.wrap_policy.name)
+        self._device = device
         mesh = self._mesh(device)
         kwargs = dict(mesh=mesh, reshard_after_forward=scfg.reshard_after_forward,
                       mp_policy=precision.mixed_precision_policy())
@@ -364,6 +401,70 @@ class FSDP(Strategy):
 
     def autocast(self, precision, device):
         return contextlib.nullcontext()
+
+    def check_first_forward(self, model):
+        """FSDP gathers each unit's parameters before the unit's forward and reduce-scatters the gradients of the
+        parameters that got one after its backward, on all ranks together: ranks that run different modules in a
+        step (top-1 MoE routing with an expert that got no rows on some rank) issue different collectives, which
+        hang until ``distributed.collective_timeout_s`` or abort the process (gloo: "collective mismatch").
+        Around the first forward: before each unit's gather, one all-reduce of the unit's index (so the first unit
+        that one rank runs and another does not is found by every rank at the same collective, before the
+        mismatched gather); after the forward, one all-reduce of which parameter-owning modules ran (a unit that
+        holds several modules, as ``wrap_policy=none``'s root, reduce-scatters only the gradients it got).
+        Either raises :class:`ConfigError` on every rank alike, naming the modules. A module skipped on every
+        rank alike (LayerDrop drawn from a generator seeded alike) passes. First forward only, so later steps cost
+        nothing; a mismatch in a later step ends as :class:`CollectiveTimeout`. Not with ``trainer.compile`` (the
+        hooks would run in the compiled region) nor on one rank."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1 or self.compiled:
+            return contextlib.nullcontext()
+        return self._same_modules(model)
+
+    @contextlib.contextmanager
+    def _same_modules(self, model):
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FSDPModule
+
+        device = self._device if self._device is not None else torch.device("cpu")
+        units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model]
+        owners = [n for n, m in model.named_modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        ran = [False] * len(owners)
+
+        def unit(i: int) -> str:
+            return units[i] if i < len(units) else "none (its forward was over)"
+
+        def agree(i: int) -> None:  # every rank at the same unit (len(units): at the end of the forward)
+            at = torch.tensor([i, -i], dtype=torch.int64, device=device)
+            dist.all_reduce(at, op=dist.ReduceOp.MAX)
+            first, last = -int(at[1]), int(at[0])
+            if first != last:
+                raise ConfigError("strategy", self.name, f"the ranks ran different modules in step 1: where some "
+                                  f"ran FSDP unit {unit(first)}, others ran {unit(last)}; FSDP gathers each unit's "
+                                  f"parameters on all ranks together, so they would hang or abort: "
+                                  f"{_SAME_MODULES_FIX}")
+
+        handles = []
+        modules = dict(model.named_modules())
+        for i, name in enumerate(units):  # prepended: before FSDP's own pre-forward hook, which gathers
+            handles.append(modules[name].register_forward_pre_hook(lambda *_, i=i: agree(i), prepend=True))
+        for k, name in enumerate(owners):
+            handles.append(modules[name].register_forward_pre_hook(lambda *_, k=k: ran.__setitem__(k, True)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        agree(len(units))
+        flags = torch.tensor(ran + [not r for r in ran], dtype=torch.int64, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [ran on some rank..., skipped on some rank...]
+        split = [owners[k] for k in range(len(owners)) if flags[k] and flags[len(owners) + k]]
+        if split:
+            shown = ", ".join(split[:4]) + (f" and {len(split) - 4} more" if len(split) > 4 else "")
+            raise ConfigError("strategy", self.name, f"{shown} ran on some ranks and not on others in step 1 (their "
+                              "parameters got a gradient on some ranks only); FSDP reduce-scatters a unit's "
+                              "gradients on all ranks together, so the backward would hang or abort: "
+                              f"{_SAME_MODULES_FIX}")
 
     def grad_sync(self, model, enabled):
         model.set_requires_gradient_sync(enabled)

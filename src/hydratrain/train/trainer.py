@@ -16,6 +16,7 @@ CUDA) the loop reads nothing from the device between log steps: the guard's coun
 synchronises anyway (a log step, an eval, a checkpoint save, the end)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ from hydratrain.checkpoint.preemption import hold_sigterm
 from hydratrain.dist.launch import stop_if_launcher_gone
 from hydratrain.errors import ConfigError, DivergenceError
 from hydratrain.parallel.ac_compile import CompileClock, eager
+from hydratrain.parallel.strategy import is_collective_timeout
 from hydratrain.train import batch as batches_
 from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
 
@@ -229,8 +231,8 @@ class Trainer:
                                   "frozen), so there is nothing to train")
             self.evaluator.check_metrics(self._outputs, batch)  # at step 1, not after a whole run at the eval
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError) as err:
-            if is_out_of_memory(err) or isinstance(err, ConfigError):
-                raise
+            if is_out_of_memory(err) or isinstance(err, ConfigError) or is_collective_timeout(err):
+                raise  # (a timeout: the forward was waiting for the others, train_step's explain says so)
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if self._stage == "forward":
                 inputs = batch if isinstance(batch, dict) else batch[0]
@@ -276,12 +278,13 @@ class Trainer:
                 probe = batch
             with self.strategy.grad_sync(self.model, micro == accum - 1):
                 try:
-                    loss = self.checked_loss_of(batch)
+                    with self.strategy.check_first_forward(self.model) if first else contextlib.nullcontext():
+                        loss = self.checked_loss_of(batch)
                     if divisors is None:  # after the first forward, which tells whose loss it is
                         divisors, empty = self._divisors(micro_batches, counted)
                     self.scaler.scale(loss / divisors[micro]).backward()
                 except RuntimeError as err:
-                    explained = self.strategy.explain(self.model, err)
+                    explained = self.strategy.explain(self.model, err, self.progress.step + 1)
                     if explained is None:
                         raise
                     raise explained from err
@@ -337,8 +340,8 @@ class Trainer:
                 self.evaluator.check_loss(outputs, batch)  # and learns whether the loss communicates
                 self.evaluator.check_metrics(outputs, batch)
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError) as err:
-            if is_out_of_memory(err) or isinstance(err, ConfigError):
-                raise
+            if is_out_of_memory(err) or isinstance(err, ConfigError) or is_collective_timeout(err):
+                raise  # (a timeout: the forward was waiting for the others, train_step's explain says so)
             why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
             if stage == "forward":
                 raise ConfigError("model._target_", self.contract[0], "in eval mode (model.eval(), as the eval runs "
@@ -404,6 +407,12 @@ class Trainer:
                 if self._end_of_step(step, votes):
                     result.preempted = True
                     break
+        except RuntimeError as err:
+            hold_sigterm()  # until hydratrain.run has logged why this rank ends
+            if not is_collective_timeout(err):
+                raise
+            # wherever it surfaced (a log step's all-reduce, the next step's gather): one line, not a traceback
+            raise self.strategy.explain(self.model, err, self.progress.step + 1) from err
         except BaseException:
             hold_sigterm()  # until hydratrain.run has logged why this rank ends
             raise
