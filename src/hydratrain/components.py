@@ -202,7 +202,8 @@ def model_name(cfg: DictConfig) -> str:
 def build_model(cfg: DictConfig, device: Any, vocab_size: Optional[int] = None):
     """The model of ``cfg.model`` built with its constructor's tensors on ``device`` (a ``torch.device``, ``meta``
     included). Raises :class:`ConfigError`: the model's own (naming its key), or one naming ``model._target_`` with
-    what the constructor raised."""
+    what the constructor raised, or a ``state_dict()`` that checkpoints cannot hold (:func:`check_state_dict`, on a
+    build with storage; before any wrapper, whose own hooks rename keys)."""
     import torch
 
     target = target_of(cfg.get("model"), "model")
@@ -214,6 +215,8 @@ def build_model(cfg: DictConfig, device: Any, vocab_size: Optional[int] = None):
         model = instantiate_node(node, "model._target_", target, "its constructor raised")
     if not isinstance(model, torch.nn.Module):
         raise ConfigError("model._target_", target, f"built a {type(model).__name__}, not a torch.nn.Module")
+    if torch.device(device).type != "meta":  # a meta build is checked by check_components, before any process starts
+        check_state_dict(model, target)
     return model
 
 
@@ -342,6 +345,83 @@ def check_parameters(model: Any, target: str) -> None:
                           "sparse=False")
 
 
+def state_dict_names(model: Any) -> set:
+    """The keys ``model.state_dict()`` holds when no hook changes them: every module's parameters and persistent
+    buffers by their dotted names (a shared module's under each of its names, as ``state_dict`` gives them) and
+    ``<module>._extra_state`` for a module whose class overrides ``get_extra_state``."""
+    from torch import nn
+
+    names = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        names.update(pre + n for n, p in module._parameters.items() if p is not None)
+        names.update(pre + n for n, b in module._buffers.items()
+                     if b is not None and n not in module._non_persistent_buffers_set)
+        if getattr(type(module), "get_extra_state", nn.Module.get_extra_state) is not nn.Module.get_extra_state:
+            names.add(pre + nn.modules.module._EXTRA_STATE_KEY_SUFFIX)
+    return names
+
+
+def check_state_dict(model: Any, target: str, built_on_meta: bool = False) -> None:
+    """What checkpoints, resume and the weights export need of ``model.state_dict()``, as one line naming
+    ``model._target_``. Raises :class:`ConfigError`.
+
+    - Its keys are the model's parameter and persistent-buffer names plus ``_extra_state`` entries
+      (:func:`state_dict_names`): ``torch.distributed.checkpoint.state_dict`` (every save, resume and export, on any
+      strategy) maps each key back to the module attribute of that name and loads strictly, so a state_dict hook
+      or ``_save_to_state_dict`` that renames, adds or drops a key fails at the first save, or the resume, after
+      training.
+    - Each non-tensor extra state (``get_extra_state()``) survives ``torch.save`` then
+      ``torch.load(weights_only=True)``: checkpoints store it pickled and resume reads it back that way (nothing in a
+      checkpoint runs code on load), so a custom class or an unpicklable object would fail at the first save or the
+      resume.
+
+    ``built_on_meta``: a state_dict() that raises is not refused (the module may need storage); the real build is
+    checked again."""
+    import io
+
+    import torch
+
+    try:
+        state = model.state_dict()
+    except Exception as err:  # noqa: BLE001 (whatever the model's own state_dict code raises)
+        if built_on_meta:
+            return
+        why = (str(err).strip().splitlines() or [""])[0]
+        raise ConfigError("model._target_", target, f"its state_dict() raised {type(err).__name__}: {why}; "
+                          "checkpoints and the weights export need it") from None
+    names = state_dict_names(model)
+    added, dropped = [k for k in state if k not in names], sorted(names - set(state))
+    if added or dropped:
+        what = "; ".join(part for part in (
+            f"holds {', '.join(added[:4])}, not the name of a parameter or buffer" if added else "",
+            f"lacks {', '.join(dropped[:4])}" if dropped else "") if part)
+        raise ConfigError("model._target_", target, f"its state_dict() {what} (a state_dict hook or "
+                          "_save_to_state_dict that renames, adds or drops keys): checkpoints, resume and the weights "
+                          "export save and load the model by its parameter and buffer names "
+                          "(torch.distributed.checkpoint), so the run would fail at its first save; remove the hook "
+                          "and convert to another layout outside the model (e.g. in an export_to() method)")
+    for key in sorted(k for k in names if k.endswith("_extra_state")):
+        value = state.get(key)
+        if isinstance(value, torch.Tensor):
+            continue
+        buffer, step = io.BytesIO(), "torch.save cannot pickle it"
+        try:
+            torch.save(value, buffer)
+            buffer.seek(0)
+            step = "torch.load(weights_only=True) refuses it"
+            torch.load(buffer, weights_only=True)
+        except Exception as err:  # noqa: BLE001 (pickling, or the weights-only unpickler refusing a global)
+            lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+            why = next((line for line in lines if line.startswith("WeightsUnpickler error:")), lines[0] if lines
+                       else "")
+            why = why.split(" Please use")[0]  # torch's advice to trust the file: not what a model should do
+            raise ConfigError("model._target_", target, f"its {key} (get_extra_state()) is a {type(value).__name__} "
+                              f"that a checkpoint cannot restore: {step} ({type(err).__name__}: {why[:200]}); "
+                              "return a tensor, or plain containers (dict, list, tuple) of tensors, numbers, "
+                              "strings and None") from None
+
+
 def _vocabulary_for_checks(cfg: DictConfig, cls: Any) -> Optional[int]:
     """What a ``vocab_size: null`` keyword becomes for the checks before the run: the data's vocabulary where it is
     known without a tokenizer (256 for bytes and synthetic tokens), else a stand-in of its type (the run takes the
@@ -387,6 +467,7 @@ def check_components(cfg: DictConfig) -> None:
         model = None
     if model is not None:
         check_parameters(model, target)
+        check_state_dict(model, target, built_on_meta=True)
     limit, seq_len = getattr(model, "max_seq_len", None), cfg.data.get("seq_len") if cfg.get("data") else None
     if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
         raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "

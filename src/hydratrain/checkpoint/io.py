@@ -299,6 +299,10 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
     rank, world = rank_and_world()
     where = f"model.init_from={path}"
     live = get_model_state_dict(model)
+    # a module's extra state that is no tensor (get_extra_state() -> dict) is not in a safetensors file: the model
+    # keeps its own (rank 0's, on every rank)
+    own = {k: v for k, v in live.items() if not isinstance(v, torch.Tensor)}
+    live = {k: v for k, v in live.items() if isinstance(v, torch.Tensor)}
     try:
         with safe_open(str(path), "pt", device="cpu") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -330,13 +334,16 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
     broadcast = dist.is_available() and dist.is_initialized() and world > 1
     if broadcast:
         _same_file_on_every_rank(path)
-    full = load_file(str(path)) if (rank == 0 or not broadcast) else {}
+    # (DCP would hand a missing extra state to set_extra_state as a placeholder object of its own, strict or not)
+    full = {**load_file(str(path)), **own} if (rank == 0 or not broadcast) else {}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast,
                                                                strict=True))
     del full
     bad = []
     with safe_open(str(path), "pt", device="cpu") as f:
         for k, v in get_model_state_dict(model).items():
+            if k in own:
+                continue
             if isinstance(v, DTensor):
                 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -463,7 +463,12 @@ class CheckpointManager:
             log.warning("%s has no readable config.yaml: the model architecture and the config it was saved with are "
                         "not checked against this run's (only tensor shapes are)", ckpt)
         if "model" in self.components:
-            shapes = {k: tuple(v.shape) for k, v in self.components["model"].state_dict().items()}
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+            # the tensors by their flat DCP keys: a module's extra state may be a dict (of numbers, of tensors), which
+            # DCP stores entry by entry
+            flat = flatten_state_dict({"model": self.components["model"].state_dict()})[0]
+            shapes = {k[len("model."):]: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
             check_model_shapes(md, shapes, ckpt, saved_config, dict(self.config))
         check_architecture((saved_config or {}).get("model"), dict(self.config).get("model") or {}, str(ckpt))
         rank_key = f"rank{self.rank}"

@@ -101,7 +101,9 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Op
     """Gather the full (unsharded) weights on rank 0 and write them to ``path`` as safetensors, atomically.
 
     Every rank must call (FSDP all-gathers). Keys are the model's own parameter names (no DDP/AC/compile prefixes);
-    a tied weight is stored under each of its names. ``metadata`` (str -> str) goes into the file's header.
+    a tied weight is stored under each of its names. A module's extra state (``get_extra_state()``) is stored when it
+    is a tensor; any other (a dict...) is left out, with a warning: safetensors holds tensors only (the DCP checkpoints
+    keep it). ``metadata`` (str -> str) goes into the file's header.
     ``export``: ``(plain model, dir, tokenizer.json or None)``: a model with an ``export_to`` hook
     (:data:`hydratrain.checkpoint.export.EXPORT_HOOK`) also writes its own
     format into that dir from the same tensors (rank 0). Returns ``path`` on rank 0, None elsewhere.
@@ -113,7 +115,13 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Op
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
         return None
-    state = {k: v.clone() for k, v in state.items()}  # tied weights share storage; safetensors wants one each
+    left_out = [f"{k} (a {type(v).__name__} from get_extra_state())" for k, v in state.items()
+                if not isinstance(v, torch.Tensor)]
+    if left_out:  # a module's get_extra_state() that is not a tensor: the checkpoints keep it, safetensors cannot
+        log.warning("%s holds tensors only: left out the model's extra state %s; the checkpoints keep it; load the "
+                    "file with load_state_dict(..., strict=False)", path.name, ", ".join(left_out))
+    # tied weights share storage; safetensors wants one each
+    state = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
     out = write_safetensors(state, path, {"format": "pt", "producer": "hydratrain", **(metadata or {})})
     if export is not None:
         export_model(*export, state)
