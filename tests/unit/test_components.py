@@ -602,11 +602,10 @@ def test_a_models_own_loss_gets_no_perplexity_and_padded_targets_weigh_the_eval_
         assert out["loss"] == pytest.approx(expected, rel=1e-6) and "perplexity" in out, size
 
 
-def test_namedtuple_batches_are_padded_moved_and_counted_and_metrics_see_float32_outputs():
-    """A dataset of namedtuple samples (the default collate keeps the type): its padded last eval batch, its move to
-    the device and its FLOPs fakes keep the type (rebuilt field by field, not from one iterable: a TypeError after
-    the whole training); and bf16 outputs reach the metrics in float32, as they reach the loss (a perplexity metric
-    read 11.467 against exp(eval/loss) 11.476)."""
+def test_namedtuple_batches_are_selected_moved_and_counted_and_metrics_see_float32_outputs():
+    """A dataset of namedtuple samples (the default collate keeps the type): the selection of a batch's rows, its
+    move to the device and its FLOPs fakes keep the type (a namedtuple is rebuilt field by field, not from one
+    iterable); and bf16 outputs reach the metrics in float32, as they reach the loss."""
     from collections import namedtuple
 
     import torchmetrics
@@ -637,12 +636,12 @@ def test_namedtuple_batches_are_padded_moved_and_counted_and_metrics_see_float32
         def compute(self):
             return self.n
 
-    class Padded(list):  # 6 samples in batches of 4: the last one half padding
+    class Short(list):  # 6 samples in batches of 4: the last one of 2
         n_samples, batch_size, world_size, global_batches = 6, 4, 1, 2
 
-    x, y = torch.randn(8, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-    batches = Padded([(Pair(x[:4], y[:4]), torch.ones(4, dtype=torch.bool)),
-                      (Pair(x[4:], y[4:]), torch.tensor([True, True, False, False]))])
+    x, y = torch.randn(6, 2), torch.tensor([0, 1, 2, 0, 1, 2])
+    batches = Short([(Pair(x[:4], y[:4]), torch.ones(4, dtype=torch.bool)),
+                     (Pair(x[4:], y[4:]), torch.ones(2, dtype=torch.bool))])
     seen = Seen()
     evaluator = Evaluator(batches, torch.device("cpu"), nn.CrossEntropyLoss(), {"n": seen})
     model = nn.Linear(2, 3).to(torch.bfloat16)
@@ -652,8 +651,8 @@ def test_namedtuple_batches_are_padded_moved_and_counted_and_metrics_see_float32
 
 def test_a_loss_that_communicates_is_evaluated_on_whole_global_batches_only():
     """A loss that runs a collective (a contrastive loss all-gathering its embeddings) is called by every rank on
-    whole global batches only: the padded last one (copies of the first sample: extra positives and negatives)
-    goes to the metrics alone, and an eval set that fills no global batch is a config error at the first step."""
+    whole global batches only: the short last one goes to the metrics alone, and an eval set that fills no global
+    batch is a config error at the first step."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -663,23 +662,20 @@ def test_a_loss_that_communicates_is_evaluated_on_whole_global_batches_only():
     from hydratrain.errors import ConfigError
     from hydratrain.train.evaluate import Evaluator
 
+    class Short(list):  # EvalBatches' shape: 10 samples in global batches of 1 rank x 4, the last one of 2
+        n_samples, batch_size, world_size, global_batches = 10, 4, 1, 3
+
+    x, y = torch.randn(10, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+    model, plain = nn.Linear(2, 3), __import__("contextlib").nullcontext()
+    batches = Short([((x[i:i + 4], y[i:i + 4]), torch.ones(4, dtype=torch.bool)) for i in (0, 4)])
+    batches.append(((x[8:], y[8:]), torch.ones(2, dtype=torch.bool)))
+    calls = []
+
     def gathered(outputs, targets):  # world size 1: the all-reduce changes nothing, but it is a collective
+        calls.append(len(targets))
         dist.all_reduce(outputs.detach().clone())
         return nn.functional.cross_entropy(outputs, targets)
 
-    class Padded(list):  # EvalBatches' shape: 10 samples in global batches of 1 rank x 4, the last 2 padded
-        n_samples, batch_size, world_size, global_batches = 10, 4, 1, 3
-
-    with torch.random.fork_rng():  # data where the padding copies (x[0], x[1]) would change the accuracy
-        torch.manual_seed(2998)
-        x, y = torch.randn(10, 2), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
-        model, plain = nn.Linear(2, 3), __import__("contextlib").nullcontext()
-    with torch.no_grad():
-        hits = model(x).argmax(-1) == y
-    assert hits[8:].sum() != hits[:2].sum()
-    batches = Padded([((x[i:i + 4], y[i:i + 4]), torch.ones(4, dtype=torch.bool)) for i in (0, 4)])
-    last_valid = torch.tensor([True, True, False, False])  # samples 8 and 9, then two copies of samples 0 and 1
-    batches.append(((torch.cat([x[8:], x[:2]]), torch.cat([y[8:], y[:2]])), last_valid))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         accuracy = MulticlassAccuracy(3, average="micro")
@@ -689,7 +685,8 @@ def test_a_loss_that_communicates_is_evaluated_on_whole_global_batches_only():
         out = evaluator.evaluate(model, plain)
         with torch.no_grad():
             assert out["loss"] == pytest.approx(nn.functional.cross_entropy(model(x[:8]), y[:8]).item(), rel=1e-6)
-            assert out["accuracy"] == pytest.approx(hits.float().mean().item())  # all 10, no copy
+            assert out["accuracy"] == pytest.approx((model(x).argmax(-1) == y).float().mean().item())  # all 10
+        assert calls == [4, 4, 4]  # check_loss, then the two whole batches: never the short one
         tiny = SimpleNamespace(n_samples=3, batch_size=4, world_size=2)
         with pytest.raises(ConfigError, match=r"^trainer.eval_samples=3: 3 eval samples fill no global batch of 2 "
                                               r"ranks x data.batch_size=4, and the loss communicates"):

@@ -172,7 +172,8 @@ def test_eval_set_counts_each_sample_once_at_any_world_size_and_batch(n_samples)
         for rank in range(world):
             batches = list(EvalBatches(ds, n_samples, batch, rank, world))
             counts.add(len(batches))
-            seen += [int(x[i, 0]) // 8 for (x, _), valid in batches for i in range(batch) if valid[i]]
+            seen += [int(x[i, 0]) // 8 for (x, _), valid in batches for i in range(len(valid)) if valid[i]]
+            assert all(len(valid) == len(x) and (valid.all() or len(valid) == 1) for (x, _), valid in batches)
         assert len(counts) == 1  # every rank runs the same number of forwards
         assert len(seen) == len(set(seen)) == (n_samples or 40)
         want = want or sorted(seen)
@@ -449,3 +450,45 @@ def test_a_run_whose_last_steps_are_in_no_checkpoint_says_so(make_job, tmp_path,
         f"steps after {tmp_path / 'checkpoints' / 'step_00000008'} are in no checkpoint (checkpoint.save_last=false): "
         "a relaunch with a larger trainer.max_steps resumes from it and trains them again"]), said
     assert all(s.endswith(f" hydra.run.dir={tmp_path} trainer.max_steps=<more>") for s in said), said
+
+
+def bags(batch):
+    """PyTorch's text-classification collate: (tokens, label) samples -> one flat ``input`` and ``offsets``."""
+    lengths = torch.tensor([0] + [len(t) for t, _ in batch[:-1]])
+    return {"input": torch.cat([t for t, _ in batch]), "offsets": lengths.cumsum(0),
+            "labels": torch.tensor([c for _, c in batch])}
+
+
+def test_a_flat_batch_layout_gets_the_same_eval_at_any_batch_size():
+    """``nn.EmbeddingBag``'s layout (one flat ``input`` of every sample's tokens, ``offsets`` where each starts): no
+    row of ``input`` is a sample, so a padding sample in the last batch could not be dropped again and its tokens
+    joined the last real bag (eval/loss moved with the batch size). The last batch holds only real samples."""
+    import contextlib
+
+    from omegaconf import OmegaConf
+    from torch import nn
+
+    from hydratrain.data.loader import loader_fetch
+    from hydratrain.data.streams import EvalBatches
+    from hydratrain.train.evaluate import Evaluator
+
+    g = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 20, (int(n),), generator=g), int(c))
+               for n, c in zip(torch.randint(1, 6, (10,), generator=g), torch.randint(0, 3, (10,), generator=g))]
+
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag, self.head = nn.EmbeddingBag(20, 8), nn.Linear(8, 3)
+
+        def forward(self, input, offsets, labels=None):
+            return self.head(self.bag(input, offsets))
+
+    model = Bag()
+    with torch.no_grad():
+        hand = nn.functional.cross_entropy(model(**bags(samples)), bags(samples)["labels"]).item()
+    node = OmegaConf.create({"_target_": "x", "collate_fn": {"_target_": f"{__name__}.bags"}})
+    for batch in (3, 4, 16):
+        evals = EvalBatches(samples, 10, batch, 0, 1, fetch=loader_fetch(samples, node, torch.device("cpu")))
+        out = Evaluator(evals, torch.device("cpu"), nn.CrossEntropyLoss()).evaluate(model, contextlib.nullcontext())
+        assert out["loss"] == pytest.approx(hand, rel=1e-6), batch

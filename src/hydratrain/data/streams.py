@@ -245,10 +245,13 @@ class EvalBatches:
     """The eval set: the first ``n_samples`` samples (all when 0 or more than there are) of a fixed shuffled order
     of a split (seed 0, independent of the run), in global batches of ``world_size x batch_size``.
 
-    Rank ``r`` takes positions ``g*W*B + r + W*j`` (``j < B``) of global batch ``g``; the last global batch is padded
-    with sample 0 and the padding is flagged invalid, so every rank runs the same number of forwards (FSDP needs
-    that) and each sample of the set counts exactly once, whatever the world size and batch size. Iterating yields
-    ``(batch, valid)``: the batch as training gets it (``(x, y)`` for token data) and ``valid`` ``(B,)`` bool.
+    Rank ``r`` takes positions ``g*W*B + r + W*j`` (``j < B``) of global batch ``g``; in the last global batch a rank
+    takes only the positions that hold a sample, and a rank left with none takes sample 0 once, flagged invalid, so
+    every rank runs the same number of forwards (FSDP needs that) and each sample of the set counts exactly once,
+    whatever the world size and batch size. No sample is padded into a batch beside real ones: a batch whose layout
+    has no row per sample (``nn.EmbeddingBag``'s flat ``input`` with its ``offsets``) could not drop it again.
+    Iterating yields ``(batch, valid)``: the batch as training gets it (``(x, y)`` for token data) and ``valid``, one
+    bool per sample of it (all true but for that lone padding sample).
     """
 
     def __init__(self, dataset: TokenDataset, n_samples: int, batch_size: int, rank: int, world_size: int,
@@ -277,9 +280,9 @@ class EvalBatches:
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
         import torch
 
-        positions = self._positions()
-        indices = [[self.order[p] if p < self.n_samples else self.order[0] for p in ps] for ps in positions]
+        positions = [[p for p in ps if p < self.n_samples] or [-1] for ps in self._positions()]  # -1: sample 0, padding
+        indices = [[self.order[max(p, 0)] for p in ps] for ps in positions]
         batches = (self.dataset.batch(i) for i in indices) if self.fetch is None else self.fetch(indices)
         for ps, batch in zip(positions, batches):
-            valid = torch.tensor([p < self.n_samples for p in ps])
+            valid = torch.tensor([p >= 0 for p in ps])
             yield to_device(batch, self.device), to_device(valid, self.device)

@@ -124,9 +124,13 @@ def _count(targets: torch.Tensor, ignore_index: int, weight: Optional[torch.Tens
 
 
 def rows(batch: Any) -> int:
-    """Samples in ``batch`` (the first dim of its first tensor)."""
+    """Samples in ``batch``: the first dim of its targets when they are one tensor (a flat layout's ``input``, as
+    ``nn.EmbeddingBag``'s, has a row per token, not per sample), else of its first tensor."""
     from torch.utils._pytree import tree_leaves
 
+    targets = targets_of(batch)
+    if isinstance(targets, torch.Tensor) and targets.dim() > 0:
+        return int(targets.shape[0])
     for leaf in tree_leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])

@@ -36,15 +36,14 @@ class Evaluator:
 
     The loss is the mean of each batch's mean loss weighted by what it is the mean of: its targets that are not
     ignored where the loss counts them (:func:`~hydratrain.train.batch.item_counter`: the mean over the eval set's
-    tokens, padding left out), else its samples; kept as two ``torchmetrics.SumMetric`` in float64. The padding of
-    the last global batch is left out by running the forward on the valid rows only (a rank with none runs the
-    whole padded batch, so every rank runs as many forwards as FSDP needs, and discards it).
+    tokens, padding left out), else its samples; kept as two ``torchmetrics.SumMetric`` in float64. In the last
+    global batch each rank holds only its own samples (:class:`~hydratrain.data.streams.EvalBatches`); a rank with
+    none runs the forward on one padding sample, which every rank needs for FSDP, and discards it.
 
     A loss that communicates (a contrastive loss that all-gathers its embeddings: any ``c10d`` op while it runs,
     seen once by :meth:`check_loss`) needs every rank to call it as often and on batches of the same shape, or the
-    ranks wait for each other forever; and copies of a sample padding a batch would be extra positives and
-    negatives in it. Such a loss is called on the whole global batches only (the padded last one, if any, goes to
-    the metrics alone), and an eval set that fills none is a config error.
+    ranks wait for each other forever. Such a loss is called on the whole global batches only (the last one, if
+    short, goes to the metrics alone), and an eval set that fills none is a config error.
     """
 
     def __init__(self, eval_batches, device: torch.device, loss_fn: Callable, metrics: Optional[dict] = None):
@@ -215,27 +214,25 @@ class Evaluator:
             n_valid, whole = int(valid.sum()), self.loss_communicates
             n, in_whole = self._whole_samples() if whole else (None, None)
             if in_whole is not None and in_whole < n and g == len(self.batches) - 1:
-                # the padded last global batch, on every rank alike: the metrics only (copies of the first
-                # sample in a contrastive loss would be extra positives and negatives)
+                # the last global batch, short (and a lone padding sample on a rank with none), on every rank
+                # alike: the metrics only (a loss that gathers across ranks needs batches of one shape)
                 self._metrics_only(forward(model, batch, autocast), batch, valid)
                 continue
-            if n_valid == 0 and not whole:
+            if n_valid == 0:
                 outputs = forward(model, batch, autocast)  # this rank's share is padding: the forward FSDP needs
                 self._update_empty(select(upcast(prediction(outputs)), valid), select(targets_of(batch), valid))
                 continue
-            if n_valid < rows(batch) and not whole:
-                batch = select(batch, valid)
             outputs = forward(model, batch, autocast)
             if not self._count_known:  # no training step in this launch
                 own = builtin_loss(outputs) is not None
                 self.counts(item_counter(self.loss_fn, model, own, batch), own and hf_kind(model) != "causal")
             loss = loss_of(outputs, batch, self.loss_fn)
             items = (torch.tensor(float(n_valid), dtype=torch.float64, device=self.device) if self.count is None
-                     else self.count(select(batch, valid) if whole and n_valid < rows(batch) else batch))
+                     else self.count(batch))
             # a batch whose targets are all ignored has a NaN mean over none of them: it counts for nothing
             loss_sum.update(torch.where(items > 0, loss.detach().to(torch.float64) * items, 0.0))
             counted.update(items)
-            self._metrics_only(outputs, batch, valid if whole and n_valid < rows(batch) else None)
+            self._metrics_only(outputs, batch, None)
         model.train(was_training)
         total, out = counted.compute(), {}
         if total.item() > 0:  # the same on every rank: the sums are synchronised
