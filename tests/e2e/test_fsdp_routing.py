@@ -66,13 +66,15 @@ def test_fsdp_ranks_running_different_modules_stop_with_one_line_at_step_1(tmp_p
     launch = _launch_dir(tmp_path)
     fix = "use strategy=ddp strategy.find_unused_parameters=true, or make every module run every step"
     # experts as FSDP units: rank 0 runs experts 0 and 2 where rank 1 runs 0 and 1; found before the gather
-    r = run([*BASE, "wrap_policy=auto", f"hydra.run.dir={tmp_path / 'auto'}"], nproc=2, cwd=launch, fast=False, timeout=120)
+    r = run([*BASE, "wrap_policy=auto", f"hydra.run.dir={tmp_path / 'auto'}"], nproc=2, cwd=launch, fast=False,
+            timeout=120)
     assert r.returncode != 0
     assert "config error: strategy='fsdp': the ranks ran different modules in step 1: where some ran FSDP unit " \
            "experts.1, others ran experts.2" in r.output, r.output[-3000:]
     assert fix in r.output and "Timed out" not in r.output and "refused the first batch" not in r.output
     # one unit (the root) holding every expert: the modules that ran on some ranks only are named
-    r = run([*BASE, "wrap_policy=none", f"hydra.run.dir={tmp_path / 'none'}"], nproc=2, cwd=launch, fast=False, timeout=120)
+    r = run([*BASE, "wrap_policy=none", f"hydra.run.dir={tmp_path / 'none'}"], nproc=2, cwd=launch, fast=False,
+            timeout=120)
     assert r.returncode != 0
     assert "config error: strategy='fsdp': experts.1.fc, experts.2.fc ran on some ranks and not on others in " \
            "step 1" in r.output, r.output[-3000:]
