@@ -165,7 +165,8 @@ def test_a_buffer_the_init_leaves_unset_after_a_meta_build_is_named(cli, own):
     (["+model.in_features=3"], "model._target_='mypkg.nets.ResMLP': its forward refused the first batch (inputs "
                                "(64, 2) float32): RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     (["loss=mse"], "loss._target_='torch.nn.MSELoss': refused the model's outputs (64, 3) float32 against targets "
-                   "(64,) int64: RuntimeError: The size of tensor a (3) must match the size of tensor b (64)"),
+                   "(64,) int64: UserWarning: Using a target size (torch.Size([64])) that is different to the input "
+                   "size (torch.Size([64, 3]))"),  # (torch warns, then broadcasts: (64, 1) outputs would train)
     (["data._target_=mypkg.data.nothing"], "data._target_='mypkg.data.nothing': cannot be imported"),
     (["metrics.accuracy.num_classes=2"], "metrics.accuracy._target_='torchmetrics.classification.accuracy."
                                          "MulticlassAccuracy': refused the model's outputs (64, 3) float32 against "

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -218,7 +219,10 @@ class Trainer:
         model_target, loss_target = self.contract
         known = {name for name, _ in self.strategy.unwrap(self.model).named_parameters()}
         try:
-            loss = self.loss_of(batch)
+            with warnings.catch_warnings():  # torch's elementwise losses warn, then broadcast (B, 1) against (B,)
+                warnings.filterwarnings("error", message="Using a target size .* different to the input size",
+                                        category=UserWarning)
+                loss = self.loss_of(batch)
             self._check_no_new_parameters(known)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 key, target = ("model._target_", model_target) if self._own_loss else ("loss._target_", loss_target)
@@ -230,9 +234,10 @@ class Trainer:
                                   "(no grad_fn: the outputs detached, computed under no_grad, or every parameter "
                                   "frozen), so there is nothing to train")
             self.evaluator.check_metrics(self._outputs, batch)  # at step 1, not after a whole run at the eval
-        except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError) as err:
+        except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError,
+                UserWarning) as err:
             if is_out_of_memory(err) or isinstance(err, ConfigError) or is_collective_timeout(err):
-                raise  # (a timeout: the forward was waiting for the others, train_step's explain says so)
+                raise  # (a timeout: the forward was waiting for the others; fit reports it)
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             if self._stage == "forward":
                 inputs = batch if isinstance(batch, dict) else batch[0]
@@ -241,6 +246,9 @@ class Trainer:
             predicted = batches_.prediction(self._outputs)
             hint = ("; the model returns a tuple: return a dict with its 'logits' (the loss and the metrics get them) "
                     "or give a loss that takes the tuple") if isinstance(predicted, (tuple, list)) else ""
+            if isinstance(batch, dict) and "labels" not in batch:
+                hint = (f"; a dict batch gives the loss its 'labels', and this one has none (its keys: "
+                        f"{', '.join(map(str, batch))}): name the targets 'labels'")
             raise ConfigError("loss._target_", loss_target, f"refused the model's outputs "
                               f"{batches_.shapes(predicted)} against targets "
                               f"{batches_.shapes(batches_.targets_of(batch))}: {type(err).__name__}: {why}{hint}") \
@@ -341,7 +349,7 @@ class Trainer:
                 self.evaluator.check_metrics(outputs, batch)
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError) as err:
             if is_out_of_memory(err) or isinstance(err, ConfigError) or is_collective_timeout(err):
-                raise  # (a timeout: the forward was waiting for the others, train_step's explain says so)
+                raise  # (a timeout: the forward was waiting for the others; fit reports it)
             why = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
             if stage == "forward":
                 raise ConfigError("model._target_", self.contract[0], "in eval mode (model.eval(), as the eval runs "
