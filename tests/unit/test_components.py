@@ -881,3 +881,18 @@ def test_parametrized_layers_train_under_fsdp_in_bf16_in_float32_units(cli, own)
     assert r.returncode == 0, r.output[-3000:]
     assert "fsdp: sharded 4 modules (0 + 3 in float32 (Linear, ParametrizedLinear) by wrap_policy=auto + root)" \
         in r.output, r.output[-3000:]
+
+
+def test_a_metric_that_computes_no_single_number_is_told_a_fix_it_takes():
+    """A per-class metric is told to average; a metric without ``average`` (a confusion matrix) is not."""
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+
+    from hydratrain.errors import ConfigError
+    from hydratrain.train.evaluate import Evaluator
+
+    outputs, batch = torch.randn(4, 3), (torch.randn(4, 2), torch.tensor([0, 1, 2, 0]))
+    for metric, fix in [(MulticlassAccuracy(3, average=None), "average='macro' or 'micro'"),
+                        (MulticlassConfusionMatrix(3), "or a metric that computes one")]:
+        with pytest.raises(ConfigError, match="logged as one number") as err:
+            Evaluator([], torch.device("cpu"), torch.nn.CrossEntropyLoss(), {"m": metric}).check_metrics(outputs, batch)
+        assert fix in str(err.value) and ("average" in fix) == ("average" in str(err.value)), str(err.value)

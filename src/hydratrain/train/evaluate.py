@@ -4,6 +4,7 @@ them.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from typing import Callable, ContextManager, Optional
@@ -125,10 +126,11 @@ class Evaluator:
                     value = copy.compute()
                 except Exception:  # noqa: BLE001 (one batch may be too little for it: the eval's data decides)
                     continue
-                self._check_value(name, f"{type(metric).__module__}.{type(metric).__qualname__}", value)
+                self._check_value(name, f"{type(metric).__module__}.{type(metric).__qualname__}", value,
+                                  "average" in inspect.signature(type(metric)).parameters)
 
     @staticmethod
-    def _check_value(name: str, target: str, value) -> None:
+    def _check_value(name: str, target: str, value, averages: bool = False) -> None:
         """A metric's ``compute()`` is logged as one number (``eval/<name>``): a dict (``ClasswiseWrapper``,
         ``MeanAveragePrecision``) or a vector (``average=None``: per class) is a config error naming it."""
         if isinstance(value, torch.Tensor) and value.numel() == 1 or isinstance(value, (int, float)):
@@ -138,8 +140,9 @@ class Evaluator:
                 if isinstance(value, dict) else f"a tensor of shape {tuple(value.shape)}"
                 if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
         raise ConfigError(f"metrics.{name}._target_", target, f"its compute() returns {what}, and each metric is "
-                          "logged as one number (eval/<name>): give one metric per value, or reduce it (for a "
-                          "per-class metric: average='macro' or 'micro')")
+                          "logged as one number (eval/<name>): give one metric per value" + (
+                              ", or reduce it (for a per-class metric: average='macro' or 'micro')" if averages else
+                              ", or a metric that computes one (a confusion matrix, a curve: log it yourself)"))
 
     def _metrics_only(self, outputs, batch, valid: Optional[torch.Tensor]) -> None:
         """Update each metric with ``outputs`` against ``batch``'s targets, only their ``valid`` rows when given
