@@ -137,16 +137,19 @@ def _accepts(hint: Any, value: Any) -> Optional[str]:
     return " or ".join("null" if o is type(None) else o.__name__ for o in options)
 
 
-def check_call(obj: Any, kwargs: Mapping, key: str, target: str, partial: bool = False) -> None:
+def check_call(obj: Any, kwargs: Mapping, key: str, target: str, partial: bool = False, supplied: int = 0) -> None:
     """Raise :class:`ConfigError` naming ``<key>.<keyword>`` when ``obj(**kwargs)`` cannot bind (a keyword it does
     not take, a required one missing; ``partial``: missing ones come later) or a value does not fit the simple
-    type ``obj`` annotates it with."""
+    type ``obj`` annotates it with. ``supplied``: the leading positional parameters the run passes itself (a loss
+    function's outputs and targets), which the config cannot set."""
     sig = _signature(obj)
     if sig is None:
         return
     params = sig.parameters
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and n not in positional[:supplied]]
     if not takes_any:
         for k in kwargs:
             if k not in named:
@@ -253,7 +256,7 @@ def build_loss(cfg: DictConfig, device: Any = None) -> Callable:
     and its gradient with the batch size)."""
     import torch
 
-    loss = build_callable(cfg.get("loss"), "loss")
+    loss = build_callable(cfg.get("loss"), "loss", supplied=2)  # (outputs, targets)
     if isinstance(loss, torch.nn.Module):
         trained = [name for name, p in loss.named_parameters() if p.requires_grad]
         if trained:
@@ -299,10 +302,11 @@ def build_metrics(cfg: DictConfig) -> dict:
     return out
 
 
-def build_callable(node: Any, key: str) -> Callable:
+def build_callable(node: Any, key: str, supplied: int = 0) -> Callable:
     """A callable component (``loss``, ``data.collate_fn``): a class target is built with its keywords (an
     instance, as ``torch.nn.CrossEntropyLoss``), a function target is taken as it is, its keywords bound
-    (``functools.partial``), so ``_partial_: true`` is not needed for a function. Raises :class:`ConfigError`."""
+    (``functools.partial``), so ``_partial_: true`` is not needed for a function; ``supplied``: its leading
+    positional parameters that the run passes (:func:`check_call`). Raises :class:`ConfigError`."""
     import functools
     import inspect
 
@@ -311,7 +315,7 @@ def build_callable(node: Any, key: str) -> Callable:
     if inspect.isclass(obj) or _plain(node).get("_partial_") is not None:
         return _instantiate(node, key)
     kwargs = {k: v for k, v in _plain(node).items() if k not in _HYDRA_KEYS}
-    check_call(obj, kwargs, key, target, partial=True)
+    check_call(obj, kwargs, key, target, partial=True, supplied=supplied)
     return functools.partial(obj, **kwargs) if kwargs else obj
 
 

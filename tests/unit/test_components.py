@@ -284,6 +284,15 @@ def test_a_function_loss_and_collate_fn_are_called_with_their_keywords_bound(cli
     import mypkg.extra
 
     assert mypkg.extra.CALLS and set(mypkg.extra.CALLS) == {0.1}
+    from hydratrain.components import build_callable
+    from hydratrain.errors import ConfigError
+
+    # a misspelt keyword is told the keywords it can set: not the outputs and targets the run passes
+    for node, key, supplied, allowed in [({"smoothin": 0.1}, "loss", 2, "smoothing"),
+                                         ({"scal": 2.0}, "data.collate_fn", 1, "scale")]:
+        target = "mypkg.extra.smooth_ce" if key == "loss" else "mypkg.extra.collate"
+        with pytest.raises(ConfigError, match=rf"not a keyword of {target}; allowed: {allowed}$"):
+            build_callable({"_target_": target, **node}, key, supplied=supplied)
 
 
 def test_blocks_are_never_containers_and_lists_of_lists_give_the_blocks_inside():

@@ -82,7 +82,7 @@ def check_data_node(data: DictConfig) -> None:
     if s["collate_fn"] is not None:
         from hydratrain.components import build_callable
 
-        build_callable(data.collate_fn, "data.collate_fn")
+        build_callable(data.collate_fn, "data.collate_fn", supplied=1)
 
 
 def load_datasets(data: DictConfig) -> dict:
@@ -179,7 +179,7 @@ def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
     from hydratrain.components import build_callable
 
     s = data_settings(data)
-    collate = build_callable(data.collate_fn, "data.collate_fn") if s["collate_fn"] is not None else None
+    collate = build_callable(data.collate_fn, "data.collate_fn", supplied=1) if s["collate_fn"] is not None else None
     pin = s["pin_memory"] if s["pin_memory"] is not None else device.type == "cuda"
     extra = {"prefetch_factor": s["prefetch_factor"]} if s["prefetch_factor"] is not None else {}
     persistent = bool(s["persistent_workers"]) and s["num_workers"] > 0
