@@ -16,6 +16,9 @@
 - ``HT_FAULT_ONCE=1``: only while the marker below does not exist yet (launchers without an attempt count: Ray).
 - ``HT_SLOW_FAILURE``: ``RANK:SECONDS``: when that rank's process group unwinds an error, it sleeps before telling a
   lost peer from its own failure, as a loaded machine slows that path: torchrun's SIGTERM then comes first.
+- ``HT_HANG_TEARDOWN``: ``RANK``: when that rank's process group is torn down after an error, it blocks in C for
+  good with the GIL held, as ``~ProcessGroupGloo`` does when it joins a gloo worker thread that waits for that GIL
+  to free the tensors of a collective the peer left: no Python thread of the rank runs meanwhile.
 Before failing, the rank touches ``fault_rank<R>_step<S>`` in its run dir, so tests can see where the fault happened.
 
 - ``HT_FAULT_JOBS``: ``NUM:MODE[,NUM:MODE...]``, for sweeps: Hydra job NUM fails before training. MODE ``raise``:
@@ -179,6 +182,28 @@ def _slow_failure() -> None:
     process_group.lost_a_peer = lost_a_peer
 
 
+def _hang_teardown() -> None:
+    """``HT_HANG_TEARDOWN``: patch ``torch.distributed.destroy_process_group``, which the process group calls as it
+    is torn down, on that rank."""
+    if os.environ.get("HT_HANG_TEARDOWN") != os.environ.get("RANK", "0"):
+        return
+    import ctypes
+    import sys
+
+    import torch.distributed as dist
+
+    original = dist.destroy_process_group
+
+    def destroy_process_group(*args, **kwargs):
+        if sys.exc_info()[0] is not None:  # after an error: lock a normal mutex twice through PyDLL, which keeps
+            libc, mutex = ctypes.PyDLL(None), ctypes.create_string_buffer(64)  # the GIL (zeros: glibc's initializer)
+            libc.pthread_mutex_lock(mutex)
+            libc.pthread_mutex_lock(mutex)  # blocks for good; a signal does not end the wait
+        return original(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_process_group
+
+
 @hydra.main(version_base="1.3", config_path=str(Path(__file__).resolve().parents[2] / "conf"), config_name="train")
 def task(cfg) -> float:
     from hydratrain.run import main
@@ -186,6 +211,7 @@ def task(cfg) -> float:
     _fail_job()
     _inject()
     _slow_failure()
+    _hang_teardown()
     _fake_submitit()
     eval_loss = main(cfg).objective
     if _job_fault() == "term_after":

@@ -79,3 +79,36 @@ def test_the_launcher_is_watched_only_for_ranks_of_torchs_agent(monkeypatch):
         launch.stop_if_launcher_gone("before step 1")
     monkeypatch.setattr(launch, "_LAUNCHER", {"pid": os.getppid(), "cmdline": None})
     launch.stop_if_launcher_gone("before step 1")  # alive
+
+
+_HANGS_WITH_THE_GIL = """
+import ctypes, logging, sys
+from hydratrain.dist.launch import end_within
+logging.basicConfig(filename=sys.argv[1], level=logging.INFO)
+end_within(1.5)
+end_within(60)  # a later, longer deadline keeps the earlier one
+libc, mutex = ctypes.PyDLL(None), ctypes.create_string_buffer(64)  # PyDLL keeps the GIL; zeros: an unlocked mutex
+libc.pthread_mutex_lock(mutex)
+print("blocked", flush=True)
+libc.pthread_mutex_lock(mutex)  # locked again by its holder: blocked for good, the GIL held
+"""
+
+
+def test_a_rank_ending_for_its_launcher_ends_in_time_whatever_holds_its_gil(tmp_path):
+    """A rank whose launcher is gone sets end_within's deadline as it tears down its process group; its end may then
+    block in C with the GIL held (a gloo process group freed while one of its worker threads waits for that GIL),
+    where no Python thread, the failure watch included, runs again. The deadline still ends the process, and its log
+    shows where it hung."""
+    import subprocess
+    import sys
+    import time
+
+    log = tmp_path / "train_rank1.log"
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _HANGS_WITH_THE_GIL, str(log)], capture_output=True, text=True,
+                       timeout=30)
+    took = time.monotonic() - started
+    assert r.returncode == 1 and r.stdout == "blocked\n" and took < 10, (r.returncode, took, r.stdout, r.stderr)
+    text = log.read_text()
+    assert "this rank is ending: within 1.5 s, whatever it is doing then" in text, text
+    assert "Timeout (0:00:01.500000)!" in text and 'File "<string>", line 10 in <module>' in text, text

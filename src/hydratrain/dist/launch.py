@@ -11,21 +11,27 @@ that launched it, whose death stops this rank.
 - :func:`launcher_gone`: whether the torch elastic agent that started this rank has died (``kill -9`` of
   ``torchrun``, the OOM killer, a dying shell): it passes no signal on then, and a rank that trained on would write
   and prune checkpoints and hold the run dir against the relaunch.
+- :func:`end_within`: a deadline no hung thread can hold off, for a rank that is ending for its launcher.
 
 Importing this module imports neither torch nor Hydra.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
 from hydratrain.errors import EXIT_PEER_FAILED, HydratrainError
 
+log = logging.getLogger(__name__)
+
 _LAUNCHER: dict = {}  # this process's parent when first noted: {"pid": int, "cmdline": list of str, or None}
+_DEADLINE: dict = {}  # end_within's: {"at": time.monotonic() of the end, "file": where the stacks go}
 
 
 class LauncherGoneError(HydratrainError):
@@ -92,6 +98,43 @@ def launcher_gone_error(where: str) -> Optional["LauncherGoneError"]:
     return LauncherGoneError(f"{who} is gone: it died without stopping this rank (kill -9, the OOM killer, a closed "
                              f"terminal), so the rank stopped {where}, writing and pruning nothing after that, and "
                              "left its run dir")
+
+
+def end_within(seconds: float) -> None:
+    """End this process within ``seconds`` if it is still running then, whatever its threads are doing:
+    ``faulthandler``'s watchdog, a C thread that needs no GIL, writes every thread's stack to this rank's log file
+    (``train_rank<R>.log``; stderr without one) and calls ``_exit(1)``. For a rank that is ending for its launcher
+    (gone, so nothing waits for the rank any more, or a SIGINT from it): its end can block in C++ with the GIL held,
+    where no Python thread (:class:`~hydratrain.dist.process_group.FailureWatch` included) ever runs again: freeing
+    the process group (``~ProcessGroupGloo``, as the error's frames are freed) joins gloo's worker threads, one of
+    which waits for that GIL to free the tensors of a collective the peer left. A process that ends first is not
+    affected; the deadline cannot be lifted, and a later call keeps an earlier one. Raises nothing."""
+    import faulthandler
+
+    at = time.monotonic() + seconds
+    if _DEADLINE and _DEADLINE["at"] <= at:
+        return
+    try:
+        file = _DEADLINE.get("file") or _log_file()
+        faulthandler.dump_traceback_later(max(seconds, 0.01), exit=True, file=file)
+    except (AttributeError, OSError, RuntimeError, ValueError):  # no file descriptor to write the stacks to
+        return
+    if not _DEADLINE:
+        log.info("this rank is ending: within %g s, whatever it is doing then (should it still run, its threads' "
+                 "stacks follow and it exits with status 1)", seconds, extra={"file_only": True})
+    _DEADLINE.update(at=at, file=file)
+
+
+def _log_file():
+    """A file of its own on this process's log file (the root logger's first file handler), so that no handler
+    closing its stream takes the watchdog's descriptor away; else stderr."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            try:
+                return open(handler.baseFilename, "a")
+            except OSError:
+                break
+    return sys.stderr
 
 
 def _launcher_name() -> str:

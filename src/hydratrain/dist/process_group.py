@@ -33,7 +33,7 @@ from typing import Iterator, Optional
 
 from hydratrain.checkpoint.preemption import hold_sigterm
 from hydratrain.dist.env import DistInfo, allowed_cores, dist_info
-from hydratrain.dist.launch import LauncherGoneError, launcher_gone
+from hydratrain.dist.launch import LauncherGoneError, end_within, launcher_gone, under_elastic_agent
 from hydratrain.dist.run_lock import RunDirLock
 from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
 
@@ -208,7 +208,9 @@ class FailureWatch:
     Seeing a failure, the thread logs it and calls ``os._exit(5)``: the main thread may be blocked inside a C++
     collective that no Python exception can interrupt. The thread uses its own store connection. It also ends the
     process when this rank's launcher (torch's elastic agent) has died and the main thread has not stopped for it at a
-    step within ``launcher_grace_s`` (:func:`hydratrain.dist.launch.stop_if_launcher_gone`).
+    step within ``launcher_grace_s`` (:func:`hydratrain.dist.launch.stop_if_launcher_gone`); as this thread needs the
+    GIL, which a main thread blocked in C++ may hold, it then also sets a deadline that needs none
+    (:func:`hydratrain.dist.launch.end_within`, ``2 * launcher_grace_s``).
     """
 
     def __init__(self, prefix: str, rank: int, world_size: int, failure_timeout_s: float, poll_s: float = 1.0):
@@ -306,6 +308,7 @@ class FailureWatch:
             who = launcher_gone()
             if who is not None and gone_since is None:
                 gone_since = now
+                end_within(2 * self.launcher_grace_s)  # should this thread, needing the GIL, never run again
             if who is not None and now - gone_since > self.launcher_grace_s and not self._stop.is_set():
                 # the main thread stops at its next step; one blocked (a collective, a long step) ends here
                 self._die(f"{who} is gone (it died without stopping this rank): stopped "
@@ -463,7 +466,9 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
     (``HydratrainError.own_failure``: an out-of-memory, a divergence) keeps its own exit status on every rank that
     raises it. A rank stopping for a peer's failure lingers ``FailureWatch.linger_s`` (<= 3 s) before it exits (here
     :func:`hydratrain.run.main`, after logging why) so that the rank which failed leaves first: torchrun reports the
-    first worker to exit as the root cause.
+    first worker to exit as the root cause. A rank of several whose launcher is gone ends within
+    ``FailureWatch.launcher_grace_s`` of the start of its teardown, whatever hangs in it or after it
+    (:func:`hydratrain.dist.launch.end_within`).
     """
     import torch
     import torch.distributed as dist
@@ -498,11 +503,13 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
         log.info("process group: backend=%s world_size=%d rank=%d local_rank=%d device=%s", name, info.world_size,
                  info.rank, info.local_rank, device)
     failed_with = None  # the exit status this rank will have when the body raised
+    interrupted = False  # the body raised KeyboardInterrupt (SIGINT)
     try:
         yield info
     except BaseException as err:
         hold_sigterm()  # the launcher's SIGTERM (a peer has exited) must not cut this rank short before it says why
         failed_with = getattr(err, "exit_status", EXIT_ERROR)
+        interrupted = isinstance(err, KeyboardInterrupt)
         if watch is not None and not isinstance(err, (KeyboardInterrupt, PeerFailedError, LauncherGoneError)):
             text = str(err).strip().splitlines()
             mine = f"rank {info.rank}: {type(err).__name__}" + (f": {text[0]}" if text else "")
@@ -521,6 +528,13 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
                 watch.mark_exiting_at_exit()
         raise
     finally:
+        if watch is not None and (launcher_gone() is not None or (interrupted and under_elastic_agent())):
+            # its launcher is gone, or it took SIGINT under one (Ctrl-C, or the parent-death SIGINT of
+            # launcher=torchrun's workers, which comes as the launching process's threads die, before getppid()
+            # shows it gone): this rank is ending, and its end can hang in C++ with the GIL held (gloo's worker
+            # threads, joined as the group is freed, wait for that GIL to finish a collective the peer left), where
+            # the watch thread cannot end it: every such rank is gone within launcher_grace_s
+            end_within(watch.launcher_grace_s)
         if watch is not None:  # after a failure its thread bounds the teardown, which could hang on a peer
             watch.stop(done=failed_with is None,
                        exit_bound=None if failed_with is None else (failure_timeout_s, failed_with))
