@@ -16,7 +16,20 @@ from typing import Optional, Sequence
 import pytest
 
 # tests/ is on sys.path: pytest puts a rootdir conftest's dir there
-from helpers import CONF, FAST, ROOT, SHARED_RUNS, TRAIN, Run, Sweep, clone_files, likely_writes, sweep_runs
+from helpers import (
+    CONF,
+    FAST,
+    OWN,
+    ROOT,
+    SHARED_RUNS,
+    TRAIN,
+    Run,
+    Sweep,
+    clone_files,
+    forget_mypkg,
+    likely_writes,
+    sweep_runs,
+)
 
 _FLAGS_WITH_VALUE = ("--cfg", "-c", "--info", "-i", "--package", "-p", "--config-dir", "-cd", "--config-name", "-cn")
 
@@ -51,6 +64,21 @@ def _seeded(request):
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
+
+
+@pytest.fixture
+def own(tmp_path, monkeypatch):
+    """A launch dir holding the own-model example's package and option files (a copy, outside hydratrain); cwd is
+    there, ``sys.path`` is restored after the test and ``mypkg`` is imported from this copy."""
+    import shutil
+
+    for part in ("mypkg", "my_conf"):
+        shutil.copytree(OWN / part, tmp_path / part)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    forget_mypkg()
+    yield tmp_path
+    forget_mypkg()
 
 
 def pytest_sessionstart(session):

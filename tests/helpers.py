@@ -23,6 +23,7 @@ TRAIN = str(ROOT / "train.py")
 SCRIPTS = ROOT / "tests" / "scripts"
 # train.py twin that injects one fault: HT_FAULT* for one rank and step, HT_FAULT_JOBS for sweep jobs (its docstring)
 FAULTY = str(SCRIPTS / "faulty_train.py")
+OWN = ROOT / "examples" / "own_model"  # the own-model example: its package mypkg and its option files
 FIXTURE_V1 = ROOT / "tests" / "fixtures" / "ckpt_v1_fsdp2_step3"  # 2 ranks, FSDP, fp32, step 3: the first format
 # A run of seconds: synthetic data, 2 layers, 10 steps, no progress bar, sample or weights, no matmul benchmark for
 # MFU; FAST adds fp32 (exact on CPU; bf16/fp16 are slow on some CPUs). DEBUG alone where a precision= comes later from
@@ -478,3 +479,25 @@ def write_user_inputs(cli, launch_dir: Path) -> None:
     from hydratrain.checkpoint.export import export
 
     export(launch_dir / "src", launch_dir / "w.safetensors")
+
+
+def forget_mypkg() -> None:
+    """Drop every imported ``mypkg`` module (another test's copy, from another dir) and the import system's
+    directory caches, so the copy of the test at hand, and the modules it writes into it, are the ones imported."""
+    import importlib
+
+    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+
+
+def own_launch_dir(path: Path, **modules: str) -> Path:
+    """``path`` made a launch dir holding a copy of the own-model example (``mypkg``, ``my_conf``), with each of
+    ``modules`` (``name=source``) written as ``mypkg/<name>.py``."""
+    import shutil
+
+    for part in ("mypkg", "my_conf"):
+        shutil.copytree(OWN / part, path / part)
+    for name, source in modules.items():
+        (path / "mypkg" / f"{name}.py").write_text(source)
+    return path

@@ -4,13 +4,10 @@ reduce-scatter, instead of a hang until distributed.collective_timeout_s (expert
 or a gloo "collective mismatch" abort (wrap_policy=none); a module skipped on every rank alike still trains."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from helpers import ROOT, results, run
+from helpers import own_launch_dir, results, run
 
-OWN = ROOT / "examples" / "own_model"
 BASE = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precision=fp32", "strategy=fsdp",
         "trainer.progress_bar=false", "data.n=256", "data.batch_size=16", "trainer.eval_every_n_steps=0",
         "trainer.eval_samples=0", "trainer.log_every_n_steps=1", "trainer.max_steps=3",
@@ -54,11 +51,7 @@ class Routed(nn.Module):
 
 
 def _launch_dir(tmp_path):
-    launch = tmp_path / "launch"
-    for part in ("mypkg", "my_conf"):
-        shutil.copytree(OWN / part, launch / part)
-    (launch / "mypkg" / "routed.py").write_text(ROUTED)
-    return launch
+    return own_launch_dir(tmp_path / "launch", routed=ROUTED)
 
 
 @pytest.mark.slow  # three 2-rank launches, about 90 s

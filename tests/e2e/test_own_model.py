@@ -6,15 +6,11 @@ same initial ones at any world size, export loading strictly into the class; and
 """
 from __future__ import annotations
 
-import shutil
-import sys
-
 import pytest
 import torch
 
-from helpers import FAULTY, ROOT, log_of, report_rows, results, run
+from helpers import FAULTY, forget_mypkg, log_of, own_launch_dir, report_rows, results, run
 
-OWN = ROOT / "examples" / "own_model"
 BASE = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precision=fp32", "logger.peak_flops=1e11",
         "trainer.progress_bar=false", "data.n=1200", "data.batch_size=16", "trainer.eval_every_n_steps=0",
         "trainer.log_every_n_steps=1"]
@@ -88,24 +84,8 @@ class DroppedResMLP(ResMLP):
 """
 
 
-def _forget_mypkg() -> None:
-    """Drop every imported ``mypkg`` module and the import system's directory caches: the next import reads the
-    copy of the test at hand."""
-    import importlib
-
-    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
-        del sys.modules[name]
-    importlib.invalidate_caches()
-
-
 def _launch_dir(tmp_path):
-    launch = tmp_path / "launch"
-    for part in ("mypkg", "my_conf"):
-        shutil.copytree(OWN / part, launch / part)
-    (launch / "mypkg" / "tempered.py").write_text(TEMPERED)
-    (launch / "mypkg" / "gathered.py").write_text(GATHERED)
-    (launch / "mypkg" / "dropped.py").write_text(DROPPED)
-    return launch
+    return own_launch_dir(tmp_path / "launch", tempered=TEMPERED, gathered=GATHERED, dropped=DROPPED)
 
 
 def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_init(tmp_path, cli, monkeypatch):
@@ -137,10 +117,10 @@ def test_own_model_on_two_ranks_ddp_and_fsdp_with_blocks_checkpointing_and_meta_
     from safetensors.torch import load_file
 
     monkeypatch.syspath_prepend(str(launch))
-    _forget_mypkg()  # another test's copy, imported in this process, has no tempered.py
+    forget_mypkg()  # another test's copy, imported in this process, has no tempered.py
     from mypkg.tempered import TemperedResMLP
 
-    _forget_mypkg()  # this test's copy: the next test that imports mypkg gets its own
+    forget_mypkg()  # this test's copy: the next test that imports mypkg gets its own
 
     exported = [load_file(sweep / job / "model.safetensors") for job in ("0", "1")]
     TemperedResMLP().load_state_dict(exported[1], strict=True)  # FSDP's export: the model's own names
@@ -244,7 +224,7 @@ def test_padded_targets_weigh_the_same_whatever_the_accumulation_and_world_size(
                f"hydra.run.dir={tmp_path / 'two'}"], nproc=2, cwd=launch, fast=False, timeout=300).ok()
     monkeypatch.chdir(launch)
     monkeypatch.syspath_prepend(str(launch))
-    _forget_mypkg()  # another test's copy, imported in this process, has no padded.py
+    forget_mypkg()  # another test's copy, imported in this process, has no padded.py
     one = cli([*args, "strategy=single"], tmp_path / "one", fast=False)
     assert one.returncode == 0, one.output[-3000:]
     a, b = results(tmp_path / "one"), results(tmp_path / "two")
@@ -255,7 +235,7 @@ def test_padded_targets_weigh_the_same_whatever_the_accumulation_and_world_size(
     wa, wb = (load_file(tmp_path / d / "model.safetensors") for d in ("one", "two"))
     for name, value in wa.items():
         torch.testing.assert_close(wb[name], value, rtol=1e-5, atol=1e-6, msg=name)
-    _forget_mypkg()
+    forget_mypkg()
 
 
 def test_steps_and_eval_sets_whose_targets_are_all_ignored(tmp_path, cli, monkeypatch):
@@ -266,7 +246,7 @@ def test_steps_and_eval_sets_whose_targets_are_all_ignored(tmp_path, cli, monkey
     launch = _padded_launch(tmp_path)
     monkeypatch.chdir(launch)
     monkeypatch.syspath_prepend(str(launch))
-    _forget_mypkg()
+    forget_mypkg()
     args = ["--config-dir", "my_conf", "model=tiny_lm", "data=ignored", "loss=next_token", "device=cpu",
             "precision=fp32", "logger.peak_flops=1e11", "trainer.progress_bar=false", "trainer.eval_every_n_steps=0",
             "metrics={}", "strategy=single", "trainer.on_nonfinite=stop", "trainer.log_every_n_steps=1",
@@ -288,4 +268,4 @@ def test_steps_and_eval_sets_whose_targets_are_all_ignored(tmp_path, cli, monkey
     assert dead_eval.returncode == 0, dead_eval.output[-3000:]
     assert "every target of the 16 eval samples is ignored (the loss's ignore_index): no eval/loss" in dead_eval.output
     assert results(tmp_path / "e")["eval_loss"] is None and (tmp_path / "e" / "model.safetensors").is_file()
-    _forget_mypkg()
+    forget_mypkg()

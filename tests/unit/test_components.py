@@ -5,41 +5,17 @@ meta build; each bad component is one config-error line naming its key. (The 2-r
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, requires, results, tb_all
+from helpers import requires, results, tb_all
 
-OWN = ROOT / "examples" / "own_model"
 # a run of seconds on the example: fp32 on the CPU, 12 steps, eval at 6 and 12, no progress bar
 QUICK = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precision=fp32", "logger.peak_flops=1e11",
          "trainer.max_steps=12", "trainer.eval_every_n_steps=6", "trainer.log_every_n_steps=6",
          "trainer.progress_bar=false", "data.n=600"]
-
-
-def _forget_mypkg() -> None:
-    """Drop every imported ``mypkg`` module (another test's copy, from another dir) and the import system's
-    directory caches, so this test's copy, and the modules it writes into it, are the ones imported."""
-    import importlib
-
-    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
-        del sys.modules[name]
-    importlib.invalidate_caches()
-
-
-@pytest.fixture
-def own(tmp_path, monkeypatch):
-    """A launch dir holding the example's package and option files (a copy, outside hydratrain); cwd is there."""
-    for part in ("mypkg", "my_conf"):
-        shutil.copytree(OWN / part, tmp_path / part)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    _forget_mypkg()
-    yield tmp_path
-    _forget_mypkg()
 
 
 def test_a_model_data_loss_and_metric_of_ones_own_train_export_and_report(cli, own):

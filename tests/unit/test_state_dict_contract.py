@@ -5,18 +5,15 @@ line naming ``model._target_`` before any step, not a traceback after training."
 from __future__ import annotations
 
 import json
-import shutil
-import sys
 
 import pytest
 import torch
 from torch import nn
 
-from helpers import ROOT
+from helpers import forget_mypkg
 from hydratrain.components import check_state_dict
 from hydratrain.errors import ConfigError
 
-OWN = ROOT / "examples" / "own_model"
 QUICK = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precision=fp32", "logger.peak_flops=1e11",
          "trainer.eval_every_n_steps=0", "trainer.log_every_n_steps=2", "trainer.progress_bar=false", "data.n=300",
          "strategy=single", "checkpoint.every_n_steps=2"]
@@ -63,25 +60,11 @@ class Legacy(ResMLP):
 '''
 
 
-def _forget_mypkg() -> None:
-    import importlib
-
-    for name in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
-        del sys.modules[name]
-    importlib.invalidate_caches()
-
-
 @pytest.fixture
-def own(tmp_path, monkeypatch):
-    """A launch dir holding the example's package (with :data:`MODELS` as ``mypkg.custom``) and option files."""
-    for part in ("mypkg", "my_conf"):
-        shutil.copytree(OWN / part, tmp_path / part)
-    (tmp_path / "mypkg" / "custom.py").write_text(MODELS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    _forget_mypkg()
-    yield tmp_path
-    _forget_mypkg()
+def own(own):
+    """The own-model example's launch dir (conftest's ``own``) with :data:`MODELS` as ``mypkg.custom``."""
+    (own / "mypkg" / "custom.py").write_text(MODELS)
+    return own
 
 
 def test_a_state_dict_hook_that_renames_a_key_is_refused_before_any_step(cli, own):
@@ -114,7 +97,7 @@ def test_extra_state_of_plain_values_is_checkpointed_resumed_and_left_out_of_the
             "get_extra_state()); the checkpoints keep it") in r.output
     assert json.loads((run / "results.json").read_text())["steps"] == 4
     weights = load_file(str(run / "model.safetensors"))
-    _forget_mypkg()
+    forget_mypkg()
     from mypkg.custom import Counted
 
     model = Counted(width=64, depth=4, num_classes=3)
