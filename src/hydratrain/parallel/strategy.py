@@ -40,6 +40,47 @@ _SAME_MODULES_FIX = ("use strategy=ddp strategy.find_unused_parameters=true, or 
                      "(an expert on zero rows)")
 
 
+def persistent_buffers(model: nn.Module) -> list:
+    """``(module, name)`` of each persistent buffer of ``model`` (what its ``state_dict`` holds besides parameters:
+    BatchNorm's running statistics; not non-persistent ones, such as rotary tables)."""
+    return [(m, name) for m in model.modules() for name, b in m._buffers.items()
+            if b is not None and name not in m._non_persistent_buffers_set]
+
+
+def rank0_buffers(buffers: list) -> None:
+    """Make each ``(module, name)`` buffer of :func:`persistent_buffers` rank 0's on every rank (every rank calls):
+    one broadcast per dtype and device of the buffers flattened together, as DDP coalesces its own."""
+    from collections import defaultdict
+
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    groups = defaultdict(list)
+    for m, name in buffers:
+        b = m._buffers.get(name)  # read now: a buffer may have been replaced since the list was made
+        if b is not None:
+            groups[(b.dtype, b.device)].append(b)
+    for tensors in groups.values():
+        flat = _flatten_dense_tensors([t.detach() for t in tensors])
+        dist.broadcast(flat, src=0)
+        for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+            t.detach().copy_(value)
+
+
+def rank0_buffers_before_training_forwards(model: nn.Module) -> None:
+    """On several ranks, make ``model``'s persistent buffers rank 0's before each of its training forwards (train
+    mode, grad enabled), as DDP does for a model that has some: every rank's copy then evolves alike (each forward
+    updates it with the rank's own batch), so a save or an eval, which make them rank 0's
+    (:meth:`Strategy.sync_buffers`), changes nothing in the training. A model without persistent buffers gets no
+    hook and pays nothing."""
+    import torch.distributed as dist
+
+    held = persistent_buffers(model)
+    if held and dist.is_initialized() and dist.get_world_size() > 1:
+        model.register_forward_pre_hook(lambda module, args: rank0_buffers(held) if module.training
+                                        and torch.is_grad_enabled() else None)
+
+
 def is_collective_timeout(err: BaseException) -> bool:
     """Whether ``err`` is a collective that waited past the process group's timeout
     (``distributed.collective_timeout_s``): gloo's "Timed out waiting ...", NCCL's watchdog timeout."""
@@ -194,17 +235,16 @@ class Strategy:
 
     def sync_buffers(self, model: nn.Module) -> None:
         """Make the model's persistent buffers (BatchNorm's running statistics) rank 0's on every rank, before an
-        eval or a save reads them (every rank calls). FSDP leaves each rank its own; DDP sends rank 0's before each
-        training forward, which then updates each rank's copy with its own batch. Without this the eval would mix
+        eval or a save reads them (every rank calls). DDP and FSDP send rank 0's before each training forward
+        (:func:`rank0_buffers_before_training_forwards`), which then updates each rank's copy with its own batch.
+        Without this the eval would mix
         per-rank statistics, and a checkpoint could hold any rank's (DCP writes each replicated tensor from one
         rank of its choosing), so a resume would not continue the run exactly."""
         import torch.distributed as dist
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        for value in model.state_dict(keep_vars=True).values():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                dist.broadcast(value.data, src=0)
+        rank0_buffers(persistent_buffers(model))
 
     def local_param_bytes(self, model: nn.Module) -> int:
         """Bytes of parameter storage this rank holds (its shards under FSDP)."""
@@ -386,6 +426,7 @@ class FSDP(Strategy):
         for p in self._replicated:  # not offloaded: it lives where the compute does
             p.data = p.data.to(device)
         init_note = param_init.initialise(raw, seed, device, built_on_meta)
+        rank0_buffers_before_training_forwards(raw)
         what = blocks.describe() if policy in ("auto", "transformer_block") and units else f"{len(units)}"
         what += f" + {len(norms)} in float32 ({kinds})" if norms else ""
         if scalars:
