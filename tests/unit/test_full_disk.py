@@ -37,6 +37,16 @@ def test_the_cause_is_found_through_the_chain_and_only_for_errnos_of_a_full_or_r
     assert quoted is not None and quoted.errno == errno.ENOSPC
 
 
+@pytest.fixture(autouse=True)
+def _roomy(monkeypatch):
+    """Every dir has 100 GB free unless a test says otherwise: what a message tells from the free space (a likely
+    ENOSPC under 1 GiB) must not depend on the disk of the machine that runs the tests."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(
+        total=200 * 10**9, used=100 * 10**9, free=100 * 10**9))
+
+
 def _file_size_limit(monkeypatch, limit):
     """This process's RLIMIT_FSIZE as hydratrain.errors reads it: ``limit`` bytes (None: unlimited)."""
     import resource
@@ -125,8 +135,8 @@ def test_an_error_that_lost_its_errno_is_told_from_the_dir(tmp_path, monkeypatch
     assert "likely Read-only file system); training stopped. No checkpoint was written before: make it writable" in (
         message()), message()
     monkeypatch.setattr(os, "access", access)
-    usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2_000_000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(
+        total=200 * 10**9, used=200 * 10**9 - 2_000_000, free=2_000_000))
     assert cut_command(message())[0].endswith("; the error has no errno; likely No space left on device: 2.0 MB free "
                                               "there); training stopped. No checkpoint was written before: make room "
                                               "(or lower checkpoint.keep_last) and relaunch"), message()
