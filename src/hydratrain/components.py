@@ -72,9 +72,9 @@ def _no_target(key: str, target: Any, keys: list) -> str:
                       f"give one, e.g. _target_: {example.get(top, 'torchmetrics.classification.MulticlassAccuracy')}")
 
 
-def locate(target: str, key: str) -> Any:
+def locate(target: str, key: str, full_key: Optional[str] = None, value: Any = None) -> Any:
     """The object ``target`` names (imported as Hydra's ``instantiate`` would). Raises :class:`ConfigError` naming
-    ``<key>._target_`` and the import error."""
+    ``<key>._target_`` (or ``full_key``, with ``value``) and the import error."""
     import logging
 
     from hydra.utils import get_object
@@ -94,8 +94,10 @@ def locate(target: str, key: str) -> Any:
             # Hydra tried the missing name as a submodule of a plain module: the module lacks that name
             kind, (module, _, name) = "AttributeError", cause.name.rpartition(".")
             why = f"module '{module}' has no attribute '{name}'"
-        raise ConfigError(f"{key}._target_", target, f"cannot be imported ({kind}: {why}); is its "
-                          "package in the launch dir or on PYTHONPATH?") from None
+        named = "" if full_key is None else f"{target!r} "
+        raise ConfigError(full_key or f"{key}._target_", target if full_key is None else value,
+                          f"{named}cannot be imported ({kind}: {why}); is its package in the launch dir or on "
+                          "PYTHONPATH?") from None
     finally:
         quiet.disabled = was
 

@@ -306,6 +306,52 @@ def test_block_classes_are_matched_by_the_class_a_dotted_path_imports():
         find_blocks(model, ["torch.nn.Conv2d"])
 
 
+@pytest.mark.parametrize("name,why", [
+    ("mypkg.nets.Nope", "'mypkg.nets.Nope' cannot be imported (ModuleNotFoundError: No module named 'mypkg')"),
+    ("torch.nn.functional.relu", "'torch.nn.functional.relu' is not an nn.Module class (it is function)"),
+    ("torch.optim.AdamW", "'torch.optim.AdamW' is not an nn.Module class (it is the class AdamW)"),
+])
+def test_a_block_class_path_that_names_no_module_class_is_refused_before_any_process_group(compose, name, why):
+    """A dotted path that does not import (a typo, a package not on the path) was matched by its spelling and
+    reported as matching no module only once the model was built, after the process group had started; it is now a
+    config check. A bare name still waits for the model (nothing to import)."""
+    from hydratrain.config.validate import validate
+    from hydratrain.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["strategy=fsdp", f"wrap_policy.block_classes=[{name},Block]"]))
+    assert str(err.value).startswith(f"wrap_policy.block_classes=['{name}', 'Block']: {why}"), str(err.value)
+    validate(compose(["strategy=fsdp", "wrap_policy.block_classes=[torch.nn.Linear,Nope]"]))
+
+
+def test_blocks_held_in_nn_sequential_are_found_as_in_a_module_list():
+    """torchvision's ResNet and timm's ViT hold their blocks in ``nn.Sequential`` (stages of blocks, or one run of
+    them): "found no blocks", and FSDP gathered the whole model at once. ``nn.Sequential`` itself is never the block
+    class (it would match every Sequential of the model), and a Sequential of mixed layers holds no blocks."""
+    from torch import nn
+
+    from hydratrain.parallel.blocks import find_blocks
+
+    class Basic(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.conv = nn.Conv2d(width, width, 3)
+
+    class ResNetLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+            self.layer1 = nn.Sequential(Basic(4), Basic(4))
+            self.layer2 = nn.Sequential(Basic(8), Basic(8))
+            self.head = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    found = find_blocks(ResNetLike())
+    assert (found.describe(), found.source) == ("4 Basic", "the largest Sequential"), found
+    stages = nn.Sequential(nn.Sequential(Basic(4), Basic(4)), nn.Sequential(Basic(8)))  # stages of blocks
+    assert find_blocks(stages).describe() == "3 Basic"
+    assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))).describe() == "no blocks"
+
+
 def test_parametrizations_and_lists_of_parameterless_modules_are_not_blocks():
     """weight_norm's ParametrizationList was taken as the largest nn.ModuleList: "blocks: 2 _WeightNorm", modules that
     own no parameters, became FSDP units that shard nothing and checkpointed the g * v / |v| computation."""

@@ -321,8 +321,9 @@ class BlockWrapPolicy(WrapPolicyConfig):
     """``auto`` (transformer_block under fsdp, else none) and ``transformer_block``: each block is its own unit."""
 
     # the block classes, as dotted names (mypkg.nets.Block) or class names (LlamaDecoderLayer); null = found in the
-    # model: a Hugging Face model's _no_split_modules, else the class of the children of its largest nn.ModuleList.
-    # Activation checkpointing and trainer.compile use the same blocks.
+    # model: a Hugging Face model's _no_split_modules, else the class of the children of its largest nn.ModuleList
+    # or nn.Sequential. A dotted name must import to an nn.Module class (checked before the run starts). Activation
+    # checkpointing and trainer.compile use the same blocks.
     block_classes: Optional[List[str]] = None
 
 

@@ -374,6 +374,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
                           f"{launched}; allowed: ddp, fsdp, hsdp")
     check_components(cfg)
+    _check_block_classes(cfg)
     objective = cfg.trainer.objective
     from hydratrain.components import build_loss
 
@@ -383,6 +384,24 @@ def validate(cfg: DictConfig) -> None:
         why = " (perplexity is logged with a loss that reports it: loss=next_token)" if "perplexity" in objective \
             else ""
         raise ConfigError("trainer.objective", objective, f"allowed: {', '.join(allowed)}{why}")
+
+
+def _check_block_classes(cfg: DictConfig) -> None:
+    """``wrap_policy.block_classes``: each dotted path imports to an ``nn.Module`` class (a bare class name is
+    matched against the model's classes once it is built). Raises ConfigError naming the key."""
+    names = [str(n) for n in (_get(cfg, "wrap_policy.block_classes") or ())]
+    from torch import nn
+
+    from hydratrain.components import locate
+
+    for name in names:
+        if "." not in name:
+            continue
+        obj = locate(name, "", full_key="wrap_policy.block_classes", value=names)
+        if not (isinstance(obj, type) and issubclass(obj, nn.Module)):
+            raise ConfigError("wrap_policy.block_classes", names, f"{name!r} is not an nn.Module class (it is "
+                              f"{type(obj).__name__ if not isinstance(obj, type) else 'the class ' + obj.__name__}); "
+                              "name the class of the model's blocks, by dotted path or bare name")
 
 
 def _number(value: Any) -> bool:

@@ -81,7 +81,7 @@ def choose_compile(setting: Any, device_type: str, strategy: str, activation_che
                 return CompileChoice("none", f"trainer.compile=auto: no blocks found to compile one by one under "
                                      f"{strategy} (name them with wrap_policy.block_classes)")
             raise ConfigError("trainer.compile", value, "found no blocks in the model to compile one by one (no "
-                              "_no_split_modules, no nn.ModuleList of one class): name them with "
+                              "_no_split_modules, no nn.ModuleList or nn.Sequential of one class): name them with "
                               "wrap_policy.block_classes, or use trainer.compile=model")
         if value == "blocks":
             return CompileChoice("blocks", "trainer.compile=blocks")

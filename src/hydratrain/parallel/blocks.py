@@ -5,9 +5,11 @@
   class identity) or bare class names (``LlamaDecoderLayer``), matched against the classes of the model's modules;
 - else a Hugging Face model's ``_no_split_modules`` (the class names ``transformers`` itself keeps whole when it
   splits a model across devices; accelerate's FSDP auto-wrap reads the same list);
-- else the class of the children of the model's largest ``nn.ModuleList`` (by the parameters of its children) whose
-  children are all of one class and own parameters: the decoder layers of a transformer, the stages of a CNN; lists
-  of lists (stages of blocks) give the blocks inside them. A parametrization's list (``weight_norm``) is not one.
+- else the class of the children of the model's largest ``nn.ModuleList`` or ``nn.Sequential`` (by the parameters of
+  its children) whose children are all of one class and own parameters: the decoder layers of a transformer, the
+  blocks of a CNN's stages (torchvision's ResNet and timm's models hold them in ``nn.Sequential``); lists of lists
+  (stages of blocks) give the blocks inside them. A parametrization's list (``weight_norm``) is not one, and
+  ``nn.Sequential`` itself is never the block class: it would match every ``nn.Sequential`` of the model.
 
 Containers without a forward of their own (``nn.ModuleList``, ``nn.ModuleDict``) are never blocks: nothing calls them,
 so FSDP cannot shard them as a unit and activation checkpointing or compile would wrap nothing.
@@ -24,7 +26,8 @@ from torch import nn
 @dataclass
 class Blocks:
     """The blocks of a model: ``modules`` (in model order, outermost matches only), their ``classes``, and how they
-    were found (``source``: ``wrap_policy.block_classes``, ``_no_split_modules`` or ``the largest nn.ModuleList``)."""
+    were found (``source``: ``wrap_policy.block_classes``, ``_no_split_modules`` or ``the largest nn.ModuleList``
+    (or ``nn.Sequential``))."""
 
     modules: list
     classes: tuple
@@ -77,19 +80,20 @@ def _no_split_names(model: nn.Module) -> list[str]:
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never a block
 
 
-def largest_module_list(model: nn.Module) -> Optional[nn.ModuleList]:
-    """The ``nn.ModuleList`` of ``model`` holding the most parameters in its children, among those whose children
-    are all of one class that is not a container (:data:`CONTAINERS`), or None when it has none. A
-    ``ParametrizationList`` (``weight_norm``, ``spectral_norm``: it holds the original weight, its children compute
-    from it and own nothing) and a list whose children own no parameters are not lists of blocks."""
+def largest_module_list(model: nn.Module) -> Optional[nn.Module]:
+    """The ``nn.ModuleList`` or ``nn.Sequential`` of ``model`` holding the most parameters in its children, among
+    those whose children are all of one class that is neither a container (:data:`CONTAINERS`) nor
+    ``nn.Sequential`` (a generic class: as a block class it would match every ``nn.Sequential``), or None when it has
+    none. A ``ParametrizationList`` (``weight_norm``, ``spectral_norm``: it holds the original weight, its children
+    compute from it and own nothing) and a list whose children own no parameters are not lists of blocks."""
     from torch.nn.utils.parametrize import ParametrizationList
 
     best, most = None, 0
     for m in model.modules():
-        if not isinstance(m, nn.ModuleList) or isinstance(m, ParametrizationList) or not len(m):
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or isinstance(m, ParametrizationList) or not len(m):
             continue
         kinds = {type(_inner(c)) for c in m}
-        if len(kinds) != 1 or issubclass(next(iter(kinds)), CONTAINERS):
+        if len(kinds) != 1 or issubclass(next(iter(kinds)), (*CONTAINERS, nn.Sequential)):
             continue
         n = sum(p.numel() for c in m for p in c.parameters())
         if n > most:
@@ -148,7 +152,7 @@ def find_blocks(model: nn.Module, block_classes: Optional[Sequence[str]] = None,
     biggest = largest_module_list(model)
     if biggest is not None:
         kind = type(_inner(biggest[0]))
-        return _blocks(model, lambda c: c is kind, "the largest nn.ModuleList")
+        return _blocks(model, lambda c: c is kind, f"the largest {type(biggest).__name__}")
     return Blocks([], (), "none found")
 
 

@@ -156,7 +156,7 @@ class Strategy:
         notes = [f"blocks: {blocks.describe()} (from {blocks.source})"] if blocks.modules else []
         if self.cfg.activation_checkpointing and not blocks.modules:
             raise ConfigError("activation_checkpointing", True, "found no blocks in the model to apply it to (no "
-                              "_no_split_modules, no nn.ModuleList of one class): name them with "
+                              "_no_split_modules, no nn.ModuleList or nn.Sequential of one class): name them with "
                               "wrap_policy.block_classes")
         choice = self.compile_choice(device, bool(blocks.modules))
         if self.cfg.activation_checkpointing:
@@ -386,8 +386,8 @@ class FSDP(Strategy):
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         if policy == "transformer_block" and not blocks.modules:
             raise ConfigError("wrap_policy", policy, "found no blocks in the model (no _no_split_modules, no "
-                              "nn.ModuleList of one class): name them with wrap_policy.block_classes, or use "
-                              "wrap_policy=size_based")
+                              "nn.ModuleList or nn.Sequential of one class): name them with "
+                              "wrap_policy.block_classes, or use wrap_policy=size_based")
         units = shard_units(raw, self.cfg.wrap_policy, blocks)
         if not units and policy == "size_based":
             largest = max((sum(p.numel() for p in m.parameters()) for m in raw.modules() if m is not raw), default=0)
@@ -396,9 +396,9 @@ class FSDP(Strategy):
                         "lower min_num_params, or use wrap_policy=transformer_block",
                         self.cfg.wrap_policy.min_num_params, largest)
         if not units and policy == "auto" and not blocks.modules:
-            log.warning("wrap_policy=auto found no blocks in the model (no _no_split_modules, no nn.ModuleList of "
-                        "one class): FSDP shards it as one unit and gathers all of it at once; name them with "
-                        "wrap_policy.block_classes, or use wrap_policy=size_based")
+            log.warning("wrap_policy=auto found no blocks in the model (no _no_split_modules, no nn.ModuleList or "
+                        "nn.Sequential of one class): FSDP shards it as one unit and gathers all of it at once; name "
+                        "them with wrap_policy.block_classes, or use wrap_policy=size_based")
         # fully_shard cannot shard a 0-d parameter (CLIP's logit_scale, a learnable temperature): each rank keeps it
         # whole, and grad_sync averages its gradient over the ranks as the reduce-scatter does the others'
         scalars = [name for name, p in raw.named_parameters() if p.dim() == 0]
