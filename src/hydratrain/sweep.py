@@ -465,6 +465,15 @@ class SweepReportCallback(Callback):
                 say("hydratrain: preempted: SIGTERM before the sweep's first job: nothing started; relaunch the "
                     "same command")
             raise SystemExit(code if isinstance(code, int) else 75)
+        self._one_run = launched_as_one_run(config.hydra)
+        try:
+            _refuse_a_run_dir(config.hydra)
+        except ConfigError as err:
+            from hydratrain.errors import EXIT_CONFIG
+
+            if _is_rank0():
+                say(f"hydratrain: config error: {err}")
+            raise SystemExit(EXIT_CONFIG) from None
         if "launcher" in config or config.hydra.get("sweeper", {}).get("storage"):
             try:
                 _refuse_a_stored_study_over_its_job_dirs(config.hydra)
@@ -528,6 +537,11 @@ class SweepReportCallback(Callback):
             if getattr(job_return._return_value, "ends_the_sweep", False):
                 sweep_ended()  # a signal to the torchrun launcher's process: its own line and status end the sweep
                 return
+            if getattr(self, "_one_run", False):
+                if started is None:  # the launcher's process, after the workers (which said their error) are gone
+                    sweep_ended()
+                    end_one_run(job_return._return_value, sweep_dir)
+                return
             if started is not None:  # (the launcher's process: the torchrun and Ray plugins log the failure there)
                 log.warning("job #%d failed: %s (the sweep goes on; %s)", hc.job.num, error,
                             sweep_dir / "sweep_report.md")
@@ -553,6 +567,72 @@ class SweepReportCallback(Callback):
         if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):
             return
         _end_of_sweep(_sweep_dir(config.hydra))
+
+
+def launched_as_one_run(hydra_cfg: DictConfig) -> bool:
+    """Whether this multirun is one run that its launcher made a sweep of one job (``launcher=torchrun``, ``ray``,
+    ``slurm`` set ``hydra.mode: MULTIRUN``), not a sweep the command line asked for: no ``-m`` / ``--multirun`` and
+    one job. Such a run ends as a run does: its error's one line and exit status (:func:`end_one_run`), no sweep
+    report on the console."""
+    import sys
+
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args = get_args_parser().parse_args(sys.argv[1:])
+    except SystemExit:
+        return False
+    return not args.multirun and basic_sweep_jobs(hydra_cfg) == 1
+
+
+def end_one_run(err: BaseException, sweep_dir: Path) -> None:
+    """End the launch of one run (:func:`launched_as_one_run`) whose job failed with ``err``, in the launcher's
+    process: raise ``SystemExit`` with the status the run would have had under plain ``torchrun`` or one process
+    (the failed worker's exit status; 128 + the signal that killed it; a config error found before the workers
+    started: 2, :data:`hydratrain.errors.EXIT_CONFIG`), after the error's one line unless a worker has said it. A
+    config error leaves no dir behind, as in a run: ``sweep_dir``, when this launch made it and it holds only the
+    sweep's records of the refused job, is removed."""
+    from hydratrain.dist.run_dir import discard_if_unused
+    from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, HydratrainError
+
+    code = getattr(err, "exitcode", None)
+    if isinstance(code, int):
+        status = code if code > 0 else 128 - code
+        if not getattr(err, "said_by_worker", False):
+            say(f"hydratrain: {err}")
+    elif isinstance(err, HydratrainError):
+        status = err.exit_status
+        say(f"hydratrain: {err.label}: {err}")
+    elif type(err).__name__ == "LauncherConfigError":  # (the plugin's own: it knows no app)
+        status = EXIT_CONFIG
+        say(f"hydratrain: config error: {err}")
+    else:
+        status = EXIT_ERROR
+        say(f"hydratrain: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    if status == EXIT_CONFIG and code is None:
+        discard_if_unused(sweep_dir, left=_LEFT_BY_A_REFUSED_JOB)
+    raise SystemExit(status)
+
+
+#: what a sweep of one job refused before its workers started leaves in its sweep dir (and the job's sub-dir)
+_LEFT_BY_A_REFUSED_JOB = ("multirun.yaml", "sweep_report.csv", "sweep_report.md", MULTIRUN_MARK, "status.json")
+
+
+def _refuse_a_run_dir(hydra_cfg: DictConfig) -> None:
+    """A multirun puts each job in ``hydra.sweep.dir`` / ``hydra.sweep.subdir``; Hydra ignores a ``hydra.run.dir``
+    given on the command line, so the run would land elsewhere than asked. Raises ConfigError on that key, naming
+    the key that does it."""
+    from hydratrain.config import ConfigError
+
+    given = [str(o).split("=", 1)[1] for o in hydra_cfg.overrides.hydra
+             if str(o).lstrip("+").split("=", 1)[0] == "hydra.run.dir"]
+    if given:
+        launcher = hydra_cfg.runtime.choices.get("launcher")
+        why = f" (launcher={launcher} runs even one run as a sweep of one job)" if launcher not in (None, "local") \
+            else ""
+        raise ConfigError("hydra.run.dir", given[-1], f"not used by a sweep{why}, which puts each job in a sub-dir "
+                          f"of hydra.sweep.dir (hydra.sweep.subdir, by default the job number): give "
+                          f"hydra.sweep.dir={given[-1]}")
 
 
 def _end_of_sweep(sweep_dir: Path) -> None:

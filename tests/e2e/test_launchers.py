@@ -154,6 +154,23 @@ def test_a_sweep_whose_last_job_completes_after_a_failed_one_ends_with_the_repor
         assert r.output.count("job #0 failed: LaunchError") == 1, r.output[-3000:]
 
 
+@pytest.mark.slow  # one worker's run, about 15 s
+def test_one_run_under_the_torchrun_launcher_ends_as_a_run_with_its_workers_line_and_status(tmp_path):
+    """``launcher=torchrun`` without ``-m`` is one run that the launcher makes a sweep of one job: a worker that
+    diverged ended the launch with its line said three times (the worker's, "the sweep goes on", the closing line),
+    the sweep report's table and status 1. It now ends as the run under ``torchrun`` or in one process does: the
+    worker's one line, once, and its status (4); the sweep dir still records the job."""
+    sweep = tmp_path / "sweep"
+    r = run(["launcher=torchrun", "launcher.nproc_per_node=1", "strategy=ddp", "optim.lr=1e9", "scheduler=constant",
+             "scheduler.warmup_steps=0", "trainer.max_steps=3", "trainer.eval_every_n_steps=0",
+             f"hydra.sweep.dir={sweep}"], cwd=tmp_path, timeout=300)
+    assert r.returncode == 4, r.output[-3000:]
+    ours = [line for line in r.output.splitlines() if "diverged" in line]
+    assert len(ours) == 1 and ours[0].startswith("hydratrain: diverged: non-finite "), r.output[-3000:]
+    assert "sweep report" not in r.output and "sweep job(s) failed" not in r.output, r.output[-3000:]
+    assert [row["status"] for row in report_rows(sweep)] == ["FAILED"]
+
+
 @pytest.mark.slow  # ~40-70 s on 2 busy cores
 def test_two_sweeps_at_once_get_their_own_ports(tmp_path):
     procs = [start(["launcher=torchrun", "launcher.nproc_per_node=2", "strategy=ddp",

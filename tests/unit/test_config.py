@@ -155,16 +155,31 @@ def test_cfg_job_prints_composed_config(cli):
 ])
 def test_cfg_job_checks_the_printed_config_as_the_run_does(cli, overrides):
     """``--cfg job`` printed a config that the run then refused (exit 0, then exit 2): it now runs the run's checks
-    on what it printed and ends as the run ends, with the same one line and exit status 2."""
+    on what it printed and ends as the run ends, with the same one line and exit status 2. Under
+    ``launcher=torchrun`` the run is a sweep of one job, which ends as a run does: that line (no sweep report) and
+    2, and no dir left behind."""
     shown = cli(["--cfg", "job", *overrides])
     assert shown.returncode == 2 and OmegaConf.create(shown.out)["trainer"], shown.output[-3000:]
     line = shown.err.strip()
     assert line.startswith("hydratrain: config error: ") and "\n" not in line, shown.err
     ran = cli(overrides)
-    assert ran.returncode == (1 if "launcher=torchrun" in overrides else 2), ran.output[-3000:]  # (1: a sweep)
-    assert (line if ran.returncode == 2 else line.partition("config error: ")[2]) in ran.output, (line, ran.output)
+    assert ran.returncode == 2 and line in ran.output, (line, ran.output[-3000:])
+    assert "sweep" not in ran.err and not list(Path.cwd().iterdir()), (ran.err, list(Path.cwd().iterdir()))
     assert cli(["--cfg", "all", *overrides]).returncode == 2
     assert cli(["--cfg", "hydra", *overrides]).returncode == 0  # Hydra's own part: nothing of the run's to check
+
+
+@pytest.mark.parametrize("overrides", [["launcher=torchrun"], ["-m", "optim.lr=1e-3,2e-3"]])
+def test_a_run_dir_given_to_a_sweep_is_refused_naming_the_key_that_places_it(cli, overrides):
+    """Hydra puts a multirun's jobs under ``hydra.sweep.dir`` and ignores ``hydra.run.dir``: ``launcher=torchrun
+    hydra.run.dir=runs/a`` trained in ``multirun/<date>/<time>/0``. Refused before anything is made."""
+    r = cli([*overrides, "hydra.run.dir=runs/a"])
+    why = " (launcher=torchrun runs even one run as a sweep of one job)" if "launcher=torchrun" in overrides else ""
+    assert r.returncode == 2 and r.err.strip() == (
+        f"hydratrain: config error: hydra.run.dir='runs/a': not used by a sweep{why}, which puts each job in a "
+        "sub-dir of hydra.sweep.dir (hydra.sweep.subdir, by default the job number): give hydra.sweep.dir=runs/a"), \
+        r.output[-3000:]
+    assert not list(Path.cwd().iterdir())
 
 
 @pytest.mark.parametrize("overrides,key", [

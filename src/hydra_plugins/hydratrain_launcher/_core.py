@@ -42,6 +42,10 @@ class LaunchError(CompactHydraException, RuntimeError):
     app's sweep report) read it from the failed job's ``return_value`` in ``on_job_end``."""
 
     ends_the_sweep = False
+    #: a worker that failed: its exit code (negative: the signal that ended it), and whether it recorded its error
+    #: (its one line or traceback is then on the console already); None / False for a failure before any worker
+    exitcode: Optional[int] = None
+    said_by_worker = False
 
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[JobReturn]:
@@ -148,6 +152,9 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
                                                           if failure.exitcode > 1 else "")
         error: BaseException = LaunchError(f"job #{num}: rank {rank} failed (after {conf.max_restarts} restart(s) "
                                            f"allowed): {why}")
+        data = failure.error_file_data  # (torch's placeholder {"message": "<NONE>"} when the worker recorded none)
+        error.exitcode = failure.exitcode
+        error.said_by_worker = isinstance(data, dict) and data.get("message") not in (None, "<NONE>")
     except SignalException as err:
         _stop_the_sweep(launcher, sweep_config, num, conf, err.sigval, before_workers=_BEFORE_WORKERS["signal"])
     except Exception as err:  # the check's own error, bad settings, a port, a rendezvous error: report, don't hang

@@ -112,17 +112,23 @@ _RESERVED: set = set()  # run dirs this launch created for itself (absolute path
 _LEFT_BY_A_REFUSED_START = (".hydra", "hydratrain.lock")  # and train_rank<R>.log
 
 
-def discard_if_unused(run_dir: Path) -> bool:
+def discard_if_unused(run_dir: Path, left: tuple = ()) -> bool:
     """Remove ``run_dir`` when this launch created it (:func:`unique_dir`) and it holds only what Hydra and the
-    start wrote before a config error stopped the run (``.hydra/``, ``train_rank<R>.log``, the lock): a typo on the
-    command line should not leave a run dir behind. Returns whether it was removed; anything else in it keeps it."""
+    start wrote before a config error stopped the run (``.hydra/``, ``train_rank<R>.log``, the lock; also the names
+    in ``left``, and sub-dirs holding only these: a sweep's records of its refused job): a typo on the command line
+    should not leave a run dir behind. Returns whether it was removed; anything else in it keeps it."""
     import shutil
 
     path = Path(run_dir)
     if os.path.abspath(path) not in _RESERVED or not path.is_dir():
         return False
-    if any(p.name not in _LEFT_BY_A_REFUSED_START and not re.fullmatch(r"train_rank\d+\.log", p.name)
-           for p in path.iterdir()):
+
+    def unused(folder: Path, depth: int) -> bool:
+        return all(p.name in _LEFT_BY_A_REFUSED_START or p.name in left or re.fullmatch(r"train_rank\d+\.log", p.name)
+                   or (left and depth < 2 and p.is_dir() and not p.is_symlink() and unused(p, depth + 1))
+                   for p in folder.iterdir())
+
+    if not unused(path, 0):
         return False
     shutil.rmtree(path, ignore_errors=True)
     _RESERVED.discard(os.path.abspath(path))
