@@ -634,6 +634,27 @@ def test_a_models_own_loss_gets_no_perplexity_and_padded_targets_weigh_the_eval_
         assert out["loss"] == pytest.approx(expected, rel=1e-6) and "perplexity" in out, size
 
 
+def test_a_metric_that_cannot_compute_on_the_eval_set_is_left_out_with_a_warning_not_the_run(caplog):
+    """R2Score on an eval set of one sample raises at compute(): the run trained every step, then ended with that
+    traceback at its final eval and wrote neither weights nor results (the step-1 check saw a training batch of
+    several rows). The eval now leaves that metric out with one warning, once, and keeps the others."""
+    from torch import nn
+    from torchmetrics import MeanSquaredError, R2Score
+
+    from hydratrain.train.evaluate import Evaluator
+
+    batches = [((torch.randn(1, 3), torch.randn(1)), torch.ones(1, dtype=torch.bool))]
+    model, plain = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0)), __import__("contextlib").nullcontext()
+    evaluator = Evaluator(batches, torch.device("cpu"), nn.MSELoss(), {"r2": R2Score(), "mse": MeanSquaredError()})
+    for _ in range(2):
+        out = evaluator.evaluate(model, plain)
+        assert sorted(out) == ["loss", "mse"] and out["mse"] == pytest.approx(out["loss"]), out
+    said = [r.getMessage() for r in caplog.records if "not computed" in r.getMessage()]
+    assert said == ["eval/r2 not computed: metrics.r2._target_=torchmetrics.regression.r2.R2Score raised ValueError: "
+                    "Needs at least two samples to calculate r2 score.; it is left out of the eval's results (a "
+                    "larger eval set, trainer.eval_samples, may give it what it needs)"], said
+
+
 def test_namedtuple_batches_are_selected_moved_and_counted_and_metrics_see_float32_outputs():
     """A dataset of namedtuple samples (the default collate keeps the type): the selection of a batch's rows, its
     move to the device and its FLOPs fakes keep the type (a namedtuple is rebuilt field by field, not from one

@@ -55,6 +55,7 @@ class Evaluator:
         self.loss_communicates: Optional[bool] = None  # known after check_loss (every rank learns the same)
         self.count, self._count_known = None, False  # batch.item_counter's rule, from the trainer's first forward
         self._warned_no_target = False
+        self._not_computed: set = set()  # the metrics whose compute() raised at an eval (warned once each)
 
     def counts(self, rule, own_loss: bool = False) -> None:
         """Weigh each batch's loss by ``rule(batch)`` (:func:`~hydratrain.train.batch.item_counter`; None: by its
@@ -250,7 +251,26 @@ class Evaluator:
                         "would be a mean over none; give the validation split targets to score (data)", n)
         self._checked = True
         for name, metric in self.metrics.items():
-            value = metric.compute()
+            try:
+                value = metric.compute()  # (on the synced states: it raises on every rank alike)
+            except Exception as err:  # noqa: BLE001 (the eval set decides: R2Score needs 2 samples; the run goes on)
+                self._say_not_computed(name, metric, err)
+                continue
+            finally:
+                metric.reset()
             out[name] = float(value) if isinstance(value, torch.Tensor) else float(value)
-            metric.reset()
         return out
+
+    def _say_not_computed(self, name: str, metric, err: BaseException) -> None:
+        """One warning per metric whose ``compute()`` raised on this eval's data (too few samples, one class only):
+        ``eval/<name>`` is left out of this eval (and of ``results.json`` when it is the final one), and the
+        training, its checkpoints and its weights go on as they are."""
+        if name in self._not_computed:
+            return
+        self._not_computed.add(name)
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        n = getattr(self.batches, "n_samples", None)
+        log.warning("eval/%s not computed: metrics.%s._target_=%s raised %s: %s%s; it is left out of the eval's "
+                    "results (a larger eval set, trainer.eval_samples, may give it what it needs)", name, name,
+                    f"{type(metric).__module__}.{type(metric).__qualname__}", type(err).__name__, why,
+                    f" (on {n} eval samples)" if n is not None else "")
