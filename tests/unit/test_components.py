@@ -212,6 +212,29 @@ def test_a_parameter_that_the_forward_creates_is_refused_at_the_first_step(cli, 
         "never train: create them in __init__ (give the input size as a keyword)"], r.output[-2000:]
 
 
+def test_a_forward_that_makes_float32_tensors_is_told_to_autocast_under_fsdp_and_trains_with_it(cli, own):
+    """``x.float() / 255`` of uint8 pixels in the forward: FSDP's MixedPrecisionPolicy casts the weights to bf16 and
+    runs no autocast, so the default strategy=fsdp with precision=auto (bf16 where native) refused a model that
+    ddp + bf16 trains. The line names precision.fsdp_autocast, and with it the model trains."""
+    (own / "mypkg" / "floaty.py").write_text(
+        "from mypkg.nets import ResMLP\n\n\nclass Floaty(ResMLP):\n    def forward(self, x):\n"
+        "        return super().forward(x.double().float())\n")
+    common = [*QUICK, "strategy=fsdp", "precision=bf16", "model._target_=mypkg.floaty.Floaty", "trainer.max_steps=2"]
+    r = cli(common, own / "refused", fast=False)
+    assert r.returncode == 2, r.output[-2000:]
+    (line,) = r.err.strip().splitlines()
+    assert line.startswith("hydratrain: config error: model._target_='mypkg.floaty.Floaty': its forward refused the "
+                           "first batch (inputs (64, 2) float32): RuntimeError: ") and line.endswith(
+        "; under strategy=fsdp precision=bf16 FSDP casts the weights to bfloat16 and no autocast runs, so a float32 "
+        "tensor the forward makes itself (x.float()) meets bfloat16 weights: set precision.fsdp_autocast=true "
+        "(autocast, as strategy=ddp runs it), or make it in the weights' dtype"), line
+    assert cli([*common, "precision.fsdp_autocast=true"], own / "autocast", fast=False).returncode == 0
+    r = cli([*common, "strategy=ddp", "precision.fsdp_autocast=true"], own / "ddp", fast=False)
+    assert r.returncode == 2 and r.err.strip() == (
+        "hydratrain: config error: precision.fsdp_autocast=True: unused with strategy=ddp, whose forward runs under "
+        "autocast already; allowed with strategy=fsdp or hsdp"), r.output[-2000:]
+
+
 def test_a_tuple_output_that_the_loss_refuses_is_one_line_with_the_fix(cli, own):
     (own / "mypkg" / "pair.py").write_text(
         "from mypkg.nets import ResMLP\n\n\nclass Pair(ResMLP):\n    def forward(self, x):\n"

@@ -271,6 +271,10 @@ class PrecisionConfig:
     name: PrecisionName = MISSING
     reduce_dtype: DType = DType.float32  # dtype of the gradient reduction across ranks (ddp: a compression hook)
     tf32: bool = True  # CUDA only: let float32 matmuls use TF32 tensor cores (no effect on CPU)
+    # strategy=fsdp/hsdp: also run each forward under torch.autocast to the compute dtype, as ddp and single do. FSDP's
+    # MixedPrecisionPolicy alone casts the weights and each unit's floating inputs, so a float32 tensor the forward
+    # makes itself (x.float() / 255 of uint8 pixels) meets bf16/fp16 weights and fails; autocast casts at each op.
+    fsdp_autocast: bool = False
 
 
 @dataclass

@@ -342,6 +342,9 @@ def validate(cfg: DictConfig) -> None:
     if cfg.wrap_policy.name not in (WrapPolicyName.auto, WrapPolicyName.none) and strategy not in sharded:
         raise ConfigError("wrap_policy", cfg.wrap_policy.name, f"only strategy=fsdp or hsdp shards modules by a wrap "
                           f"policy (this run: strategy={strategy}); allowed here: auto, none")
+    if _get(cfg, "precision.fsdp_autocast") and strategy not in sharded:
+        raise ConfigError("precision.fsdp_autocast", True, f"unused with strategy={strategy}, whose forward runs "
+                          "under autocast already; allowed with strategy=fsdp or hsdp")
     shard_size = _get(cfg, "strategy.shard_size")
     if shard_size is not None and shard_size < 1:
         raise ConfigError("strategy.shard_size", shard_size, "must be >= 1 (ranks per shard group), or null for "

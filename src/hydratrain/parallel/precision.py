@@ -65,6 +65,7 @@ class Precision:
         use_scaler: dynamic loss scaling (fp16 only).
         init_scale: the scaler's first scale; growth_interval: clean steps before it doubles.
         tf32: float32 matmuls may use TF32 (CUDA only).
+        fsdp_autocast: FSDP's forward runs under ``torch.autocast`` too (``precision.fsdp_autocast``).
     """
 
     name: str
@@ -75,6 +76,7 @@ class Precision:
     init_scale: float = 65536.0
     growth_interval: int = 2000
     tf32: bool = False
+    fsdp_autocast: bool = False
 
     @classmethod
     def resolve(cls, cfg, device: torch.device) -> "Precision":
@@ -86,7 +88,8 @@ class Precision:
                    reduce_dtype=DTYPES[str(cfg.reduce_dtype)], use_scaler=name == "fp16",
                    init_scale=float(cfg.get("init_scale", 65536.0)),
                    growth_interval=int(cfg.get("growth_interval", 2000)),
-                   tf32=bool(cfg.tf32) and device.type == "cuda" and name == "fp32")
+                   tf32=bool(cfg.tf32) and device.type == "cuda" and name == "fp32",
+                   fsdp_autocast=bool(cfg.get("fsdp_autocast", False)))
 
     def describe(self) -> str:
         """One line for the log: ``precision=auto -> bf16 (compute bfloat16, reduce float32)``."""

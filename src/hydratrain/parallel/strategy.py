@@ -441,7 +441,8 @@ class FSDP(Strategy):
         return ""
 
     def autocast(self, precision, device):
-        return contextlib.nullcontext()
+        """None: the ``MixedPrecisionPolicy`` casts the weights (``precision.fsdp_autocast``: autocast as well)."""
+        return precision.autocast(device) if precision.fsdp_autocast else contextlib.nullcontext()
 
     def check_first_forward(self, model):
         """FSDP gathers each unit's parameters before the unit's forward and reduce-scatters the gradients of the

@@ -197,6 +197,19 @@ class Trainer:
                               "whose tensors FSDP cannot see (it walks tensors, lists, tuples, dicts and dataclasses): "
                               "return one of those (a dict {'logits': ...} or a dataclass), or use strategy=ddp")
 
+    def _cast_weights_hint(self, why: str) -> str:
+        """Advice for a forward that failed on mixed dtypes under FSDP's cast weights without autocast (a float32
+        tensor the forward made itself met bf16 weights), else ''."""
+        mixed = "dtype" in why.lower() or "BFloat16" in why or "Half" in why
+        if not (mixed and self.precision.compute_dtype != torch.float32
+                and isinstance(self.autocast, contextlib.nullcontext)):
+            return ""
+        dtype = str(self.precision.compute_dtype).removeprefix("torch.")
+        return (f"; under strategy={self.strategy.name} precision={self.precision.name} FSDP casts the weights to "
+                f"{dtype} and no autocast runs, so a float32 tensor the forward makes itself (x.float()) meets {dtype} "
+                "weights: set precision.fsdp_autocast=true (autocast, as strategy=ddp runs it), or make it in the "
+                "weights' dtype")
+
     def _check_no_new_parameters(self, known: set) -> None:  # (by name: FSDP swaps the root's Parameter objects)
         """A forward that creates parameters on its first call (``if self.fc is None: self.fc = nn.Linear(...)``)
         made them after the optimizer and the strategy took the model's parameters: they would never be updated
@@ -242,7 +255,8 @@ class Trainer:
             if self._stage == "forward":
                 inputs = batch if isinstance(batch, dict) else batch[0]
                 raise ConfigError("model._target_", model_target, f"its forward refused the first batch (inputs "
-                                  f"{batches_.shapes(inputs)}): {type(err).__name__}: {why}") from err
+                                  f"{batches_.shapes(inputs)}): {type(err).__name__}: {why}"
+                                  f"{self._cast_weights_hint(why)}") from err
             predicted = batches_.prediction(self._outputs)
             hint = ("; the model returns a tuple: return a dict with its 'logits' (the loss and the metrics get them) "
                     "or give a loss that takes the tuple") if isinstance(predicted, (tuple, list)) else ""
