@@ -5,6 +5,7 @@ meta build; each bad component is one config-error line naming its key. (The 2-r
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -233,6 +234,33 @@ def test_a_forward_that_makes_float32_tensors_is_told_to_autocast_under_fsdp_and
     assert r.returncode == 2 and r.err.strip() == (
         "hydratrain: config error: precision.fsdp_autocast=True: unused with strategy=ddp, whose forward runs under "
         "autocast already; allowed with strategy=fsdp or hsdp"), r.output[-2000:]
+
+
+def test_a_class_weight_of_zero_trains_as_its_targets_ignored_whatever_the_split(cli, own):
+    """CrossEntropyLoss(weight=[0, 1, 2]) (a class left out, as a segmentation background): a micro-batch whose
+    targets all weigh 0 gets torch's NaN gradient (0 / 0), and the run stopped as "diverged ... lower optim.lr" when
+    such a micro-batch met one with real targets in a step. Such targets now count as ignored: the same loss, and
+    batch 1 x 2 micro-batches trains the weights batch 2 does."""
+    from safetensors.torch import load_file
+
+    from hydratrain.train.batch import zero_weight_ignored
+
+    ce = torch.nn.CrossEntropyLoss(weight=torch.tensor([0.0, 1.0, 2.0]))
+    logits, targets = torch.randn(4, 3), torch.tensor([0, 2, -100, 1])
+    kept = zero_weight_ignored(ce, targets)
+    assert kept.tolist() == [-100, 2, -100, 1] and ce(logits, kept) == ce(logits, targets)
+    lone = logits[:1].clone().requires_grad_()
+    (ce(lone, zero_weight_ignored(ce, targets[:1])) / math.inf).backward()
+    assert lone.grad.abs().sum() == 0  # (torch's own for weight 0: NaN)
+    common = [*QUICK, "strategy=single", "loss=cross_entropy", "trainer.max_steps=8", "trainer.eval_every_n_steps=0",
+              "+loss.weight={_target_:torch.tensor,data:[0.0,1.0,2.0]}", "scheduler=constant", "data.n=64"]
+    for name, split in (("accum", ["data.batch_size=1", "trainer.grad_accum_steps=2"]),
+                        ("batch", ["data.batch_size=2"])):
+        r = cli([*common, *split], own / name, fast=False)
+        assert r.returncode == 0, r.output[-3000:]
+    a, b = (load_file(own / name / "model.safetensors") for name in ("accum", "batch"))
+    for key, value in a.items():
+        torch.testing.assert_close(b[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
 def test_a_tuple_output_that_the_loss_refuses_is_one_line_with_the_fix(cli, own):

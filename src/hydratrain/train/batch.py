@@ -13,6 +13,7 @@ count, so an optimizer step's loss is the mean over all its targets, whatever th
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, ContextManager, Mapping, Optional
 
 import torch
@@ -64,7 +65,36 @@ def loss_of(outputs: Any, batch: Any, loss_fn: Callable) -> torch.Tensor:
     own = builtin_loss(outputs)
     if own is not None:
         return own
-    return loss_fn(upcast(prediction(outputs)), targets_of(batch))
+    return loss_fn(upcast(prediction(outputs)), zero_weight_ignored(loss_fn, targets_of(batch)))
+
+
+_ZERO_WEIGHT: "weakref.WeakKeyDictionary[nn.Module, Optional[torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def zero_weight_ignored(loss_fn: Callable, targets: Any) -> Any:
+    """``targets`` with those of a class whose ``weight`` is 0 set to the loss's ``ignore_index``, for a mean-reduced
+    ``torch.nn.CrossEntropyLoss`` / ``NLLLoss`` without label smoothing; else ``targets`` as they are.
+
+    The same loss, exactly: such a target adds 0 to the weighted sum and 0 to the sum of weights the mean divides by.
+    But a micro-batch whose targets all weigh 0 gets torch's NaN gradient (its backward divides by a total weight
+    of 0, where an ignored target is skipped): as ignored targets, it gets the zero gradient of a micro-batch with
+    no target (:func:`item_counter` counts their weights, 0). The classes of weight 0 are read once per loss module
+    (its weight is a buffer, not trained), so a step adds no host synchronisation."""
+    weight, ignore = getattr(loss_fn, "weight", None), getattr(loss_fn, "ignore_index", None)
+    if not (isinstance(loss_fn, nn.Module) and isinstance(weight, torch.Tensor) and isinstance(ignore, int)
+            and isinstance(targets, torch.Tensor) and not targets.is_floating_point() and not targets.is_complex()
+            and targets.dtype != torch.bool and not getattr(loss_fn, "label_smoothing", 0.0)
+            and getattr(loss_fn, "reduction", "mean") == "mean"):
+        return targets
+    if loss_fn not in _ZERO_WEIGHT:  # (the loss module -> its classes of weight 0, or None)
+        zero = weight.detach() == 0
+        _ZERO_WEIGHT[loss_fn] = zero if bool(zero.any()) else None
+    zero = _ZERO_WEIGHT[loss_fn]
+    if zero is None:
+        return targets
+    zero = zero.to(targets.device)
+    counted = (targets != ignore) & (targets >= 0) & (targets < zero.numel())
+    return targets.masked_fill(counted & zero[targets.where(counted, 0)], ignore)
 
 
 def upcast(value: Any) -> Any:

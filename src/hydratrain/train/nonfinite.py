@@ -132,8 +132,9 @@ class NonFiniteGuard:
         progress.consecutive_skipped = int(consecutive)
         if empty:
             more = f" and {int(empty) - 1} more step(s) up to step {int(last_empty)}" if empty > 1 else ""
-            log.warning("step %d%s had no target on any rank (every target is the loss's ignore_index): nothing to "
-                        "learn from, update skipped (counted in train/skipped_steps)", int(first_empty), more)
+            log.warning("step %d%s had no target on any rank (every target is ignored: the loss's ignore_index, or "
+                        "a class weight of 0): nothing to learn from, update skipped (counted in train/skipped_steps)",
+                        int(first_empty), more)
         count -= empty  # from here: the non-finite steps, and under stop the steps after the first of them
         if not count:
             return None
