@@ -461,6 +461,10 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", components.model_name(cfg),
              n_params / 1e6, strategy.local_param_bytes(model) / 1e6, summary)
     loss_fn, metrics = components.build_loss(cfg, device), components.build_metrics(cfg)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("model._target_", str(_select(cfg, "model._target_", "")), "every parameter of the model is "
+                          "frozen (requires_grad=False), so there is nothing to train: leave the ones to train "
+                          "trainable")
     optimizer = build_optimizer(model, cfg.optim)
     optimizer_state = OptimizerState(model, optimizer)  # the configured hyper-parameters, before the scheduler
     timing.mark("optimizer")

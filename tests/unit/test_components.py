@@ -263,6 +263,23 @@ def test_a_class_weight_of_zero_trains_as_its_targets_ignored_whatever_the_split
         torch.testing.assert_close(b[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_a_loss_of_shape_one_trains_and_a_model_with_nothing_to_train_is_one_line(cli, own):
+    """A (1,) loss (a keepdim mean) passed the step-1 check and ended in a traceback at the loss sum; a model with
+    every parameter frozen ended in the optimizer's "empty parameter list" traceback."""
+    (own / "mypkg" / "odd.py").write_text(
+        "import torch\nfrom mypkg.nets import ResMLP\n\n\nclass Frozen(ResMLP):\n"
+        "    def __init__(self, **kwargs):\n        super().__init__(**kwargs)\n        self.requires_grad_(False)\n"
+        "\n\ndef keepdim(outputs, targets):\n"
+        "    return torch.nn.functional.cross_entropy(outputs, targets).reshape(1)\n")
+    common = [*QUICK, "strategy=single", "trainer.max_steps=2"]
+    r = cli([*common, "loss._target_=mypkg.odd.keepdim"], own / "keepdim", fast=False)
+    assert r.returncode == 0 and results(own / "keepdim")["eval_loss"] > 0, r.output[-3000:]
+    r = cli([*common, "model._target_=mypkg.odd.Frozen"], own / "frozen", fast=False)
+    assert r.returncode == 2 and r.err.strip() == (
+        "hydratrain: config error: model._target_='mypkg.odd.Frozen': every parameter of the model is frozen "
+        "(requires_grad=False), so there is nothing to train: leave the ones to train trainable"), r.output[-3000:]
+
+
 def test_a_tuple_output_that_the_loss_refuses_is_one_line_with_the_fix(cli, own):
     (own / "mypkg" / "pair.py").write_text(
         "from mypkg.nets import ResMLP\n\n\nclass Pair(ResMLP):\n    def forward(self, x):\n"

@@ -63,9 +63,11 @@ def loss_of(outputs: Any, batch: Any, loss_fn: Callable) -> torch.Tensor:
     runs outside the autocast region, where ``torch.nn.CrossEntropyLoss`` would compute in bf16 (3 significant
     digits) what autocast's policy computes in float32."""
     own = builtin_loss(outputs)
-    if own is not None:
-        return own
-    return loss_fn(upcast(prediction(outputs)), zero_weight_ignored(loss_fn, targets_of(batch)))
+    loss = own if own is not None else loss_fn(upcast(prediction(outputs)), zero_weight_ignored(loss_fn,
+                                                                                             targets_of(batch)))
+    if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
+        return loss.reshape(())  # a (1,) mean (a keepdim reduction): the 0-d loss it holds
+    return loss
 
 
 _ZERO_WEIGHT: "weakref.WeakKeyDictionary[nn.Module, Optional[torch.Tensor]]" = weakref.WeakKeyDictionary()
