@@ -225,15 +225,16 @@ def build_model(cfg: DictConfig, device: Any, vocab_size: Optional[int] = None):
     return model
 
 
-def instantiate_node(node: dict, key: str, target: str, what: str) -> Any:
-    """``hydra.utils.instantiate(node)`` (containers as plain lists and dicts). What the target raises becomes a
-    :class:`ConfigError` naming ``key``, ``target`` and ``<what> <ExceptionType>: <its first line>``; a ConfigError the
-    target raises itself (a component's own check, naming its key) is raised as it is."""
+def instantiate_node(node: dict, key: str, target: str, what: str, objects: Optional[dict] = None) -> Any:
+    """``hydra.utils.instantiate(node)`` (containers as plain lists and dicts; ``objects``: keywords passed as they
+    are, as tensors). What the target raises becomes a :class:`ConfigError` naming ``key``, ``target`` and ``<what>
+    <ExceptionType>: <its first line>``; a ConfigError the target raises itself (a component's own check, naming its
+    key) is raised as it is."""
     from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     try:
-        return instantiate(node, _convert_="all")
+        return instantiate(node, _convert_="all", **(objects or {}))
     except ConfigError:
         raise
     except Exception as err:
@@ -327,7 +328,28 @@ def _instantiate(node: Any, key: str) -> Any:
     plain = _plain(node)
     kwargs = {k: v for k, v in plain.items() if k not in _HYDRA_KEYS}
     check_call(obj, kwargs, key, target, partial=bool(plain.get("_partial_")))
-    return instantiate_node(plain, f"{key}._target_", target, "building it raised")
+    tensors = tensor_keywords(obj, kwargs)
+    return instantiate_node({k: v for k, v in plain.items() if k not in tensors}, f"{key}._target_", target,
+                            "building it raised", tensors)
+
+
+def tensor_keywords(obj: Any, kwargs: Mapping) -> dict:
+    """The keywords ``obj`` annotates as a ``torch.Tensor`` (or an Optional one) whose value is a list of numbers (a
+    YAML list, which a config cannot hold as a tensor: ``CrossEntropyLoss``'s class ``weight: [1.0, 2.0, 0.5]``),
+    as float32 tensors."""
+    import torch
+
+    def numbers(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) or (
+            isinstance(value, (list, tuple)) and len(value) > 0 and all(numbers(v) for v in value))
+
+    out = {}
+    for k, hint in _hints(obj).items():
+        value = kwargs.get(k)
+        options = typing.get_args(hint) or (hint,)  # (Optional[Tensor], Tensor | None)
+        if torch.Tensor in options and isinstance(value, (list, tuple)) and numbers(value):
+            out[k] = torch.tensor(value, dtype=torch.float32)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- checks

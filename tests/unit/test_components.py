@@ -240,7 +240,7 @@ def test_a_class_weight_of_zero_trains_as_its_targets_ignored_whatever_the_split
     """CrossEntropyLoss(weight=[0, 1, 2]) (a class left out, as a segmentation background): a micro-batch whose
     targets all weigh 0 gets torch's NaN gradient (0 / 0), and the run stopped as "diverged ... lower optim.lr" when
     such a micro-batch met one with real targets in a step. Such targets now count as ignored: the same loss, and
-    batch 1 x 2 micro-batches trains the weights batch 2 does."""
+    batch 1 x 2 micro-batches trains the weights batch 2 does. The weight may be written as a YAML list."""
     from safetensors.torch import load_file
 
     from hydratrain.train.batch import zero_weight_ignored
@@ -253,9 +253,10 @@ def test_a_class_weight_of_zero_trains_as_its_targets_ignored_whatever_the_split
     (ce(lone, zero_weight_ignored(ce, targets[:1])) / math.inf).backward()
     assert lone.grad.abs().sum() == 0  # (torch's own for weight 0: NaN)
     common = [*QUICK, "strategy=single", "loss=cross_entropy", "trainer.max_steps=8", "trainer.eval_every_n_steps=0",
-              "+loss.weight={_target_:torch.tensor,data:[0.0,1.0,2.0]}", "scheduler=constant", "data.n=64"]
-    for name, split in (("accum", ["data.batch_size=1", "trainer.grad_accum_steps=2"]),
-                        ("batch", ["data.batch_size=2"])):
+              "scheduler=constant", "data.n=64"]
+    # the weight as a YAML list (a keyword torch annotates as a Tensor: made one) and as a torch.tensor node
+    for name, split in (("accum", ["data.batch_size=1", "trainer.grad_accum_steps=2", "+loss.weight=[0.0,1.0,2.0]"]),
+                        ("batch", ["data.batch_size=2", "+loss.weight={_target_:torch.tensor,data:[0.0,1.0,2.0]}"])):
         r = cli([*common, *split], own / name, fast=False)
         assert r.returncode == 0, r.output[-3000:]
     a, b = (load_file(own / name / "model.safetensors") for name in ("accum", "batch"))
