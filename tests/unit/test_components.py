@@ -281,6 +281,23 @@ def test_a_loss_of_shape_one_trains_and_a_model_with_nothing_to_train_is_one_lin
         "(requires_grad=False), so there is nothing to train: leave the ones to train trainable"), r.output[-3000:]
 
 
+def test_an_auxiliary_loss_beside_the_logits_is_named_not_dropped_without_a_word(cli, own):
+    """{"logits", "aux_loss"} (an MoE's balance term): the loss node gets the logits only, so aux_loss trained
+    nothing, silently; a loss written for the dict was refused with an IndexError that did not say it got the logits."""
+    (own / "mypkg" / "aux.py").write_text(
+        "from mypkg.nets import ResMLP\n\n\nclass Aux(ResMLP):\n    def forward(self, x):\n"
+        "        logits = super().forward(x)\n        return {'logits': logits, 'aux_loss': logits.pow(2).mean()}\n"
+        "\n\ndef ce_plus_aux(outputs, targets):\n    import torch\n"
+        "    return torch.nn.functional.cross_entropy(outputs['logits'], targets) + outputs['aux_loss']\n")
+    common = [*QUICK, "strategy=single", "trainer.max_steps=2", "model._target_=mypkg.aux.Aux"]
+    r = cli(common, own / "warned", fast=False)
+    assert r.returncode == 0 and r.output.count("returns aux_loss beside its logits") == 1, r.output[-3000:]
+    r = cli([*common, "loss._target_=mypkg.aux.ce_plus_aux"], own / "refused", fast=False)
+    assert r.returncode == 2 and r.err.strip().endswith(
+        "; it gets the output's 'logits' only, not aux_loss: to use them, compute the loss in the forward and return "
+        "it as 'loss'"), r.output[-3000:]
+
+
 def test_a_tuple_output_that_the_loss_refuses_is_one_line_with_the_fix(cli, own):
     (own / "mypkg" / "pair.py").write_text(
         "from mypkg.nets import ResMLP\n\n\nclass Pair(ResMLP):\n    def forward(self, x):\n"

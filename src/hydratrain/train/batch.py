@@ -57,6 +57,23 @@ def prediction(outputs: Any) -> Any:
     return logits if logits is not None else outputs
 
 
+def unseen_outputs(outputs: Any) -> list:
+    """The names of the tensors of ``outputs`` that neither the loss nor the metrics get: every entry beside
+    ``logits`` of an output dict or object (a dataclass, Hugging Face's ``ModelOutput``) that has no ``loss`` of its
+    own (an ``aux_loss`` the loss node never sees); [] otherwise."""
+    import dataclasses
+
+    if isinstance(outputs, torch.Tensor) or builtin_loss(outputs) is not None or prediction(outputs) is outputs:
+        return []
+    if isinstance(outputs, Mapping):
+        items = outputs.items()
+    elif dataclasses.is_dataclass(outputs):
+        items = ((f.name, getattr(outputs, f.name)) for f in dataclasses.fields(outputs))
+    else:
+        return []
+    return [str(k) for k, v in items if k != "logits" and isinstance(v, torch.Tensor)]
+
+
 def loss_of(outputs: Any, batch: Any, loss_fn: Callable) -> torch.Tensor:
     """The 0-d loss of ``outputs`` for ``batch``: the model's own (:func:`builtin_loss`), else
     ``loss_fn(prediction(outputs), targets_of(batch))`` with bf16/fp16 predictions cast to float32 first: the loss

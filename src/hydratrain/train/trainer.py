@@ -247,6 +247,12 @@ class Trainer:
                                   "(no grad_fn: the outputs detached, computed under no_grad, or every parameter "
                                   "frozen), so there is nothing to train")
             self.evaluator.check_metrics(self._outputs, batch)  # at step 1, not after a whole run at the eval
+            unseen = [k for k in batches_.unseen_outputs(self._outputs) if "loss" in k.lower()]
+            if unseen:
+                log.warning("model._target_=%s returns %s beside its logits, which the loss node (%s) does not see: "
+                            "it gets the logits only, so %s trains nothing; return the total as 'loss' (a key or "
+                            "attribute of the output) to train on it", model_target, ", ".join(unseen), loss_target,
+                            unseen[0])
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError, AssertionError,
                 UserWarning) as err:
             if is_out_of_memory(err) or isinstance(err, ConfigError) or is_collective_timeout(err):
@@ -260,6 +266,10 @@ class Trainer:
             predicted = batches_.prediction(self._outputs)
             hint = ("; the model returns a tuple: return a dict with its 'logits' (the loss and the metrics get them) "
                     "or give a loss that takes the tuple") if isinstance(predicted, (tuple, list)) else ""
+            unseen = batches_.unseen_outputs(self._outputs)
+            if unseen:
+                hint = (f"; it gets the output's 'logits' only, not {', '.join(unseen)}: to use them, compute the loss "
+                        "in the forward and return it as 'loss'")
             if isinstance(batch, dict) and "labels" not in batch:
                 hint = (f"; a dict batch gives the loss its 'labels', and this one has none (its keys: "
                         f"{', '.join(map(str, batch))}): name the targets 'labels'")
