@@ -223,12 +223,23 @@ def write_refusal(cause: Optional[BaseException], where: Any, frees: str = "") -
     elif code == errnos.EFBIG:
         detail, remedy = "no file-size limit: the file is larger than this filesystem takes", "write elsewhere"
     else:
-        return (f"the cause is unknown: {'the error has no errno' if cause is not None else 'not this rank'}, and "
+        said = "not this rank" if cause is None else _errno_said(cause)
+        return (f"the cause is unknown: {said}, and "
                 f"{_existing(where) or where} is writable, with {space} and no file-size limit"), (
             "find and fix what refused the write (the error above)")
     if guessed:
-        detail = f"the error has no errno; likely {os.strerror(code)}" + (f": {detail}" if detail else "")
+        detail = f"{_errno_said(cause)}; likely {os.strerror(code)}" + (f": {detail}" if detail else "")
     return detail, remedy
+
+
+def _errno_said(cause: Optional[BaseException]) -> str:
+    """``the error has no errno``, or, for one that tells no full or read-only disk (EEXIST: a file where the
+    checkpoint dir was), ``its errno, EEXIST, tells no such cause``."""
+    import errno as errnos
+
+    code = getattr(cause, "errno", None)
+    return "the error has no errno" if not isinstance(code, int) else \
+        f"its errno, {errnos.errorcode.get(code, code)}, tells no full or read-only disk"
 
 
 def _likely_errno(where: Any) -> Optional[int]:

@@ -72,6 +72,9 @@ def _end_with_error(err: HydratrainError, env) -> None:
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
     release_sigterm()
     if in_multirun():
+        # a peer's stop waits for the rank that failed to leave first here too (the torchrun launcher, like torchrun,
+        # takes the first worker to exit for the job's failure)
+        time.sleep(getattr(err, "linger_s", 0.0))
         raise  # Hydra records the job as failed and the sweep goes on
     tell_the_agent(f"hydratrain: {err.label}: {err}")
     if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
@@ -280,6 +283,24 @@ def _stop_interrupted(env) -> None:
     tell_the_agent(f"hydratrain: {why}")
     if in_multirun():
         end_the_sweep(EXIT_INTERRUPTED, why)
+    raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def end_interrupted_launch() -> None:
+    """Ctrl-C reached the launching process outside any run's handling of it (Hydra composing the config, a
+    launcher starting a sweep's job): one line and :data:`EXIT_INTERRUPTED`, not the ``KeyboardInterrupt``
+    traceback; for a sweep, the command that goes on with it. Raises ``SystemExit``."""
+    from hydratrain.sweep import launched_sweep_dir, sweep_ended
+
+    sweep_dir = launched_sweep_dir()
+    sweep_ended()  # this line ends it
+    if sweep_dir is not None:
+        from hydratrain.dist.launch import resume_command
+
+        say("hydratrain: interrupted (SIGINT, Ctrl-C) outside the sweep's jobs; to go on with it: "
+            f"{resume_command(sweep_dir, sweep=True)}")
+    else:
+        say("hydratrain: interrupted (SIGINT, Ctrl-C) before the run started: nothing was trained")
     raise SystemExit(EXIT_INTERRUPTED) from None
 
 

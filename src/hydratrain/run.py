@@ -144,6 +144,8 @@ def with_config_checks(entry):
         except Exception as err:
             exits.end_composition(err)  # (raises SystemExit for a composition error)
             raise
+        except KeyboardInterrupt:  # Ctrl-C outside a run's own handling: Hydra composing, a launcher between jobs
+            exits.end_interrupted_launch()
         finally:
             exits.composing(False)
         _check_printed_config()

@@ -469,10 +469,12 @@ class SweepReportCallback(Callback):
         try:
             _refuse_a_run_dir(config.hydra)
         except ConfigError as err:
+            from hydratrain.dist.run_dir import discard_reserved_unused
             from hydratrain.errors import EXIT_CONFIG
 
             if _is_rank0():
                 say(f"hydratrain: config error: {err}")
+                discard_reserved_unused()
             raise SystemExit(EXIT_CONFIG) from None
         if "launcher" in config or config.hydra.get("sweeper", {}).get("storage"):
             try:
@@ -483,10 +485,12 @@ class SweepReportCallback(Callback):
                         _check_before_submitting(config)
                         _refuse_swept_executor_keys(config)
             except ConfigError as err:
+                from hydratrain.dist.run_dir import discard_reserved_unused
                 from hydratrain.errors import EXIT_CONFIG
 
                 if _is_rank0():
                     say(f"hydratrain: config error: {err}")
+                    discard_reserved_unused(_LEFT_BY_A_REFUSED_JOB)  # (the dirs this launch made)
                 elif os.environ.get("TORCHELASTIC_RUN_ID"):
                     time.sleep(10)  # the same error on every rank: rank 0 says it and leaves first (root cause)
                 raise SystemExit(EXIT_CONFIG) from None
@@ -536,6 +540,8 @@ class SweepReportCallback(Callback):
         if job_return.status.name == "FAILED":
             if getattr(job_return._return_value, "ends_the_sweep", False):
                 sweep_ended()  # a signal to the torchrun launcher's process: its own line and status end the sweep
+                if getattr(self, "_one_run", False) and started is None:
+                    end_one_run_by_signal(job_return._return_value)  # ... or, for one run, the run's
                 return
             if getattr(self, "_one_run", False):
                 if started is None:  # the launcher's process, after the workers (which said their error) are gone
@@ -570,14 +576,17 @@ class SweepReportCallback(Callback):
 
 
 def launched_as_one_run(hydra_cfg: DictConfig) -> bool:
-    """Whether this multirun is one run that its launcher made a sweep of one job (``launcher=torchrun``, ``ray``,
-    ``slurm`` set ``hydra.mode: MULTIRUN``), not a sweep the command line asked for: no ``-m`` / ``--multirun`` and
-    one job. Such a run ends as a run does: its error's one line and exit status (:func:`end_one_run`), no sweep
-    report on the console."""
+    """Whether this multirun is one run that the torchrun launcher made a sweep of one job (``launcher=torchrun``
+    sets ``hydra.mode: MULTIRUN``), not a sweep the command line asked for: no ``-m`` / ``--multirun`` and one job.
+    Such a run ends as a run does: its error's one line and exit status (:func:`end_one_run`), no sweep report on
+    the console. (Ray's and submitit's launchers report a job's failure in their own ways: their runs end as
+    sweeps.)"""
     import sys
 
     from hydra._internal.utils import get_args_parser
 
+    if not str(hydra_cfg.launcher.get("_target_", "")).endswith(".TorchrunLauncher"):
+        return False
     try:
         args = get_args_parser().parse_args(sys.argv[1:])
     except SystemExit:
@@ -614,6 +623,21 @@ def end_one_run(err: BaseException, sweep_dir: Path) -> None:
     raise SystemExit(status)
 
 
+def end_one_run_by_signal(err: BaseException) -> None:
+    """End one run (:func:`launched_as_one_run`) that a signal to the launcher's process stopped (``err``: the
+    launcher's error for it): its workers said the run's line (interrupted, preempted: with the command that
+    resumes) when they had started, so nothing more is said; before them, one line. Raises ``SystemExit`` with the
+    signal's status."""
+    status = getattr(err, "exitcode", None)
+    if not isinstance(status, int):
+        return  # (not the torchrun launcher's: its own line)
+    if not getattr(err, "said_by_worker", False):
+        kind = "preempted" if getattr(err, "signal_name", "") == "SIGTERM" else "interrupted"
+        say(f"hydratrain: {kind}: {getattr(err, 'signal_name', 'a signal')} before the run's workers started: "
+            f"nothing was trained; to go on: {getattr(err, 'resume', 'the same command')}")
+    raise SystemExit(status)
+
+
 #: what a sweep of one job refused before its workers started leaves in its sweep dir (and the job's sub-dir)
 _LEFT_BY_A_REFUSED_JOB = ("multirun.yaml", "sweep_report.csv", "sweep_report.md", MULTIRUN_MARK, "status.json")
 
@@ -622,10 +646,17 @@ def _refuse_a_run_dir(hydra_cfg: DictConfig) -> None:
     """A multirun puts each job in ``hydra.sweep.dir`` / ``hydra.sweep.subdir``; Hydra ignores a ``hydra.run.dir``
     given on the command line, so the run would land elsewhere than asked. Raises ConfigError on that key, naming
     the key that does it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
     from hydratrain.config import ConfigError
 
-    given = [str(o).split("=", 1)[1] for o in hydra_cfg.overrides.hydra
-             if str(o).lstrip("+").split("=", 1)[0] == "hydra.run.dir"]
+    given = []
+    for override in OverridesParser.create().parse_overrides([str(o) for o in hydra_cfg.overrides.hydra]):
+        value = override.value()
+        if override.key_or_group == "hydra.run.dir":
+            given.append(str(value))
+        elif override.key_or_group == "hydra.run" and isinstance(value, dict) and "dir" in value:  # hydra.run={dir:X}
+            given.append(str(value["dir"]))
     if given:
         launcher = hydra_cfg.runtime.choices.get("launcher")
         why = f" (launcher={launcher} runs even one run as a sweep of one job)" if launcher not in (None, "local") \
@@ -694,6 +725,11 @@ def await_the_end(sweep_dir: Path) -> None:
         atexit.register(end_of_process)
         _AWAITED["hooked"] = True
     _AWAITED.update(pid=os.getpid(), sweep_dir=Path(sweep_dir))
+
+
+def launched_sweep_dir() -> Optional[Path]:
+    """The dir of the sweep this process launched and whose end is still to be said, or None."""
+    return _AWAITED.get("sweep_dir") if _AWAITED.get("pid") == os.getpid() else None
 
 
 def sweep_ended() -> None:

@@ -199,6 +199,32 @@ def test_sigterm_while_the_torchrun_launcher_prepares_a_job_ends_the_sweep_as_pr
     assert row["status"] == "FAILED" and "stopped by SIGTERM" in row["error"], row
 
 
+def test_ctrl_c_while_the_torchrun_launcher_prepares_one_run_is_one_line_and_130(tmp_path):
+    """Ctrl-C to ``python train.py launcher=torchrun ...`` before its workers started (the job's check) printed a
+    KeyboardInterrupt traceback and no line; one run now ends as a run does, with one line and 130."""
+    r = finish(start(["launcher=torchrun", "launcher.nproc_per_node=1", "strategy=ddp",
+                      "hydra.launcher.job_check=__main__.sigint_self", f"hydra.sweep.dir={tmp_path / 's'}"],
+                     script=FAULTY, cwd=tmp_path), 120)
+    ours = [line for line in r.output.splitlines() if line.startswith(("hydratrain: ", "TorchrunLauncher: "))]
+    assert r.returncode == 130 and "Traceback" not in r.output and len(ours) == 1, r.output[-3000:]
+    assert ours[0].startswith("hydratrain: interrupted: SIGINT before the run's workers started: nothing was "
+                              "trained; to go on: "), ours
+
+
+@pytest.mark.slow  # two ranks train to step 3
+def test_a_rank_that_fails_is_the_one_run_s_status_not_the_peer_it_stopped(tmp_path):
+    """Rank 1 runs out of memory under ``launcher=torchrun``: rank 0 stops with 5 (another rank failed first), and
+    the launch ended with that 5: rank 0 left first (no wait for the failed rank in a sweep's job), and the agent's
+    first failure, stamped to the second, ties to the lowest rank. Now rank 1's 6, and its record in the sweep dir."""
+    sweep = tmp_path / "s"
+    r = run(["launcher=torchrun", "launcher.nproc_per_node=2", "strategy=ddp", "trainer.max_steps=5",
+             f"hydra.sweep.dir={sweep}"], script=FAULTY, env={"HT_FAULT": "oom", "HT_FAULT_STEP": "3"}, cwd=tmp_path,
+            timeout=300)
+    assert r.returncode == 6, r.output[-3000:]
+    (row,) = report_rows(sweep)
+    assert "rank 1 failed" in row["error"] and "OutOfMemoryError" in row["error"], row
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,jobs", [(signal.SIGINT, "optim.lr=1e-3,3e-3"), (signal.SIGTERM, "optim.lr=1e-3,3e-3"),
                                       (signal.SIGTERM, "optim.lr=1e-3")])
@@ -221,9 +247,13 @@ def test_a_signal_to_the_launching_process_ends_the_sweep(tmp_path, sig, jobs):
     t0 = time.time()
     r = finish(proc, 90)
     assert r.returncode == (130 if sig == signal.SIGINT else 75) and time.time() - t0 < 60, r.output[-3000:]
-    assert f"TorchrunLauncher: sweep stopped: job #0: stopped by {sig.name}" in r.output
-    assert ("to resume the sweep (each job continues from its own run dir): "
-            f"{shlex.join([*r.cmd[:-1], 'hydra.sweep.dir=s'])} (exit status") in r.output, r.output[-3000:]
+    if "," in jobs:
+        assert f"TorchrunLauncher: sweep stopped: job #0: stopped by {sig.name}" in r.output
+        assert ("to resume the sweep (each job continues from its own run dir): "
+                f"{shlex.join([*r.cmd[:-1], 'hydra.sweep.dir=s'])} (exit status") in r.output, r.output[-3000:]
+    else:  # one run: it ends as a run, with its worker's line (the command that resumes it), said once
+        assert "TorchrunLauncher: sweep stopped" not in r.output, r.output[-3000:]
+        assert r.output.count("to resume: ") == 1 and "hydra.sweep.dir=s" in r.output, r.output[-3000:]
     assert "sweep job(s) failed" not in r.output, r.output[-3000:]  # the stop's one line, not a failed sweep's
     assert "SignalException" not in r.output and not (sweep / "1").exists()
     (row,) = report_rows(sweep)

@@ -166,6 +166,12 @@ def sigterm_self(cfg) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def sigint_self(cfg) -> None:
+    """A ``hydra.launcher.job_check`` (``__main__.sigint_self``): Ctrl-C to this process while the torchrun launcher
+    prepares a job."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
 def _slow_failure() -> None:
     """``HT_SLOW_FAILURE``: patch ``lost_a_peer``, which the process group calls first when its body raised."""
     rank, _, seconds = os.environ.get("HT_SLOW_FAILURE", "").partition(":")

@@ -152,6 +152,7 @@ def test_cfg_job_prints_composed_config(cli):
     ["optim.lr=-1"],                                                  # a cross-field / value rule (validate)
     ["data=text_files", "data.paths=[nope.txt]"],                     # an input path (the environment's checks)
     ["launcher=torchrun", "launcher.nproc_per_node=2", "strategy=single"],  # on the ranks its launcher starts
+    ["launcher=torchrun", "launcher.nproc_per_node=0"],                       # the launcher's own keys
 ])
 def test_cfg_job_checks_the_printed_config_as_the_run_does(cli, overrides):
     """``--cfg job`` printed a config that the run then refused (exit 0, then exit 2): it now runs the run's checks
@@ -169,11 +170,13 @@ def test_cfg_job_checks_the_printed_config_as_the_run_does(cli, overrides):
     assert cli(["--cfg", "hydra", *overrides]).returncode == 0  # Hydra's own part: nothing of the run's to check
 
 
-@pytest.mark.parametrize("overrides", [["launcher=torchrun"], ["-m", "optim.lr=1e-3,2e-3"]])
+@pytest.mark.parametrize("overrides", [["launcher=torchrun", "hydra.run.dir=runs/a"],
+                                       ["-m", "optim.lr=1e-3,2e-3", "hydra.run.dir=runs/a"],
+                                       ["launcher=torchrun", "hydra.run={dir:runs/a}"]])
 def test_a_run_dir_given_to_a_sweep_is_refused_naming_the_key_that_places_it(cli, overrides):
     """Hydra puts a multirun's jobs under ``hydra.sweep.dir`` and ignores ``hydra.run.dir``: ``launcher=torchrun
     hydra.run.dir=runs/a`` trained in ``multirun/<date>/<time>/0``. Refused before anything is made."""
-    r = cli([*overrides, "hydra.run.dir=runs/a"])
+    r = cli(overrides)
     why = " (launcher=torchrun runs even one run as a sweep of one job)" if "launcher=torchrun" in overrides else ""
     assert r.returncode == 2 and r.err.strip() == (
         f"hydratrain: config error: hydra.run.dir='runs/a': not used by a sweep{why}, which puts each job in a "

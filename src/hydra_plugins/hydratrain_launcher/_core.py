@@ -16,6 +16,7 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 import socket
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Sequence
@@ -142,21 +143,22 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
             values = elastic_launch(launch_cfg, _worker)(payload)
         return min(cloudpickle.loads(v) for v in values.values())[1]  # the lowest global rank's JobReturn
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = root_failure(err, conf.secondary_exit_codes)
+        recorded = _recorded(failure)
         why = f"exit code {failure.exitcode}" + (f" ({failure.signal_name()})" if failure.exitcode < 0 else "")
         message = failure.message
         if isinstance(message, dict):  # the error file's {"message": ..., "extraInfo": ...}
             message = message.get("message", "")
-        if failure.error_file_data and str(message).strip():  # the worker's exception, written by @record
+        if recorded and str(message).strip():  # the worker's exception, written by @record
             why = str(message).strip().splitlines()[0] + (f" (exit status {failure.exitcode})"
                                                           if failure.exitcode > 1 else "")
         error: BaseException = LaunchError(f"job #{num}: rank {rank} failed (after {conf.max_restarts} restart(s) "
                                            f"allowed): {why}")
-        data = failure.error_file_data  # (torch's placeholder {"message": "<NONE>"} when the worker recorded none)
-        error.exitcode = failure.exitcode
-        error.said_by_worker = isinstance(data, dict) and data.get("message") not in (None, "<NONE>")
+        error.exitcode, error.said_by_worker = failure.exitcode, recorded
     except SignalException as err:
         _stop_the_sweep(launcher, sweep_config, num, conf, err.sigval, before_workers=_BEFORE_WORKERS["signal"])
+    except KeyboardInterrupt:  # Ctrl-C while this job was composed and checked, before the agent: no worker yet
+        _stop_the_sweep(launcher, sweep_config, num, conf, signal.SIGINT, before_workers=True)
     except Exception as err:  # the check's own error, bad settings, a port, a rendezvous error: report, don't hang
         error = err
         if conf is not None and _is_rendezvous_error(err):
@@ -165,6 +167,29 @@ def run_one(launcher, sweep_config: DictConfig, num: int) -> JobReturn:
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, ret)
     return ret
+
+
+def _recorded(failure) -> bool:
+    """Whether the worker recorded its error (its error file): torch gives one that did not a placeholder's data,
+    ``{"message": "<NONE>"}``, and the message "To enable traceback see: ..."."""
+    data = failure.error_file_data
+    return isinstance(data, dict) and data.get("message") not in (None, "<NONE>")
+
+
+def root_failure(err, secondary: Sequence[int] = ()) -> tuple:
+    """``(global rank, ProcessFailure)`` of the failure that ended a job: torch's first failure (the earliest error
+    file, its time stamped to the whole second; ties go to the lowest rank), except that a worker whose exit status
+    is one of ``secondary`` (an app's "another rank failed first") is passed over for any worker that failed
+    otherwise: the rank that failed and the peer that stopped because of it record in the same second, and the
+    peer's status would stand for the failure."""
+    rank, failure = err.get_first_failure()
+    if failure.exitcode not in secondary:
+        return rank, failure
+    own = [(f.timestamp, r, f) for r, f in err.failures.items() if f.exitcode not in secondary]
+    if not own:
+        return rank, failure
+    _, rank, failure = min(own, key=lambda t: (t[0], t[1]))
+    return rank, failure
 
 
 @contextlib.contextmanager
@@ -209,6 +234,9 @@ def _signals_end_the_launch() -> Iterator[None]:
     early = take_early_signal()
     try:
         previous = signal.signal(signal.SIGTERM, raise_it)
+        interrupt = signal.getsignal(signal.SIGINT)
+        if interrupt is signal.default_int_handler:  # (Ctrl-C: as SIGTERM, unless the app has its own handler)
+            signal.signal(signal.SIGINT, raise_it)
     except ValueError:  # not the main thread
         yield
         return
@@ -218,6 +246,7 @@ def _signals_end_the_launch() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, interrupt)
 
 
 def _stop_the_sweep(launcher, sweep_config: DictConfig, num: int, conf: Optional[TorchrunLauncherConf],
@@ -233,9 +262,12 @@ def _stop_the_sweep(launcher, sweep_config: DictConfig, num: int, conf: Optional
     status = ((conf.preempt_exit_code if conf is not None else 75) if signum == signal.SIGTERM else 128 + signum)
     how = ("before its workers started" if before_workers else "which the agent passed on to the job's workers")
     sweep_dir = launch_path(sweep_config, sweep_config.hydra.sweep.dir)
+    resume = resume_command(sweep_dir, Path(str(sweep_config.hydra.runtime.cwd)))
     error = LaunchError(f"job #{num}: stopped by {name}, {how}; to resume the sweep (each job continues from its own "
-                        f"run dir): {resume_command(sweep_dir, Path(str(sweep_config.hydra.runtime.cwd)))}")
+                        f"run dir): {resume}")
     error.ends_the_sweep = True
+    # for a callback that ends the launch itself (one line of its own, as SystemExit): what the line would say
+    error.exitcode, error.said_by_worker, error.signal_name, error.resume = status, not before_workers, name, resume
     if conf is None or conf.node_rank == 0:
         _job_end_callbacks(launcher, sweep_config, _failed_return(sweep_config, error))
     sys.stderr.write(f"TorchrunLauncher: sweep stopped: {error} (exit status {status})\n")  # one write: one line

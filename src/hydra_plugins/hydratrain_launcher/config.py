@@ -8,8 +8,8 @@ suit any Hydra app: one worker per job on this machine, a free rendezvous port p
 """
 # no "from __future__ import annotations": Hydra's plugin scan runs this module outside sys.modules, where
 # dataclasses cannot resolve string annotations (and OmegaConf needs the real types)
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -33,6 +33,9 @@ class TorchrunLauncherConf:
     # exit status of the sweep when SIGTERM stops it (SIGINT: 130, other signals 128 + the signal): the agent passes
     # the signal on to the job's workers and waits for them (an app that saves on SIGTERM has saved by then)
     preempt_exit_code: int = 75
+    # exit statuses by which a worker says it stopped because another rank failed first: the job's failure is then
+    # another worker's, when one failed otherwise (hydratrain: 5)
+    secondary_exit_codes: List[int] = field(default_factory=list)
     # Dotted path of the app's check ``f(cfg)``, called in the launcher process on each job's config (as the task
     # function would get it, read-only) before any worker starts; an exception fails that job. null: no check.
     job_check: Optional[str] = None

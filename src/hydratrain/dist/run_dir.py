@@ -140,6 +140,14 @@ def discard_if_unused(run_dir: Path, left: tuple = ()) -> bool:
     return True
 
 
+def discard_reserved_unused(left: tuple = ()) -> None:
+    """:func:`discard_if_unused` for every dir this launch reserved (a sweep dir, and a run dir Hydra resolved on the
+    way: ``hydra.run={dir: ...}`` composes the default one first), for a launch a config error ends before any
+    job."""
+    for path in sorted(_RESERVED):
+        discard_if_unused(Path(path), left)
+
+
 def _only_prints() -> bool:
     """Whether Hydra's command line asks to print (``--cfg all --resolve``, ``--info``, ``--help``), not to run:
     then no run dir is reserved (created)."""
