@@ -159,7 +159,8 @@ def check_call(obj: Any, kwargs: Mapping, key: str, target: str, partial: bool =
                                   f"{', '.join(named) or 'none'}")
     if not partial:
         for n, p in params.items():
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and n not in kwargs:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and n not in kwargs \
+                    and n not in positional[:supplied]:
                 raise ConfigError(f"{key}.{n}", _ABSENT, f"{target} requires it (add +{key}.{n}=VALUE, or the key in "
                                   "the option file)")
     hints = _hints(obj)

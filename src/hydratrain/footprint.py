@@ -84,7 +84,7 @@ class Setup:
     device: str = "cpu"
     baseline: int = 0
     shard_degree: Optional[int] = None  # hsdp: ranks of a shard group (fsdp shards over all world_size ranks)
-    optim: str = "adamw"  # adamw | adamw8bit
+    optim: str = "adamw"  # adamw | adamw8bit | own (an optim._target_: planned as AdamW)
     optim_block_size: int = 256  # adamw8bit: values per quantisation block
     optim_impl: str = "auto"  # optim.impl: auto | fused | foreach | for_loop (auto is fused on cpu and cuda)
     loader_workers: int = 0
@@ -209,6 +209,8 @@ def moment_bytes(numel: int, s: Setup) -> int:
 def optim_note(s: Setup) -> str:
     if s.optim == "adamw8bit":
         return f"AdamW8bit exp_avg + exp_avg_sq, 8-bit codes + an fp32 scale per {s.optim_block_size} values"
+    if s.optim == "own":
+        return "an optimizer of your own, planned as AdamW's two fp32 states"
     return "AdamW exp_avg + exp_avg_sq, fp32"
 
 

@@ -34,6 +34,8 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     (DTensor shards under fsdp/hsdp). Raises ImportError for adamw8bit without torchao (``check_environment``
     reports that as a config error before any process group)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if is_own(optim_cfg):
+        return _own_optimizer(params, optim_cfg)
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim_cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
@@ -51,6 +53,58 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
              " (optim.impl=auto)" if str(optim_cfg.get("impl", "auto")) == "auto" else "")
     flags = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
     return torch.optim.AdamW(groups, **kwargs, **flags)
+
+
+def is_own(optim_cfg) -> bool:
+    """Whether the ``optim`` node names an optimizer class of the researcher's choice (``_target_``), rather than a
+    built-in option (``name: adamw`` | ``adamw8bit``)."""
+    return optim_cfg is not None and "_target_" in optim_cfg
+
+
+def optimizer_name(optim_cfg) -> str:
+    """``adamw``, ``adamw8bit``, or the class an own optimizer names (``torch.optim.SGD``)."""
+    return str(optim_cfg["_target_"]) if is_own(optim_cfg) else str(optim_cfg.name)
+
+
+OWN_KEYS = ("_target_", "lr", "weight_decay")  # an own optimizer node's keys that hydratrain reads itself
+
+
+def own_keywords(optim_cfg) -> dict:
+    """The constructor keywords of an own optimizer node: every key but ``_target_``, ``lr`` and ``weight_decay``,
+    which :func:`_own_optimizer` passes itself."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
+    return {k: v for k, v in node.items() if k not in OWN_KEYS}
+
+
+def _own_optimizer(params: list, optim_cfg) -> torch.optim.Optimizer:
+    """``<_target_>(param groups, lr=optim.lr, **keywords)``: with ``weight_decay`` in the node, two groups as for
+    AdamW (the decay on matrices, none on norms' gains and biases), else one. The schedule scales each group's lr
+    (``hydratrain.optim.Schedule``), and the state is checkpointed whatever the class (``torch.optim``'s
+    ``state_dict``). Raises :class:`~hydratrain.errors.ConfigError` naming ``optim._target_``."""
+    from hydratrain.components import locate
+    from hydratrain.errors import ConfigError
+
+    target = str(optim_cfg["_target_"])
+    cls = locate(target, "optim")
+    decay = optim_cfg.get("weight_decay")
+    if decay is None:
+        groups = [{"params": params}]
+    else:
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": float(decay)},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+    try:
+        optimizer = cls(groups, lr=float(optim_cfg.lr), **own_keywords(optim_cfg))
+    except Exception as err:  # noqa: BLE001 (the class's own refusal of a value: one line naming it)
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError("optim._target_", target, f"building it raised {type(err).__name__}: {why}") from None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError("optim._target_", target, f"built a {type(optimizer).__name__}, not a "
+                          "torch.optim.Optimizer")
+    log.info("optimizer: %s%s", target, f", weight decay {decay} on matrices" if decay is not None else "")
+    return optimizer
 
 
 FUSED_DEVICES = ("cpu", "cuda")  # torch.optim.AdamW(fused=True) kernels in every torch this package supports (>= 2.6)

@@ -226,7 +226,7 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
                  batch_size=batch_size, seq_len=seq_len,
                  grad_accum_steps=int(cfg.trainer.grad_accum_steps), device=device, baseline=baseline,
                  shard_degree=strategy.shard_degree(world_size, local_world_size) if strategy.name == "hsdp" else None,
-                 optim=str(cfg.optim.name), optim_block_size=int(cfg.optim.get("block_size", 256)),
+                 optim=str(cfg.optim.get("name") or "own"), optim_block_size=int(cfg.optim.get("block_size", 256)),
                  optim_impl=str(cfg.optim.get("impl", "auto")), loader_workers=int(cfg.data.get("num_workers") or 0))
 
 

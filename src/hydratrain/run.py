@@ -559,7 +559,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.dist.run_dir import resolve_path
     from hydratrain.errors import DamagedCheckpointError
     from hydratrain.metrics import peak_memory_bytes
-    from hydratrain.optim import state_bytes, warn_run_length
+    from hydratrain.optim import optimizer_name, state_bytes, warn_run_length
     from hydratrain.paths import Paths
     from hydratrain.train.outputs import write_outputs
 
@@ -599,7 +599,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
         guard(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, job.trainer.preemption.under_submitit,
               phase="final")
     log.info("optimizer state: %.3f MB on this rank (optim=%s)", state_bytes(job.trainer.optimizer) / 1e6,
-             cfg.optim.name)
+             optimizer_name(cfg.optim))
     result.peak_memory_bytes = int(max_over_ranks(peak_memory_bytes(info.device), info.device))
     planned = oom_guard.run_plan if oom_guard is not None else None
     result.planned_peak_memory_bytes = int(max_over_ranks(planned.plan.peak if planned else 0, info.device))

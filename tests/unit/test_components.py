@@ -298,6 +298,29 @@ def test_an_auxiliary_loss_beside_the_logits_is_named_not_dropped_without_a_word
         "it as 'loss'"), r.output[-3000:]
 
 
+def test_an_optimizer_of_ones_own_trains_and_resumes_exactly_and_its_keywords_are_checked(cli, own):
+    """optim=sgd (examples/own_model: torch.optim.SGD with momentum, nesterov and weight decay on matrices, by
+    _target_): the optimizer was a closed choice of adamw / adamw8bit. It trains under the run's schedule, its
+    momentum is checkpointed (a resume from step 6 ends bit for bit where the uninterrupted run does), and a keyword
+    it does not take is one line before the run."""
+    from safetensors.torch import load_file
+
+    common = [*QUICK, "strategy=single", "optim=sgd", "trainer.eval_every_n_steps=0", "checkpoint.every_n_steps=6",
+              "scheduler=constant", "scheduler.warmup_steps=0"]  # (the 6-step run's schedule: the 12-step one's)
+    assert cli(common, own / "whole", fast=False).returncode == 0
+    assert cli([*common, "trainer.max_steps=6"], own / "half", fast=False).returncode == 0
+    r = cli([*common, f"checkpoint.resume_from={own / 'half' / 'checkpoints' / 'step_00000006'}"], own / "resumed",
+            fast=False)
+    assert r.returncode == 0 and "torch.optim.SGD, weight decay 0.0001 on matrices" in r.output, r.output[-3000:]
+    whole, resumed = (load_file(own / name / "model.safetensors") for name in ("whole", "resumed"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    assert results(own / "whole")["train_loss"] < results(own / "whole")["first_loss"]
+    r = cli([*common, "+optim.momentun=0.5"], own / "typo", fast=False)
+    assert r.returncode == 2 and r.err.strip().startswith(
+        "hydratrain: config error: optim.momentun=0.5: not a keyword of torch.optim.SGD; allowed: lr, momentum, "), \
+        r.output[-3000:]
+
+
 def test_a_tuple_output_that_the_loss_refuses_is_one_line_with_the_fix(cli, own):
     (own / "mypkg" / "pair.py").write_text(
         "from mypkg.nets import ResMLP\n\n\nclass Pair(ResMLP):\n    def forward(self, x):\n"

@@ -69,8 +69,8 @@ def _check_option_nodes(cfg: DictConfig) -> None:
     keep fsdp's keys under ddp's name): choose options with ``<group>=<option>``."""
     for group in GROUPS_WITH_OPTIONS:
         node = cfg.get(group)
-        if node is None or (group == "data" and OmegaConf.is_dict(node) and "_target_" in node):
-            continue  # (a dataset node: hydratrain.components checks it)
+        if node is None or (group in ("data", "optim") and OmegaConf.is_dict(node) and "_target_" in node):
+            continue  # (a dataset or an optimizer of one's own: checked with the components)
         if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
             if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)) and "trainer" in cfg and \
                     not dataclasses.is_dataclass(OmegaConf.get_type(cfg.trainer)):  # no node is typed
@@ -273,6 +273,12 @@ def _check_int_ranges(node: Any, path: str = "") -> None:
                               "(|value| < 2**63)")
 
 
+def is_own(node: Any) -> bool:
+    from hydratrain.optim import is_own as own
+
+    return own(node)
+
+
 def validate(cfg: DictConfig) -> None:
     """Check values that the schema's types cannot. Raises :class:`ConfigError` on the first bad key (an
     interpolation that does not resolve, first)."""
@@ -305,7 +311,7 @@ def validate(cfg: DictConfig) -> None:
             positive(key)
     for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",
                 "trainer.eval_samples", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
-        positive(key, allow_zero=True)
+        positive(key, allow_zero=True, allow_none=key == "optim.weight_decay" and is_own(cfg.optim))
     for key in ("trainer.max_steps", "trainer.max_epochs", "logger.peak_flops", "plan.memory_gb", "plan.world_size",
                 "plan.ranks_per_node"):
         positive(key, allow_none=True)
@@ -329,7 +335,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"unused with data.tokenizer={cfg.data.tokenizer}, "
                           "whose own vocabulary the run takes (a BPE of data.vocab_size is trained only when "
                           "data.tokenizer is null); drop one of the two (model.vocab_size sets a larger embedding)")
-    if not 0.0 <= cfg.optim.beta1 < 1.0 or not 0.0 <= cfg.optim.beta2 < 1.0:
+    if is_own(cfg.optim):
+        _check_own_optimizer(cfg.optim)
+    elif not 0.0 <= cfg.optim.beta1 < 1.0 or not 0.0 <= cfg.optim.beta2 < 1.0:
         raise ConfigError("optim.beta1/beta2", (cfg.optim.beta1, cfg.optim.beta2), "must be in [0, 1)")
     ratio = _get(cfg, "scheduler.min_lr_ratio")
     if ratio is not None and not 0.0 <= ratio <= 1.0:
@@ -387,6 +395,29 @@ def validate(cfg: DictConfig) -> None:
         why = " (perplexity is logged with a loss that reports it: loss=next_token)" if "perplexity" in objective \
             else ""
         raise ConfigError("trainer.objective", objective, f"allowed: {', '.join(allowed)}{why}")
+
+
+def _check_own_optimizer(node: DictConfig) -> None:
+    """An ``optim`` node with ``_target_``: a ``torch.optim.Optimizer`` class that takes the node's keywords, and a
+    peak ``lr``. Raises ConfigError naming the key."""
+    import inspect
+
+    import torch
+
+    from hydratrain.components import check_call, locate
+    from hydratrain.optim import own_keywords
+
+    target = str(node["_target_"])
+    if node.get("lr") is None:
+        raise ConfigError("optim.lr", _NO_VALUE, f"optim._target_={target} needs its peak lr here (the schedule, "
+                          "scheduler=, scales it from there): add optim.lr=VALUE")
+    cls = locate(target, "optim")
+    if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError("optim._target_", target, "is not a torch.optim.Optimizer class (torch.optim.SGD, or a "
+                          "subclass of your own)")
+    given = {**own_keywords(node), "lr": node.lr, **({"weight_decay": node.weight_decay}
+                                                     if node.get("weight_decay") is not None else {})}
+    check_call(cls, given, "optim", target, supplied=1)
 
 
 def _check_block_classes(cfg: DictConfig) -> None:
@@ -530,7 +561,7 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
                           f"rank(s), but it runs on {world_size}: its launcher was set up from other values (submitit "
                           "makes one executor per sweep, so a swept group or experiment cannot change it); run one "
                           "sweep per value")
-    if cfg.optim.name == "adamw8bit":
+    if _get(cfg, "optim.name") == "adamw8bit":
         _check_lowbit(cfg.device == "cpu" or (cfg.device == "auto" and not cuda))
     if cfg.strategy.name == StrategyName.hsdp:
         from hydratrain.parallel.strategy import HSDP
