@@ -978,6 +978,19 @@ def test_a_layer_used_at_every_depth_is_checkpointed_at_each_use_and_sharded_onc
     assert "activation checkpointing on 1 ResidualBlock; fsdp: sharded 2 modules (1 ResidualBlock" in r.output
 
 
+def test_the_fsdp_line_counts_the_units_made_not_the_blocks_found(cli, own):
+    """Blocks 0 and 1 sharing a weight stay in the root (a tied weight lives in one unit), and the start-up line said
+    "3 ResidualBlock" sharded."""
+    (own / "mypkg" / "tied.py").write_text(
+        "from mypkg.nets import ResMLP\n\n\nclass Tied(ResMLP):\n    def __init__(self, **kw):\n"
+        "        super().__init__(**kw)\n        self.blocks[1].fc1.weight = self.blocks[0].fc1.weight\n")
+    r = cli([*QUICK, "model._target_=mypkg.tied.Tied", "model.depth=3", "trainer.max_steps=1", "strategy=fsdp"],
+            own / "tied", fast=False)
+    assert r.returncode == 0 and ("fsdp: sharded 2 modules (1 ResidualBlock (and 2 more blocks that share a tied "
+                                  "weight with another module, in the root) by wrap_policy=auto + root)") in r.output, \
+        r.output[-3000:]
+
+
 def test_parameters_of_mixed_dtypes_in_one_fsdp_unit_are_one_line_naming_them_and_their_own_unit_trains(cli, own):
     """A float64 (or complex) parameter beside float32 ones failed at step 1 inside FSDP ("uniform original parameter
     dtype"), blamed on the model's forward."""

@@ -427,7 +427,12 @@ class FSDP(Strategy):
             p.data = p.data.to(device)
         init_note = param_init.initialise(raw, seed, device, built_on_meta)
         rank0_buffers_before_training_forwards(raw)
-        what = blocks.describe() if policy in ("auto", "transformer_block") and units else f"{len(units)}"
+        what = f"{len(units)}"
+        if policy in ("auto", "transformer_block") and units:  # the units made (not a block with a tied weight)
+            what = Blocks(units, blocks.classes, blocks.source).describe()
+            if len(units) < len(blocks.modules):
+                what += (f" (and {len(blocks.modules) - len(units)} more blocks that share a tied weight with another "
+                         "module, in the root)")
         what += f" + {len(norms)} in float32 ({kinds})" if norms else ""
         if scalars:
             shown = ", ".join(scalars[:3]) + (f" and {len(scalars) - 3} more" if len(scalars) > 3 else "")
