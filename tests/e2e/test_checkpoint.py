@@ -264,6 +264,7 @@ def _buffers_after_sync(rank: int, store_path: str, out: str) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
+    from hydratrain.dist.process_group import let_workers_finish
     from hydratrain.parallel.strategy import Strategy
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -271,6 +272,7 @@ def _buffers_after_sync(rank: int, store_path: str, out: str) -> None:
     model(torch.full((4, 3), float(rank)) + torch.arange(4.0)[:, None])  # each rank's running stats its own
     Strategy.sync_buffers(None, model)
     torch.save({k: v.clone() for k, v in model.module.state_dict().items()}, f"{out}.{rank}")
+    let_workers_finish()  # (gloo's worker may still be freeing the last collective's work)
     dist.destroy_process_group()
 
 
@@ -283,6 +285,7 @@ def _fsdp_buffers_before_forwards(rank: int, store_path: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from hydratrain.dist.process_group import let_workers_finish
     from hydratrain.parallel.strategy import rank0_buffers_before_training_forwards
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
@@ -294,6 +297,7 @@ def _fsdp_buffers_before_forwards(rank: int, store_path: str, out: str) -> None:
     for _ in range(2):
         model(torch.full((4, 3), float(rank)) + torch.arange(4.0)[:, None]).sum().backward()
     torch.save({"starts": starts, "end": model[1].running_mean.clone()}, f"{out}.{rank}")
+    let_workers_finish()  # (gloo's worker may still be freeing the last collective's work)
     dist.destroy_process_group()
 
 

@@ -43,6 +43,15 @@ _BASE_STORE = None  # this process's client (or, on rank 0 without an agent stor
 _GROUPS_MADE = 0  # process groups created in this process (a sweep inside each rank makes one per job)
 
 
+def let_workers_finish(seconds: float = 0.1) -> None:
+    """Release the GIL for a moment before a process group is freed. gloo's worker thread drops its reference to a
+    finished collective's work after the caller's wait has returned, and freeing that work's tensors takes the GIL;
+    a group freed in the meantime joins that thread while holding the GIL (``~ProcessGroupGloo`` -> ``thread::join``
+    against ``~AsyncWork`` -> ``gil_scoped_acquire``, seen with py-spy in torch 2.13): a deadlock at the end of a run
+    that had finished."""
+    time.sleep(seconds)
+
+
 class PeerFailedError(HydratrainError):
     """Another rank of this job failed first; this rank stops (exit status 5) after ``linger_s`` seconds, so that the
     rank which failed leaves first (torchrun reports the first worker to exit as the root cause)."""
@@ -541,9 +550,11 @@ def process_group(device_kind: str, backend: Optional[str], needs_group: bool, c
         if dist.is_available() and dist.is_initialized():
             if failed_with is None:
                 dist.barrier()  # no rank tears down while a peer is still in a collective
+                let_workers_finish()
                 if not adopted:
                     dist.destroy_process_group()
             elif not adopted:  # no barrier: the peers may sit in another collective
+                let_workers_finish()
                 dist.destroy_process_group()
         if watch is not None:
             watch.torn_down()
