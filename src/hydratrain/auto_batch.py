@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
+from hydratrain.config.settings import DataSettings
+
 log = logging.getLogger("hydratrain.auto_batch")
 
 #: the largest micro-batch ``auto`` picks (samples per rank): beyond it a step is large enough to keep any device
@@ -58,7 +60,7 @@ def resolve(cfg, strategy, info, precision, vocab_size: Optional[int], limit: in
     setup (a strategy it does not model) or cannot predict all of a step (no example batch of a dataset node).
     When not even one sample per rank is predicted to fit, picks 1 and warns (the memory plan's line then lists
     changes that fit)."""
-    if str(cfg.data.get("batch_size")).strip().lower() != "auto":
+    if DataSettings.of(cfg.data).batch_size != "auto":
         return cfg
     from hydratrain import plan
     from hydratrain.errors import ConfigError

@@ -26,10 +26,10 @@ from typing import Any, Callable, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from hydratrain.config.schema import LOADER_KEYS, MODEL_KEYS
+from hydratrain.config.settings import ModelSettings
 from hydratrain.errors import ConfigError, Placeholder
 
-#: hydratrain's keys in the ``model`` node, with their defaults (a user's model file need not have them)
-MODEL_KEYS = {"init_device": "auto", "init_from": None}
 INIT_DEVICES = ("auto", "meta", "cpu", "cuda")
 _ABSENT = Placeholder("<absent>")
 _HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
@@ -58,7 +58,8 @@ def target_of(node: Any, key: str) -> str:
                           "to a class or function) and its keyword arguments")
     target = node.get("_target_")
     if not isinstance(target, str) or not target.strip():
-        keys = [k for k in node.keys() if k not in _HYDRA_KEYS]
+        owned = MODEL_KEYS if key == "model" else LOADER_KEYS if key == "data" else ()  # (every such node has them)
+        keys = [k for k in node.keys() if k not in _HYDRA_KEYS and k not in owned]
         return _no_target(key, target, keys)
     return target
 
@@ -172,10 +173,9 @@ def check_call(obj: Any, kwargs: Mapping, key: str, target: str, partial: bool =
 
 
 # ------------------------------------------------------------------------------------------------------ model
-def model_settings(cfg: DictConfig) -> dict:
-    """hydratrain's keys of the model node (:data:`MODEL_KEYS`) with their defaults."""
-    node = cfg.get("model")
-    return {k: (node.get(k, default) if node is not None else default) for k, default in MODEL_KEYS.items()}
+def model_settings(cfg: DictConfig) -> ModelSettings:
+    """hydratrain's keys of the model node (:data:`~hydratrain.config.schema.MODEL_KEYS`), resolved."""
+    return ModelSettings.of(cfg.get("model"))
 
 
 def model_kwargs(cfg: DictConfig, vocab_size: Optional[int] = None) -> dict:
@@ -482,8 +482,8 @@ def check_components(cfg: DictConfig) -> None:
     the loss; each metric (built: torchmetrics checks its arguments then); a data factory's target and keywords.
     Raises :class:`ConfigError`."""
     settings = model_settings(cfg)
-    if str(settings["init_device"]) not in INIT_DEVICES:
-        raise ConfigError("model.init_device", settings["init_device"], f"allowed: {', '.join(INIT_DEVICES)}")
+    if str(settings.init_device) not in INIT_DEVICES:
+        raise ConfigError("model.init_device", settings.init_device, f"allowed: {', '.join(INIT_DEVICES)}")
     target = target_of(cfg.get("model"), "model")
     cls = locate(target, "model")
     vocab = _vocabulary_for_checks(cfg, cls)

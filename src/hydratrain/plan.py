@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hydratrain.config.schema import AdamW8bitConfig, AdamWConfig, FSDPStrategy, SizeBasedWrapPolicy
+from hydratrain.config.settings import DataSettings, option_value
 from hydratrain.errors import ConfigError
 from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup, predict
 
@@ -212,22 +214,23 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
     node = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k.startswith("_")}
     node.update(components.model_kwargs(cfg, vocab_size))
     loss = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.get("loss") is not None else {}
-    batch_size = int(cfg.data.batch_size)
-    seq_len = int(cfg.data.get("seq_len") or 0)
+    data = DataSettings.of(cfg.data)
+    batch_size, seq_len = int(data.batch_size), data.seq_len
     spec = ModelSpec(target, json.dumps(node, sort_keys=True, default=str),
                      json.dumps(loss, sort_keys=True, default=str), _example(example, batch_size, seq_len),
                      tuple(cfg.wrap_policy.get("block_classes") or ()))
     return Setup(model=spec, strategy=strategy.name,
                  world_size=1 if strategy.name == "single" else world_size, precision=precision,
                  reduce_dtype=str(cfg.precision.reduce_dtype), wrap_policy=str(cfg.wrap_policy.name),
-                 min_num_params=int(cfg.wrap_policy.get("min_num_params", 100_000)),
-                 reshard_after_forward=bool(cfg.strategy.get("reshard_after_forward", True)),
+                 min_num_params=int(option_value(cfg.wrap_policy, "min_num_params", SizeBasedWrapPolicy)),
+                 reshard_after_forward=bool(option_value(cfg.strategy, "reshard_after_forward", FSDPStrategy)),
                  cpu_offload=strategy.cpu_offload, activation_checkpointing=bool(cfg.activation_checkpointing),
                  batch_size=batch_size, seq_len=seq_len,
                  grad_accum_steps=int(cfg.trainer.grad_accum_steps), device=device, baseline=baseline,
                  shard_degree=strategy.shard_degree(world_size, local_world_size) if strategy.name == "hsdp" else None,
-                 optim=str(cfg.optim.get("name") or "own"), optim_block_size=int(cfg.optim.get("block_size", 256)),
-                 optim_impl=str(cfg.optim.get("impl", "auto")), loader_workers=int(cfg.data.get("num_workers") or 0))
+                 optim=str(cfg.optim.get("name") or "own"),
+                 optim_block_size=int(option_value(cfg.optim, "block_size", AdamW8bitConfig)),
+                 optim_impl=str(option_value(cfg.optim, "impl", AdamWConfig)), loader_workers=data.num_workers)
 
 
 def _example(example: Optional[Callable[[int], Any]], batch_size: int, seq_len: int) -> tuple:

@@ -82,6 +82,7 @@ def _compose(overrides: list[str], config_dir: Optional[str] = None):
     from hydra import compose, initialize_config_dir
 
     from hydratrain.config import register_configs
+    from hydratrain.config.settings import plus_as_force
     from hydratrain.dist.run_dir import register_resolvers
 
     register_configs()
@@ -89,7 +90,7 @@ def _compose(overrides: list[str], config_dir: Optional[str] = None):
     if config_dir is not None:  # what train.py's --config-dir does: the dir joins the search path, first
         overrides = [f"hydra.searchpath=[file://{Path(config_dir).expanduser().resolve()}]", *overrides]
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return compose("train", overrides=overrides)
+        return compose("train", overrides=plus_as_force(overrides))
 
 
 def conf_dir() -> Path:

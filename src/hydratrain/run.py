@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -17,6 +18,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain import exits
+from hydratrain.config.settings import DataSettings, plus_as_force
 from hydratrain.errors import HydratrainError, say
 from hydratrain.exits import in_multirun
 
@@ -139,6 +141,7 @@ def with_config_checks(entry):
         if args or kwargs:  # a config passed in: Hydra only calls the task
             return entry(*args, **kwargs)
         exits.composing()
+        sys.argv[1:] = plus_as_force(sys.argv[1:])  # +model.init_device=meta, from before every node had the key
         try:
             result = entry()
         except Exception as err:
@@ -157,8 +160,6 @@ def with_config_checks(entry):
 def _check_printed_config() -> None:
     """:func:`with_config_checks`' part after Hydra's ``--cfg``: raises ``SystemExit`` with the failed check's
     status."""
-    import sys
-
     from hydra._internal.utils import get_args_parser
 
     try:
@@ -280,7 +281,6 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
 def _compile_cache_dir() -> Optional[Path]:
     """torch.compile's cache dir (``TORCHINDUCTOR_CACHE_DIR``, else inductor's default under the temp dir) when
     inductor has been imported (``trainer.compile=true``), else None."""
-    import sys
 
     utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
     try:
@@ -480,9 +480,10 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     scheduler = build_scheduler(optimizer, cfg.scheduler, max_steps)
     scaler = precision.grad_scaler(device)
     progress = TrainProgress()
-    seq_len = int(cfg.data.get("seq_len") or 0)  # token data; a dataset's samples are counted as samples
+    data = DataSettings.of(cfg.data)  # (batch_size resolved by auto_batch above)
+    seq_len = data.seq_len  # token data; a dataset's samples are counted as samples
     per_sample = seq_len or 1
-    items_per_step = cfg.trainer.grad_accum_steps * cfg.data.batch_size * per_sample * info.world_size
+    items_per_step = cfg.trainer.grad_accum_steps * int(data.batch_size) * per_sample * info.world_size
     timing.mark("optimizer")
     slow = precision.slow_path(device, cache_dir=paths.cache)
     if slow:
@@ -564,7 +565,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.train.outputs import write_outputs
 
     job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None)
-    init_from = model_settings(cfg)["init_from"]
+    init_from = model_settings(cfg).init_from
     check_same_resume(resume)
     progress = job.trainer.progress
     if resume is not None:

@@ -117,6 +117,12 @@ def _rows(cls: type, comments: dict, skip: tuple = ("name",)) -> list[str]:
     return rows
 
 
+def _own_defaults(cls: type, base: type) -> set:
+    """The fields of ``base`` whose default ``cls`` changes (``val_fraction`` of a corpus): listed with ``cls``."""
+    ours = {f.name: _default(f) for f in dataclasses.fields(base)}
+    return {f.name for f in dataclasses.fields(cls) if f.name in ours and _default(f) != ours[f.name]}
+
+
 def render() -> str:
     """The reference page as markdown."""
     comments = _comments()
@@ -137,10 +143,19 @@ def render() -> str:
                     "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
             out += _rows(cls, comments, skip=())
             out.append("")
+    # keys every node of a group holds (a user's own file too): listed once, before the group's options
+    owned = {"model": schema.ModelKeys, "data": schema.LoaderKeys}
+    out += ["## `model`", "", _doc(schema.ModelKeys), "", "| key | type | default | meaning |",
+            "| --- | --- | --- | --- |", *_rows(schema.ModelKeys, comments, skip=()), ""]
     for group, options in schema.SCHEMAS.items():
         out += [f"## `{group}`", "", f"Options: {', '.join(f'`{o}`' for o in options)} (`{group}=OPTION`).", ""]
+        if group in owned:
+            out += [_doc(owned[group]), "", "| key | type | default | meaning |", "| --- | --- | --- | --- |",
+                    *_rows(owned[group], comments, skip=()), ""]
         for option, cls in options.items():
-            rows = _rows(cls, comments)
+            mine = ("name",) + tuple(f.name for f in dataclasses.fields(owned[group]) if f.name not in
+                                     _own_defaults(cls, owned[group])) if group in owned else ("name",)
+            rows = _rows(cls, comments, skip=mine)
             out += [f"### `{group}={option}`", ""]
             if _doc(cls):
                 out += [_doc(cls), ""]

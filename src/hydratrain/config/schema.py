@@ -11,7 +11,7 @@ Importing this module has no side effects and does not import torch; call :func:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, ClassVar, Dict, List, Optional
 
@@ -122,13 +122,45 @@ class NonFinitePolicy(Option):
 
 # ------------------------------------------------------------------------------------------------------- data
 @dataclass
-class DataConfig:
+class LoaderKeys:
+    """Keys of every data option, your own dataset node (`_target_`) included. They are in the composed config
+    whether or not the option file lists them, so `data.num_workers=2` works on any option. A built-in corpus
+    slices memory-mapped tokens in the training process: the DataLoader's keys (`num_workers` to `collate_fn`)
+    keep their defaults there. (The one owner of these defaults; the run reads `hydratrain.config.settings`.)"""
+
+    batch_size: Any = 8  # samples per micro-batch per rank (an int >= 1), or auto: the largest the memory plan fits
+    val_fraction: float = 0.1  # share held out for eval when the data has no val split of its own
+    num_workers: int = 0  # DataLoader worker processes per rank (a dataset node)
+    pin_memory: Optional[bool] = None  # page-locked batches; null = on CUDA (a dataset node)
+    persistent_workers: bool = False  # keep the workers between epochs and evals (a dataset node)
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead; null = torch's default (a dataset node)
+    collate_fn: Any = None  # a _target_ node of the collate function; null = torch's default_collate
+
+
+#: the loader's keys, in the order the schema declares them
+LOADER_KEYS = tuple(f.name for f in fields(LoaderKeys))
+#: the loader's keys that only a dataset node (``_target_``) uses
+DATASET_ONLY_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "collate_fn")
+
+
+@dataclass
+class ModelKeys:
+    """Keys of every model node, your own included: hydratrain's, not passed to the constructor."""
+
+    init_device: str = "auto"  # auto | meta | cpu | cuda (auto: meta under fsdp/hsdp for a model with an init protocol)
+    init_from: Optional[str] = None  # a .safetensors file of full weights to start from (fine-tuning)
+
+
+MODEL_KEYS = tuple(f.name for f in fields(ModelKeys))
+
+
+@dataclass
+class DataConfig(LoaderKeys):
     """Keys every built-in ``data`` option has (see :mod:`hydratrain.data`)."""
 
     option: ClassVar[Optional[DataName]] = None
     name: DataName = MISSING
     seq_len: int = 256  # tokens per sample (the model sees seq_len tokens and predicts the next seq_len)
-    batch_size: Any = 8  # samples per micro-batch per rank (an int >= 1), or auto: the largest the memory plan fits
 
 
 @dataclass
@@ -568,10 +600,10 @@ class TrainConfig:
     # (_target_ + keyword arguments; init_device and init_from are hydratrain's), the loss (a callable
     # loss(outputs, targets) -> mean), the eval metrics ({name: torchmetrics node}, logged as eval/<name>); data is
     # a built-in corpus (name: ...) or a _target_ node returning datasets.
-    model: Any = MISSING
+    model: Any = field(default_factory=lambda: asdict(ModelKeys()))  # the option file's keys merge onto these
     loss: Any = MISSING
     metrics: Dict[str, Any] = field(default_factory=dict)  # {name: _target_ node}: eval metrics, logged eval/<name>
-    data: Any = MISSING
+    data: Any = field(default_factory=lambda: asdict(LoaderKeys()))  # the option file's keys merge onto these
     strategy: Any = MISSING
     precision: Any = MISSING
     wrap_policy: Any = MISSING

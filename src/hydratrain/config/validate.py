@@ -16,7 +16,15 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from hydratrain.config.schema import DType, StrategyName, WrapPolicyName
+from hydratrain.config.schema import (
+    DATASET_ONLY_KEYS,
+    LOADER_KEYS,
+    MODEL_KEYS,
+    DType,
+    LoaderKeys,
+    StrategyName,
+    WrapPolicyName,
+)
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError, Placeholder
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
@@ -243,9 +251,11 @@ def _refuse_empty_paths(cfg: DictConfig) -> None:
 
 def _refuse_missing_components(cfg: DictConfig) -> None:
     """A component group with no node (``~model``, or a config composed without it): one line naming the group."""
+    owned = {"model": MODEL_KEYS, "data": LOADER_KEYS, "loss": ()}  # (in every such node: no option of its own)
     for group in ("model", "loss", "data"):
         node = cfg._get_node(group, throw_on_missing_key=False) if isinstance(cfg, DictConfig) else None
-        if node is not None and node._is_missing():
+        if node is not None and (node._is_missing() or isinstance(node, DictConfig) and not node._is_none()
+                                 and set(node.keys()) <= set(owned[group])):
             raise ConfigError(group, _NO_VALUE, f"has no option: choose one with {group}=NAME (conf/{group}/), or "
                               f"give a file of your own with _target_ in a --config-dir (docs/own-model.md)")
 
@@ -277,6 +287,23 @@ def is_own(node: Any) -> bool:
     from hydratrain.optim import is_own as own
 
     return own(node)
+
+
+def _refuse_loader_keys_on_a_corpus(data: Any) -> None:
+    """A built-in corpus has the DataLoader's keys (every data option has them, :class:`~hydratrain.config.schema.
+    LoaderKeys`) but batches memory-mapped tokens in the training process: a value other than the default would be
+    ignored, so it is refused (and ``val_fraction`` of ``token_bin``, whose val split is ``data.val_path``)."""
+    if not OmegaConf.is_dict(data) or "_target_" in data or data.get("name") is None:
+        return
+    name = data.name
+    unused = DATASET_ONLY_KEYS + (("val_fraction",) if str(name) == "token_bin" else ())
+    for key in unused:
+        if key in data and data[key] != getattr(LoaderKeys, key):
+            raise ConfigError(f"data.{key}", data[key], f"not used by data={name}, which slices memory-mapped tokens "
+                              f"in the training process; allowed: {getattr(LoaderKeys, key)} (the DataLoader's keys "
+                              "apply to a dataset node, _target_: docs/own-model.md)"
+                              if key != "val_fraction" else "not used by data=token_bin, whose val split is "
+                              "data.val_path; allowed: leave it out")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -328,6 +355,7 @@ def validate(cfg: DictConfig) -> None:
     val_fraction = _get(cfg, "data.val_fraction")
     if val_fraction is not None and not 0.0 < val_fraction < 1.0:
         raise ConfigError("data.val_fraction", val_fraction, "must be in (0, 1)")
+    _refuse_loader_keys_on_a_corpus(cfg.data)
     if _get(cfg, "data.vocab_size") is not None and cfg.data.vocab_size < 257:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, "a byte-level BPE needs more than the 256 byte "
                           "tokens; allowed: >= 257")
@@ -363,7 +391,7 @@ def validate(cfg: DictConfig) -> None:
     from hydratrain.components import check_components, model_settings
 
     settings = model_settings(cfg)
-    if settings["init_device"] == "cuda" and cfg.device == "cpu":
+    if settings.init_device == "cuda" and cfg.device == "cpu":
         raise ConfigError("model.init_device", "cuda", "the run's device is cpu; allowed: auto, meta, cpu")
     code = cfg.checkpoint.preempt_exit_code
     if not 0 < code < 126 or code in RESERVED_EXIT_CODES:
@@ -371,7 +399,7 @@ def validate(cfg: DictConfig) -> None:
                           f"({', '.join(map(str, RESERVED_EXIT_CODES))} are hydratrain's own exit statuses, 126+ "
                           "the shell's)")
     _refuse_empty_paths(cfg)
-    init_from = settings["init_from"]
+    init_from = settings.init_from
     if init_from is not None and not str(init_from).endswith(".safetensors"):
         raise ConfigError("model.init_from", init_from, "must be a .safetensors file (python -m hydratrain.export "
                           "CHECKPOINT_DIR OUT.safetensors makes one)")

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from hydratrain.config.settings import DataSettings
 from hydratrain.data.corpora import build_corpus, expand_paths, split_files, stdlib_files, synthetic_stream
 from hydratrain.data.streams import EvalBatches, ShardedBatches, TokenDataset
 
@@ -99,9 +100,10 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
         splits = load_splits(**kwargs)
     if info.world_size > 1:
         check_same_data(cfg.data, splits)
+    batch_size = int(DataSettings.of(cfg.data).batch_size)
     try:
         train = ShardedBatches(TokenDataset(splits["train"], cfg.data.seq_len, vocab_size, "the train split"),
-                               cfg.data.batch_size, info.rank,
+                               batch_size, info.rank,
                                info.world_size, seed=cfg.trainer.seed, device=info.device,
                                strict_position=cfg.checkpoint.restore_data_position)
     except ValueError as err:
@@ -109,7 +111,7 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
     try:
         evals = EvalBatches(TokenDataset(splits["val"], cfg.data.seq_len, vocab_size, "the val split"),
                             cfg.trainer.eval_samples,
-                            cfg.data.batch_size, info.rank, info.world_size, device=info.device)
+                            batch_size, info.rank, info.world_size, device=info.device)
     except ValueError as err:
         raise split_error(cfg.data, launch_dir, "val", len(splits["val"]), err) from None
     return train, evals

@@ -11,7 +11,8 @@ default PyTorch's ``default_collate``)::
     batch_size: 32
     num_workers: 2
 
-The node's other keys are the function's keyword arguments; :data:`DATA_KEYS` are hydratrain's (the loader's).
+The node's other keys are the function's keyword arguments; :data:`~hydratrain.config.schema.LOADER_KEYS` are
+hydratrain's (the loader's), read through :class:`~hydratrain.config.settings.DataSettings`.
 Samples are chosen in the main process from the global order of :class:`hydratrain.data.streams.ShardedBatches`
 (a ``DistributedSampler`` permutation per epoch, independent of the world size) and handed to the DataLoader as its
 batch sampler, so workers only load: the position saved in a checkpoint is exact, a resume repeats and skips
@@ -28,28 +29,20 @@ from typing import Any, Iterable, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from hydratrain.config.schema import LOADER_KEYS
+from hydratrain.config.settings import DataSettings
 from hydratrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-#: hydratrain's keys of a ``data`` node with ``_target_`` (the DataLoader's), with their defaults
-DATA_KEYS = {"batch_size": 8, "val_fraction": 0.1, "num_workers": 0, "pin_memory": None, "persistent_workers": False,
-             "prefetch_factor": None, "collate_fn": None}
-
 
 def is_dataset_node(data: Any) -> bool:
     """Whether the ``data`` node builds the user's datasets (has ``_target_``) rather than naming a corpus."""
     return data is not None and OmegaConf.is_dict(data) and "_target_" in data
 
 
-def data_settings(data: DictConfig) -> dict:
-    """:data:`DATA_KEYS` of a dataset node, with their defaults."""
-    return {k: data.get(k, default) for k, default in DATA_KEYS.items()}
-
-
 def _kwargs(data: DictConfig) -> dict:
     plain = OmegaConf.to_container(data, resolve=True)
-    return {k: v for k, v in plain.items() if k not in DATA_KEYS and not k.startswith("_")}
+    return {k: v for k, v in plain.items() if k not in LOADER_KEYS and not k.startswith("_")}
 
 
 def check_data_node(data: DictConfig) -> None:
@@ -57,8 +50,8 @@ def check_data_node(data: DictConfig) -> None:
     loader's keys have sensible values, ``collate_fn`` imports. Raises :class:`ConfigError` naming the key."""
     from hydratrain.components import check_call, locate, target_of
 
-    s = data_settings(data)
-    if str(s["batch_size"]).strip().lower() == "auto":
+    s = vars(DataSettings.of(data))
+    if s["batch_size"] == "auto":
         raise ConfigError("data.batch_size", "auto", "needs the memory planner to run the model on a batch of the "
                           "data, which a dataset node gives only once built; allowed here: a positive integer")
     for key in ("batch_size", "num_workers", "prefetch_factor"):
@@ -117,7 +110,7 @@ def load_datasets(data: DictConfig) -> dict:
         raise ConfigError("data._target_", target, f"returned a {type(made).__name__} of {len(made)} datasets; "
                           f"{expected}")
     dataset = _checked(made, target, "dataset")
-    return split(dataset, float(data.get("val_fraction", DATA_KEYS["val_fraction"])))
+    return split(dataset, float(DataSettings.of(data).val_fraction))
 
 
 def _is_dataset(value: Any) -> bool:
@@ -178,37 +171,37 @@ def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
 
     from hydratrain.components import build_callable
 
-    s = data_settings(data)
-    collate = build_callable(data.collate_fn, "data.collate_fn", supplied=1) if s["collate_fn"] is not None else None
-    pin = s["pin_memory"] if s["pin_memory"] is not None else device.type == "cuda"
-    extra = {"prefetch_factor": s["prefetch_factor"]} if s["prefetch_factor"] is not None else {}
-    persistent = bool(s["persistent_workers"]) and s["num_workers"] > 0
+    s = DataSettings.of(data)
+    collate = build_callable(s.collate_fn, "data.collate_fn", supplied=1) if s.collate_fn is not None else None
+    pin = s.pin_memory if s.pin_memory is not None else device.type == "cuda"
+    extra = {"prefetch_factor": s.prefetch_factor} if s.prefetch_factor is not None else {}
+    persistent = bool(s.persistent_workers) and s.num_workers > 0
 
     seeded = _SeededBatches(dataset, seed)
     kept: dict = {}  # the persistent loader ("loader", its sampler "lists") and whether a call iterates it ("busy")
 
     def loader_of(lists: "_Lists", keep: bool) -> DataLoader:
-        return DataLoader(seeded, batch_sampler=lists, collate_fn=collate, num_workers=s["num_workers"],
+        return DataLoader(seeded, batch_sampler=lists, collate_fn=collate, num_workers=s.num_workers,
                           pin_memory=pin, persistent_workers=keep, generator=torch.Generator().manual_seed(seed),
                           **extra)
 
     def reused(index_lists: Iterable[list]) -> Iterator[Any]:
         if kept.get("busy"):
-            yield from _collated(iter(loader_of(_Lists(index_lists), False)), s["collate_fn"] is None, data)
+            yield from _collated(iter(loader_of(_Lists(index_lists), False)), s.collate_fn is None, data)
             return
         if "loader" not in kept:
             kept["lists"] = _Lists(())
             kept["loader"] = loader_of(kept["lists"], True)
         kept["lists"].lists, kept["busy"] = index_lists, True
         try:
-            yield from _collated(iter(kept["loader"]), s["collate_fn"] is None, data)
+            yield from _collated(iter(kept["loader"]), s.collate_fn is None, data)
         finally:  # exhausted, or closed when the caller drops it
             kept["busy"] = False
 
     def fetch(index_lists: Iterable[list]) -> Iterator[Any]:
         if persistent:
             return reused(index_lists)  # (its loader is taken at the first batch asked for)
-        return _collated(iter(loader_of(_Lists(index_lists), False)), s["collate_fn"] is None, data)
+        return _collated(iter(loader_of(_Lists(index_lists), False)), s.collate_fn is None, data)
 
     return fetch
 
@@ -351,7 +344,8 @@ def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = N
             other, every = unlike
             raise ConfigError("data._target_", data._target_, f"rank {other} built other datasets than rank 0 "
                               f"({every[other][1]}; rank 0: {every[0][1]}): every rank must load the same data")
-    batch_size = int(data.get("batch_size", DATA_KEYS["batch_size"]))
+    settings = DataSettings.of(data)
+    batch_size = int(settings.batch_size)
     try:
         train = ShardedBatches(splits["train"], batch_size, info.rank, info.world_size, seed=cfg.trainer.seed,
                                device=info.device, strict_position=cfg.checkpoint.restore_data_position,
@@ -364,9 +358,9 @@ def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = N
                             device=info.device, fetch=loader_fetch(splits["val"], data, info.device,
                                                                    cfg.trainer.seed))
     except ValueError as err:
-        raise ConfigError("data.val_fraction", data.get("val_fraction", DATA_KEYS["val_fraction"]),
+        raise ConfigError("data.val_fraction", settings.val_fraction,
                           f"val split: {err}") from None
     log.info("data %s: train %d samples, val %d samples (eval on %d), %d per micro-batch per rank, %d loader "
              "worker(s)", data._target_, len(splits["train"]), len(splits["val"]), evals.n_samples, batch_size,
-             data_settings(data)["num_workers"])
+             settings.num_workers)
     return train, evals

@@ -21,6 +21,8 @@ from typing import ContextManager, Optional
 import torch
 from torch import nn
 
+from hydratrain.config.schema import FSDPStrategy
+from hydratrain.config.settings import ModelSettings, option_value
 from hydratrain.errors import ConfigError, HydratrainError
 from hydratrain.parallel import init as param_init
 from hydratrain.parallel.ac_compile import (
@@ -115,13 +117,12 @@ class Strategy:
     def __init__(self, cfg):
         self.cfg = cfg  # the whole run config, read only
         self.backend: Optional[str] = cfg.strategy.get("backend")
-        self.cpu_offload: bool = bool(cfg.strategy.get("cpu_offload", False))
+        self.cpu_offload: bool = bool(option_value(cfg.strategy, "cpu_offload", FSDPStrategy))
 
     # ---------------------------------------------------------------------------------------------- building
     def init_device(self) -> str:
         """``model.init_device`` (default auto)."""
-        node = self.cfg.get("model")
-        return str(node.get("init_device", "auto")) if node is not None else "auto"
+        return str(ModelSettings.of(self.cfg.get("model")).init_device)
 
     def build_on_meta(self, init_protocol: str = param_init.PER_PARAMETER) -> bool:
         """``model.init_device``: meta -> yes; auto -> for strategies that shard parameters, when the model has an
@@ -629,8 +630,8 @@ def build_strategy(cfg, world_size: Optional[int] = None, device_type: Optional[
     (:func:`single_on_one_rank`, logged once); without them the configured strategy is built as it is."""
     name = str(cfg.strategy.name)
     if world_size is not None and device_type is not None:
-        why = single_on_one_rank(name, cfg.strategy.get("shard_on_one_rank", "auto"), world_size, device_type,
-                                 bool(cfg.strategy.get("cpu_offload", False)))
+        why = single_on_one_rank(name, option_value(cfg.strategy, "shard_on_one_rank", FSDPStrategy), world_size,
+                                 device_type, bool(option_value(cfg.strategy, "cpu_offload", FSDPStrategy)))
         if why:
             log.info(why)
             return Single(cfg)
