@@ -79,6 +79,14 @@ class ConfigError(HydratrainError, ValueError):
         super().__init__(f"{key}={_show(value)}: {why}")
 
 
+class CallbackError(HydratrainError, RuntimeError):
+    """A callback's hook raised (:mod:`hydratrain.train.callbacks`): one line naming ``callbacks.<name>``, the hook
+    and the error."""
+
+    label = "callback error"
+    own_failure = True  # raised by this rank's own code
+
+
 class CheckpointError(HydratrainError, RuntimeError):
     """A checkpoint cannot be used; ``str(err)`` is one line naming the file or dir and why."""
 

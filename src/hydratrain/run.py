@@ -429,6 +429,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     from hydratrain.parallel.strategy import build_model
     from hydratrain.paths import Paths
     from hydratrain.plan import plan_run
+    from hydratrain.train import extras
     from hydratrain.train.evaluate import Evaluator
     from hydratrain.train.outputs import model_files
     from hydratrain.train.step_logger import StepLogger
@@ -504,13 +505,17 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),
         keep_last=cfg.checkpoint.keep_last, device=device, attachments=model_files(cfg, vocab_size, tokenizer))
+    callbacks = extras.build_callbacks(cfg, checkpoints, device)
+    if callbacks:  # (their states ride in the checkpoints; a run without callbacks saves none)
+        checkpoints.components["callbacks"] = callbacks
     preemption = Preemption(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())
     trainer = Trainer(tcfg=cfg.trainer, model=model, strategy=strategy, precision=precision, device=device,
                       optimizer=optimizer, scheduler=scheduler, scaler=scaler, train_batches=train_batches,
                       evaluator=Evaluator(eval_batches, device, loss_fn, metrics), step_logger=step_logger,
                       checkpoints=checkpoints, preemption=preemption, progress=progress, max_steps=max_steps,
                       save_every=cfg.checkpoint.every_n_steps, save_last=cfg.checkpoint.save_last, loss_fn=loss_fn,
-                      contract=(cfg.model.get("_target_"), cfg.loss.get("_target_")))
+                      contract=(cfg.model.get("_target_"), cfg.loss.get("_target_")), callbacks=callbacks)
+    extras.bind(callbacks, trainer, raw, info, run_dir)
     timing.mark("logger, checkpoints, trainer")
     return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer, vocab_size)
 

@@ -151,7 +151,8 @@ def test_a_buffer_the_init_leaves_unset_after_a_meta_build_is_named(cli, own):
     (["+metrics.accuracy.average=null"], "metrics.accuracy._target_='torchmetrics.classification.accuracy."
                                         "MulticlassAccuracy': its compute() returns a tensor of shape (3,), and each "
                                         "metric is logged as one number"),
-    (["trainer.objective=eval/perplexity"], "trainer.objective='eval/perplexity': allowed: eval/loss, eval/accuracy "
+    (["trainer.objective=eval/perplexity"], "trainer.objective='eval/perplexity': names no metric the evaluation logs; "
+                                            "allowed: eval/loss, eval/accuracy "
                                             "(perplexity is logged with a loss that reports it: loss=next_token)"),
     (["+data.shuffle=true"], "data.shuffle=True: not a keyword of mypkg.data.spirals; allowed: n, classes, noise, "
                              "seed"),

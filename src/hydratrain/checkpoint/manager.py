@@ -316,6 +316,7 @@ class CheckpointManager:
         self.rank, self.world_size = rank_and_world()
         self.last_saved_step: Optional[int] = None
         self.loaded_from: Optional[Path] = None  # the checkpoint this run resumed from (it may be another run's)
+        self.protected_steps: set[int] = set()  # kept whatever keep_last says (the best ones: checkpoint.monitor)
         if self.rank == 0:
             recover_unfinished_saves(self.root)  # done already when run.main chose the checkpoint (idempotent)
 
@@ -440,7 +441,9 @@ class CheckpointManager:
     def _prune(self) -> None:
         if not self.keep_last:
             return
-        for _, path in list_checkpoints(self.root)[:-self.keep_last]:
+        for step, path in list_checkpoints(self.root)[:-self.keep_last]:
+            if step in self.protected_steps:
+                continue
             stop_if_launcher_gone(f"before pruning {path.name}")
             shutil.rmtree(path, ignore_errors=True)
             log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", path, self.keep_last)

@@ -120,6 +120,16 @@ class NonFinitePolicy(Option):
     skip = "skip"
 
 
+class MonitorMode(Option):
+    min = "min"
+    max = "max"
+
+
+class ObjectiveAt(Option):
+    last = "last"
+    best = "best"
+
+
 # ------------------------------------------------------------------------------------------------------- data
 @dataclass
 class LoaderKeys:
@@ -528,6 +538,16 @@ class WorkspacePaths(PathsConfig):
 
 # ------------------------------------------------------------------------------------------ trainer and rest
 @dataclass
+class EarlyStoppingConfig:
+    """Stop when a metric stops improving (``hydratrain.train.early_stopping``); off while ``monitor`` is null."""
+
+    monitor: Optional[str] = None  # eval/loss, eval/<metric>, ...; null = no early stopping
+    mode: MonitorMode = MonitorMode.min  # min: lower is better; max: higher is better
+    patience: int = 3  # evaluations in a row without an improvement before the run stops
+    min_delta: float = 0.0  # an improvement must beat the best value by more than this
+
+
+@dataclass
 class TrainerConfig:
     max_steps: Optional[int] = 300  # optimizer steps; null = until max_epochs
     max_epochs: Optional[int] = None  # passes over the train split; null = until max_steps
@@ -548,6 +568,10 @@ class TrainerConfig:
     # what the run returns to a sweeper (Optuna minimises or maximises it): eval/loss, eval/perplexity (token data)
     # or eval/<name> of a metric in `metrics`; the final evaluation's value
     objective: str = "eval/loss"
+    # which evaluation's value of `objective` results.json and a sweeper get: last (the final evaluation) | best (the
+    # evaluation that was best by checkpoint.monitor and checkpoint.mode; monitor null = objective itself)
+    objective_at: ObjectiveAt = ObjectiveAt.last
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
 
 
 @dataclass
@@ -563,6 +587,11 @@ class CheckpointConfig:
     restore_data_position: bool = True  # false: start the saved epoch over from its first sample
     save_on_sigterm: bool = True  # on SIGTERM (SIGUSR2 under submitit): save, exit with preempt_exit_code
     preempt_exit_code: int = 75  # exit status after a SIGTERM save (EX_TEMPFAIL: relaunch to resume)
+    # keep the save_top_k best checkpoints by this metric (eval/loss, eval/<metric>) beside the keep_last latest, and
+    # write the best weights as best/model.safetensors; null = by step only
+    monitor: Optional[str] = None
+    mode: MonitorMode = MonitorMode.min  # min: lower is better; max: higher is better
+    save_top_k: int = 1  # best checkpoints kept (with checkpoint.monitor); each evaluation that enters them saves one
 
 
 @dataclass
@@ -603,6 +632,7 @@ class TrainConfig:
     model: Any = field(default_factory=lambda: asdict(ModelKeys()))  # the option file's keys merge onto these
     loss: Any = MISSING
     metrics: Dict[str, Any] = field(default_factory=dict)  # {name: _target_ node}: eval metrics, logged eval/<name>
+    callbacks: Dict[str, Any] = field(default_factory=dict)  # {name: _target_ node}: hooks into the loop, in order
     data: Any = field(default_factory=lambda: asdict(LoaderKeys()))  # the option file's keys merge onto these
     strategy: Any = MISSING
     precision: Any = MISSING

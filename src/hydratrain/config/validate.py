@@ -419,10 +419,39 @@ def validate(cfg: DictConfig) -> None:
 
     perplexity = ["eval/perplexity"] if getattr(build_loss(cfg), "perplexity", False) else []  # (next_token)
     allowed = ["eval/loss", *perplexity, *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
-    if objective not in allowed:
-        why = " (perplexity is logged with a loss that reports it: loss=next_token)" if "perplexity" in objective \
-            else ""
-        raise ConfigError("trainer.objective", objective, f"allowed: {', '.join(allowed)}{why}")
+    monitors = {"trainer.objective": objective, "checkpoint.monitor": cfg.checkpoint.monitor,
+                "trainer.early_stopping.monitor": cfg.trainer.early_stopping.monitor}
+    for key, monitor in monitors.items():
+        if monitor is not None and monitor not in allowed:
+            why = " (perplexity is logged with a loss that reports it: loss=next_token)" if "perplexity" in monitor \
+                else ""
+            raise ConfigError(key, monitor, f"names no metric the evaluation logs; allowed: {', '.join(allowed)}{why}")
+    _check_loop_extras(cfg)
+
+
+def _check_loop_extras(cfg: DictConfig) -> None:
+    """The best checkpoints, early stopping and the callbacks' nodes (:mod:`hydratrain.train.extras`)."""
+    from hydratrain.components import check_call, locate, target_of
+
+    if str(cfg.trainer.objective_at) == "best" and cfg.checkpoint.monitor is None:
+        raise ConfigError("trainer.objective_at", "best", "needs checkpoint.monitor (and checkpoint.mode) to tell "
+                          "which evaluation is best; allowed without it: last")
+    if cfg.checkpoint.save_top_k < 1:
+        raise ConfigError("checkpoint.save_top_k", cfg.checkpoint.save_top_k, "must be >= 1 (checkpoint.monitor=null "
+                          "keeps no best checkpoints)")
+    stop = cfg.trainer.early_stopping
+    if stop.patience < 1:
+        raise ConfigError("trainer.early_stopping.patience", stop.patience, "must be >= 1 (evaluations)")
+    if not math.isfinite(stop.min_delta) or stop.min_delta < 0:
+        raise ConfigError("trainer.early_stopping.min_delta", stop.min_delta, "must be finite and >= 0")
+    if stop.monitor is not None and not cfg.trainer.eval_every_n_steps:
+        raise ConfigError("trainer.early_stopping.monitor", stop.monitor, "needs evaluations during training: set "
+                          "trainer.eval_every_n_steps > 0")
+    for name, node in (cfg.get("callbacks") or {}).items():
+        key = f"callbacks.{name}"
+        target = target_of(node, key)
+        kwargs = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
+        check_call(locate(target, key), kwargs, key, target)
 
 
 def _check_own_optimizer(node: DictConfig) -> None:

@@ -74,6 +74,7 @@ class StepLogger:
         self.tb = TensorBoardLogger(run_dir / "tensorboard", tensorboard and is_main)
         self.window_loss = torch.zeros((), device=device)
         self.window_steps = torch.zeros((), device=device)  # steps counted in window_loss (a device count: no sync)
+        self.last_scalars: dict = {}  # the latest log step's scalars (callbacks get them)
         self._timed_s, self._tokens, self._t0, self._paused = 0.0, 0, time.perf_counter(), False
         self._data_s = 0.0  # time spent waiting for micro-batches in the current window
         self.rates: list[tuple[float, float, float]] = []  # (tokens/s, mfu, data wait share) of each timed window
@@ -224,6 +225,7 @@ class StepLogger:
             scalars[key] = value
             msg += f" {key.split('/')[-1]} {value:g}"
         self.tb.scalars(scalars, step)
+        self.last_scalars = scalars  # what callbacks get after this step
         log.info(msg)
         if self._bar is not None and steps:
             self._bar.set_postfix(loss=f"{loss:.3f}", refresh=False)

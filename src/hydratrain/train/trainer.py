@@ -34,6 +34,7 @@ from hydratrain.errors import ConfigError, DivergenceError
 from hydratrain.parallel.ac_compile import CompileClock, eager
 from hydratrain.parallel.strategy import is_collective_timeout
 from hydratrain.train import batch as batches_
+from hydratrain.train.callbacks import Callbacks
 from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
 
 log = logging.getLogger("hydratrain.trainer")
@@ -88,6 +89,8 @@ class FitResult:
     seconds: float = 0.0
     preempted: bool = False  # stopped early by a preemption signal after saving a checkpoint (no final eval)
     startup_s: dict = field(default_factory=dict)  # start-up phases up to the first step, seconds (timing.record)
+    best: Optional[dict] = None  # {"step": ..., <checkpoint.monitor>: value} of the best evaluation, when monitored
+    stopped_early: Optional[str] = None  # why a callback stopped the run before max_steps (early stopping), or None
 
 
 class Trainer:
@@ -112,7 +115,8 @@ class Trainer:
     def __init__(self, *, tcfg, model: nn.Module, strategy, precision, device: torch.device,
                  optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler, train_batches, evaluator,
                  step_logger, checkpoints, preemption, progress: TrainProgress, max_steps: int, save_every: int = 0,
-                 save_last: bool = False, loss_fn=None, contract: tuple = ("", "")):
+                 save_last: bool = False, loss_fn=None, contract: tuple = ("", ""),
+                 callbacks: Optional[Callbacks] = None):
         self.tcfg, self.model, self.strategy, self.precision, self.device = tcfg, model, strategy, precision, device
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.train_batches, self.evaluator, self.logger = train_batches, evaluator, step_logger
@@ -126,6 +130,8 @@ class Trainer:
         self._stage, self._outputs = "forward", None  # where loss_of is, for the first batch's error line
         self._own_loss: Optional[bool] = None  # whether the model returns its own loss (seen at the first forward)
         self._counter = None  # batches_.item_counter's rule, decided after the first forward
+        self.callbacks = callbacks if callbacks is not None else Callbacks({}, device)
+        self._evaluated: tuple = (None, {})  # (step, values) of the latest evaluation
 
     # ----------------------------------------------------------------------------------------------- steps
     def loss_of(self, batch) -> torch.Tensor:
@@ -409,6 +415,7 @@ class Trainer:
         clock = CompileClock(compiled, self.device) if compiled else None
         try:
             self.preemption.arm()  # from here a preemption signal stops at a step, after a save
+            self.callbacks.call("on_fit_start")
             while self.progress.step < self.max_steps:
                 stop_if_launcher_gone(f"before step {self.progress.step + 1}")  # (torchrun killed: no signal came)
                 started = time.perf_counter()
@@ -423,6 +430,7 @@ class Trainer:
                     result.startup_s = timing.record()
                     log.info("start-up: %s", timing.summary())
                 votes = None  # the ranks' preemption votes, reduced with the log line's values at a log step
+                logs: dict = {}
                 if self.logger.due(step):
                     diverged = self.read_guard(step, defer=True)  # this step synchronises anyway (its all-reduce)
                     extra = {}
@@ -432,12 +440,18 @@ class Trainer:
                         extra["train/skipped_steps"] = self.progress.skipped_steps
                     train_loss, votes = self.logger.log(step, grad_norm, lr, timed=step > first, extra=extra,
                                                         vote=self.preemption.vote())
+                    logs = self.logger.last_scalars
                     if step == 1:
                         self.progress.first_loss = train_loss
                     if diverged is not None:
                         raise diverged  # after the step's log line and scalars
-                if self._end_of_step(step, votes):
+                self.callbacks.call("on_train_step_end", step, logs)
+                ended = self._end_of_step(step, votes, bool(logs))
+                if ended == "preempted":
                     result.preempted = True
+                    break
+                if ended == "stopped":
+                    log.info("stopping after step %d of %d: %s", step, self.max_steps, self.callbacks.stopped)
                     break
         except RuntimeError as err:
             hold_sigterm()  # until hydratrain.run has logged why this rank ends
@@ -462,14 +476,20 @@ class Trainer:
             if self.save_last:
                 self.logger.fold_window()
                 self.strategy.sync_buffers(self.model)
-                self.checkpoints.save(self.progress.step)
+                self._save(self.progress.step)
             elif self.progress.step >= first and self._last_checkpoint() is not None:
                 from hydratrain.dist.launch import resume_command
 
                 log.info("steps after %s are in no checkpoint (checkpoint.save_last=false): a relaunch with a larger "
                          "trainer.max_steps resumes from it and trains them again: %s trainer.max_steps=<more>",
                          self._last_checkpoint(), resume_command(self.checkpoints.root.parent))
-        evaluated = self._eval_and_log(self.progress.step)
+        step = self.progress.step
+        evaluated = self._evaluated[1] if self._evaluated[0] == step else self._eval_and_log(step)
+        if self.callbacks and self.checkpoints is not None and self.callbacks.agree()[1] \
+                and self.checkpoints.last_saved_step != step:  # (the final evaluation is among the best)
+            self.logger.fold_window()
+            self.strategy.sync_buffers(self.model)
+            self._save(step)
         result.eval_loss = evaluated.get("loss", math.nan)
         result.eval_perplexity = evaluated.get("perplexity", math.nan)
         result.eval_metrics = {k: v for k, v in evaluated.items() if k not in ("loss", "perplexity")}
@@ -479,26 +499,41 @@ class Trainer:
         result.samples_per_sec = rate / self.logger.tokens_per_sample
         if self.logger.unit == "tokens":
             result.tokens_per_sec = rate
+        result.stopped_early = self.callbacks.stopped
+        self.callbacks.call("on_fit_end", result)
         return result
 
-    def _end_of_step(self, step: int, votes: Optional[float]) -> bool:
-        """Eval, periodic save, and the preemption agreement after optimizer step ``step`` (``votes``: the ranks'
-        mean preemption vote when this was a log step, else None); True to stop now."""
+    def _eval_due(self, step: int) -> bool:
         every_eval = self.tcfg.eval_every_n_steps
-        if every_eval and step % every_eval == 0 and step < self.max_steps:
+        return bool(every_eval) and step % every_eval == 0 and step < self.max_steps
+
+    def _end_of_step(self, step: int, votes: Optional[float], logged: bool) -> Optional[str]:
+        """Eval, periodic save, and the preemption and callbacks' agreements after optimizer step ``step``
+        (``votes``: the ranks' mean preemption vote when this was a log step, else None). Returns "preempted" or
+        "stopped" (a callback asked) to stop now, else None."""
+        evaluated = self._eval_due(step)
+        if evaluated:
             self.read_guard(step)
             self._eval_and_log(step)
+        # the callbacks' requests are agreed where every rank meets anyway: a log step or an evaluation
+        stopped, wanted = self.callbacks.agree() if self.callbacks and (logged or evaluated) else (False, False)
         stop = self.preemption.should_stop(votes)
-        due = self.save_every and step % self.save_every == 0
+        due = (self.save_every and step % self.save_every == 0) or wanted
         if self.checkpoints is not None and (due or stop) and self.checkpoints.last_saved_step != step:
             self.read_guard(step)  # before the progress it saves, and never a state the guard would stop at
             self.strategy.sync_buffers(self.model)
             with self.logger.paused():
                 self.logger.fold_window()  # the window rides in the progress it saves, the same on every rank
-                self.checkpoints.save(step)
+                self._save(step)
         if stop:
             self.preemption.stopping(step, self._last_checkpoint())
-        return stop
+            return "preempted"
+        return "stopped" if stopped else None
+
+    def _save(self, step: int) -> None:
+        self.callbacks.call("on_save_checkpoint", step)
+        path = self.checkpoints.save(step)
+        self.callbacks.call("on_checkpoint_saved", step, path)
 
     def _eval_and_log(self, step: int) -> dict:
         """Evaluate, log ``eval/<name>`` of every value, return them (``{"loss": ..., ...}``)."""
@@ -508,8 +543,11 @@ class Trainer:
         if "loss" in values and not math.isfinite(values["loss"]):  # (no loss: the eval set has no target)
             raise DivergenceError(f"non-finite eval loss ({values['loss']}) at step {step}", step,
                                   self._last_checkpoint())
-        self.logger.tb.scalars({f"eval/{name}": value for name, value in values.items()}, step)
+        tagged = {f"eval/{name}": value for name, value in values.items()}
+        self.logger.tb.scalars(tagged, step)
         formats = {"loss": ".4f", "perplexity": ".3f"}
         log.info("eval at step %d: %s", step, " ".join(f"{name} {value:{formats.get(name, '.4g')}}"
                                                        for name, value in values.items()))
+        self._evaluated = (step, values)
+        self.callbacks.call("on_eval_end", step, tagged)
         return values

@@ -1,0 +1,48 @@
+"""The run's callbacks, built from the config: the user's ``callbacks`` nodes, in order, then hydratrain's own
+extras that the config turns on (``checkpoint.monitor``: :mod:`~hydratrain.train.best_checkpoints`;
+``trainer.early_stopping.monitor``: :mod:`~hydratrain.train.early_stopping`)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from hydratrain import components
+from hydratrain.checkpoint.manager import CheckpointManager
+from hydratrain.train.best_checkpoints import BestCheckpoints
+from hydratrain.train.callbacks import Callbacks, RunView
+from hydratrain.train.early_stopping import EarlyStopping
+
+
+def user_callbacks(cfg: DictConfig) -> dict[str, Any]:
+    """``{name: callback}`` of the ``callbacks`` nodes, built in order. Raises :class:`ConfigError` naming
+    ``callbacks.<name>._target_``."""
+    built = {}
+    for name, node in (cfg.get("callbacks") or {}).items():
+        key = f"callbacks.{name}"
+        target = components.target_of(node, key)
+        components.importable()
+        plain = OmegaConf.to_container(node, resolve=True)
+        built[str(name)] = components.instantiate_node(plain, f"{key}._target_", target, "raised")
+    return built
+
+
+def build_callbacks(cfg: DictConfig, checkpoints: CheckpointManager, device: torch.device) -> Callbacks:
+    """Every callback of the run (not yet bound to the run: :func:`bind`)."""
+    built = user_callbacks(cfg)
+    ccfg, stop = cfg.checkpoint, cfg.trainer.early_stopping
+    if ccfg.monitor is not None:
+        built["best_checkpoints"] = BestCheckpoints(checkpoints, ccfg.monitor, str(ccfg.mode), ccfg.save_top_k,
+                                                    cfg.trainer.objective, str(cfg.trainer.objective_at) == "best")
+    if stop.monitor is not None:
+        built["early_stopping"] = EarlyStopping(stop.monitor, str(stop.mode), stop.patience, stop.min_delta)
+    return Callbacks(built, device)
+
+
+def bind(callbacks: Callbacks, trainer: Any, raw: torch.nn.Module, info: Any, run_dir: Path) -> None:
+    """Give the callbacks their view of the run (:class:`~hydratrain.train.callbacks.RunView`)."""
+    callbacks.bind(RunView(rank=info.rank, world_size=info.world_size, run_dir=Path(run_dir), model=trainer.model,
+                           raw_model=raw, _max_steps=lambda: trainer.max_steps, _step=lambda: trainer.progress.step,
+                           _stop=callbacks.request_stop, _checkpoint=callbacks.request_checkpoint))
