@@ -16,29 +16,75 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
+
+from hydratrain.parallel.init import canonical_name
 
 LOWBIT_INSTALL = "pip install -e '.[lowbit]'"
 log = logging.getLogger(__name__)
 
 
+def param_groups(model: nn.Module, optim_cfg, weight_decay: Optional[float]) -> list[dict]:
+    """The optimizer's parameter groups over ``model``'s trainable parameters. ``optim.param_groups``: a list of
+    ``{match: <glob on parameter names>, lr_scale, weight_decay}``; each parameter goes to the first entry whose
+    glob matches its name (the model's own name, without wrappers' prefixes), the rest to the default. Within a
+    group without its own ``weight_decay``, ``weight_decay`` applies to matrices and none to 1-D tensors (norms'
+    gains, biases); ``weight_decay`` None: one group, no such split. The lr of a group is ``optim.lr * lr_scale``
+    (the schedule scales each). Logs how many parameters each group got. Raises :class:`ConfigError` naming
+    ``optim.param_groups[i].match`` for a glob that matches no trainable parameter."""
+    from hydratrain.errors import ConfigError
+
+    entries = [dict(e) for e in (optim_cfg.get("param_groups") or [])]
+    named = [(_plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    chosen: list[list] = [[] for _ in entries] + [[]]
+    for name, p in named:
+        index = next((i for i, e in enumerate(entries) if fnmatch.fnmatchcase(name, str(e["match"]))), len(entries))
+        chosen[index].append(p)
+    groups, lines = [], []
+    for i in [len(entries), *range(len(entries))]:  # the default group first: train/lr is its lr
+        params = chosen[i]
+        entry = entries[i] if i < len(entries) else {}
+        if i < len(entries) and not params:
+            raise ConfigError(f"optim.param_groups[{i}].match", entry["match"], "matches no trainable parameter; the "
+                              f"names look like {', '.join(n for n, _ in named[:3])}")
+        extra = {"lr": float(optim_cfg.lr) * float(entry["lr_scale"])} if entry.get("lr_scale") is not None else {}
+        decay = entry.get("weight_decay", weight_decay)
+        if decay is None or "weight_decay" in entry:
+            split = [(params, {} if decay is None else {"weight_decay": float(decay)})]
+        else:
+            split = [([p for p in params if p.ndim >= 2], {"weight_decay": float(decay)}),
+                     ([p for p in params if p.ndim < 2], {"weight_decay": 0.0})]
+        groups += [{"params": ps, **values, **extra} for ps, values in split if ps]
+        if entries and params:
+            what = f"'{entry['match']}'" if i < len(entries) else "the rest"
+            lines.append(f"{what} {sum(p.numel() for p in params):,} parameters in {len(params)} tensors" +
+                         "".join(f", {k} {v}" for k, v in entry.items() if k != "match"))
+    if lines:
+        log.info("optimizer parameter groups (optim.param_groups): %s", "; ".join(lines))
+    return groups
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name as the model names it: without DDP's ``module.`` and the wrappers' prefixes."""
+    return canonical_name(name.removeprefix("module."))
+
+
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     """AdamW (``optim=adamw``) or torchao's 8-bit AdamW (``optim=adamw8bit``) over ``model``'s trainable parameters
-    (DTensor shards under fsdp/hsdp). Raises ImportError for adamw8bit without torchao (``check_environment``
-    reports that as a config error before any process group)."""
+    (DTensor shards under fsdp/hsdp), in the groups :func:`param_groups` makes. Raises ImportError for adamw8bit
+    without torchao (``check_environment`` reports that as a config error before any process group)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if is_own(optim_cfg):
-        return _own_optimizer(params, optim_cfg)
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": optim_cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+        return _own_optimizer(model, params, optim_cfg)
+    groups = param_groups(model, optim_cfg, optim_cfg.weight_decay)
     kwargs = dict(lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
     if str(optim_cfg.name) == "adamw8bit":
         with _quiet_import():
@@ -66,7 +112,8 @@ def optimizer_name(optim_cfg) -> str:
     return str(optim_cfg["_target_"]) if is_own(optim_cfg) else str(optim_cfg.name)
 
 
-OWN_KEYS = ("_target_", "lr", "weight_decay")  # an own optimizer node's keys that hydratrain reads itself
+#: an own optimizer node's keys that hydratrain reads itself
+OWN_KEYS = ("_target_", "lr", "weight_decay", "param_groups")
 
 
 def own_keywords(optim_cfg) -> dict:
@@ -78,7 +125,7 @@ def own_keywords(optim_cfg) -> dict:
     return {k: v for k, v in node.items() if k not in OWN_KEYS}
 
 
-def _own_optimizer(params: list, optim_cfg) -> torch.optim.Optimizer:
+def _own_optimizer(model: nn.Module, params: list, optim_cfg) -> torch.optim.Optimizer:
     """``<_target_>(param groups, lr=optim.lr, **keywords)``: with ``weight_decay`` in the node, two groups as for
     AdamW (the decay on matrices, none on norms' gains and biases), else one. The schedule scales each group's lr
     (``hydratrain.optim.Schedule``), and the state is checkpointed whatever the class (``torch.optim``'s
@@ -89,12 +136,7 @@ def _own_optimizer(params: list, optim_cfg) -> torch.optim.Optimizer:
     target = str(optim_cfg["_target_"])
     cls = locate(target, "optim")
     decay = optim_cfg.get("weight_decay")
-    if decay is None:
-        groups = [{"params": params}]
-    else:
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": float(decay)},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
+    groups = param_groups(model, optim_cfg, decay)
     try:
         optimizer = cls(groups, lr=float(optim_cfg.lr), **own_keywords(optim_cfg))
     except Exception as err:  # noqa: BLE001 (the class's own refusal of a value: one line naming it)
@@ -196,12 +238,53 @@ class Schedule:
         return lr_factor(step, self.name, self.warmup_steps, self.total_steps, self.min_lr_ratio)
 
 
+#: keywords of an own scheduler class that the run fills when its node does not give them: the run's length
+RUN_LENGTH_KEYWORDS = ("total_steps", "T_max", "total_iters")
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg, total_steps: int):
     """``torch.optim.lr_scheduler.LambdaLR`` applying :func:`lr_factor` (a :class:`Schedule`); step it once per
-    optimizer step (the update of optimizer step ``s``, 1-based, uses factor ``s - 1``)."""
+    optimizer step (the update of optimizer step ``s``, 1-based, uses factor ``s - 1``). A node with ``_target_``:
+    :func:`own_scheduler`."""
+    if is_own(scheduler_cfg):
+        return own_scheduler(optimizer, scheduler_cfg, total_steps)
     schedule = Schedule(str(scheduler_cfg.name), scheduler_cfg.warmup_steps, total_steps,
                         scheduler_cfg.get("min_lr_ratio", 1.0))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def own_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg, total_steps: int):
+    """``<_target_>(optimizer, **keywords)``: any ``torch.optim.lr_scheduler`` class (or one of one's own), stepped
+    after every optimizer step, except ``ReduceLROnPlateau``, which is stepped after every evaluation with the
+    monitored metric (:class:`hydratrain.train.extras.PlateauStep`). A run-length keyword the class takes
+    (:data:`RUN_LENGTH_KEYWORDS`: OneCycleLR's ``total_steps``, CosineAnnealingLR's ``T_max``) and the node leaves out
+    is the run's number of optimizer steps. Raises :class:`~hydratrain.errors.ConfigError` naming
+    ``scheduler._target_``."""
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from hydratrain.components import locate
+    from hydratrain.errors import ConfigError
+
+    target = str(scheduler_cfg["_target_"])
+    cls = locate(target, "scheduler")
+    kwargs = {k: v for k, v in OmegaConf.to_container(scheduler_cfg, resolve=True).items() if not k.startswith("_")}
+    params = inspect.signature(cls).parameters
+    kwargs.update({k: total_steps for k in RUN_LENGTH_KEYWORDS if k in params and k not in kwargs})
+    try:
+        scheduler = cls(optimizer, **kwargs)
+    except Exception as err:  # noqa: BLE001 (the class's own refusal of a value: one line naming it)
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ConfigError("scheduler._target_", target, f"building it raised {type(err).__name__}: {why}") from None
+    log.info("lr schedule: %s(%s)", target, ", ".join(f"{k}={v}" for k, v in kwargs.items()))
+    return scheduler
+
+
+def steps_per_evaluation(scheduler) -> bool:
+    """Whether ``scheduler`` is stepped after each evaluation with a metric (``ReduceLROnPlateau``) rather than after
+    each optimizer step."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def total_steps(trainer_cfg, batches, done: int = 0) -> int:
@@ -253,7 +336,7 @@ def warn_run_length(trainer_cfg, scheduler_cfg, batches, steps: int, done: int =
                         trainer_cfg.max_steps, trainer_cfg.max_epochs, epoch_steps,
                         (trainer_cfg.max_epochs * batches.batches_per_epoch - left  # trained before the resume
                          + (trainer_cfg.max_steps - done) * accum) / batches.batches_per_epoch)
-    warmup = scheduler_cfg.warmup_steps
+    warmup = scheduler_cfg.get("warmup_steps")  # (a schedule of one's own has its own keys)
     if warmup and warmup >= steps:
         reach = ("reaches optim.lr only at the last step" if warmup == steps
                  else f"never reaches optim.lr (it ends at {steps / warmup:.0%} of it)")

@@ -329,7 +329,11 @@ def _keep_the_epoch_limit(job: "Job") -> None:
                 "%d steps", job.cfg.trainer.max_epochs, trainer.train_batches.position()[0], steps,
                 trainer.max_steps, steps)
     trainer.max_steps = job.step_logger.max_steps = steps
-    state = SchedulerState(trainer.scheduler)
+    state = job.checkpoints.components["scheduler"]
+    if not isinstance(state, SchedulerState):  # (a scheduler of one's own keeps the length it was built with)
+        log.warning("scheduler._target_=%s keeps its own length; set its run-length keyword to %d to end with the "
+                    "run", job.cfg.scheduler._target_, steps)
+        return
     for schedule in trainer.scheduler.lr_lambdas:
         schedule.total_steps = steps
     state.load_state_dict(state.state_dict())  # the groups' lr at the restored step, on the new schedule
@@ -419,7 +423,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     from hydratrain import auto_batch, components, timing
     from hydratrain.checkpoint.manager import CheckpointManager
     from hydratrain.checkpoint.preemption import Preemption
-    from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, SchedulerState
+    from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, scheduler_state
     from hydratrain.data.build import build_data, data_vocabulary
     from hydratrain.dist.env import under_submitit
     from hydratrain.errors import ConfigError
@@ -500,12 +504,12 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
                              unit="tokens" if seq_len else "samples", tokens_per_sample=per_sample)
     checkpoints = CheckpointManager(
         run_dir / "checkpoints",
-        components={"model": ModelState(model), "optim": optimizer_state, "scheduler": SchedulerState(scheduler),
+        components={"model": ModelState(model), "optim": optimizer_state, "scheduler": scheduler_state(scheduler),
                     "scaler": scaler, "progress": progress, "data": train_batches},
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),
         keep_last=cfg.checkpoint.keep_last, device=device, attachments=model_files(cfg, vocab_size, tokenizer))
-    callbacks = extras.build_callbacks(cfg, checkpoints, device)
+    callbacks = extras.build_callbacks(cfg, checkpoints, device, scheduler)
     if callbacks:  # (their states ride in the checkpoints; a run without callbacks saves none)
         checkpoints.components["callbacks"] = callbacks
     preemption = Preemption(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())

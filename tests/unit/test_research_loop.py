@@ -110,3 +110,33 @@ def test_a_monitor_that_names_no_logged_metric_is_one_line_before_the_run(cli, o
         "eval/loss, eval/accuracy"], r.output[-2000:]
     r = cli([*QUICK, "trainer.objective_at=best"], own / "best", fast=False)
     assert r.returncode == 2 and "trainer.objective_at='best': needs checkpoint.monitor" in r.err
+
+
+def test_a_schedule_of_ones_own_and_parameter_groups_resume_bit_identically(cli, own):
+    """OneCycleLR by _target_ (its total_steps filled with the run's length) over two parameter groups (a lower lr
+    for the first block, no decay on biases): a run crashed at step 9 and resumed from step 6's checkpoint ends
+    with the weights of the uninterrupted run, bit for bit. A glob that matches nothing is one config line."""
+    from safetensors.torch import load_file
+
+    (own / "mypkg" / "cb.py").write_text(CALLBACKS)
+    (own / "my_conf" / "scheduler").mkdir()
+    (own / "my_conf" / "scheduler" / "onecycle.yaml").write_text(
+        "_target_: torch.optim.lr_scheduler.OneCycleLR\nmax_lr: 0.01\n")
+    args = [*OWN, "trainer.max_steps=14", "trainer.eval_every_n_steps=0", "trainer.log_every_n_steps=7",
+            "checkpoint.every_n_steps=6", "scheduler=onecycle",
+            "optim.param_groups=[{match: 'blocks.0.*', lr_scale: 0.5}, {match: '*.bias', weight_decay: 0.0}]"]
+    whole = cli(args, own / "whole", fast=False)
+    assert whole.returncode == 0, whole.output[-3000:]
+    assert "'blocks.0.*' 33,216 parameters in 6 tensors, lr_scale 0.5; '*.bias' 1,219 parameters" in whole.output
+    assert "OneCycleLR(max_lr=0.01, total_steps=14)" in whole.output
+    crashed = cli([*args, "+callbacks.crash._target_=mypkg.cb.Crash", "+callbacks.crash.at=9"], own / "split",
+                  fast=False)
+    assert crashed.returncode == 1, crashed.output[-3000:]
+    resumed = cli(args, own / "split", fast=False)
+    assert resumed.returncode == 0 and "resumed from" in resumed.output, resumed.output[-3000:]
+    a, b = load_file(own / "whole" / "model.safetensors"), load_file(own / "split" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    typo = cli([*args, "optim.param_groups=[{match: 'block.0.*', lr_scale: 0.5}]"], own / "typo", fast=False)
+    assert typo.returncode == 2 and typo.err.strip().splitlines()[-1].startswith(
+        "hydratrain: config error: optim.param_groups[0].match='block.0.*': matches no trainable parameter"), \
+        typo.output[-2000:]

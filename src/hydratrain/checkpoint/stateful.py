@@ -17,12 +17,15 @@
 """
 from __future__ import annotations
 
+import io
 import random
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import nn
+
+from hydratrain.optim import Schedule
 
 HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 IMPLEMENTATION = ("foreach", "fused", "capturable")  # torch.optim's choice of kernels: this run's, not the saved one
@@ -176,6 +179,42 @@ class SchedulerState:
                 f"base lr {self.scheduler.base_lrs[0]:.3g}) and was {self.saved_lr:.3e} on the saved run's "
                 f"({ratio}): the lr follows this launch's config (docs/checkpoints.md, Resuming with other "
                 "hyper-parameters)")
+
+
+class OwnSchedulerState:
+    """A scheduler of one's own (``scheduler._target_``): its own ``state_dict``, and the values it had set in the
+    optimizer's parameter groups (the lr, and e.g. OneCycleLR's cycled momentum or betas), both as one value (DCP
+    stores it whole). Loaded after the optimizer, whose load puts the configured values back, so the next step runs
+    with the values the saved run's next step had."""
+
+    def __init__(self, scheduler: Any):
+        self.scheduler = scheduler
+
+    def state_dict(self) -> dict:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.scheduler.optimizer.param_groups]
+        buffer = io.BytesIO()
+        torch.save({"scheduler": self.scheduler.state_dict(), "groups": groups}, buffer)
+        return {"state": buffer.getvalue()}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = torch.load(io.BytesIO(state["state"]), weights_only=True)
+        self.scheduler.load_state_dict(saved["scheduler"])
+        for group, values in zip(self.scheduler.optimizer.param_groups, saved["groups"]):
+            for key, value in values.items():
+                if key in group and key not in IMPLEMENTATION:
+                    set_group_value(group, key, value)
+
+    def lr_change(self, step: int) -> Optional[str]:
+        return None
+
+
+def scheduler_state(scheduler: Any) -> Any:
+    """The Stateful of ``scheduler``: :class:`SchedulerState` for the built-in schedules, else
+    :class:`OwnSchedulerState`."""
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) and lambdas and isinstance(lambdas[0], Schedule):
+        return SchedulerState(scheduler)
+    return OwnSchedulerState(scheduler)
 
 
 class RNGState:

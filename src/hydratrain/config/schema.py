@@ -469,6 +469,8 @@ class AdamWConfig:
     # torch's implementation: auto = fused where torch has the fused kernel for the parameters' device (CPU, CUDA),
     # else foreach (decided at run time and logged); for_loop | foreach | fused force one
     impl: AdamWImpl = AdamWImpl.auto
+    # [{match: <glob on parameter names>, lr_scale: 0.1, weight_decay: 0.0}, ...]: the first match wins
+    param_groups: List[Dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -484,6 +486,8 @@ class AdamW8bitConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     block_size: int = 256  # values per quantisation block (one fp32 scale each)
+    # [{match: <glob on parameter names>, lr_scale: 0.1, weight_decay: 0.0}, ...]: the first match wins
+    param_groups: List[Dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

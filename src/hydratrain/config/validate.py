@@ -77,8 +77,8 @@ def _check_option_nodes(cfg: DictConfig) -> None:
     keep fsdp's keys under ddp's name): choose options with ``<group>=<option>``."""
     for group in GROUPS_WITH_OPTIONS:
         node = cfg.get(group)
-        if node is None or (group in ("data", "optim") and OmegaConf.is_dict(node) and "_target_" in node):
-            continue  # (a dataset or an optimizer of one's own: checked with the components)
+        if node is None or (group in ("data", "optim", "scheduler") and OmegaConf.is_dict(node) and "_target_" in node):
+            continue  # (a dataset, an optimizer or a schedule of one's own: checked with the components)
         if not dataclasses.is_dataclass(OmegaConf.get_type(node)):
             if not dataclasses.is_dataclass(OmegaConf.get_type(cfg)) and "trainer" in cfg and \
                     not dataclasses.is_dataclass(OmegaConf.get_type(cfg.trainer)):  # no node is typed
@@ -338,7 +338,8 @@ def validate(cfg: DictConfig) -> None:
             positive(key)
     for key in ("optim.weight_decay", "scheduler.warmup_steps", "trainer.grad_clip", "trainer.eval_every_n_steps",
                 "trainer.eval_samples", "trainer.sample_tokens", "checkpoint.every_n_steps", "checkpoint.keep_last"):
-        positive(key, allow_zero=True, allow_none=key == "optim.weight_decay" and is_own(cfg.optim))
+        positive(key, allow_zero=True, allow_none=key == "optim.weight_decay" and is_own(cfg.optim)
+                 or key == "scheduler.warmup_steps" and is_own(cfg.scheduler))
     for key in ("trainer.max_steps", "trainer.max_epochs", "logger.peak_flops", "plan.memory_gb", "plan.world_size",
                 "plan.ranks_per_node"):
         positive(key, allow_none=True)
@@ -363,6 +364,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("data.vocab_size", cfg.data.vocab_size, f"unused with data.tokenizer={cfg.data.tokenizer}, "
                           "whose own vocabulary the run takes (a BPE of data.vocab_size is trained only when "
                           "data.tokenizer is null); drop one of the two (model.vocab_size sets a larger embedding)")
+    _check_param_groups(cfg.optim)
+    if is_own(cfg.scheduler):
+        _check_own_scheduler(cfg.scheduler)
     if is_own(cfg.optim):
         _check_own_optimizer(cfg.optim)
     elif not 0.0 <= cfg.optim.beta1 < 1.0 or not 0.0 <= cfg.optim.beta2 < 1.0:
@@ -475,6 +479,51 @@ def _check_own_optimizer(node: DictConfig) -> None:
     given = {**own_keywords(node), "lr": node.lr, **({"weight_decay": node.weight_decay}
                                                      if node.get("weight_decay") is not None else {})}
     check_call(cls, given, "optim", target, supplied=1)
+
+
+def _check_param_groups(node: DictConfig) -> None:
+    """``optim.param_groups``: a list of ``{match: glob, lr_scale: > 0, weight_decay: >= 0}`` (whether each glob
+    matches a parameter is known once the model is built). Raises ConfigError naming the entry's key."""
+    entries = node.get("param_groups") or []
+    if not isinstance(entries, (list, ListConfig)):
+        raise ConfigError("optim.param_groups", entries, "must be a list of {match, lr_scale, weight_decay}")
+    for i, entry in enumerate(entries):
+        key = f"optim.param_groups[{i}]"
+        if not OmegaConf.is_dict(entry) or not isinstance(entry.get("match"), str) or not entry.match:
+            raise ConfigError(f"{key}.match", entry.get("match") if OmegaConf.is_dict(entry) else entry,
+                              "each entry needs match: a glob on parameter names (embed*, *.norm.weight)")
+        unknown = [k for k in entry if k not in ("match", "lr_scale", "weight_decay")]
+        if unknown:
+            raise ConfigError(f"{key}.{unknown[0]}", entry[unknown[0]], "allowed keys: match, lr_scale, weight_decay")
+        for k, least in (("lr_scale", 0.0), ("weight_decay", None)):
+            value = entry.get(k)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+                    (value <= least if least is not None else value < 0):
+                raise ConfigError(f"{key}.{k}", value, "must be finite and " + ("> 0" if least is not None else ">= 0"))
+
+
+def _check_own_scheduler(node: DictConfig) -> None:
+    """A ``scheduler`` node with ``_target_``: an lr scheduler class (``torch.optim.lr_scheduler.*``) that takes the
+    node's keywords after the optimizer. Raises ConfigError naming the key."""
+    import inspect
+
+    import torch
+
+    from hydratrain.components import check_call, locate
+    from hydratrain.optim import RUN_LENGTH_KEYWORDS
+
+    target = str(node["_target_"])
+    cls = locate(target, "scheduler")
+    bases = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not (inspect.isclass(cls) and issubclass(cls, bases)):
+        raise ConfigError("scheduler._target_", target, "is not an lr scheduler class (torch.optim.lr_scheduler."
+                          "OneCycleLR, ReduceLROnPlateau, ..., or a subclass of LRScheduler of your own)")
+    given = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
+    params = inspect.signature(cls).parameters
+    given.update({k: 1 for k in RUN_LENGTH_KEYWORDS if k in params and k not in given})  # (the run fills them)
+    check_call(cls, given, "scheduler", target, supplied=1)
 
 
 def _check_block_classes(cfg: DictConfig) -> None:

@@ -11,8 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydratrain import components
 from hydratrain.checkpoint.manager import CheckpointManager
+from hydratrain.optim import steps_per_evaluation
 from hydratrain.train.best_checkpoints import BestCheckpoints
-from hydratrain.train.callbacks import Callbacks, RunView
+from hydratrain.train.callbacks import Callback, Callbacks, RunView
 from hydratrain.train.early_stopping import EarlyStopping
 
 
@@ -29,9 +30,25 @@ def user_callbacks(cfg: DictConfig) -> dict[str, Any]:
     return built
 
 
-def build_callbacks(cfg: DictConfig, checkpoints: CheckpointManager, device: torch.device) -> Callbacks:
+class PlateauStep(Callback):
+    """Steps a ``ReduceLROnPlateau`` (``scheduler._target_``) after each evaluation during training with the
+    monitored metric's value (``checkpoint.monitor``, else ``trainer.objective``); its state is the scheduler's,
+    checkpointed with it."""
+
+    def __init__(self, scheduler: Any, monitor: str):
+        self.scheduler, self.monitor = scheduler, monitor
+
+    def on_eval_end(self, run: RunView, step: int, metrics: dict) -> None:
+        if step < run.max_steps and self.monitor in metrics:
+            self.scheduler.step(metrics[self.monitor])
+
+
+def build_callbacks(cfg: DictConfig, checkpoints: CheckpointManager, device: torch.device,
+                    scheduler: Any = None) -> Callbacks:
     """Every callback of the run (not yet bound to the run: :func:`bind`)."""
     built = user_callbacks(cfg)
+    if scheduler is not None and steps_per_evaluation(scheduler):
+        built["lr_on_plateau"] = PlateauStep(scheduler, cfg.checkpoint.monitor or cfg.trainer.objective)
     ccfg, stop = cfg.checkpoint, cfg.trainer.early_stopping
     if ccfg.monitor is not None:
         built["best_checkpoints"] = BestCheckpoints(checkpoints, ccfg.monitor, str(ccfg.mode), ccfg.save_top_k,

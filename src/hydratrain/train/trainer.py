@@ -31,6 +31,7 @@ from hydratrain import timing
 from hydratrain.checkpoint.preemption import hold_sigterm
 from hydratrain.dist.launch import stop_if_launcher_gone
 from hydratrain.errors import ConfigError, DivergenceError
+from hydratrain.optim import steps_per_evaluation
 from hydratrain.parallel.ac_compile import CompileClock, eager
 from hydratrain.parallel.strategy import is_collective_timeout
 from hydratrain.train import batch as batches_
@@ -132,6 +133,7 @@ class Trainer:
         self._counter = None  # batches_.item_counter's rule, decided after the first forward
         self.callbacks = callbacks if callbacks is not None else Callbacks({}, device)
         self._evaluated: tuple = (None, {})  # (step, values) of the latest evaluation
+        self._plateau = steps_per_evaluation(scheduler)
 
     # ----------------------------------------------------------------------------------------------- steps
     def loss_of(self, batch) -> torch.Tensor:
@@ -356,7 +358,8 @@ class Trainer:
             if not bool(skip):
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if not self._plateau:  # (ReduceLROnPlateau: after each evaluation, by its callback)
+            self.scheduler.step()
         self.progress.step += 1
         if probe is not None:
             self._check_eval_mode(probe)
