@@ -76,7 +76,7 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir),
                             prepare=lambda: recover_unfinished_saves(run_dir / "checkpoints"),
                             config=shared_config(cfg) if env.world_size > 1 else None)
-        resume = find_resume(cfg.checkpoint, run_dir, launch)
+        resume = find_resume(cfg.checkpoint, run_dir, launch, prefer_best=str(cfg.mode) == "eval")
         if resume is not None and in_multirun() and resume.parent == run_dir / "checkpoints":
             _refuse_another_trial(cfg, resume, run_dir)
         elif resume is None and in_multirun() and (run_dir / "results.json").is_file():
@@ -405,6 +405,7 @@ class Job:
     step_logger: Any
     tokenizer: Any = None  # hydratrain.data.tokenizer.TextTokenizer of subword data, else None
     vocab_size: Optional[int] = None  # the data's vocabulary the model was built for (token data), else None
+    test_batches: Any = None  # the data's test split (EvalBatches over every sample), or None
 
 
 def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guard=None,
@@ -454,8 +455,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     paths = Paths.resolve(cfg, launch)
     tokenizer, vocab_size = data_vocabulary(cfg, info, paths.data, cfg.trainer.progress_bar, cache_dir=paths.cache)
     composed, cfg = cfg, auto_batch.resolve(cfg, strategy, info, precision, vocab_size)  # data.batch_size=auto
-    train_batches, eval_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
-                                             cache_dir=paths.cache)
+    train_batches, eval_batches, test_batches = build_data(cfg, info, paths.data, cfg.trainer.progress_bar,
+                                                           vocab_size, cache_dir=paths.cache, with_test=True)
     timing.mark("data")
     # before the model: nothing allocated yet; a model the planner simulates runs on the data's example shapes
     memory_plan = plan_run(cfg, strategy, info, precision, vocab_size, example=train_batches.example)
@@ -521,7 +522,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
                       contract=(cfg.model.get("_target_"), cfg.loss.get("_target_")), callbacks=callbacks)
     extras.bind(callbacks, trainer, raw, info, run_dir)
     timing.mark("logger, checkpoints, trainer")
-    return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer, vocab_size)
+    return Job(cfg, info, strategy, precision, model, raw, trainer, checkpoints, step_logger, tokenizer, vocab_size,
+               test_batches)
 
 
 def seed_training_rng(seed: int, rank: int) -> None:
@@ -572,6 +574,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     from hydratrain.optim import optimizer_name, state_bytes, warn_run_length
     from hydratrain.paths import Paths
     from hydratrain.train.outputs import write_outputs
+    from hydratrain.train.testing import tester
 
     job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None)
     init_from = model_settings(cfg).init_from
@@ -602,6 +605,10 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
 
         init_from_file(job.model, resolve_path(init_from, Paths.resolve(cfg, launch).model),
                        model_record(cfg, job.vocab_size))
+    if str(cfg.mode) == "eval":  # nothing trained, nothing moved aside
+        from hydratrain.train.testing import evaluate_only
+
+        return evaluate_only(job, run_dir, resume or init_from, progress.step, info)
     job.checkpoints.supersede_after(progress.step)
     timing.mark("resume / init_from")
     result = job.trainer.fit()
@@ -620,7 +627,8 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
 
     stop_if_launcher_gone("before writing the run's outputs")
     write_outputs(job.cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
-                  run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer, vocab_size=job.vocab_size)
+                  run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer, vocab_size=job.vocab_size,
+                  test=tester(job, run_dir))
     return result
 
 

@@ -20,6 +20,7 @@ and the model's shapes against this run's model, so an unusable checkpoint stops
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -103,12 +104,21 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def resolve_checkpoint(path: Path) -> Path:
+def resolve_checkpoint(path: Path, prefer_best: bool = False) -> Path:
     """A checkpoint dir from ``path``: a ``step_*`` dir itself, or the latest complete one in a ``checkpoints`` dir
-    or in a run dir's ``checkpoints/``. Raises :class:`CheckpointError` when there is none."""
+    or in a run dir's ``checkpoints/`` (``prefer_best``: a run dir's best one, by its ``best_checkpoints.json``,
+    when it kept some: ``checkpoint.monitor``). Raises :class:`CheckpointError` when there is none."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint dir")
+    record = path / "best_checkpoints.json"
+    if prefer_best and record.is_file():
+        try:
+            best = json.loads(record.read_text())["best"][0]["step"]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            best = None
+        if best is not None and (path / "checkpoints" / step_dir_name(best) / METADATA).is_file():
+            return path / "checkpoints" / step_dir_name(best)
     if (path / METADATA).is_file() or step_of(path) is not None:
         if not (path / METADATA).is_file():
             raise CheckpointError(f"{path / METADATA}: missing, so {path} is not a complete checkpoint")
@@ -284,7 +294,7 @@ def check_architecture(saved_model: Optional[Mapping], model: Mapping, where: st
 
 
 # keys that say how a launch is started and where it resumes from, not what it trains: not listed as differences
-_WHERE_A_LAUNCH_STARTS = ("launcher.", "checkpoint.resume_from:", "checkpoint.auto_resume:")
+_WHERE_A_LAUNCH_STARTS = ("launcher.", "checkpoint.resume_from:", "checkpoint.auto_resume:", "mode:")
 
 
 def config_diff(saved: Mapping, now: Mapping) -> list[str]:
@@ -546,7 +556,7 @@ def with_previous(err: DamagedCheckpointError, ckpt: Path) -> DamagedCheckpointE
                                   "then set aside)")
 
 
-def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
+def find_resume(ccfg, run_dir: Path, launch_dir: Path, prefer_best: bool = False) -> Optional[Path]:
     """The checkpoint this run starts from, checked for completeness: the latest complete one in
     ``<run_dir>/checkpoints`` (auto-resume, when ``checkpoint.auto_resume``), else ``checkpoint.resume_from``
     (relative to ``launch_dir``), else None. A run dir's own checkpoint wins over ``resume_from`` so that a
@@ -574,7 +584,7 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
     if ccfg.resume_from:
         from hydratrain.checkpoint.io import verify
 
-        ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir))
+        ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir), prefer_best)
         verify(ckpt)
         return ckpt
     return None

@@ -125,6 +125,11 @@ class MonitorMode(Option):
     max = "max"
 
 
+class RunMode(Option):
+    train = "train"
+    eval = "eval"
+
+
 class ObjectiveAt(Option):
     last = "last"
     best = "best"
@@ -576,6 +581,7 @@ class TrainerConfig:
     # evaluation that was best by checkpoint.monitor and checkpoint.mode; monitor null = objective itself)
     objective_at: ObjectiveAt = ObjectiveAt.last
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    test_after_fit: bool = False  # evaluate the data's test split with the best (else the last) weights at the end
 
 
 @dataclass
@@ -651,6 +657,9 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
+    # train | eval: evaluate checkpoint.resume_from (a run dir: its best, else its latest checkpoint) or
+    # model.init_from on the val and test splits, training nothing (eval_results.json)
+    mode: RunMode = RunMode.train
     device: Device = Device.auto  # auto (cuda if available) | cpu | cuda
 
 

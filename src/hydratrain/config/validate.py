@@ -437,6 +437,9 @@ def _check_loop_extras(cfg: DictConfig) -> None:
     """The best checkpoints, early stopping and the callbacks' nodes (:mod:`hydratrain.train.extras`)."""
     from hydratrain.components import check_call, locate, target_of
 
+    if str(cfg.mode) == "eval" and not cfg.checkpoint.resume_from and cfg.model.get("init_from") is None:
+        raise ConfigError("mode", "eval", "evaluates trained weights: give checkpoint.resume_from=<a run dir, a "
+                          "checkpoints dir or a step_XXXXXXXX dir> or model.init_from=<a .safetensors file>")
     if str(cfg.trainer.objective_at) == "best" and cfg.checkpoint.monitor is None:
         raise ConfigError("trainer.objective_at", "best", "needs checkpoint.monitor (and checkpoint.mode) to tell "
                           "which evaluation is best; allowed without it: last")

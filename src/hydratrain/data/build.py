@@ -78,20 +78,22 @@ def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Opti
 
 
 def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
-               cache_dir: Optional[Path] = None) -> tuple[ShardedBatches, EvalBatches]:
+               cache_dir: Optional[Path] = None, with_test: bool = False) -> tuple:
     """This rank's train micro-batches and eval set for the run config ``cfg`` and the model's ``vocab_size``.
 
     Local rank 0 builds missing caches first while the node's other ranks wait at a barrier. ``info`` is the
     :class:`~hydratrain.dist.env.DistInfo` (with its device). Raises :class:`~hydratrain.errors.ConfigError` when a
     split is too small for ``data.seq_len`` x ``data.batch_size`` x world size (naming its files, see
     :func:`split_error`), or holds an id >= ``vocab_size``. A dataset node: :func:`hydratrain.data.loader.
-    build_dataset_batches`.
+    build_dataset_batches`. ``with_test``: also the test set (every sample of a dataset node's ``test`` split, or
+    None), third.
     """
     from hydratrain.data.loader import build_dataset_batches, is_dataset_node
     from hydratrain.dist.collectives import barrier
 
     if is_dataset_node(cfg.data):
-        return build_dataset_batches(cfg, info)
+        made = build_dataset_batches(cfg, info)
+        return made if with_test else made[:2]
     kwargs = dict(data_cfg=cfg.data, vocab_size=vocab_size, launch_dir=launch_dir,
                   progress=progress and info.is_main, cache_dir=cache_dir)
     splits = load_splits(**kwargs) if info.local_rank == 0 else None
@@ -114,7 +116,7 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
                             batch_size, info.rank, info.world_size, device=info.device)
     except ValueError as err:
         raise split_error(cfg.data, launch_dir, "val", len(splits["val"]), err) from None
-    return train, evals
+    return (train, evals, None) if with_test else (train, evals)  # (the token corpora have no test split)
 
 
 def data_fingerprint(splits: dict, windows: int = 64, window_tokens: int = 4096) -> str:

@@ -89,22 +89,25 @@ def load_datasets(data: DictConfig) -> dict:
     node = {"_target_": target, **{k: v for k, v in OmegaConf.to_container(data, resolve=True).items()
                                    if k.startswith("_") and k != "_target_"}, **_kwargs(data)}
     made = instantiate_node(node, "data._target_", target, "raised")
-    expected = ("return {'train': Dataset, 'val': Dataset} ('validation' as Hugging Face names it) or one Dataset "
-                "(split by data.val_fraction)")
+    expected = ("return {'train': Dataset, 'val': Dataset} ('validation' as Hugging Face names it; a 'test' Dataset "
+                "may be beside them) or one Dataset (split by data.val_fraction)")
     if isinstance(made, dict):  # datasets' DatasetDict too
         keys = [str(k) for k in made]
         val = [k for k in ("val", "validation") if made.get(k) is not None]
         if "train" not in made or [k for k in keys if k not in ("train", "val", "validation", "test")] or len(val) > 1:
             raise ConfigError("data._target_", target, f"returned a dict with keys {', '.join(keys)}; {expected}")
-        if "test" in made:
-            log.info("data %s: its 'test' split is not used (the eval runs on the val split)", target)
+        test = {"test": _checked(made["test"], target, "test")} if made.get("test") is not None else {}
         if val:
-            splits = {"train": _checked(made["train"], target, "train"), "val": _checked(made[val[0]], target, "val")}
+            splits = {"train": _checked(made["train"], target, "train"), "val": _checked(made[val[0]], target, "val"),
+                      **test}
             if len(splits["val"]) == 0:
                 raise ConfigError("data._target_", target, f"returned an empty '{val[0]}' split: every eval (each "
                                   "trainer.eval_every_n_steps and the last step) runs on it; return at least one val "
                                   "sample, or {'train': Dataset} or one Dataset, which data.val_fraction splits")
             return splits
+        if test:
+            return {**split(_checked(made["train"], target, "train"), float(DataSettings.of(data).val_fraction)),
+                    **test}
         made = made["train"]
     if isinstance(made, (tuple, list)) and made and all(_is_dataset(d) for d in made):
         raise ConfigError("data._target_", target, f"returned a {type(made).__name__} of {len(made)} datasets; "
@@ -329,9 +332,10 @@ def _leaf_bytes(leaf: Any) -> bytes:
 
 
 def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = None):
-    """This rank's train micro-batches and eval set for a dataset node (every rank calls; the same datasets on
-    every rank are checked by :func:`dataset_fingerprint`). Raises :class:`ConfigError`: the target's, a split
-    smaller than the world size or a batch, ranks whose datasets differ."""
+    """This rank's train micro-batches, eval set and test set (every sample of the ``test`` split, or None when the
+    target returns none) for a dataset node (every rank calls; the same datasets on every rank are checked by
+    :func:`dataset_fingerprint`). Raises :class:`ConfigError`: the target's, a split smaller than the world size or
+    a batch, ranks whose datasets differ."""
     from hydratrain.data.streams import EvalBatches, ShardedBatches
 
     data = cfg.data
@@ -360,7 +364,14 @@ def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = N
     except ValueError as err:
         raise ConfigError("data.val_fraction", settings.val_fraction,
                           f"val split: {err}") from None
-    log.info("data %s: train %d samples, val %d samples (eval on %d), %d per micro-batch per rank, %d loader "
-             "worker(s)", data._target_, len(splits["train"]), len(splits["val"]), evals.n_samples, batch_size,
-             settings.num_workers)
-    return train, evals
+    test = None
+    if splits.get("test") is not None:
+        try:
+            test = EvalBatches(splits["test"], 0, batch_size, info.rank, info.world_size, device=info.device,
+                               fetch=loader_fetch(splits["test"], data, info.device, cfg.trainer.seed))
+        except ValueError as err:
+            raise ConfigError("data._target_", data._target_, f"test split: {err}") from None
+    log.info("data %s: train %d samples, val %d samples (eval on %d)%s, %d per micro-batch per rank, %d loader "
+             "worker(s)", data._target_, len(splits["train"]), len(splits["val"]), evals.n_samples,
+             f", test {len(splits['test'])} samples" if test is not None else "", batch_size, settings.num_workers)
+    return train, evals, test

@@ -4,6 +4,7 @@ them.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -56,6 +57,12 @@ class Evaluator:
         self.count, self._count_known = None, False  # batch.item_counter's rule, from the trainer's first forward
         self._warned_no_target = False
         self._not_computed: set = set()  # the metrics whose compute() raised at an eval (warned once each)
+
+    def on(self, batches) -> "Evaluator":
+        """This evaluator (its loss, metrics and what it has learnt of them) over other ``batches`` (the test set)."""
+        other = copy.copy(self)
+        other.batches = batches
+        return other
 
     def counts(self, rule, own_loss: bool = False) -> None:
         """Weigh each batch's loss by ``rule(batch)`` (:func:`~hydratrain.train.batch.item_counter`; None: by its

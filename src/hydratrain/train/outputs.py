@@ -205,7 +205,7 @@ def results_payload(result, hparams: dict, previous: Optional[Path] = None) -> t
         return None if isinstance(v, float) and not math.isfinite(v) else v
 
     payload = {**result.__dict__, "hparams": hparams}
-    payload = {k: ({m: finite(x) for m, x in v.items()} if k == "eval_metrics" else finite(v))
+    payload = {k: ({m: finite(x) for m, x in v.items()} if k in ("eval_metrics", "test_metrics") else finite(v))
                for k, v in payload.items()}
     carried: list[str] = []
     if getattr(result, "steps_this_launch", 1) == 0 and previous is not None and previous.exists():
@@ -242,6 +242,7 @@ def done_line(payload: dict, carried: list[str]) -> str:
         if p.get(key) is not None:
             parts.append(fmt.format(p[key]))
     parts += [f"{name} {value:.4g}" for name, value in (p.get("eval_metrics") or {}).items() if value is not None]
+    parts += [f"test {name} {value:.4g}" for name, value in (p.get("test_metrics") or {}).items() if value is not None]
     rate = ("tokens_per_sec", "{:.0f} tokens/s") if p.get("tokens_per_sec") is not None else \
         ("samples_per_sec", "{:.1f} samples/s")
     for key, fmt in (rate, ("mfu", "mfu {:.2%}")):
@@ -255,9 +256,11 @@ def done_line(payload: dict, carried: list[str]) -> str:
 
 
 def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, tb,
-                  tokenizer=None, vocab_size: Optional[int] = None) -> None:
+                  tokenizer=None, vocab_size: Optional[int] = None, test=None) -> None:
     """Weights (with the tokenizer next to them), sample, hparams row and results.json of a finished run (every rank
     calls), then close ``tb``. The hparams metrics are the figures results.json gets (:func:`results_payload`).
+    ``test(result)``: called once the weights and the sample are written (it may load other weights), before the
+    figures are (:func:`hydratrain.train.testing.tester`).
 
     An output whose dir takes no writes (full, read-only, permissions: :func:`hydratrain.errors.unwritable_cause`)
     does not keep the others from being written: the first such error is raised once the rest are written (so a
@@ -283,11 +286,14 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
         log.info("sample:\n%s", text)
         with _keep_going(refused, run_dir):
             tb.text("sample", text, result.steps)
+    if test is not None:
+        test(result)
     hparams = hparams_of(cfg, info.world_size, precision.name)
     payload, carried = results_payload(result, hparams, run_dir / "results.json" if info.is_main else None)
     metrics = {k: payload[k] for k in ("train_loss", "eval_loss", "eval_perplexity", "tokens_per_sec",
                                        "samples_per_sec", "mfu")}
     metrics.update({f"eval/{k}": v for k, v in (payload.get("eval_metrics") or {}).items()})
+    metrics.update({f"test/{k}": v for k, v in (payload.get("test_metrics") or {}).items()})
     metrics["peak_memory_bytes"] = float(payload["peak_memory_bytes"])
     with _keep_going(refused, run_dir):
         tb.hparams(hparams, metrics, result.steps)

@@ -90,6 +90,7 @@ class FitResult:
     seconds: float = 0.0
     preempted: bool = False  # stopped early by a preemption signal after saving a checkpoint (no final eval)
     startup_s: dict = field(default_factory=dict)  # start-up phases up to the first step, seconds (timing.record)
+    test_metrics: dict = field(default_factory=dict)  # the test split's {name: value} (trainer.test_after_fit)
     best: Optional[dict] = None  # {"step": ..., <checkpoint.monitor>: value} of the best evaluation, when monitored
     stopped_early: Optional[str] = None  # why a callback stopped the run before max_steps (early stopping), or None
 
