@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional
 
+from hydratrain.protocols import has_memory_plan
+
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -278,8 +280,8 @@ def _memory_model(target: str) -> Optional[Any]:
     """The ``memory_plan`` classmethod of the class ``target`` names, or None (no such hook)."""
     from hydratrain.components import locate
 
-    hook = getattr(locate(target, "model"), "memory_plan", None)
-    return hook if callable(hook) else None
+    cls = locate(target, "model")
+    return cls.memory_plan if has_memory_plan(cls) else None
 
 
 def predict(s: Setup) -> Plan:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from hydratrain import exits
 from hydratrain.errors import HydratrainError, say
 from hydratrain.exits import in_multirun
+from hydratrain.protocols import has_flops_per_token
 
 log = logging.getLogger("hydratrain")
 
@@ -542,7 +543,7 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
     from hydratrain import components
     from hydratrain.flops import counted_flops_per_sample
 
-    if seq_len and callable(getattr(raw, "flops_per_token", None)):
+    if seq_len and has_flops_per_token(raw):
         return float(raw.flops_per_token(seq_len))
     per_sample = counted_flops_per_sample(lambda: components.build_model(cfg, "meta", vocab_size),
                                           train_batches.example(), loss_fn)

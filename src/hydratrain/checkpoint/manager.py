@@ -35,6 +35,7 @@ from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
 from hydratrain.dist.launch import stop_if_launcher_gone
 from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError, unwritable_message
+from hydratrain.protocols import has_architecture
 
 log = logging.getLogger(__name__)
 
@@ -261,10 +262,9 @@ def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[st
             return [f"model._target_: {before!r} -> {now!r}"]
     if cls is None:
         return []
-    arch = getattr(cls, "architecture", None)
-    if not callable(arch):
+    if not has_architecture(cls):
         return []
-    old, new = arch(dict(saved_model)), arch(dict(model))
+    old, new = cls.architecture(dict(saved_model)), cls.architecture(dict(model))
     return [f"model.{k}: {old[k]!r} -> {new.get(k)!r}" for k in old if old[k] != new.get(k)]
 
 
