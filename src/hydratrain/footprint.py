@@ -266,6 +266,7 @@ def shard_unit_names(model, wrap_policy: str, min_num_params: int, blocks=None) 
 
     policy = SimpleNamespace(name=wrap_policy, min_num_params=min_num_params)
     name_of = {id(p): n.replace("._checkpoint_wrapped_module", "") for n, p in model.named_parameters()}
+    seen: set[int]
     units, seen = [], set()
     for unit in shard_units(model, policy, blocks):
         own = [name_of[id(p)] for p in unit.parameters() if id(p) not in seen]

@@ -20,7 +20,7 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -51,7 +51,8 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     impl = adamw_impl(str(optim_cfg.get("impl", "auto")), params)
     log.info("optimizer: torch.optim.AdamW, %s implementation%s", impl,
              " (optim.impl=auto)" if str(optim_cfg.get("impl", "auto")) == "auto" else "")
-    flags = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    flags: dict[str, Any] = {"for_loop": {"foreach": False}, "foreach": {"foreach": True},
+                             "fused": {"fused": True}}[impl]
     return torch.optim.AdamW(groups, **kwargs, **flags)
 
 
@@ -74,7 +75,7 @@ def own_keywords(optim_cfg) -> dict:
     which :func:`_own_optimizer` passes itself."""
     from omegaconf import OmegaConf
 
-    node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
+    node: Any = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
     return {k: v for k, v in node.items() if k not in OWN_KEYS}
 
 
@@ -90,7 +91,7 @@ def _own_optimizer(params: list, optim_cfg) -> torch.optim.Optimizer:
     cls = locate(target, "optim")
     decay = optim_cfg.get("weight_decay")
     if decay is None:
-        groups = [{"params": params}]
+        groups: list[dict[str, Any]] = [{"params": params}]
     else:
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": float(decay)},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]

@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -199,7 +199,7 @@ def _printed_config() -> Optional[DictConfig]:
     from hydra.core.hydra_config import HydraConfig
 
     try:
-        whole = HydraConfig.instance().cfg.hydra._get_parent()
+        whole = HydraConfig.instance().cfg.hydra._get_parent()  # type: ignore[union-attr]  # (a DictConfig)
     except Exception:  # noqa: BLE001 (another Hydra: said so by the caller)
         return None
     if not isinstance(whole, DictConfig) or "trainer" not in whole:
@@ -348,7 +348,8 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
     from hydratrain.errors import ConfigError
 
     hydra_cfg = HydraConfig.get()
-    differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+    # (a DictConfig's container: a dict): why the ignore below
+    differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),  # type: ignore[arg-type]
                           list(hydra_cfg.overrides.task))
     if differs:
         what = (f"a checkpoint of another trial ({resume.name}" if resume.name != ".hydra" else
@@ -376,7 +377,7 @@ def _refuse_another_jobs_dir(run_dir: Path) -> None:
                           "of its own (the default ${hydra.job.num}; an override_dirname must keep every swept key)")
 
 
-def _run_dir_key(run_dir: Path) -> tuple:
+def _run_dir_key(run_dir: Path) -> Union[tuple[str, str], tuple[str, str, str]]:
     """(config key, its value[, which dir below it]) that place ``run_dir``: ``hydra.run.dir``, or in a sweep
     ``hydra.sweep.dir`` and the job's run dir."""
     if not in_multirun():
@@ -502,7 +503,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         components={"model": ModelState(model), "optim": optimizer_state, "scheduler": SchedulerState(scheduler),
                     "scaler": scaler, "progress": progress, "data": train_batches},
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
-        config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),
+        config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),  # type: ignore[arg-type]  # (a dict)
         keep_last=cfg.checkpoint.keep_last, device=device, attachments=model_files(cfg, vocab_size, tokenizer))
     preemption = Preemption(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())
     trainer = Trainer(tcfg=cfg.trainer, model=model, strategy=strategy, precision=precision, device=device,

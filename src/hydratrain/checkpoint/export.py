@@ -74,7 +74,8 @@ def export(checkpoint: Path, out: Path) -> Path:
     elif cfg_file.is_file():
         from omegaconf import OmegaConf
 
-        meta["model_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(cfg_file).get("model", {})))
+        # (a run's config.yaml: a mapping): why the ignore below
+        meta["model_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(cfg_file).get("model", {})))  # type: ignore[arg-type]
     tokenizer = tokenizer_path_for(out)
     if (ckpt / "tokenizer.json").is_file():
         meta["tokenizer"] = tokenizer.name
@@ -132,7 +133,8 @@ def export_dir(checkpoint: Path, out_dir: Path) -> Path:
         raise CheckpointError(f"{ckpt}: its model ({record.get('_target_')}) has no {EXPORT_HOOK}() to write a "
                               "format of its own; give OUT as a .safetensors file")
     tokenizer = ckpt / "tokenizer.json" if (ckpt / "tokenizer.json").is_file() else None
-    return export_model(model, Path(out_dir), tokenizer, read_model_weights(ckpt))
+    # (it has the hook: checked above): why the ignore below
+    return export_model(model, Path(out_dir), tokenizer, read_model_weights(ckpt))  # type: ignore[return-value]
 
 
 def tokenizer_path_for(weights: Path) -> Path:

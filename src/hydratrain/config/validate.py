@@ -157,13 +157,14 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
             raise ConfigError(where, _DELETED, f"removed with ~{where}, but the run reads it: give it a value instead, "
                                                f"e.g. its default: {where}={default}")
     for key in node.keys():
-        where = f"{path}.{key}" if path else str(key)
+        where = f"{path}.{key}" if path else str(key)  # type: ignore[str-bytes-safe]  # (a config's keys are str)
         if where == "hydra":  # Hydra's own node, present when a launcher checks a job's config
             continue
         if key not in fields:
             option = getattr(schema, "option", None)
             owner = f"{path}={option}" if option is not None else (path or "the run config")
-            raise ConfigError(where, node._get_node(key)._value(), f"not a key of {owner} (nothing would read it); "
+            raise ConfigError(where, node._get_node(key)._value(),  # type: ignore[union-attr]  # (key is present)
+                              f"not a key of {owner} (nothing would read it); "
                               f"allowed: {', '.join(fields)}")
         if OmegaConf.is_missing(node, key):  # ??? in a preset (data=text_files without data.paths), or ~group
             why = (f"has no value: choose an option with {path}=NAME (conf/{path}/)" if key == "name" and path
@@ -185,7 +186,7 @@ def _check_entries(node: DictConfig | ListConfig, where: str) -> None:
     if etype not in (str, int, float, bool):
         return
     for index in range(len(node)) if isinstance(node, ListConfig) else node.keys():
-        entry = node._get_node(index)
+        entry = node._get_node(index)  # type: ignore[arg-type]  # (an int for a ListConfig, a key for a DictConfig)
         if isinstance(entry, (DictConfig, ListConfig)):
             kind = "list" if isinstance(entry, ListConfig) else "dict"
             raise ConfigError(where, OmegaConf.to_container(node, resolve=False),
@@ -254,7 +255,8 @@ def _check_int_ranges(node: Any, path: str = "") -> None:
     """Every integer in the config fits torch's int64, in typed and untyped nodes alike (a component's keyword
     arguments too): a value past it was a traceback deep in the run (``torch.manual_seed``, a tensor's size)."""
     if isinstance(node, DictConfig):
-        items = [(k, node._get_node(k)) for k in node.keys() if not (path == "" and k == "hydra")]
+        items: list[tuple[Any, Any]] = [(k, node._get_node(k)) for k in node.keys()
+                                        if not (path == "" and k == "hydra")]
     elif isinstance(node, ListConfig):
         items = [(i, node._get_node(i)) for i in range(len(node))]
     else:
