@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,6 +20,17 @@ from hydratrain import exits
 from hydratrain.errors import HydratrainError, say
 from hydratrain.exits import in_multirun
 from hydratrain.protocols import has_flops_per_token
+
+if TYPE_CHECKING:  # Job's fields: these modules import torch, which this module loads only when a run builds
+    from torch import nn
+
+    from hydratrain.checkpoint.manager import CheckpointManager
+    from hydratrain.data.tokenizer import TextTokenizer
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.parallel.strategy import Strategy
+    from hydratrain.train.step_logger import StepLogger
+    from hydratrain.train.trainer import Trainer
 
 log = logging.getLogger("hydratrain")
 
@@ -393,15 +404,15 @@ class Job:
     """Everything one training job is made of, built by :func:`build` (tests build one to drive it directly)."""
 
     cfg: DictConfig
-    info: Any  # hydratrain.dist.env.DistInfo, with its device
-    strategy: Any
-    precision: Any
-    model: Any
-    raw: Any  # the plain model under any wrapper
-    trainer: Any
-    checkpoints: Any
-    step_logger: Any
-    tokenizer: Any = None  # hydratrain.data.tokenizer.TextTokenizer of subword data, else None
+    info: DistInfo  # with its device
+    strategy: Strategy
+    precision: Precision
+    model: nn.Module  # as the strategy wrapped it (DDP, FSDP, compiled)
+    raw: nn.Module  # the plain model under any wrapper
+    trainer: Trainer
+    checkpoints: CheckpointManager
+    step_logger: StepLogger
+    tokenizer: Optional[TextTokenizer] = None  # of subword data, else None
     vocab_size: Optional[int] = None  # the data's vocabulary the model was built for (token data), else None
 
 
