@@ -51,7 +51,7 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 from hydratrain.errors import say
 
@@ -114,7 +114,7 @@ def parse_args(argv: list[str]) -> CommCheckConfig:
             known = ", ".join("commcheck." + f.name for f in fields(CommCheckConfig))
             fail(item.split("=", 1)[0], f"unknown key (keys: {known})" if isinstance(e, ConfigKeyError)
                  else (str(e).strip().splitlines() or [type(e).__name__])[0])
-    c = OmegaConf.to_object(cfg).commcheck
+    c = OmegaConf.to_object(cfg).commcheck  # type: ignore[union-attr]  # (a _Root object)
     for key in ("min_bytes", "max_bytes", "rank_bytes"):
         try:
             setattr(c, key, parse_bytes(getattr(c, key)))
@@ -156,7 +156,7 @@ class Watchdog:
                 os._exit(EXIT_TIMEOUT)
 
 
-def human(nbytes: float) -> str:
+def human(nbytes: float) -> str:  # type: ignore[return]  # (the loop returns at GiB)
     """4096 -> '4 KiB' (3 significant digits: 4092 bytes, a size rounded for 3 ranks, is '4 KiB' too)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if nbytes < 1024 or unit == "GiB":
@@ -182,6 +182,9 @@ def lower_median(xs) -> float:
 def score_ranks(records: list[dict], slow_factor: float) -> dict:
     """Per-rank and per-node times (seconds) from every rank's pairwise exchanges, and which are >= slow_factor x
     the median (the method is in the module docstring)."""
+    per_partner: list[list[Any]]
+    wires: dict[str, list[Any]]
+    nodes: dict[Any, Any]
     per_partner, wires, nodes = [[] for _ in records], {"intra": [], "inter": []}, {}
     for rec in records:
         for rnd, partner, own, wire in rec["pairs"]:
@@ -237,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         os._exit(EXIT_SLOW)  # not sys.exit: tearing down a broken process group can block
 
 
-def _run(cfg: CommCheckConfig, dog: Watchdog, rank: int, n: int) -> int:
+def _run(cfg: Any, dog: Watchdog, rank: int, n: int) -> int:  # (a CommCheckConfig whose sizes parse_args made ints)
     import torch
     import torch.distributed as dist
 
@@ -248,7 +251,8 @@ def _run(cfg: CommCheckConfig, dog: Watchdog, rank: int, n: int) -> int:
     backend = cfg.backend or ("nccl" if cuda else "gloo")
     dog.step("init_process_group")
     dist.init_process_group(backend, rank=rank, world_size=n, timeout=timedelta(seconds=cfg.timeout_s + 60),
-                            **({"device_id": device} if backend == "nccl" else {}))
+                            # (a torch.device: NCCL only): why the ignore below
+                            **({"device_id": device} if backend == "nccl" else {}))  # type: ignore[arg-type]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     delay = (lambda: time.sleep(cfg.debug_delay_s)) if rank == cfg.debug_slow_rank else (lambda: None)
 
@@ -259,9 +263,10 @@ def _run(cfg: CommCheckConfig, dog: Watchdog, rank: int, n: int) -> int:
         with open("/proc/meminfo") as f:
             kib = next((int(line.split()[1]) for line in f if line.startswith("MemAvailable:")), 2**22)
         free = kib * 1024 // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cap = torch.tensor([min(cfg.max_bytes, int(free * cfg.mem_fraction) // 3)], device=device)
-    dist.all_reduce(cap, op=dist.ReduceOp.MIN)  # every rank must run the same sizes
-    cap, unit, s, sizes = int(cap.item()), 4 * n, cfg.min_bytes, set()
+    capped = torch.tensor([min(cfg.max_bytes, int(free * cfg.mem_fraction) // 3)], device=device)
+    dist.all_reduce(capped, op=dist.ReduceOp.MIN)  # every rank must run the same sizes
+    sizes: Any  # the set of sizes, then the sorted list
+    cap, unit, s, sizes = int(capped.item()), 4 * n, cfg.min_bytes, set()
     while s <= cap:
         sizes.add(max(unit, s // unit * unit))
         s *= cfg.factor
@@ -295,7 +300,7 @@ def _run(cfg: CommCheckConfig, dog: Watchdog, rank: int, n: int) -> int:
         elif coll not in chosen:
             notes.append(f"{coll} skipped: {backend} runs neither form ({why})")
 
-    rec = {"rank": rank, "node": socket.gethostname(), "barrier": [], "coll": {}, "pairs": []}
+    rec: dict[str, Any] = {"rank": rank, "node": socket.gethostname(), "barrier": [], "coll": {}, "pairs": []}
     pair_bytes = min(cfg.rank_bytes, sizes[-1]) // 4 * 4
     send, recv = torch.zeros(pair_bytes // 4, device=device), torch.empty(pair_bytes // 4, device=device)
     rounds = round_robin(n)[: max(cfg.max_rounds, 1 + n % 2)]  # odd n: 2 rounds give everyone a partner
@@ -347,7 +352,7 @@ def _run(cfg: CommCheckConfig, dog: Watchdog, rank: int, n: int) -> int:
             exchange_pass(f"{coll} {human(nbytes)}", timed=True)
 
     dog.step("gather results")
-    records = [None] * n
+    records: list[Any] = [None] * n
     dist.all_gather_object(records, rec)
     dog.step("destroy_process_group")
     dist.barrier()

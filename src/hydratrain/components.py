@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from hydratrain.config.schema import LOADER_KEYS, MODEL_KEYS
 from hydratrain.config.settings import ModelSettings
 from hydratrain.errors import ConfigError, Placeholder
+from hydratrain.protocols import max_seq_len_of
 
 INIT_DEVICES = ("auto", "meta", "cpu", "cuda")
 _ABSENT = Placeholder("<absent>")
@@ -239,7 +240,7 @@ def instantiate_node(node: dict, key: str, target: str, what: str, objects: Opti
     except ConfigError:
         raise
     except Exception as err:
-        cause = err
+        cause: BaseException = err
         # Hydra's InstantiationException wraps the target's error; the target's own error stays whole, since its
         # message ("needs scikit-learn: pip install ...") says more than the error it chains ("No module named ...")
         while isinstance(cause, InstantiationException) and cause.__cause__ is not None:
@@ -380,7 +381,7 @@ def state_dict_names(model: Any) -> set:
     ``<module>._extra_state`` for a module whose class overrides ``get_extra_state``."""
     from torch import nn
 
-    names = set()
+    names: set[str] = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
         pre = f"{prefix}." if prefix else ""
         names.update(pre + n for n, p in module._parameters.items() if p is not None)
@@ -497,7 +498,7 @@ def check_components(cfg: DictConfig) -> None:
     if model is not None:
         check_parameters(model, target)
         check_state_dict(model, target, built_on_meta=True)
-    limit, seq_len = getattr(model, "max_seq_len", None), cfg.data.get("seq_len") if cfg.get("data") else None
+    limit, seq_len = max_seq_len_of(model), cfg.data.get("seq_len") if cfg.get("data") else None
     if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
         raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "
                           f"({type(model).__name__}.max_seq_len); allowed: <= {limit}")

@@ -55,6 +55,8 @@ class HydratrainError(CompactHydraException):
     own_failure = False
     #: every rank raises this very error (set on an instance, e.g. a failed save): only rank 0 prints it
     same_on_every_rank = False
+    #: the run dir this launch made is removed at the exit (set on an instance: made for nothing; hydratrain.exits)
+    discard_run_dir = False
     #: how the run goes on from its latest checkpoint after this error, e.g. ``"to resume from the latest
     #: checkpoint"``: rank 0's line then ends with it and the command that does it (``hydratrain.exits``); None:
     #: nothing to resume (a config error, a checkpoint that cannot be used) or the message says it already
@@ -123,7 +125,7 @@ def say(*parts: object) -> None:
     sys.stderr.flush()
 
 
-def unwritable_cause(err: BaseException, writes: Iterable[Union[str, os.PathLike]] = ()) -> Optional[OSError]:
+def unwritable_cause(err: Optional[BaseException], writes: Iterable[Union[str, os.PathLike]] = ()) -> Optional[OSError]:
     """The OSError with an :data:`UNWRITABLE_ERRNOS` errno in ``err`` or its ``__cause__`` / ``__context__`` chain
     (TensorBoard's writer thread, logging, a library that wraps it), or one made from the text of an error of a
     library's own type that only quotes it (safetensors' ``SafetensorError: ... No space left on device (os error

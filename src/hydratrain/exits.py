@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError, say
 
@@ -215,7 +215,7 @@ def leave(save_on_sigterm: bool, lock) -> None:
 
         from hydratrain.sweep import keep_early_sigterm
 
-        keep_early_sigterm(HydraConfig.get(), save_on_sigterm)
+        keep_early_sigterm(HydraConfig.get(), save_on_sigterm)  # type: ignore[arg-type]  # a DictConfig at run time
     if lock is not None:
         lock.release()
 
@@ -235,7 +235,7 @@ def end_preempted(err: PreemptedError, env) -> None:
     raise SystemExit(err.exit_status) from None
 
 
-_SIGINT = {"received": False, "previous": None}
+_SIGINT: dict[str, Any] = {"received": False, "previous": None}
 
 
 def watch_interrupts(on: bool = True) -> None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Optional
 
+from hydratrain.protocols import has_memory_plan
+
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -264,6 +266,7 @@ def shard_unit_names(model, wrap_policy: str, min_num_params: int, blocks=None) 
 
     policy = SimpleNamespace(name=wrap_policy, min_num_params=min_num_params)
     name_of = {id(p): n.replace("._checkpoint_wrapped_module", "") for n, p in model.named_parameters()}
+    seen: set[int]
     units, seen = [], set()
     for unit in shard_units(model, policy, blocks):
         own = [name_of[id(p)] for p in unit.parameters() if id(p) not in seen]
@@ -278,8 +281,8 @@ def _memory_model(target: str) -> Optional[Any]:
     """The ``memory_plan`` classmethod of the class ``target`` names, or None (no such hook)."""
     from hydratrain.components import locate
 
-    hook = getattr(locate(target, "model"), "memory_plan", None)
-    return hook if callable(hook) else None
+    cls = locate(target, "model")
+    return cls.memory_plan if has_memory_plan(cls) else None
 
 
 def predict(s: Setup) -> Plan:

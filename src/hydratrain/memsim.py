@@ -94,7 +94,7 @@ class Shadow(torch.Tensor):
         r.elem = elem
         return r
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # no tensor_contents: a shadow has no values to print
         return f"Shadow({tuple(self.shape)}, {self.dtype}, {self.device})"
 
     @classmethod
@@ -329,7 +329,7 @@ def shadow_module(module: nn.Module, dtype: Optional[torch.dtype], device: torch
                 cast = dtype if dtype is not None and p.is_floating_point() else p.dtype
                 done[id(p)] = shadow(p.shape, cast, device, requires_grad=p.requires_grad)
                 tracker.ignore(done[id(p)])
-            mod._parameters[name] = done[id(p)]
+            mod._parameters[name] = done[id(p)]  # type: ignore[assignment]  # a Shadow stands in for the Parameter
         for name, b in list(mod._buffers.items()) if buffers else ():
             if b is not None and not isinstance(b, Shadow):
                 if id(b) not in done:
@@ -365,7 +365,8 @@ def fuse_norms(module: nn.Module, mode: "Mode") -> None:
         return
     for mod in module.modules():
         if isinstance(mod, nn.RMSNorm) and mod.weight is not None:
-            mod.forward = lambda x, mod=mod: _FusedRMSNorm.apply(x, mod.weight)
+            # (the instance's forward shadows the class's; the lambda binds this mod)
+            mod.forward = lambda x, mod=mod: _FusedRMSNorm.apply(x, mod.weight)  # type: ignore[method-assign,misc]
 
 
 @dataclass(frozen=True)

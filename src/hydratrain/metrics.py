@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -56,7 +56,8 @@ class GpuPeak:
 def _tflops(pattern: str, bf16: Optional[float], fp16: Optional[float], tf32: Optional[float],
             fp32: Optional[float], source: str) -> GpuPeak:
     """A :class:`GpuPeak` from figures in TFLOP/s (as datasheets print them)."""
-    return GpuPeak(pattern, *(None if v is None else v * 1e12 for v in (bf16, fp16, tf32, fp32)), source)
+    bf16, fp16, tf32, fp32 = (None if v is None else v * 1e12 for v in (bf16, fp16, tf32, fp32))
+    return GpuPeak(pattern, bf16, fp16, tf32, fp32, source)
 
 
 # Sources: NVIDIA datasheets and architecture whitepapers. Datasheets print tensor-core peaks "with sparsity" (2:4
@@ -260,7 +261,7 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path] = None) -> tupl
             entries = json.loads(path.read_text()).get("entries", {})
         if not isinstance(entries, dict):
             entries = {}
-        hit = entries.get(key)
+        hit: Any = entries.get(key)
         valid = isinstance(hit, dict) and isinstance(hit.get("flops"), (int, float)) and hit["flops"] > 0
         taken = [t for t in (hit.get("measurements") or [hit.get("measured_at")]) if isinstance(t, str)] if valid \
             else []
@@ -434,7 +435,7 @@ def _quiet_writer_thread_errors() -> None:
         if not (type(args.thread).__module__.startswith("tensorboard") and isinstance(args.exc_value, OSError)):
             previous(args)
 
-    hook.hydratrain = True
+    hook.hydratrain = True  # type: ignore[attr-defined]  # the mark of this hook (installed once)
     threading.excepthook = hook
 
 
@@ -564,7 +565,8 @@ class TensorBoardLogger:
                  if v is not None}
         writer = SummaryWriter(log_dir=str(row))
         try:
-            writer.file_writer.add_summary(hparams_pb(typed, start_time_secs=time.time()), step)
+            # (file_writer: set by SummaryWriter's constructor): why the ignore below
+            writer.file_writer.add_summary(hparams_pb(typed, start_time_secs=time.time()), step)  # type: ignore[attr-defined]
             for k, v in metrics.items():
                 if v is not None and math.isfinite(v):
                     writer.add_scalar(f"hparam/{k}", v, step)

@@ -21,11 +21,12 @@ import logging
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
+from hydratrain.config.settings import node_dict
 from hydratrain.parallel.init import canonical_name
 
 LOWBIT_INSTALL = "pip install -e '.[lowbit]'"
@@ -97,7 +98,8 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     impl = adamw_impl(str(optim_cfg.get("impl", "auto")), params)
     log.info("optimizer: torch.optim.AdamW, %s implementation%s", impl,
              " (optim.impl=auto)" if str(optim_cfg.get("impl", "auto")) == "auto" else "")
-    flags = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
+    flags: dict[str, Any] = {"for_loop": {"foreach": False}, "foreach": {"foreach": True},
+                             "fused": {"fused": True}}[impl]
     return torch.optim.AdamW(groups, **kwargs, **flags)
 
 
@@ -121,7 +123,7 @@ def own_keywords(optim_cfg) -> dict:
     which :func:`_own_optimizer` passes itself."""
     from omegaconf import OmegaConf
 
-    node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
+    node: Any = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
     return {k: v for k, v in node.items() if k not in OWN_KEYS}
 
 
@@ -262,14 +264,12 @@ def own_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg, total_steps: 
     ``scheduler._target_``."""
     import inspect
 
-    from omegaconf import OmegaConf
-
     from hydratrain.components import locate
     from hydratrain.errors import ConfigError
 
     target = str(scheduler_cfg["_target_"])
     cls = locate(target, "scheduler")
-    kwargs = {k: v for k, v in OmegaConf.to_container(scheduler_cfg, resolve=True).items() if not k.startswith("_")}
+    kwargs = {k: v for k, v in node_dict(scheduler_cfg).items() if not k.startswith("_")}
     params = inspect.signature(cls).parameters
     kwargs.update({k: total_steps for k in RUN_LENGTH_KEYWORDS if k in params and k not in kwargs})
     try:

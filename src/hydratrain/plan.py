@@ -17,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 from hydratrain.config.schema import AdamW8bitConfig, AdamWConfig, FSDPStrategy, SizeBasedWrapPolicy
 from hydratrain.config.settings import DataSettings, option_value
@@ -211,7 +211,8 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
     if strategy.name not in ("single", "ddp", "fsdp", "hsdp"):
         raise PlanUnavailable(f"strategy={strategy.name} is not modelled by the planner")
     target = components.target_of(cfg.get("model"), "model")
-    node = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k.startswith("_")}
+    # (to_container of a DictConfig: a dict with str keys)
+    node = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k.startswith("_")}  # type: ignore[union-attr,arg-type]
     node.update(components.model_kwargs(cfg, vocab_size))
     loss = OmegaConf.to_container(cfg.loss, resolve=True) if cfg.get("loss") is not None else {}
     data = DataSettings.of(cfg.data)
@@ -385,7 +386,7 @@ class OutOfMemoryGuard:
     def __enter__(self) -> "OutOfMemoryGuard":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if exc is None or not is_out_of_memory(exc):
             return False
         import traceback

@@ -71,7 +71,8 @@ def example_of(cfg) -> Optional[Callable[[int], Any]]:
 
     if not is_dataset_node(cfg.data):
         return None
-    data = OmegaConf.create({**OmegaConf.to_container(cfg.data, resolve=True), "num_workers": 0,
+    # (a DictConfig's container: a dict): why the ignore below
+    data = OmegaConf.create({**OmegaConf.to_container(cfg.data, resolve=True), "num_workers": 0,  # type: ignore[dict-item]
                              "prefetch_factor": None, "persistent_workers": False})  # loaded in this process
     train = load_datasets(data)["train"]
     fetch = loader_fetch(train, data, torch.device("cpu"))
@@ -131,6 +132,7 @@ def _run_imports() -> None:
 
 def _split_argv(argv: list[str]) -> tuple[list[str], Optional[str], Optional[str]]:
     """(overrides, the ``--config-dir`` / ``-cd`` dir or None, the first flag refused or None)."""
+    overrides: list[str]
     overrides, config_dir, i = [], None, 0
     while i < len(argv):
         arg = argv[i]

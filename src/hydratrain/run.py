@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -21,6 +21,18 @@ from hydratrain import exits
 from hydratrain.config.settings import DataSettings, plus_as_force
 from hydratrain.errors import HydratrainError, say
 from hydratrain.exits import in_multirun
+from hydratrain.protocols import has_flops_per_token
+
+if TYPE_CHECKING:  # Job's fields: these modules import torch, which this module loads only when a run builds
+    from torch import nn
+
+    from hydratrain.checkpoint.manager import CheckpointManager
+    from hydratrain.data.tokenizer import TextTokenizer
+    from hydratrain.dist.env import DistInfo
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.parallel.strategy import Strategy
+    from hydratrain.train.step_logger import StepLogger
+    from hydratrain.train.trainer import Trainer
 
 log = logging.getLogger("hydratrain")
 
@@ -199,7 +211,7 @@ def _printed_config() -> Optional[DictConfig]:
     from hydra.core.hydra_config import HydraConfig
 
     try:
-        whole = HydraConfig.instance().cfg.hydra._get_parent()
+        whole = HydraConfig.instance().cfg.hydra._get_parent()  # type: ignore[union-attr]  # (a DictConfig)
     except Exception:  # noqa: BLE001 (another Hydra: said so by the caller)
         return None
     if not isinstance(whole, DictConfig) or "trainer" not in whole:
@@ -351,7 +363,8 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
     from hydratrain.errors import ConfigError
 
     hydra_cfg = HydraConfig.get()
-    differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+    # (a DictConfig's container: a dict): why the ignore below
+    differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),  # type: ignore[arg-type]
                           list(hydra_cfg.overrides.task))
     if differs:
         what = (f"a checkpoint of another trial ({resume.name}" if resume.name != ".hydra" else
@@ -379,7 +392,7 @@ def _refuse_another_jobs_dir(run_dir: Path) -> None:
                           "of its own (the default ${hydra.job.num}; an override_dirname must keep every swept key)")
 
 
-def _run_dir_key(run_dir: Path) -> tuple:
+def _run_dir_key(run_dir: Path) -> Union[tuple[str, str], tuple[str, str, str]]:
     """(config key, its value[, which dir below it]) that place ``run_dir``: ``hydra.run.dir``, or in a sweep
     ``hydra.sweep.dir`` and the job's run dir."""
     if not in_multirun():
@@ -395,15 +408,15 @@ class Job:
     """Everything one training job is made of, built by :func:`build` (tests build one to drive it directly)."""
 
     cfg: DictConfig
-    info: Any  # hydratrain.dist.env.DistInfo, with its device
-    strategy: Any
-    precision: Any
-    model: Any
-    raw: Any  # the plain model under any wrapper
-    trainer: Any
-    checkpoints: Any
-    step_logger: Any
-    tokenizer: Any = None  # hydratrain.data.tokenizer.TextTokenizer of subword data, else None
+    info: DistInfo  # with its device
+    strategy: Strategy
+    precision: Precision
+    model: nn.Module  # as the strategy wrapped it (DDP, FSDP, compiled)
+    raw: nn.Module  # the plain model under any wrapper
+    trainer: Trainer
+    checkpoints: CheckpointManager
+    step_logger: StepLogger
+    tokenizer: Optional[TextTokenizer] = None  # of subword data, else None
     vocab_size: Optional[int] = None  # the data's vocabulary the model was built for (token data), else None
     test_batches: Any = None  # the data's test split (EvalBatches over every sample), or None
 
@@ -508,7 +521,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         components={"model": ModelState(model), "optim": optimizer_state, "scheduler": scheduler_state(scheduler),
                     "scaler": scaler, "progress": progress, "data": train_batches},
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
-        config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),
+        config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),  # type: ignore[arg-type]  # (a dict)
         keep_last=cfg.checkpoint.keep_last, device=device, attachments=model_files(cfg, vocab_size, tokenizer))
     callbacks = extras.build_callbacks(cfg, checkpoints, device, scheduler)
     if callbacks:  # (their states ride in the checkpoints; a run without callbacks saves none)
@@ -554,7 +567,7 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
     from hydratrain import components
     from hydratrain.flops import counted_flops_per_sample
 
-    if seq_len and callable(getattr(raw, "flops_per_token", None)):
+    if seq_len and has_flops_per_token(raw):
         return float(raw.flops_per_token(seq_len))
     per_sample = counted_flops_per_sample(lambda: components.build_model(cfg, "meta", vocab_size),
                                           train_batches.example(), loss_fn)
@@ -608,7 +621,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     if str(cfg.mode) == "eval":  # nothing trained, nothing moved aside
         from hydratrain.train.testing import evaluate_only
 
-        return evaluate_only(job, run_dir, resume or init_from, progress.step, info)
+        return evaluate_only(job, run_dir, resume or (Path(init_from) if init_from else None), progress.step, info)
     job.checkpoints.supersede_after(progress.step)
     timing.mark("resume / init_from")
     result = job.trainer.fit()

@@ -42,7 +42,7 @@ def mark_multirun(sweep_dir: Path, sampled: Optional[List[str]] = None, command:
     import uuid
 
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    mark = {"id": uuid.uuid4().hex, "started": time.time(), "sampled": sampled, "command": command}
+    mark: dict[str, Any] = {"id": uuid.uuid4().hex, "started": time.time(), "sampled": sampled, "command": command}
     tmp = sweep_dir / f"{MULTIRUN_MARK}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(mark))
     os.replace(tmp, sweep_dir / MULTIRUN_MARK)
@@ -50,7 +50,7 @@ def mark_multirun(sweep_dir: Path, sampled: Optional[List[str]] = None, command:
 
 
 def write_job_status(job_dir: Path, num: int, overrides: List[str], status: str, error: str = "",
-                     seconds: float = math.nan, multirun: Optional[str] = None, results_current: bool = True,
+                     seconds: Optional[float] = math.nan, multirun: Optional[str] = None, results_current: bool = True,
                      refused: bool = False) -> None:
     """Write ``<job_dir>/status.json``: job number, overrides, ``COMPLETED``/``FAILED``, a one-line error, the
     job's seconds (NaN or None: unknown, stored as null), the id of the multirun it belongs to (:func:`mark_multirun`)
@@ -229,8 +229,8 @@ def _hopeless(hc: Any, err: BaseException, rows: List[dict], launching: bool, co
     message = f"{getattr(err, 'label', type(err).__name__)}: {err}".splitlines()[0]
     sampled = _sampled(hc)
     if _fails_alike(err, sampled, hc, config):
-        return (f"{message}; no sampled value ({', '.join(sampled) or 'none'}) causes it, so every trial would fail "
-                "alike")
+        return (f"{message}; no sampled value ({', '.join(sampled) or 'none'}) causes it, "  # type: ignore[arg-type]
+                "so every trial would fail alike")  # (sampled is not None where _fails_alike holds)
     n_trials = sweeper.get("n_trials")
     if isinstance(n_trials, int) and hc.job.num >= n_trials - 1:
         return f"all {len(rows)} trials failed; the last: {message}"
@@ -283,6 +283,7 @@ def _sampled(hc: Any) -> Optional[List[str]]:
 
     sweep_dir = _sweep_dir(hc)
     mark = _read_json(sweep_dir / MULTIRUN_MARK)
+    recorded: Optional[list]
     if mark.get("sampled") is not None:
         recorded = list(mark["sampled"])
     else:
@@ -328,7 +329,7 @@ def _check_before_submitting(config: DictConfig) -> None:
 
     from hydratrain.config.validate import validate
 
-    task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+    task = OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"])  # (its keys are strings)
     OmegaConf.set_readonly(task, True)
     validate(task)
 
@@ -344,7 +345,8 @@ def _refuse_swept_executor_keys(config: DictConfig) -> None:
 
     for override in OverridesParser.create().parse_overrides([str(line) for line in config.hydra.overrides.task]):
         if override.is_sweep_override() and override.key_or_group.startswith("launcher."):
-            raise ConfigError(override.key_or_group, override.input_line.split("=", 1)[1],
+            # (a parsed line's): why the ignore below
+            raise ConfigError(override.key_or_group, override.input_line.split("=", 1)[1],  # type: ignore[union-attr]
                               f"cannot be swept under launcher={config.launcher.name}: submitit sets one executor for "
                               "the whole sweep, so every job would run with the sweep's value while its report row "
                               "said its own; run one sweep per value (launcher=torchrun and ray take it per job)")

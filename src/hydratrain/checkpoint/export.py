@@ -29,6 +29,7 @@ from typing import Optional
 
 from hydratrain.errors import say
 from hydratrain.paths import temporary_sibling
+from hydratrain.protocols import has_export_to
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ def export(checkpoint: Path, out: Path) -> Path:
     elif cfg_file.is_file():
         from omegaconf import OmegaConf
 
-        meta["model_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(cfg_file).get("model", {})))
+        # (a run's config.yaml: a mapping): why the ignore below
+        meta["model_config"] = json.dumps(OmegaConf.to_container(OmegaConf.load(cfg_file).get("model", {})))  # type: ignore[arg-type]
     tokenizer = tokenizer_path_for(out)
     if (ckpt / "tokenizer.json").is_file():
         meta["tokenizer"] = tokenizer.name
@@ -95,10 +97,9 @@ EXPORT_HOOK = "export_to"
 
 def export_model(raw, out_dir: Path, tokenizer: Optional[Path], state: dict) -> Optional[Path]:
     """``raw.export_to(out_dir, state, tokenizer)`` when the model has :data:`EXPORT_HOOK` (logged), else None."""
-    hook = getattr(raw, EXPORT_HOOK, None)
-    if not callable(hook):
+    if not has_export_to(raw):
         return None
-    out = hook(out_dir, state, tokenizer)
+    out = raw.export_to(out_dir, state, tokenizer)
     log.info("exported the model in its own format to %s (%s.%s)", out, type(raw).__name__, EXPORT_HOOK)
     return out
 
@@ -128,11 +129,12 @@ def export_dir(checkpoint: Path, out_dir: Path) -> Path:
         cause = err.__cause__ if err.__cause__ is not None and not isinstance(err, HydratrainError) else err
         raise CheckpointError(f"{ckpt}: its model ({record.get('_target_')}) could not be rebuilt from model.json: "
                               f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}") from None
-    if not callable(getattr(model, EXPORT_HOOK, None)):
+    if not has_export_to(model):
         raise CheckpointError(f"{ckpt}: its model ({record.get('_target_')}) has no {EXPORT_HOOK}() to write a "
                               "format of its own; give OUT as a .safetensors file")
     tokenizer = ckpt / "tokenizer.json" if (ckpt / "tokenizer.json").is_file() else None
-    return export_model(model, Path(out_dir), tokenizer, read_model_weights(ckpt))
+    # (it has the hook: checked above): why the ignore below
+    return export_model(model, Path(out_dir), tokenizer, read_model_weights(ckpt))  # type: ignore[return-value]
 
 
 def tokenizer_path_for(weights: Path) -> Path:
@@ -152,7 +154,7 @@ def _has_export_hook(checkpoint: Path) -> bool:
         record = json.loads((resolve_checkpoint(Path(checkpoint)) / "model.json").read_text())
         target = locate(record["_target_"], "model")
         built = target if isinstance(target, type) else returned_class(target)
-        return built is not None and callable(getattr(built, EXPORT_HOOK, None))
+        return built is not None and has_export_to(built)
     except Exception:  # noqa: BLE001 (the usual .safetensors path then says what is wrong)
         return False
 

@@ -108,7 +108,7 @@ class SafeReader(FileSystemReader):
         md = read_metadata(Path(self.path))
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
+        md.storage_meta.load_id = self.load_id  # type: ignore[union-attr]  # (made just above when None)
         return md
 
 
@@ -274,11 +274,11 @@ def check_same_resume(resume: Optional[Path]) -> None:
     unlike = unlike_rank0(*mine)
     if unlike is not None:
         other, every = unlike
-        err = CheckpointError(f"ranks found different checkpoints to resume from (rank 0: {every[0][0]}; rank "
-                              f"{other}: {every[other][0]}): every rank, on every node, must resume from the same "
-                              "checkpoint; is the run dir on a filesystem every node shares?")
-        err.same_on_every_rank = True
-        raise err
+        differ = CheckpointError(f"ranks found different checkpoints to resume from (rank 0: {every[0][0]}; rank "
+                                 f"{other}: {every[other][0]}): every rank, on every node, must resume from the same "
+                                 "checkpoint; is the run dir on a filesystem every node shares?")
+        differ.same_on_every_rank = True
+        raise differ
 
 
 def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[dict] = None) -> int:
@@ -298,7 +298,7 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
 
     rank, world = rank_and_world()
     where = f"model.init_from={path}"
-    live = get_model_state_dict(model)
+    live: dict[str, Any] = get_model_state_dict(model)  # (tensors only, from below)
     # a module's extra state that is no tensor (get_extra_state() -> dict) is not in a safetensors file: the model
     # keeps its own (rank 0's, on every rank)
     own = {k: v for k, v in live.items() if not isinstance(v, torch.Tensor)}
@@ -351,7 +351,7 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
                 shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
                 ref = f.get_slice(k)[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
             else:
-                local, ref = v, f.get_tensor(k)
+                local, ref = v, f.get_tensor(k)  # type: ignore[assignment]  # (a model's state: tensors)
             if tuple(ref.shape) != tuple(local.shape) or not torch.equal(local.detach().cpu(), ref.to(local.dtype)):
                 bad.append(k)
     n_bad = torch.tensor([len(bad)], device=next(iter(live.values())).device if live else "cpu")

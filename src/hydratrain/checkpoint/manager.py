@@ -36,6 +36,7 @@ from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
 from hydratrain.dist.launch import stop_if_launcher_gone
 from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError, unwritable_message
+from hydratrain.protocols import has_architecture
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ def _load_template(tree: dict, stored: Mapping) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     flat, paths = flatten_state_dict(tree)
+    kept: dict[str, Any]
     kept, changed = {}, {}
     for key, value in flat.items():
         if key not in stored:
@@ -271,10 +273,9 @@ def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[st
             return [f"model._target_: {before!r} -> {now!r}"]
     if cls is None:
         return []
-    arch = getattr(cls, "architecture", None)
-    if not callable(arch):
+    if not has_architecture(cls):
         return []
-    old, new = arch(dict(saved_model)), arch(dict(model))
+    old, new = cls.architecture(dict(saved_model)), cls.architecture(dict(model))
     return [f"model.{k}: {old[k]!r} -> {new.get(k)!r}" for k in old if old[k] != new.get(k)]
 
 
@@ -395,7 +396,8 @@ class CheckpointManager:
                 if tmp.exists():  # a save of this step that did not finish; its own error if it stays
                     shutil.rmtree(tmp)
                 tmp.mkdir()
-                (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config)))
+                # (the run config: a plain dict): why the ignore below
+                (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(self.config)))  # type: ignore[call-overload]
                 for name, content in self.attachments.items():
                     if isinstance(content, Path):
                         shutil.copyfile(content, tmp / name)
@@ -540,9 +542,9 @@ class CheckpointManager:
         except Exception:  # a config file we cannot read is not a reason to refuse the checkpoint
             return None
         try:  # (a run's .hydra/config.yaml keeps its interpolations; a checkpoint's is resolved)
-            return OmegaConf.to_container(saved, resolve=True)
+            return OmegaConf.to_container(saved, resolve=True)  # type: ignore[return-value]  # (a config file's dict)
         except Exception:  # noqa: BLE001 (one that no longer resolves: compared as written)
-            return OmegaConf.to_container(saved)
+            return OmegaConf.to_container(saved)  # type: ignore[return-value]  # (as above)
 
 
 def with_previous(err: DamagedCheckpointError, ckpt: Path) -> DamagedCheckpointError:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import signal
-from typing import Optional
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ class Preemption:
         self.enabled, self.exit_code = enabled, exit_code
         self.received: Optional[int] = None  # the signal this rank got, if any
         self.stopped = False
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # signal.signal's answers: handlers
         self.under_submitit = under_submitit
         self.world_size = 1  # (set by arm)
 

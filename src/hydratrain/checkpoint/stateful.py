@@ -67,7 +67,7 @@ class OptimizerState:
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        state = get_optimizer_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = get_optimizer_state_dict(self.model, self.optimizer)
         if "state" in state:  # new dicts: the per-parameter ones are the optimizer's own
             state["state"] = {name: {k: _dequantised(v) if _quantised(v) else v for k, v in values.items()}
                               for name, values in state["state"].items()}
@@ -119,7 +119,7 @@ def _dequantised(value: torch.Tensor) -> torch.Tensor:
     the same scale and codes, so a resume is exact.
     """
     local = _local(value)
-    plain = local.dequantize(torch.float32)
+    plain = local.dequantize(torch.float32)  # type: ignore[call-arg]  # torchao's subclasses take the dtype
     scale, codes = getattr(local, "scale", None), getattr(local, "codes", None)
     if isinstance(scale, torch.Tensor) and isinstance(codes, torch.Tensor) and scale.numel() \
             and codes.numel() % scale.numel() == 0:
@@ -133,7 +133,8 @@ def _dequantised(value: torch.Tensor) -> torch.Tensor:
     if hasattr(value, "to_local"):
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(plain, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+        return DTensor.from_local(plain, value.device_mesh, value.placements,  # type: ignore[attr-defined]  # a DTensor
+                                  run_check=False, shape=value.shape,
                                   stride=value.stride())
     return plain
 
@@ -172,7 +173,8 @@ class SchedulerState:
         if self.saved_lr is None or abs(now - self.saved_lr) <= 1e-6 * max(abs(now), abs(self.saved_lr)):
             return None
         schedule = self.scheduler.lr_lambdas[0]
-        which = (f"{schedule.name} over {schedule.total_steps} steps" if hasattr(schedule, "total_steps")
+        which = (f"{schedule.name} over {schedule.total_steps} steps"  # type: ignore[attr-defined]  # a Schedule
+                 if hasattr(schedule, "total_steps")
                  else "this run's schedule")
         ratio = f"x{now / self.saved_lr:.3g}" if self.saved_lr else "from 0"
         return (f"resumed at step {step}: the lr of step {step + 1} is {now:.3e} on this launch's schedule ({which}, "
@@ -225,7 +227,8 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64)),
+        state = {"torch": torch.get_rng_state(),  # (legacy get_state: a tuple, keys an array)
+                 "numpy_keys": torch.from_numpy(keys.astype(np.int64)),  # type: ignore[attr-defined]
                  "numpy_rest": [kind, int(pos), int(has_gauss), float(cached)], "python": list(random.getstate())}
         if self.device.type == "cuda":
             state["cuda"] = torch.cuda.get_rng_state(self.device)

@@ -91,8 +91,8 @@ def _type_name(hint: Any) -> str:
 def _default(f: dataclasses.Field) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
-    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
     else:
         return ""
     if value == "???":
@@ -138,7 +138,7 @@ def render() -> str:
     out.append("")
     for f in dataclasses.fields(top):
         cls = hints[f.name]
-        if dataclasses.is_dataclass(cls):
+        if dataclasses.is_dataclass(cls) and isinstance(cls, type):  # (hints are classes)
             out += [f"## `{f.name}`", "", *([_doc(cls), ""] if _doc(cls) else []),
                     "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
             out += _rows(cls, comments, skip=())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 from omegaconf import OmegaConf
 
@@ -86,3 +86,11 @@ def plus_as_force(overrides: list[str]) -> list[str]:
         key = item[1:].split("=", 1)[0] if item.startswith("+") and not item.startswith("++") else None
         out.append("+" + item if key in OWNED_KEYS else item)
     return out
+
+
+def node_dict(node: Any) -> dict[str, Any]:
+    """A config node (or a mapping) as a plain, resolved dict with str keys."""
+    out = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    if not isinstance(out, dict):
+        raise TypeError(f"not a mapping node: {type(out).__name__}")
+    return cast(dict[str, Any], out)

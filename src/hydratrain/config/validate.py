@@ -25,6 +25,7 @@ from hydratrain.config.schema import (
     StrategyName,
     WrapPolicyName,
 )
+from hydratrain.config.settings import node_dict
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError, Placeholder
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
@@ -165,13 +166,14 @@ def _check_known_keys(node: DictConfig, path: str = "") -> None:
             raise ConfigError(where, _DELETED, f"removed with ~{where}, but the run reads it: give it a value instead, "
                                                f"e.g. its default: {where}={default}")
     for key in node.keys():
-        where = f"{path}.{key}" if path else str(key)
+        where = f"{path}.{key}" if path else str(key)  # type: ignore[str-bytes-safe]  # (a config's keys are str)
         if where == "hydra":  # Hydra's own node, present when a launcher checks a job's config
             continue
         if key not in fields:
             option = getattr(schema, "option", None)
             owner = f"{path}={option}" if option is not None else (path or "the run config")
-            raise ConfigError(where, node._get_node(key)._value(), f"not a key of {owner} (nothing would read it); "
+            raise ConfigError(where, node._get_node(key)._value(),  # type: ignore[union-attr]  # (key is present)
+                              f"not a key of {owner} (nothing would read it); "
                               f"allowed: {', '.join(fields)}")
         if OmegaConf.is_missing(node, key):  # ??? in a preset (data=text_files without data.paths), or ~group
             why = (f"has no value: choose an option with {path}=NAME (conf/{path}/)" if key == "name" and path
@@ -193,7 +195,7 @@ def _check_entries(node: DictConfig | ListConfig, where: str) -> None:
     if etype not in (str, int, float, bool):
         return
     for index in range(len(node)) if isinstance(node, ListConfig) else node.keys():
-        entry = node._get_node(index)
+        entry = node._get_node(index)  # type: ignore[arg-type]  # (an int for a ListConfig, a key for a DictConfig)
         if isinstance(entry, (DictConfig, ListConfig)):
             kind = "list" if isinstance(entry, ListConfig) else "dict"
             raise ConfigError(where, OmegaConf.to_container(node, resolve=False),
@@ -264,7 +266,8 @@ def _check_int_ranges(node: Any, path: str = "") -> None:
     """Every integer in the config fits torch's int64, in typed and untyped nodes alike (a component's keyword
     arguments too): a value past it was a traceback deep in the run (``torch.manual_seed``, a tensor's size)."""
     if isinstance(node, DictConfig):
-        items = [(k, node._get_node(k)) for k in node.keys() if not (path == "" and k == "hydra")]
+        items: list[tuple[Any, Any]] = [(k, node._get_node(k)) for k in node.keys()
+                                        if not (path == "" and k == "hydra")]
     elif isinstance(node, ListConfig):
         items = [(i, node._get_node(i)) for i in range(len(node))]
     else:
@@ -457,7 +460,7 @@ def _check_loop_extras(cfg: DictConfig) -> None:
     for name, node in (cfg.get("callbacks") or {}).items():
         key = f"callbacks.{name}"
         target = target_of(node, key)
-        kwargs = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
+        kwargs = {k: v for k, v in node_dict(node).items() if not k.startswith("_")}
         check_call(locate(target, key), kwargs, key, target)
 
 
@@ -523,7 +526,7 @@ def _check_own_scheduler(node: DictConfig) -> None:
     if not (inspect.isclass(cls) and issubclass(cls, bases)):
         raise ConfigError("scheduler._target_", target, "is not an lr scheduler class (torch.optim.lr_scheduler."
                           "OneCycleLR, ReduceLROnPlateau, ..., or a subclass of LRScheduler of your own)")
-    given = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
+    given = {k: v for k, v in node_dict(node).items() if not k.startswith("_")}
     params = inspect.signature(cls).parameters
     given.update({k: 1 for k in RUN_LENGTH_KEYWORDS if k in params and k not in given})  # (the run fills them)
     check_call(cls, given, "scheduler", target, supplied=1)

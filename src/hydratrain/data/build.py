@@ -38,7 +38,8 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
     from hydratrain.data.tokenized import TOKEN_CORPORA, cache_root, load_token_splits
 
     if data_cfg.name in TOKEN_CORPORA:
-        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files, cache_dir)
+        # (memmaps are arrays: dict is invariant): why the ignore below
+        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files, cache_dir)  # type: ignore[return-value]
     if data_cfg.name == "python_stdlib":
         root, all_files = stdlib_files()
         files = list(files) if files is not None else all_files
@@ -46,7 +47,7 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
         files = expand_paths(list(data_cfg.paths), launch_dir)
         root = Path(os.path.commonpath([str(f.parent) for f in files]))
     out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir, cache_dir), progress)
-    splits = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
+    splits: dict[str, np.ndarray] = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
     meta = json.loads((out / "meta.json").read_text())["splits"]
     log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
              meta["train"]["files"], meta["train"]["tokens"], meta["val"]["files"], meta["val"]["tokens"])
@@ -130,7 +131,8 @@ def data_fingerprint(splits: dict, windows: int = 64, window_tokens: int = 4096)
     for name in ("train", "val"):
         tokens = splits[name]
         digest.update(f"{name}:{len(tokens)}:{tokens.dtype}".encode())
-        sampled_digest(lambda start, n, tokens=tokens: np.ascontiguousarray(tokens[start:start + n]).tobytes(),
+        sampled_digest(lambda start, n, tokens=tokens: np.ascontiguousarray(  # type: ignore[misc]  # (binds this split)
+            tokens[start:start + n]).tobytes(),
                        len(tokens), window_tokens, windows, digest)
     return f"train {len(splits['train']):,} tokens, val {len(splits['val']):,} tokens, {digest.hexdigest()}"
 

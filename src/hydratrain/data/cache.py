@@ -11,7 +11,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def build_lock(out: Path) -> Iterator[None]:
 def write_manifest(out: Path, meta: dict, files: Sequence[str], digest: Sequence[str] = ()) -> None:
     """Write ``out/meta.json`` (``meta`` plus ``"files"``: each of ``files``' byte size, and the SHA-256 of those in
     ``digest``), last and atomically: it marks the cache complete and is what :func:`cache_fault` checks."""
-    record = {}
+    record: dict[str, dict[str, Any]] = {}
     for name in files:
         record[name] = {"bytes": (out / name).stat().st_size}
         if name in digest:

@@ -24,7 +24,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, cast
 
 import numpy as np
 
@@ -78,7 +78,7 @@ def builder(data_cfg, files: list[Path]) -> str:
         raise ConfigError("data.format", None, f"cannot tell from the files' extensions "
                           f"({', '.join(sorted({f.suffix or '(none)' for f in files}))}); set data.format: "
                           f"{', '.join(sorted(set(FORMATS.values())))}")
-    return kinds.pop()
+    return cast(str, kinds.pop())  # (None is not among them)
 
 
 def _listing(files: dict[str, list[Path]]) -> list:

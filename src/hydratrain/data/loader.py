@@ -41,7 +41,7 @@ def is_dataset_node(data: Any) -> bool:
 
 
 def _kwargs(data: DictConfig) -> dict:
-    plain = OmegaConf.to_container(data, resolve=True)
+    plain: Any = OmegaConf.to_container(data, resolve=True)
     return {k: v for k, v in plain.items() if k not in LOADER_KEYS and not k.startswith("_")}
 
 
@@ -86,8 +86,9 @@ def load_datasets(data: DictConfig) -> dict:
 
     target = target_of(data, "data")
     importable()
-    node = {"_target_": target, **{k: v for k, v in OmegaConf.to_container(data, resolve=True).items()
-                                   if k.startswith("_") and k != "_target_"}, **_kwargs(data)}
+    # (to_container of a DictConfig: a dict with str keys)
+    node = {"_target_": target, **{k: v for k, v in OmegaConf.to_container(data, resolve=True).items()  # type: ignore[union-attr]
+                                   if k.startswith("_") and k != "_target_"}, **_kwargs(data)}  # type: ignore[union-attr,arg-type]
     made = instantiate_node(node, "data._target_", target, "raised")
     expected = ("return {'train': Dataset, 'val': Dataset} ('validation' as Hugging Face names it; a 'test' Dataset "
                 "may be beside them) or one Dataset (split by data.val_fraction)")
@@ -177,14 +178,15 @@ def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
     s = DataSettings.of(data)
     collate = build_callable(s.collate_fn, "data.collate_fn", supplied=1) if s.collate_fn is not None else None
     pin = s.pin_memory if s.pin_memory is not None else device.type == "cuda"
-    extra = {"prefetch_factor": s.prefetch_factor} if s.prefetch_factor is not None else {}
+    extra: dict[str, Any] = {"prefetch_factor": s.prefetch_factor} if s.prefetch_factor is not None else {}
     persistent = bool(s.persistent_workers) and s.num_workers > 0
 
     seeded = _SeededBatches(dataset, seed)
     kept: dict = {}  # the persistent loader ("loader", its sampler "lists") and whether a call iterates it ("busy")
 
     def loader_of(lists: "_Lists", keep: bool) -> DataLoader:
-        return DataLoader(seeded, batch_sampler=lists, collate_fn=collate, num_workers=s.num_workers,
+        # (seeded: a map-style dataset by duck typing, no torch Dataset subclass)
+        return DataLoader(seeded, batch_sampler=lists, collate_fn=collate, num_workers=s.num_workers,  # type: ignore[arg-type]
                           pin_memory=pin, persistent_workers=keep, generator=torch.Generator().manual_seed(seed),
                           **extra)
 

@@ -118,10 +118,14 @@ class ShardedBatches:
                              f"data{' or a smaller data.seq_len' if fetch is None else ''}")
         self.dataset, self.batch_size, self.device, self.fetch = dataset, batch_size, device, fetch
         self.rank, self.world_size, self.seed, self.strict_position = rank, world_size, seed, strict_position
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,
-                                          drop_last=True)
+        # (a sampler reads only the dataset's len(): TokenDataset is no torch Dataset, the corpus helpers need no torch)
+        self.sampler: DistributedSampler[int] = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed,  # type: ignore[arg-type]
+            drop_last=True)
         # The global order: the same permutation the per-rank samplers slice, independent of world_size.
-        self.order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=True)
+        self.order: DistributedSampler[int] = DistributedSampler(
+            # (as above): why the ignore below
+            dataset, num_replicas=1, rank=0, shuffle=shuffle, seed=seed, drop_last=True)  # type: ignore[arg-type]
         self.epoch_samples = len(self.sampler) * world_size  # samples of the order used per epoch
         self.state = LoaderState()
         self.batches_per_epoch = len(self.sampler) // batch_size
@@ -264,7 +268,8 @@ class EvalBatches:
         self.dataset, self.batch_size, self.rank, self.world_size, self.device = (dataset, batch_size, rank,
                                                                                   world_size, device)
         self.fetch = fetch
-        order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+        order: DistributedSampler[int] = DistributedSampler(
+            dataset, num_replicas=1, rank=0, shuffle=True, seed=0)  # type: ignore[arg-type]  # (reads its len())
         order.set_epoch(0)
         self.order = list(order)[:n_samples or None]
         self.n_samples = len(self.order)

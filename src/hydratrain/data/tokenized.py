@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import numpy as np
 
@@ -106,13 +106,13 @@ def open_token_bin(path: Path, dtype: Optional[str] = None, key: str = "data.tra
         if size != offset + count * np.dtype(dtype).itemsize:
             raise ConfigError(key, str(path), f"its llm.c header says {count} {dtype} tokens "
                               f"({offset + count * np.dtype(dtype).itemsize} bytes) but the file has {size} bytes")
-    dtype = np.dtype(dtype or "uint16").newbyteorder("<")
-    if (size - offset) % dtype.itemsize:
+    tokens = np.dtype(dtype or "uint16").newbyteorder("<")
+    if (size - offset) % tokens.itemsize:
         raise ConfigError(key, str(path), f"{size - offset} bytes of tokens is not a multiple of "
-                          f"data.dtype={dtype.name}'s {dtype.itemsize}")
+                          f"data.dtype={tokens.name}'s {tokens.itemsize}")
     if size == offset:
         raise ConfigError(key, str(path), "holds no tokens")
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=((size - offset) // dtype.itemsize,))
+    return np.memmap(path, dtype=tokens, mode="r", offset=offset, shape=((size - offset) // tokens.itemsize,))
 
 
 def max_token_id(tokens: np.ndarray, sample: Optional[int] = SAMPLE_TOKENS) -> int:
@@ -255,6 +255,7 @@ def build_token_cache(files: Sequence[Path], root: Path, val_fraction: float, to
         log.info("tokenizing %.1f MB into %s (once; cached) ...", total / 1e6, out)  # (said also off a tty)
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"tokenizing into {out}",
                    disable=None if progress else True)  # None: only on a terminal
+        replaced: dict[Any, Any]
         t0, counts, replaced = time.perf_counter(), {}, {}
         for split, segments in splits.items():
             tmp, n = out / f"{split}.bin.tmp{os.getpid()}", 0
@@ -383,7 +384,7 @@ def load_token_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: boo
         log.info("data=token_bin: train %d tokens (%s), val %d tokens (%s), %s", len(splits["train"]),
                  data_cfg.train_path, len(splits["val"]), data_cfg.val_path, splits["train"].dtype.name)
         return splits
-    tokenizer = tokenizer_for(data_cfg, launch_dir, progress, files, cache_dir)
+    tokenizer = cast(TextTokenizer, tokenizer_for(data_cfg, launch_dir, progress, files, cache_dir))  # (one for these)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError("model.vocab_size", vocab_size, f"smaller than the tokenizer's {tokenizer.vocab_size} "
                           f"tokens ({tokenizer.path}); allowed: >= {tokenizer.vocab_size}")

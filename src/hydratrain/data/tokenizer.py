@@ -21,7 +21,7 @@ import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -43,7 +43,7 @@ class TextTokenizer:
     """
 
     path: Path
-    tok: object = field(repr=False)  # tokenizers.Tokenizer
+    tok: Any = field(repr=False)  # tokenizers.Tokenizer (untyped package)
     sha: str = ""
 
     @property
@@ -139,7 +139,8 @@ def read_pieces(path: Path, start: int = 0, stop: Optional[int] = None, piece_by
             room = None if stop is None else stop - pos - len(chunk)
             if room is None or room > 0:
                 chunk += fh.readline(piece_bytes if room is None else min(piece_bytes, room))
-                while (room is None or pos + len(chunk) < stop) and 0x80 <= (fh.peek(1)[:1] or b"\0")[0] < 0xC0:
+                # (stop is set where room is): why the ignore below
+                while (room is None or pos + len(chunk) < stop) and 0x80 <= (fh.peek(1)[:1] or b"\0")[0] < 0xC0:  # type: ignore[operator]
                     chunk += fh.read(1)  # finish a UTF-8 character cut by the length limit
             pos += len(chunk)
             text = chunk.decode("utf-8", errors="replace")

@@ -4,7 +4,7 @@ without a process group (or with one rank) they return their input.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,7 @@ def unlike_rank0(label: str, fingerprint: str) -> Optional[tuple[int, list]]:
     without a process group. The same answer on every rank, so each can raise the same error."""
     if _group_size() <= 1:
         return None
-    every = [None] * _group_size()
+    every: list[Any] = [None] * _group_size()
     dist.all_gather_object(every, (label, fingerprint))
     other = next((r for r, theirs in enumerate(every) if theirs[1] != every[0][1]), None)
     return None if other is None else (other, every)

@@ -137,12 +137,12 @@ class _DropsWhenUnwritable:
 
     def emit(self, record: logging.LogRecord) -> None:
         if not self.failed:
-            super().emit(record)
+            super().emit(record)  # type: ignore[misc]  # a mixin: the handler class it is mixed into
 
     def handleError(self, record: logging.LogRecord) -> None:
         err = sys.exc_info()[1]
         if not isinstance(err, OSError):
-            super().handleError(record)
+            super().handleError(record)  # type: ignore[misc]  # (the mixed-in handler's)
             return
         if not self.failed:
             self.failed = True

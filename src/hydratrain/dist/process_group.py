@@ -29,7 +29,7 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from hydratrain.checkpoint.preemption import hold_sigterm
 from hydratrain.dist.env import DistInfo, allowed_cores, dist_info
@@ -311,7 +311,7 @@ class FailureWatch:
             return
         neighbour = (self.rank + 1) % self.world_size
         last_seen, last_change, store_ok = None, time.monotonic(), time.monotonic()
-        gone_since = None  # when this rank's launcher was first seen gone
+        gone_since: Any = None  # when this rank's launcher was first seen gone (a float from then on)
         while not self._stop.wait(self.poll_s):
             now = time.monotonic()
             who = launcher_gone()
@@ -445,7 +445,7 @@ _LOST_PEER = ("connection reset by peer", "connection closed by peer", "communic
               "remote process exited")
 
 
-def lost_a_peer(err: BaseException) -> bool:
+def lost_a_peer(err: Optional[BaseException]) -> bool:
     """Whether ``err`` (or an error it was raised from) is a collective failing because a peer went away:
     ``torch.distributed.DistNetworkError``, or a RuntimeError carrying gloo's or NCCL's message for it ("Connection
     reset by peer", "Connection closed by peer", ...). Such an error is this rank's symptom, not its failure."""

@@ -316,7 +316,8 @@ def _of_another_trial(run_dir: Path, root: Any) -> bool:
     from hydratrain.checkpoint.manager import other_trial
 
     task = OmegaConf.masked_copy(root, [k for k in root if k != "hydra"])
-    return bool(other_trial(record, OmegaConf.to_container(task, resolve=True, enum_to_str=True),
+    # (a DictConfig's container: a dict): why the ignore below
+    return bool(other_trial(record, OmegaConf.to_container(task, resolve=True, enum_to_str=True),  # type: ignore[arg-type]
                             list(hydra_cfg.overrides.task)))
 
 

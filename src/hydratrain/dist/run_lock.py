@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 log = logging.getLogger(__name__)
 _HELD: list = []  # the RunDirLocks this process holds now
@@ -134,7 +134,7 @@ def left_behind(holder: dict, me: dict, age_s: float, pid_alive: Callable[[int],
     recorded start time: a pid reused, as in a restarted container); a lock without a start time (written by the
     previous version, or where there is no /proc) is judged by the pid alone. A holder proven to be the same
     process (its start time) keeps the lock whatever its age: a stopped job does not refresh it."""
-    pid = holder.get("pid")
+    pid: Any = holder.get("pid")
     if holder.get("host") == me["host"] and isinstance(holder.get("dir_ino"), int) and \
             isinstance(me.get("dir_ino"), int) and holder["dir_ino"] != me["dir_ino"]:
         # a run dir copied with `cp -a` while its run goes on is not held by that run
@@ -291,7 +291,7 @@ def held_by_another(run_dir: Path) -> bool:
 _HOLDS = 0  # run dirs this process has held (a sweep inside each rank holds one per job, in the same order)
 
 
-def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, which: str = "",
+def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, which: str = "", *,
                  prepare: Optional[Callable[[], None]] = None, config: Optional[dict] = None) -> Optional[RunDirLock]:
     """Rank 0 takes ``run_dir``'s lock; through the launch's store every rank learns the outcome and checks that it
     resolved the same run dir as rank 0, so that all ranks raise the same error. Returns the lock on rank 0, None
@@ -309,6 +309,7 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
     global _HOLDS
     from hydratrain.errors import ConfigError
 
+    differs: Any
     lock, problem, differs = None, "", None
     if info.rank == 0:
         try:

@@ -179,6 +179,8 @@ class GPT(nn.Module):
     #: written with other values is refused (:meth:`architecture`)
     ARCHITECTURE_KEYS = ("d_model", "n_layer", "n_head", "n_kv_head", "d_ff", "tie_embeddings", "rope_theta",
                          "norm_eps")
+    rope_cos: torch.Tensor  # the rotary tables: buffers (register_buffer), not parameters
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: Optional[GPTConfig] = None, **kwargs):
         super().__init__()

@@ -86,7 +86,7 @@ def items(cfg: GPTConfig) -> tuple:
 def param_shapes(m: GPTConfig) -> list[tuple[str, tuple]]:
     """(name, shape) of every parameter of ``hydratrain.models.GPT(m)``, tied weights once, in its order."""
     d, hd = m.d_model, m.head_dim
-    shapes = [("tok_emb.weight", (m.vocab_size, d))]
+    shapes: list[tuple[str, tuple]] = [("tok_emb.weight", (m.vocab_size, d))]
     for i in range(m.n_layer):
         p = f"blocks.{i}."
         shapes += [(p + "attn_norm.weight", (d,)), (p + "attn.wq.weight", (m.n_head * hd, d)),
@@ -161,6 +161,7 @@ def predict(s: Setup) -> Plan:
     emb = m.vocab_size * m.d_model * p_bytes  # the embedding's gradient, computed in its backward
     accum = s.grad_accum_steps > 1
     on_device = not (s.cpu_offload and s.device == "cuda")  # FSDP offload moves shards to host memory
+    parts_static: dict
     notes, parts_static = {}, {}
 
     if s.shards:

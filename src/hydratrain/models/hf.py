@@ -36,7 +36,7 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
 from hydratrain.errors import ConfigError
 
@@ -86,7 +86,8 @@ def _read_config(path: Path, key: str):
 def _allowed_keys(config_class: type) -> list[str]:
     import inspect
 
-    names = [n for n in inspect.signature(config_class.__init__).parameters if n not in ("self", "kwargs")]
+    names = [n for n in inspect.signature(config_class.__init__).parameters  # type: ignore[misc]  # (a class's)
+             if n not in ("self", "kwargs")]
     return sorted(set(names) | set(getattr(config_class, "attribute_map", {}) or {}))
 
 
@@ -114,7 +115,7 @@ def hf_config(config: Union[None, str, dict], pretrained: Optional[str]) -> Any:
     if base is None and "model_type" not in given:
         raise ConfigError("model.config.model_type", None, "the architecture is needed (llama, gpt2, mistral, qwen2, "
                           "...), or model.pretrained=DIR or model.config=DIR with a config.json")
-    model_type = given.pop("model_type", None) or base.model_type
+    model_type = given.pop("model_type", None) or base.model_type  # type: ignore[union-attr]  # (base: given)
     if model_type not in CONFIG_MAPPING:
         close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=4)
         raise ConfigError("model.config.model_type", model_type, "unknown to transformers "
@@ -151,7 +152,7 @@ class PretrainedWeights:
         self.dir = Path(directory).expanduser()
         if (self.dir / WEIGHTS).is_file():
             files = {self.dir / WEIGHTS}
-            self.where = {}
+            self.where: dict[str, Any] = {}
         elif (self.dir / INDEX).is_file():
             try:
                 weight_map = json.loads((self.dir / INDEX).read_text())["weight_map"]
@@ -247,8 +248,15 @@ class HFCausalLM:
     :func:`causal_lm`): the per-parameter init protocol (:meth:`init_param_`, :meth:`init_buffers`), reading
     ``model.pretrained``'s weights in it, and :meth:`export_to`. ``_hf_class`` is the architecture's own class."""
 
-    _hf_class: type = None  # set on each mixed class
+    _hf_class: Any = None  # set on each mixed class
     _hydratrain_weights: Optional[PretrainedWeights] = None  # model.pretrained's, read by init_param_
+
+    if TYPE_CHECKING:  # what the transformers class it is mixed into (a PreTrainedModel) provides
+        config: Any
+        initialize_weights: Callable[[], None]
+        named_buffers: Callable[..., Iterator[tuple[str, Any]]]
+        state_dict: Callable[..., dict[str, Any]]
+        get_parameter: Callable[[str], Any]
 
     @property
     def max_seq_len(self) -> Optional[int]:
@@ -266,7 +274,7 @@ class HFCausalLM:
         if self._hydratrain_weights is not None:
             names = self._names_of(name)
             key = self._hydratrain_weights.key_for(names, getattr(self, "base_model_prefix", "") or "")
-            tensor.copy_(self._hydratrain_weights.read(key))
+            tensor.copy_(self._hydratrain_weights.read(key))  # type: ignore[arg-type]  # (None fails in read)
             return
         with _only_this(self, name, tensor), _forked_rng(tensor.device):
             torch.manual_seed(generator.initial_seed())
@@ -306,7 +314,7 @@ class HFCausalLM:
         return export_pretrained(self.config, self._hf_class, state_dict, out_dir, tokenizer)
 
 
-def export_pretrained(config, hf_class: type, state_dict: dict, out_dir: Union[str, Path],
+def export_pretrained(config, hf_class: type[Any], state_dict: dict, out_dir: Union[str, Path],
                       tokenizer: Optional[Union[str, Path]] = None) -> Path:
     """:meth:`HFCausalLM.export_to` for an architecture's ``config`` and class (a copy built on meta does the
     writing, so a sharded or wrapped model is never asked for its tensors)."""
@@ -391,7 +399,7 @@ def _only_this(model, name: Optional[str], tensor) -> Iterator[None]:
             m.__dict__.pop("_is_hf_initialized", None)
 
 
-def _mixed(hf_class: type) -> type:
+def _mixed(hf_class: type) -> type[Any]:
     """``hf_class`` with :class:`HFCausalLM` mixed in, under the same name and module (so ``save_pretrained``
     records the architecture's own class and ``transformers`` treats it as its own), made once per class."""
     if hf_class not in _CLASSES:

@@ -210,7 +210,7 @@ class CompileClock:
                          "step to compare)", self.compiled, seconds)
                 self.done = True
             return
-        self.compile_s = max(0.0, self.first - seconds)
+        self.compile_s = max(0.0, self.first - seconds)  # type: ignore[operator]  # (set at index 0)
         log.info("torch.compile: compiled %s; first step %.2f s, second %.3f s: about %.1f s of compilation",
                  self.compiled, self.first, seconds, self.compile_s)
         self.done = True

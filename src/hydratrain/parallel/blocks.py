@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from torch import nn
+
+from hydratrain.protocols import no_split_module_names
 
 
 @dataclass
@@ -73,14 +75,13 @@ def _outermost(model: nn.Module, matches) -> list[nn.Module]:
 
 
 def _no_split_names(model: nn.Module) -> list[str]:
-    names = getattr(model, "_no_split_modules", None)
-    return [str(n) for n in names] if names else []
+    return no_split_module_names(model)
 
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never a block
 
 
-def largest_module_list(model: nn.Module) -> Optional[nn.Module]:
+def largest_module_list(model: nn.Module) -> Optional[Union[nn.ModuleList, nn.Sequential]]:
     """The ``nn.ModuleList`` or ``nn.Sequential`` of ``model`` holding the most parameters in its children, among
     those whose children are all of one class that is neither a container (:data:`CONTAINERS`) nor
     ``nn.Sequential`` (a generic class: as a block class it would match every ``nn.Sequential``), or None when it has

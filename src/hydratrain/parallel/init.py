@@ -30,10 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 from torch import nn
+
+from hydratrain.protocols import has_init_buffers, has_init_param, has_init_weights, reset_parameters_of
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")  # activation checkpointing, torch.compile
 PER_PARAMETER, WHOLE_MODEL, PER_MODULE = "init_param_", "init_weights", "reset_parameters"
@@ -62,9 +68,9 @@ def generators(seed: int, device: torch.device) -> Callable[[str], torch.Generat
 
 def protocol(model: nn.Module) -> str:
     """Which init protocol ``model`` follows: :data:`PER_PARAMETER`, :data:`WHOLE_MODEL` or :data:`PER_MODULE`."""
-    if callable(getattr(model, PER_PARAMETER, None)):
+    if has_init_param(model):
         return PER_PARAMETER
-    if callable(getattr(model, WHOLE_MODEL, None)):
+    if has_init_weights(model):
         return WHOLE_MODEL
     return PER_MODULE
 
@@ -75,9 +81,9 @@ def protocol_of_class(cls: type) -> str:
     the protocol of that class; a factory without one counts as :data:`PER_MODULE`."""
     if not isinstance(cls, type):
         cls = returned_class(cls) or cls
-    if callable(getattr(cls, PER_PARAMETER, None)):
+    if has_init_param(cls):
         return PER_PARAMETER
-    if callable(getattr(cls, WHOLE_MODEL, None)):
+    if has_init_weights(cls):
         return WHOLE_MODEL
     return PER_MODULE
 
@@ -96,10 +102,7 @@ def returned_class(factory: Callable) -> Optional[type]:
 def _reset_of(module: nn.Module) -> Optional[Callable[[], None]]:
     """The module's ``reset_parameters()``, or ``nn.MultiheadAttention``'s ``_reset_parameters()`` (the one
     ``torch.nn`` layer that names it so), or None."""
-    reset = getattr(module, "reset_parameters", None)
-    if not callable(reset) and isinstance(module, nn.MultiheadAttention):
-        reset = module._reset_parameters
-    return reset if callable(reset) else None
+    return reset_parameters_of(module)
 
 
 def _owns_state(module: nn.Module) -> bool:
@@ -117,11 +120,11 @@ def uninitialisable(model: nn.Module) -> list[str]:
             and not hasattr(m, "_checkpoint_wrapped_module")]
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeIs[DTensor]:
     return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
-def _local_slice(p: torch.Tensor):
+def _local_slice(p: DTensor):
     """The index of ``p``'s local shard within its full tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -134,8 +137,8 @@ def _full_parameters(modules: list[nn.Module]) -> Iterator[None]:
     """Every DTensor parameter registered directly on ``modules`` replaced by a full-size plain Parameter (fresh
     storage on the shard's device) for the duration, then each rank's slice copied into its shard and the DTensor put
     back. Plain parameters are left in place. Tied parameters stay tied (one full tensor for one parameter)."""
-    lent: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}
-    where: list[tuple[nn.Module, str, torch.Tensor]] = []
+    lent: dict[int, tuple[DTensor, nn.Parameter]] = {}
+    where: list[tuple[nn.Module, str, nn.Parameter]] = []
     for module in modules:
         for name, p in module._parameters.items():
             if p is None or not _is_dtensor(p):
@@ -150,8 +153,8 @@ def _full_parameters(modules: list[nn.Module]) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
-            for p, full in lent.values():
-                p.to_local().copy_(full[_local_slice(p)])
+            for shard, full in lent.values():
+                shard.to_local().copy_(full[_local_slice(shard)])
         for module, name, p in where:
             module._parameters[name] = p
 
@@ -228,7 +231,7 @@ def initialise(model: nn.Module, seed: int, device: torch.device, built_on_meta:
 
 def _initialise(model: nn.Module, seed: int, device: torch.device, built_on_meta: bool) -> Optional[str]:
     kind = protocol(model)
-    if kind == PER_PARAMETER:
+    if kind == PER_PARAMETER and has_init_param(model):
         for name, p in model.named_parameters():
             local = p.to_local() if _is_dtensor(p) else p
             gen = torch.Generator(device=local.device).manual_seed(param_seed(seed, name))
@@ -238,10 +241,10 @@ def _initialise(model: nn.Module, seed: int, device: torch.device, built_on_meta
                 local.copy_(full[_local_slice(p)])
             else:
                 model.init_param_(name, p, gen)
-        if callable(getattr(model, "init_buffers", None)):
+        if has_init_buffers(model):
             model.init_buffers()
         return None
-    if kind == WHOLE_MODEL:
+    if kind == WHOLE_MODEL and has_init_weights(model):
         with _seeded(seed, device), _full_parameters(list(model.modules())):
             model.init_weights()
         return "initialised by its init_weights()"

@@ -127,7 +127,7 @@ class Precision:
         if torch.cuda.is_available():
             mode = "tf32" if self.tf32 else "ieee"
             torch.backends.cuda.matmul.fp32_precision = mode
-            torch.backends.cudnn.conv.fp32_precision = mode
+            torch.backends.cudnn.conv.fp32_precision = mode  # type: ignore[attr-defined]  # torch 2.9+, no stub
 
     def autocast(self, device: torch.device) -> ContextManager:
         """``torch.autocast`` to the compute dtype (a no-op for fp32). For strategies that do not cast parameters."""

@@ -218,7 +218,7 @@ class Strategy:
         """Global L2 norm of all gradients (over all ranks and shards), before clipping; clips to ``max_norm`` when
         it is > 0. Returns the norm as a 0-d float tensor on ``device``."""
         params = [p for p in model.parameters() if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]  # (all of them: params have a grad)
         # foreach on every device that has the kernels: torch picks it by itself only for plain tensors, so FSDP's
         # DTensor gradients would otherwise take one Python-dispatched op per tensor for the norm and the scaling
         foreach = True if grads and grads[0].device.type in ("cpu", "cuda") else None
@@ -306,7 +306,8 @@ class DDP(Strategy):
         it) unless ``strategy.find_unused_parameters=true``. Raises :class:`ConfigError` naming the parameters."""
         if self.cfg.strategy.find_unused_parameters:
             return
-        unused = [n for n, p in model.module.named_parameters() if p.requires_grad and p.grad is None]
+        unused = [n for n, p in model.module.named_parameters()  # type: ignore[union-attr]  # (DDP's module)
+                  if p.requires_grad and p.grad is None]
         if unused:
             shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
             raise ConfigError("strategy.find_unused_parameters", False, f"{shown} got no gradient in the first step "
@@ -320,7 +321,8 @@ class DDP(Strategy):
         message = str(err)
         if self.cfg.strategy.find_unused_parameters or "Expected to have finished reduction" not in message:
             return super().explain(model, err, step)
-        trained = [n for n, p in model.module.named_parameters() if p.requires_grad]
+        # (DDP's module): why the ignore below
+        trained = [n for n, p in model.module.named_parameters() if p.requires_grad]  # type: ignore[union-attr]
         found = re.search(r"did not receive grad for rank \d+: ([\d ,]+)", message)
         indices = [int(i) for i in re.findall(r"\d+", found.group(1))] if found else []
         unused = [trained[i] for i in indices if i < len(trained)]

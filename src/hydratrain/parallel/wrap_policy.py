@@ -95,7 +95,7 @@ def mixed_dtypes(model: nn.Module, units: list[nn.Module], ignored: set[int]) ->
             counts[p.dtype] = counts.get(p.dtype, 0) + 1
         if len(counts) < 2:
             continue
-        common = max(counts, key=counts.get)
+        common = max(counts, key=lambda dtype: counts[dtype])
         odd = [f"{names[id(p)]} ({str(p.dtype).removeprefix('torch.')})" for p in params if p.dtype != common]
         where = "the root unit" if unit is model else f"the unit {type(unit).__name__}"
         shown = ", ".join(odd[:4]) + (f" and {len(odd) - 4} more" if len(odd) > 4 else "")

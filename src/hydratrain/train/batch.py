@@ -14,7 +14,7 @@ count, so an optimizer step's loss is the mean over all its targets, whatever th
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, ContextManager, Mapping, Optional
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ def rebuilt(value: Any, items: Any) -> Any:
     return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
 
 
-def targets_of(batch: Any) -> Optional[Any]:
+def targets_of(batch: Any) -> Any:
     """The targets of ``batch``: the second item of a pair, ``labels`` of a dict (None when absent)."""
     if isinstance(batch, Mapping):
         return batch.get("labels")
@@ -66,7 +66,7 @@ def unseen_outputs(outputs: Any) -> list:
     if isinstance(outputs, torch.Tensor) or builtin_loss(outputs) is not None or prediction(outputs) is outputs:
         return []
     if isinstance(outputs, Mapping):
-        items = outputs.items()
+        items: Iterable[tuple[Any, Any]] = outputs.items()
     elif dataclasses.is_dataclass(outputs):
         items = ((f.name, getattr(outputs, f.name)) for f in dataclasses.fields(outputs))
     else:
@@ -105,6 +105,7 @@ def zero_weight_ignored(loss_fn: Callable, targets: Any) -> Any:
             and targets.dtype != torch.bool and not getattr(loss_fn, "label_smoothing", 0.0)
             and getattr(loss_fn, "reduction", "mean") == "mean"):
         return targets
+    zero: Optional[torch.Tensor]
     if loss_fn not in _ZERO_WEIGHT:  # (the loss module -> its classes of weight 0, or None)
         zero = weight.detach() == 0
         _ZERO_WEIGHT[loss_fn] = zero if bool(zero.any()) else None

@@ -245,12 +245,13 @@ class Evaluator:
             counted.update(items)
             self._metrics_only(outputs, batch, None)
         model.train(was_training)
+        out: dict[str, float]
         total, out = counted.compute(), {}
         if total.item() > 0:  # the same on every rank: the sums are synchronised
-            loss = (loss_sum.compute() / total).item()
-            out["loss"] = loss
+            mean = (loss_sum.compute() / total).item()
+            out["loss"] = mean
             if self.perplexity:
-                out["perplexity"] = math.exp(loss) if math.isfinite(loss) and loss < 700 else math.inf
+                out["perplexity"] = math.exp(mean) if math.isfinite(mean) and mean < 700 else math.inf
         elif not self._warned_no_target:
             self._warned_no_target = True
             n = getattr(self.batches, "n_samples", "the")

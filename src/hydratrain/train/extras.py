@@ -7,10 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from hydratrain import components
 from hydratrain.checkpoint.manager import CheckpointManager
+from hydratrain.config.settings import node_dict
 from hydratrain.optim import steps_per_evaluation
 from hydratrain.train.best_checkpoints import BestCheckpoints
 from hydratrain.train.callbacks import Callback, Callbacks, RunView
@@ -25,7 +26,7 @@ def user_callbacks(cfg: DictConfig) -> dict[str, Any]:
         key = f"callbacks.{name}"
         target = components.target_of(node, key)
         components.importable()
-        plain = OmegaConf.to_container(node, resolve=True)
+        plain = node_dict(node)
         built[str(name)] = components.instantiate_node(plain, f"{key}._target_", target, "raised")
     return built
 

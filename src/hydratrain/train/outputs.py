@@ -14,7 +14,7 @@ import time
 import unicodedata
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     (``model.d_model``, a user model's ``model.hidden``), ``data`` and ``loss``."""
     from hydratrain import components
 
-    out = {"model": components.model_name(cfg)}
+    out: dict[str, Any] = {"model": components.model_name(cfg)}
     for key, value in components.model_kwargs(cfg).items():
         if value is None or isinstance(value, (int, float, str, bool)):
             out[f"model.{key}"] = value
@@ -90,14 +90,14 @@ def model_config_json(cfg: DictConfig, vocab_size: Optional[int]) -> str:
 def model_files(cfg: DictConfig, vocab_size: Optional[int], tokenizer) -> dict:
     """Files every checkpoint carries besides the tensors: ``model.json`` (:func:`model_config_json`) and, for
     subword data, ``tokenizer.json`` (the path of the file to copy)."""
-    files = {"model.json": model_config_json(cfg, vocab_size)}
+    files: dict[str, Any] = {"model.json": model_config_json(cfg, vocab_size)}
     if tokenizer is not None:
         files["tokenizer.json"] = Path(tokenizer.path)
     return files
 
 
 def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Optional[dict] = None,
-                 export: Optional[tuple] = None) -> Optional[Path]:
+                 export: Optional[tuple[Any, Path, Optional[Path]]] = None) -> Optional[Path]:
     """Gather the full (unsharded) weights on rank 0 and write them to ``path`` as safetensors, atomically.
 
     Every rank must call (FSDP all-gathers). Keys are the model's own parameter names (no DDP/AC/compile prefixes);

@@ -29,7 +29,7 @@ import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -64,7 +64,7 @@ class StepLogger:
 
     def __init__(self, run_dir: Path, device: torch.device, tokens_per_step: int, flops_per_token: float,
                  peak_flops_total: float, log_every: int, max_steps: int, is_main: bool, tensorboard: bool,
-                 progress_bar: bool, progress: Optional[object] = None, unit: str = "tokens",
+                 progress_bar: bool, progress: Optional[Any] = None, unit: str = "tokens",
                  tokens_per_sample: int = 1):
         self.progress = progress if progress is not None else SimpleNamespace(window_loss_sum=0.0, window_steps=0)
         self.unit, self.tokens_per_sample = unit, tokens_per_sample

@@ -22,7 +22,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -131,7 +131,8 @@ class Trainer:
         self._contract_checked = False
         self._stage, self._outputs = "forward", None  # where loss_of is, for the first batch's error line
         self._own_loss: Optional[bool] = None  # whether the model returns its own loss (seen at the first forward)
-        self._counter = None  # batches_.item_counter's rule, decided after the first forward
+        # batches_.item_counter's rule, decided after the first forward
+        self._counter: Optional[Callable[[Any], torch.Tensor]] = None
         self.callbacks = callbacks if callbacks is not None else Callbacks({}, device)
         self._evaluated: tuple = (None, {})  # (step, values) of the latest evaluation
         self._plateau = steps_per_evaluation(scheduler)
@@ -200,7 +201,7 @@ class Trainer:
         from torch.distributed.utils import _apply_to_tensors
 
         found: list = []
-        _apply_to_tensors(lambda x: found.append(x) or x, outputs)
+        _apply_to_tensors(lambda x: found.append(x) or x, outputs)  # type: ignore[func-returns-value]  # (keeps x)
         if not found:
             raise ConfigError("model._target_", self.contract[0], f"its forward returns a {type(outputs).__name__}, "
                               "whose tensors FSDP cannot see (it walks tensors, lists, tuples, dicts and dataclasses): "
@@ -349,11 +350,11 @@ class Trainer:
                 self.scaler.step(self.optimizer)  # drops a non-finite update itself
                 self.scaler.update()
         elif self._guard_on_device:
-            self.optimizer.found_inf = skip  # as torch.amp.GradScaler hands it to a fused optimizer
+            self.optimizer.found_inf = skip  # type: ignore[attr-defined]  # as GradScaler hands it to a fused optimizer
             try:
                 self.optimizer.step()
             finally:
-                del self.optimizer.found_inf
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
         else:
             self.read_guard(self.progress.step + 1)  # this optimizer cannot drop an update on the device
             if not bool(skip):
