@@ -548,6 +548,15 @@ class EarlyStoppingConfig:
 
 
 @dataclass
+class EMAConfig:
+    """An exponential moving average of the trainable weights (``hydratrain.train.ema``); off while ``decay`` is
+    null."""
+
+    decay: Optional[float] = None  # in (0, 1), e.g. 0.999; null = no EMA
+    warmup_steps: int = 0  # the decay ramps linearly from 0 to `decay` over these steps (0: `decay` from step 1)
+
+
+@dataclass
 class TrainerConfig:
     max_steps: Optional[int] = 300  # optimizer steps; null = until max_epochs
     max_epochs: Optional[int] = None  # passes over the train split; null = until max_steps
@@ -572,6 +581,7 @@ class TrainerConfig:
     # evaluation that was best by checkpoint.monitor and checkpoint.mode; monitor null = objective itself)
     objective_at: ObjectiveAt = ObjectiveAt.last
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    ema: EMAConfig = field(default_factory=EMAConfig)
 
 
 @dataclass
