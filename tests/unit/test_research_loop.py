@@ -158,6 +158,10 @@ def test_a_bad_ema_setting_or_an_eval_ema_monitor_without_an_ema_is_one_config_l
         "hydratrain: config error: checkpoint.monitor='eval_ema/loss': names no metric the evaluation logs; allowed: "
         "eval/loss, eval/accuracy (eval_ema/* is logged with an EMA of the weights: set trainer.ema.decay, e.g. "
         "0.999)"], r.output
+    r = cli([*QUICK, "trainer.ema.decay=0.99", "+callbacks.ema._target_=mypkg.cb.Count"], own / "name", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: callbacks.ema._target_='mypkg.cb.Count': callbacks.ema is the name of trainer.ema's "
+        "own callback (trainer.ema.decay is set): give yours another name"], r.output
 
 
 def test_the_ema_update_its_warm_up_and_the_swap_that_leaves_the_weights_bit_for_bit():

@@ -450,6 +450,9 @@ def _check_loop_extras(cfg: DictConfig) -> None:
         raise ConfigError("trainer.ema.decay", ema.decay, "must be in (0, 1), e.g. 0.999 (null: no EMA)")
     if ema.warmup_steps < 0:
         raise ConfigError("trainer.ema.warmup_steps", ema.warmup_steps, "must be >= 0 (steps)")
+    if ema.decay is not None and "ema" in (cfg.get("callbacks") or {}):
+        raise ConfigError("callbacks.ema._target_", cfg.callbacks.ema.get("_target_"), "callbacks.ema is the name of "
+                          "trainer.ema's own callback (trainer.ema.decay is set): give yours another name")
     stop = cfg.trainer.early_stopping
     if stop.patience < 1:
         raise ConfigError("trainer.early_stopping.patience", stop.patience, "must be >= 1 (evaluations)")
