@@ -1,5 +1,6 @@
 """EMA weights across processes (``trainer.ema``): sharded under FSDP on 2 gloo ranks, the EMA is the one-process
-run's; checkpointed as DTensor shards and resumed, it is the uninterrupted run's bit for bit.
+run's; checkpointed as DTensor shards, it loads into one process exactly and a resumed run's is the uninterrupted
+run's bit for bit.
 
 The 2-rank runs are the jobs of one sweep inside 2 torchrun ranks: ``straight`` (20 steps) and ``first_half`` (the
 same run to step 10, with its checkpoint there), which the resume test then relaunches in its own dir to step 20. The
@@ -8,6 +9,8 @@ size (shards of 19 and 18 rows). SGD, not AdamW: AdamW's normalised update turns
 differences of the weights themselves, SGD keeps them at rounding level, so the EMAs compare at 1e-6.
 """
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -29,6 +32,9 @@ def ema_runs(tmp_path_factory, cache_dir):
     (base / "conf" / "optim" / "sgd.yaml").write_text(SGD)
     sweep = sweep_runs({"straight": FSDP, "first_half": [*FSDP, "trainer.max_steps=10"]}, base,
                        sweep_dir=base / "sweep", env={"HYDRATRAIN_CACHE": str(cache_dir)})
+    half = sweep.job("first_half")  # kept as they are at step 10 (the resume test goes on in that dir)
+    shutil.copytree(ckpt_of(half, 10), base / "step10")
+    shutil.copyfile(half / "model_ema.safetensors", base / "ema10.safetensors")
     return base, sweep
 
 
@@ -54,6 +60,12 @@ def test_the_ema_of_a_2_rank_fsdp_run_is_the_one_process_runs(ema_runs, cli):
     tb = tb_all(fsdp)
     assert sorted(tb["eval_ema/loss"]) == [10, 20] and tb["eval_ema/loss"][20] != tb["eval/loss"][20]
     assert tb["eval_ema/loss"][20] == pytest.approx(tb_all(base / "one")["eval_ema/loss"][20], abs=1e-5)
+    # the 2 ranks' EMA shards of step 10 resharded into one process (DCP): the same tensors, bit for bit
+    again = cli([*DEBUG, f"hydra.searchpath=[file://{base / 'conf'}]", *EMA, "strategy=single", "trainer.max_steps=10",
+                 f"checkpoint.resume_from={base / 'step10'}"], base / "resharded", fast=False)
+    assert again.returncode == 0, again.output[-3000:]
+    assert_same_tensors(load_weights(base / "ema10.safetensors"),
+                        load_weights(base / "resharded" / "model_ema.safetensors"), "the EMA of step 10, 2 ranks / 1")
 
 
 @pytest.mark.slow  # ~40 s here: the sweep above, then a 2-rank relaunch
