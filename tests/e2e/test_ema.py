@@ -38,7 +38,7 @@ def ema_runs(tmp_path_factory, cache_dir):
     return base, sweep
 
 
-@pytest.mark.slow  # ~1 min here: a 2-rank sweep of 2 jobs, then a one-process run
+@pytest.mark.slow  # 80-100 s here: a 2-rank sweep of 2 jobs (shared), then two one-process runs
 def test_the_ema_of_a_2_rank_fsdp_run_is_the_one_process_runs(ema_runs, cli):
     base, sweep = ema_runs
     fsdp = sweep.job("straight")
@@ -68,7 +68,7 @@ def test_the_ema_of_a_2_rank_fsdp_run_is_the_one_process_runs(ema_runs, cli):
                         load_weights(base / "resharded" / "model_ema.safetensors"), "the EMA of step 10, 2 ranks / 1")
 
 
-@pytest.mark.slow  # ~40 s here: the sweep above, then a 2-rank relaunch
+@pytest.mark.slow  # 30-55 s here after the shared sweep: a 2-rank relaunch
 def test_a_resumed_run_has_the_uninterrupted_runs_ema_bit_for_bit(ema_runs, cache_dir):
     base, sweep = ema_runs
     straight, half = sweep.job("straight"), sweep.job("first_half")
