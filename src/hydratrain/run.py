@@ -523,7 +523,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),  # type: ignore[arg-type]  # (a dict)
         keep_last=cfg.checkpoint.keep_last, device=device, attachments=model_files(cfg, vocab_size, tokenizer))
-    callbacks = extras.build_callbacks(cfg, checkpoints, device, scheduler)
+    callbacks = extras.build_callbacks(cfg, checkpoints, device, scheduler, model=raw, vocab_size=vocab_size)
     if callbacks:  # (their states ride in the checkpoints; a run without callbacks saves none)
         checkpoints.components["callbacks"] = callbacks
     preemption = Preemption(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, under_submitit())

@@ -140,3 +140,80 @@ def test_a_schedule_of_ones_own_and_parameter_groups_resume_bit_identically(cli,
     assert typo.returncode == 2 and typo.err.strip().splitlines()[-1].startswith(
         "hydratrain: config error: optim.param_groups[0].match='block.0.*': matches no trainable parameter"), \
         typo.output[-2000:]
+# ---------------------------------------------------------------------------------------------- EMA weights
+def test_the_ema_weights_are_evaluated_beside_the_raw_ones_and_serve_the_monitors(cli, own):
+    """eval_ema/* is logged at every evaluation and reaches the later callbacks (the best checkpoint by
+    eval_ema/loss, early stopping on eval_ema/accuracy) and the objective; model_ema.safetensors is the model's
+    format; the swap in and out for its evaluation leaves the training exactly as it is without an EMA."""
+    stop = ["trainer.early_stopping.patience=2", "trainer.early_stopping.min_delta=100"]  # the third eval: step 6
+    r = cli([*QUICK, "trainer.ema.decay=0.8", "trainer.ema.warmup_steps=4", "checkpoint.monitor=eval_ema/loss",
+             "checkpoint.every_n_steps=0", "trainer.objective=eval_ema/accuracy", "trainer.objective_at=last",
+             "trainer.early_stopping.monitor=eval_ema/accuracy", "trainer.early_stopping.mode=max", *stop],
+            own / "ema", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "stopping after step 6 of 12: early stopping: eval_ema/accuracy has not improved" in r.output
+    tb = tb_all(own / "ema")
+    ema_loss = tb["eval_ema/loss"]
+    assert sorted(ema_loss) == sorted(tb["eval/loss"]) == [2, 4, 6] and sorted(tb["eval_ema/accuracy"]) == [2, 4, 6]
+    assert all(ema_loss[s] != tb["eval/loss"][s] for s in ema_loss)
+    best = json.loads((own / "ema" / "best_checkpoints.json").read_text())
+    assert best["monitor"] == "eval_ema/loss" and best["best"][0]["value"] == min(ema_loss.values())
+    assert results(own / "ema")["objective"] == tb["eval_ema/accuracy"][6]
+    from mypkg.nets import ResMLP
+    from safetensors.torch import load_file
+
+    ema, raw = load_file(own / "ema" / "model_ema.safetensors"), load_file(own / "ema" / "model.safetensors")
+    ResMLP(width=64, depth=4, num_classes=3).load_state_dict(ema, strict=True)  # the model's own names
+    assert any(not (ema[k] == raw[k]).all() for k in raw)
+
+    r = cli([*QUICK, "checkpoint.every_n_steps=0", "trainer.early_stopping.monitor=eval/accuracy",
+             "trainer.early_stopping.mode=max", *stop], own / "plain", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    plain = tb_all(own / "plain")
+    assert plain["train/loss"] == tb["train/loss"] and plain["eval/loss"] == tb["eval/loss"]
+    assert not (own / "plain" / "model_ema.safetensors").exists()
+
+
+def test_a_bad_ema_setting_or_an_eval_ema_monitor_without_an_ema_is_one_config_line(cli, own):
+    r = cli([*QUICK, "trainer.ema.decay=1.0"], own / "decay", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: trainer.ema.decay=1.0: must be in (0, 1), e.g. 0.999 (null: no EMA)"], r.output
+    r = cli([*QUICK, "trainer.ema.decay=0.99", "trainer.ema.warmup_steps=-1"], own / "warmup", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: trainer.ema.warmup_steps=-1: must be >= 0 (steps)"], r.output
+    r = cli([*QUICK, "checkpoint.monitor=eval_ema/loss"], own / "monitor", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: checkpoint.monitor='eval_ema/loss': names no metric the evaluation logs; allowed: "
+        "eval/loss, eval/accuracy (eval_ema/* is logged with an EMA of the weights: set trainer.ema.decay, e.g. "
+        "0.999)"], r.output
+    r = cli([*QUICK, "trainer.ema.decay=0.99", "+callbacks.ema._target_=mypkg.cb.Count"], own / "name", fast=False)
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: callbacks.ema._target_='mypkg.cb.Count': callbacks.ema is the name of trainer.ema's "
+        "own callback (trainer.ema.decay is set): give yours another name"], r.output
+
+
+def test_the_ema_update_its_warm_up_and_the_swap_that_leaves_the_weights_bit_for_bit():
+    import torch
+
+    from hydratrain.train.ema import EMA
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5))
+    model[1].bias.requires_grad_(False)  # frozen: no EMA of it
+    ema = EMA(model, decay=0.9, warmup_steps=4)
+    assert ema.names == ["0.weight", "0.bias", "1.weight"]
+    assert [ema.decay_at(t) for t in (1, 2, 4, 8)] == [0.9 * 0.25, 0.9 * 0.5, 0.9, 0.9]
+    assert EMA(model, decay=0.9).decay_at(1) == 0.9
+    start = [p.detach().clone() for p in ema.params]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    ema.on_train_step_end(None, 2, {})
+    for e, s in zip(ema.ema, start):
+        torch.testing.assert_close(e, s + 0.55)  # 0.45 * s + 0.55 * (s + 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with ema.swapped(model):
+        assert torch.equal(model[0].weight, ema.ema[0]) and torch.equal(model[1].bias, before["1.bias"])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    restored = EMA(model, decay=0.9)
+    restored.load_state_dict({"weights": {k: v.clone() for k, v in ema.state_dict()["weights"].items()}})
+    assert all(torch.equal(a, b) for a, b in zip(restored.ema, ema.ema))

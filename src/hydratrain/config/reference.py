@@ -106,14 +106,19 @@ def _default(f: dataclasses.Field) -> str:
     return str(value)
 
 
-def _rows(cls: type, comments: dict, skip: tuple = ("name",)) -> list[str]:
+def _rows(cls: type, comments: dict, skip: tuple = ("name",), prefix: str = "") -> list[str]:
+    """A row per field of ``cls``; a field that is a dataclass itself (``trainer.early_stopping``) a row per field of
+    it, as ``<field>.<key>``."""
     hints = typing.get_type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
         if f.name in skip or not f.init:
             continue
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += _rows(hints[f.name], comments, skip=(), prefix=f"{prefix}{f.name}.")
+            continue
         comment = next((comments[(c.__name__, f.name)] for c in cls.__mro__ if (c.__name__, f.name) in comments), "")
-        rows.append(f"| `{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {_cell(comment)} |")
+        rows.append(f"| `{prefix}{f.name}` | {_type_name(hints[f.name])} | {_default(f)} | {_cell(comment)} |")
     return rows
 
 

@@ -550,10 +550,20 @@ class WorkspacePaths(PathsConfig):
 class EarlyStoppingConfig:
     """Stop when a metric stops improving (``hydratrain.train.early_stopping``); off while ``monitor`` is null."""
 
-    monitor: Optional[str] = None  # eval/loss, eval/<metric>, ...; null = no early stopping
+    monitor: Optional[str] = None  # eval/loss, eval/<metric>, eval_ema/* (with trainer.ema); null = no early stopping
     mode: MonitorMode = MonitorMode.min  # min: lower is better; max: higher is better
     patience: int = 3  # evaluations in a row without an improvement before the run stops
     min_delta: float = 0.0  # an improvement must beat the best value by more than this
+
+
+@dataclass
+class EMAConfig:
+    """An exponential moving average of the trainable weights (``hydratrain.train.ema``); off while ``decay`` is
+    null."""
+
+    # in (0, 1), e.g. 0.999: evaluated as eval_ema/* beside eval/*, written as model_ema.safetensors; null = no EMA
+    decay: Optional[float] = None
+    warmup_steps: int = 0  # the decay ramps linearly from 0 to `decay` over these steps (0: `decay` from step 1)
 
 
 @dataclass
@@ -575,13 +585,14 @@ class TrainerConfig:
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop  # non-finite loss/grad norm (outside fp16): stop | skip
     max_consecutive_nonfinite: int = 20  # skip (and fp16's scaler): stop after this many skipped steps in a row
     # what the run returns to a sweeper (Optuna minimises or maximises it): eval/loss, eval/perplexity (token data)
-    # or eval/<name> of a metric in `metrics`; the final evaluation's value
+    # or eval/<name> of a metric in `metrics` (eval_ema/* of these with trainer.ema); the final evaluation's value
     objective: str = "eval/loss"
     # which evaluation's value of `objective` results.json and a sweeper get: last (the final evaluation) | best (the
     # evaluation that was best by checkpoint.monitor and checkpoint.mode; monitor null = objective itself)
     objective_at: ObjectiveAt = ObjectiveAt.last
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     test_after_fit: bool = False  # evaluate the data's test split with the best (else the last) weights at the end
+    ema: EMAConfig = field(default_factory=EMAConfig)
 
 
 @dataclass
@@ -597,8 +608,8 @@ class CheckpointConfig:
     restore_data_position: bool = True  # false: start the saved epoch over from its first sample
     save_on_sigterm: bool = True  # on SIGTERM (SIGUSR2 under submitit): save, exit with preempt_exit_code
     preempt_exit_code: int = 75  # exit status after a SIGTERM save (EX_TEMPFAIL: relaunch to resume)
-    # keep the save_top_k best checkpoints by this metric (eval/loss, eval/<metric>) beside the keep_last latest, and
-    # write the best weights as best/model.safetensors; null = by step only
+    # keep the save_top_k best checkpoints by this metric (eval/loss, eval/<metric>, eval_ema/* with trainer.ema)
+    # beside the keep_last latest, and write the best weights as best/model.safetensors; null = by step only
     monitor: Optional[str] = None
     mode: MonitorMode = MonitorMode.min  # min: lower is better; max: higher is better
     save_top_k: int = 1  # best checkpoints kept (with checkpoint.monitor); each evaluation that enters them saves one

@@ -426,18 +426,24 @@ def validate(cfg: DictConfig) -> None:
 
     perplexity = ["eval/perplexity"] if getattr(build_loss(cfg), "perplexity", False) else []  # (next_token)
     allowed = ["eval/loss", *perplexity, *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
+    ema = cfg.trainer.ema.decay is not None
+    if ema:  # the EMA weights' evaluation logs the same names under eval_ema/ (hydratrain.train.ema)
+        allowed += [f"eval_ema/{name.removeprefix('eval/')}" for name in allowed]
     monitors = {"trainer.objective": objective, "checkpoint.monitor": cfg.checkpoint.monitor,
                 "trainer.early_stopping.monitor": cfg.trainer.early_stopping.monitor}
     for key, monitor in monitors.items():
         if monitor is not None and monitor not in allowed:
             why = " (perplexity is logged with a loss that reports it: loss=next_token)" if "perplexity" in monitor \
                 else ""
+            if str(monitor).startswith("eval_ema/") and not ema:
+                why = " (eval_ema/* is logged with an EMA of the weights: set trainer.ema.decay, e.g. 0.999)"
             raise ConfigError(key, monitor, f"names no metric the evaluation logs; allowed: {', '.join(allowed)}{why}")
     _check_loop_extras(cfg)
 
 
 def _check_loop_extras(cfg: DictConfig) -> None:
-    """The best checkpoints, early stopping and the callbacks' nodes (:mod:`hydratrain.train.extras`)."""
+    """The best checkpoints, early stopping, the EMA of the weights and the callbacks' nodes
+    (:mod:`hydratrain.train.extras`)."""
     from hydratrain.components import check_call, locate, target_of
 
     if str(cfg.mode) == "eval" and not cfg.checkpoint.resume_from and cfg.model.get("init_from") is None:
@@ -449,6 +455,14 @@ def _check_loop_extras(cfg: DictConfig) -> None:
     if cfg.checkpoint.save_top_k < 1:
         raise ConfigError("checkpoint.save_top_k", cfg.checkpoint.save_top_k, "must be >= 1 (checkpoint.monitor=null "
                           "keeps no best checkpoints)")
+    ema = cfg.trainer.ema
+    if ema.decay is not None and not (math.isfinite(ema.decay) and 0 < ema.decay < 1):
+        raise ConfigError("trainer.ema.decay", ema.decay, "must be in (0, 1), e.g. 0.999 (null: no EMA)")
+    if ema.warmup_steps < 0:
+        raise ConfigError("trainer.ema.warmup_steps", ema.warmup_steps, "must be >= 0 (steps)")
+    if ema.decay is not None and "ema" in (cfg.get("callbacks") or {}):
+        raise ConfigError("callbacks.ema._target_", cfg.callbacks.ema.get("_target_"), "callbacks.ema is the name of "
+                          "trainer.ema's own callback (trainer.ema.decay is set): give yours another name")
     stop = cfg.trainer.early_stopping
     if stop.patience < 1:
         raise ConfigError("trainer.early_stopping.patience", stop.patience, "must be >= 1 (evaluations)")

@@ -20,7 +20,8 @@ rank calls every hook, in the order of the ``callbacks`` node. ``run`` is a read
 asks the run to stop with ``run.request_stop(why)``: the ranks agree at the next log step or evaluation, and every
 rank stops after the same step; the run then ends as a normal one does (final evaluation and outputs). A callback
 with ``state_dict``/``load_state_dict`` is checkpointed with the run (rank 0's state, restored on every rank), so a
-resumed run goes on as the uninterrupted one would. A hook that raises ends the run with one line naming the
+resumed run goes on as the uninterrupted one would; tensors in that state (DTensors under FSDP) are saved as the
+model's are, each rank its shards, and resharded on load. A hook that raises ends the run with one line naming the
 callback (``callbacks.<name>``).
 """
 from __future__ import annotations
@@ -54,7 +55,10 @@ class Callback:
 
     def on_eval_end(self, run: "RunView", step: int, metrics: dict) -> None:
         """After an evaluation at step ``step``. ``metrics``: ``{"eval/loss": ..., "eval/<name>": ...}``, the same
-        on every rank."""
+        on every rank. It is one dict, handed to the callbacks in order: a callback may add values of its own
+        (``<prefix>/<name>``: the EMA weights' ``eval_ema/*``), which the callbacks after it see as well
+        (``checkpoint.monitor`` and ``trainer.early_stopping.monitor`` may name them), as does
+        ``trainer.objective``."""
 
     def on_save_checkpoint(self, run: "RunView", step: int) -> None:
         """Before the checkpoint of step ``step`` is written."""
@@ -79,6 +83,8 @@ class RunView:
     _step: Callable[[], int]
     _stop: Callable[[str], None]
     _checkpoint: Callable[[], None]
+    _evaluate: Callable[[], dict] = lambda: {}
+    _log_scalars: Callable[[dict, int], None] = lambda values, step: None
 
     @property
     def is_main(self) -> bool:
@@ -102,6 +108,16 @@ class RunView:
     def request_checkpoint(self) -> None:
         """Save a checkpoint of this step (agreed by every rank; from an evaluation or a log step's hook)."""
         self._checkpoint()
+
+    def evaluate(self) -> dict:
+        """The run's evaluation (the fixed eval set, the loss and the ``metrics``) of the model as it is now:
+        ``{"loss": ..., "<name>": ...}``, the same on every rank, logged nowhere. Every rank must call (from the same
+        hook at the same step): the model's forward and the metrics' sync are collective."""
+        return self._evaluate()
+
+    def log_scalars(self, values: dict, step: int) -> None:
+        """Write ``{tag: value}`` to the run's TensorBoard at ``step`` (rank 0 writes; any rank may call)."""
+        self._log_scalars(values, step)
 
 
 class Callbacks:

@@ -1,10 +1,12 @@
-"""The run's callbacks, built from the config: the user's ``callbacks`` nodes, in order, then hydratrain's own
-extras that the config turns on (``checkpoint.monitor``: :mod:`~hydratrain.train.best_checkpoints`;
-``trainer.early_stopping.monitor``: :mod:`~hydratrain.train.early_stopping`)."""
+"""The run's callbacks, built from the config: the EMA of the weights first (``trainer.ema.decay``:
+:mod:`~hydratrain.train.ema`; its ``eval_ema/*`` values join the metrics every later callback gets), then the user's
+``callbacks`` nodes, in order, then hydratrain's own extras that the config turns on (``checkpoint.monitor``:
+:mod:`~hydratrain.train.best_checkpoints`; ``trainer.early_stopping.monitor``: :mod:`~hydratrain.train.early_stopping`).
+"""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -16,6 +18,8 @@ from hydratrain.optim import steps_per_evaluation
 from hydratrain.train.best_checkpoints import BestCheckpoints
 from hydratrain.train.callbacks import Callback, Callbacks, RunView
 from hydratrain.train.early_stopping import EarlyStopping
+from hydratrain.train.ema import EMA
+from hydratrain.train.outputs import model_config_json
 
 
 def user_callbacks(cfg: DictConfig) -> dict[str, Any]:
@@ -44,10 +48,21 @@ class PlateauStep(Callback):
             self.scheduler.step(metrics[self.monitor])
 
 
-def build_callbacks(cfg: DictConfig, checkpoints: CheckpointManager, device: torch.device,
-                    scheduler: Any = None) -> Callbacks:
-    """Every callback of the run (not yet bound to the run: :func:`bind`)."""
-    built = user_callbacks(cfg)
+def build_callbacks(cfg: DictConfig, checkpoints: CheckpointManager, device: torch.device, scheduler: Any = None,
+                    model: Optional[torch.nn.Module] = None, vocab_size: Optional[int] = None) -> Callbacks:
+    """Every callback of the run (not yet bound to the run: :func:`bind`), in the order they are called: the EMA
+    first (its ``eval_ema/*`` values join the metrics the later ones get), the user's, then hydratrain's own.
+    ``model``: the model as the strategy built it, without a DDP wrapper (the EMA's; needed when
+    ``trainer.ema.decay`` is set); ``vocab_size``: the data's vocabulary the model was built for (the EMA weights
+    file's header)."""
+    built: dict[str, Any] = {}
+    ema = cfg.trainer.ema
+    if ema.decay is not None:
+        if model is None:
+            raise ValueError("trainer.ema.decay is set: build_callbacks needs the model")
+        built["ema"] = EMA(model, ema.decay, ema.warmup_steps, bool(cfg.trainer.save_weights),
+                           {"model_config": model_config_json(cfg, vocab_size)})
+    built.update(user_callbacks(cfg))
     if scheduler is not None and steps_per_evaluation(scheduler):
         built["lr_on_plateau"] = PlateauStep(scheduler, cfg.checkpoint.monitor or cfg.trainer.objective)
     ccfg, stop = cfg.checkpoint, cfg.trainer.early_stopping
@@ -63,4 +78,6 @@ def bind(callbacks: Callbacks, trainer: Any, raw: torch.nn.Module, info: Any, ru
     """Give the callbacks their view of the run (:class:`~hydratrain.train.callbacks.RunView`)."""
     callbacks.bind(RunView(rank=info.rank, world_size=info.world_size, run_dir=Path(run_dir), model=trainer.model,
                            raw_model=raw, _max_steps=lambda: trainer.max_steps, _step=lambda: trainer.progress.step,
-                           _stop=callbacks.request_stop, _checkpoint=callbacks.request_checkpoint))
+                           _stop=callbacks.request_stop, _checkpoint=callbacks.request_checkpoint,
+                           _evaluate=trainer.evaluate,
+                           _log_scalars=lambda values, step: trainer.logger.tb.scalars(values, step)))

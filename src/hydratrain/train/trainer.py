@@ -134,7 +134,7 @@ class Trainer:
         # batches_.item_counter's rule, decided after the first forward
         self._counter: Optional[Callable[[Any], torch.Tensor]] = None
         self.callbacks = callbacks if callbacks is not None else Callbacks({}, device)
-        self._evaluated: tuple = (None, {})  # (step, values) of the latest evaluation
+        self._evaluated: tuple = (None, {}, {})  # (step, values, tagged with the callbacks' own) of the latest eval
         self._plateau = steps_per_evaluation(scheduler)
 
     # ----------------------------------------------------------------------------------------------- steps
@@ -498,7 +498,7 @@ class Trainer:
         result.eval_loss = evaluated.get("loss", math.nan)
         result.eval_perplexity = evaluated.get("perplexity", math.nan)
         result.eval_metrics = {k: v for k, v in evaluated.items() if k not in ("loss", "perplexity")}
-        result.objective = evaluated.get(self.tcfg.objective.removeprefix("eval/"), math.nan)
+        result.objective = self._evaluated[2].get(self.tcfg.objective, math.nan)  # (eval/*, or eval_ema/*: the EMA's)
         result.seconds = time.perf_counter() - t_start
         rate, result.mfu, result.data_wait_fraction = self.logger.run_rates()
         result.samples_per_sec = rate / self.logger.tokens_per_sample
@@ -540,11 +540,18 @@ class Trainer:
         path = self.checkpoints.save(step)
         self.callbacks.call("on_checkpoint_saved", step, path)
 
-    def _eval_and_log(self, step: int) -> dict:
-        """Evaluate, log ``eval/<name>`` of every value, return them (``{"loss": ..., ...}``)."""
+    def evaluate(self) -> dict:
+        """The evaluation of the model as it is now, ``{"loss": ..., name: ...}``, logged nowhere (every rank calls;
+        also a callback's ``run.evaluate()``)."""
         with self.logger.paused(), eager():  # compiled graphs serve training steps only (ac_compile.eager)
             self.strategy.sync_buffers(self.model)
-            values = self.evaluator.evaluate(self.model, self.autocast)
+            return self.evaluator.evaluate(self.model, self.autocast)
+
+    def _eval_and_log(self, step: int) -> dict:
+        """Evaluate, log ``eval/<name>`` of every value, return them (``{"loss": ..., ...}``); the callbacks'
+        ``on_eval_end`` gets them tagged (``{"eval/loss": ...}``) and may add values of its own (the EMA weights'
+        ``eval_ema/*``), kept with the step as :attr:`_evaluated`."""
+        values = self.evaluate()
         if "loss" in values and not math.isfinite(values["loss"]):  # (no loss: the eval set has no target)
             raise DivergenceError(f"non-finite eval loss ({values['loss']}) at step {step}", step,
                                   self._last_checkpoint())
@@ -553,6 +560,6 @@ class Trainer:
         formats = {"loss": ".4f", "perplexity": ".3f"}
         log.info("eval at step %d: %s", step, " ".join(f"{name} {value:{formats.get(name, '.4g')}}"
                                                        for name, value in values.items()))
-        self._evaluated = (step, values)
+        self._evaluated = (step, values, tagged)
         self.callbacks.call("on_eval_end", step, tagged)
         return values
