@@ -415,9 +415,9 @@ def validate(cfg: DictConfig) -> None:
     check_components(cfg)
     _check_block_classes(cfg)
     objective = cfg.trainer.objective
-    from hydratrain.components import build_loss
+    from hydratrain.components import checked_loss
 
-    perplexity = ["eval/perplexity"] if getattr(build_loss(cfg), "perplexity", False) else []  # (next_token)
+    perplexity = ["eval/perplexity"] if getattr(checked_loss(cfg), "perplexity", False) else []  # (next_token)
     allowed = ["eval/loss", *perplexity, *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
     if objective not in allowed:
         why = " (perplexity is logged with a loss that reports it: loss=next_token)" if "perplexity" in objective \
