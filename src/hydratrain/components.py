@@ -14,7 +14,10 @@ What can be known without a process group is checked by :func:`check_components`
 target imports, the keywords fit its signature and the types it annotates, the model's own config checks, the
 metrics build); what only a real build or a batch tells (a constructor that raises, a forward that refuses the
 batch) is a :class:`~hydratrain.errors.ConfigError` at the build or the first step, the same on every rank. Every
-error is one line naming the config key. A user's package is importable from the launch dir (:func:`importable`),
+error is one line naming the config key. What the checks built, the run's build in the same process takes over
+(:func:`checked_build`) instead of building it again: the loss, the metrics, and the meta model where the run
+needs one on meta (``init_device=meta``, FSDP's meta build, the FLOP count); a config without metrics imports no
+torchmetrics. A user's package is importable from the launch dir (:func:`importable`),
 as ``python -m`` would make it, in every rank and launcher worker.
 """
 from __future__ import annotations
