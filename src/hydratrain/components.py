@@ -14,7 +14,10 @@ What can be known without a process group is checked by :func:`check_components`
 target imports, the keywords fit its signature and the types it annotates, the model's own config checks, the
 metrics build); what only a real build or a batch tells (a constructor that raises, a forward that refuses the
 batch) is a :class:`~hydratrain.errors.ConfigError` at the build or the first step, the same on every rank. Every
-error is one line naming the config key. A user's package is importable from the launch dir (:func:`importable`),
+error is one line naming the config key. What the checks built, the run's build in the same process takes over
+(:func:`checked_build`) instead of building it again: the loss, the metrics, and the meta model where the run
+needs one on meta (``init_device=meta``, FSDP's meta build, the FLOP count); a config without metrics imports no
+torchmetrics. A user's package is importable from the launch dir (:func:`importable`),
 as ``python -m`` would make it, in every rank and launcher worker.
 """
 from __future__ import annotations
@@ -34,6 +37,10 @@ from hydratrain.protocols import max_seq_len_of
 INIT_DEVICES = ("auto", "meta", "cpu", "cuda")
 _ABSENT = Placeholder("<absent>")
 _HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
+# what check_components built, for the run's build in this process to take over instead of building it again (the
+# meta model, the loss, the metrics): each under the resolved content of the node it was built from, so a build of
+# another config (a sweep's next job checks its own first) builds its own; taken once (checked_build)
+_CHECKED: dict[str, tuple[str, Any]] = {}
 
 
 def importable() -> None:
@@ -49,6 +56,24 @@ def importable() -> None:
 
 def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+
+
+def _content(*parts: Any) -> str:
+    import json
+
+    return json.dumps(parts, sort_keys=True, default=repr)
+
+
+def checked_build(what: str, content: str, keep: bool = False) -> Any:
+    """What :func:`check_components` built as ``what`` (``model``, ``loss``, ``metrics``) from a node of this
+    ``content``, handed over once (``keep``: left for a later taker), else None."""
+    kept = _CHECKED.get(what) if keep else _CHECKED.pop(what, None)
+    return kept[1] if kept is not None and kept[0] == content else None
+
+
+def forget_checked() -> None:
+    """Drop what :func:`check_components` built and no build took (the run's build has what it needs)."""
+    _CHECKED.clear()
 
 
 def target_of(node: Any, key: str) -> str:
@@ -206,18 +231,24 @@ def model_name(cfg: DictConfig) -> str:
     return str(target).rsplit(".", 1)[-1] if target else "model"
 
 
-def build_model(cfg: DictConfig, device: Any, vocab_size: Optional[int] = None):
+def build_model(cfg: DictConfig, device: Any, vocab_size: Optional[int] = None, checked: bool = False):
     """The model of ``cfg.model`` built with its constructor's tensors on ``device`` (a ``torch.device``, ``meta``
     included). Raises :class:`ConfigError`: the model's own (naming its key), or one naming ``model._target_`` with
     what the constructor raised, or a ``state_dict()`` that checkpoints cannot hold (:func:`check_state_dict`, on a
-    build with storage; before any wrapper, whose own hooks rename keys)."""
+    build with storage; before any wrapper, whose own hooks rename keys). ``checked``: on meta, the model
+    :func:`check_components` built of the same node and vocabulary, when no one took it yet (the run's own builds:
+    the one it trains, the copy it counts FLOPs on)."""
     import torch
 
     target = target_of(cfg.get("model"), "model")
     cls = locate(target, "model")
     kwargs = model_kwargs(cfg, vocab_size)
     check_call(cls, kwargs, "model", target)
-    node = {"_target_": target, **{k: v for k, v in _plain(cfg.model).items() if k in _HYDRA_KEYS[1:]}, **kwargs}
+    node = _model_node(cfg, target, kwargs)
+    if checked and torch.device(device).type == "meta":
+        model = checked_build("model", _content(node))
+        if model is not None:
+            return model
     with torch.device(device):
         model = instantiate_node(node, "model._target_", target, "its constructor raised")
     if not isinstance(model, torch.nn.Module):
@@ -225,6 +256,11 @@ def build_model(cfg: DictConfig, device: Any, vocab_size: Optional[int] = None):
     if torch.device(device).type != "meta":  # a meta build is checked by check_components, before any process starts
         check_state_dict(model, target)
     return model
+
+
+def _model_node(cfg: DictConfig, target: str, kwargs: dict) -> dict:
+    """What :func:`build_model` instantiates: ``_target_``, Hydra's other keys of the node, the keywords."""
+    return {"_target_": target, **{k: v for k, v in _plain(cfg.model).items() if k in _HYDRA_KEYS[1:]}, **kwargs}
 
 
 def instantiate_node(node: dict, key: str, target: str, what: str, objects: Optional[dict] = None) -> Any:
@@ -252,16 +288,19 @@ def instantiate_node(node: dict, key: str, target: str, what: str, objects: Opti
 
 
 # ------------------------------------------------------------------------------------------------ loss, metrics
-def build_loss(cfg: DictConfig, device: Any = None) -> Callable:
+def build_loss(cfg: DictConfig, device: Any = None, checked: bool = False) -> Callable:
     """The loss callable of ``cfg.loss`` (``loss(outputs, targets) -> 0-d mean``; :func:`build_callable`); an
     ``nn.Module`` loss is moved to ``device`` (its buffers: class weights). Raises :class:`ConfigError`, also for a
     loss module with trainable parameters: the optimizer, the gradient sync and the checkpoints cover the model's
     parameters only, so such a loss's parameters would silently stay as built (they belong in the model, whose
     forward can return the loss as ``.loss``), and for a ``reduction`` other than a mean (``sum`` scales the loss
-    and its gradient with the batch size)."""
+    and its gradient with the batch size). ``checked``: the loss :func:`check_components` built of the same node, when
+    no one took it yet (the run's build)."""
     import torch
 
-    loss = build_callable(cfg.get("loss"), "loss", supplied=2)  # (outputs, targets)
+    loss = checked_build("loss", _content(_plain(cfg.get("loss")))) if checked else None
+    if loss is None:
+        loss = build_callable(cfg.get("loss"), "loss", supplied=2)  # (outputs, targets)
     if isinstance(loss, torch.nn.Module):
         trained = [name for name, p in loss.named_parameters() if p.requires_grad]
         if trained:
@@ -281,13 +320,29 @@ def build_loss(cfg: DictConfig, device: Any = None) -> Callable:
     return loss
 
 
-def build_metrics(cfg: DictConfig) -> dict:
-    """``{name: torchmetrics.Metric}`` of ``cfg.metrics`` (empty by default), each logged as one number. Raises
-    :class:`ConfigError` naming ``metrics.<name>``: for anything else, a ``MetricCollection`` (several values) too."""
+def checked_loss(cfg: DictConfig) -> Callable:
+    """The loss :func:`check_components` built of ``cfg.loss``, left for the run's build to take; else one built
+    now. Raises :class:`ConfigError`."""
+    loss = checked_build("loss", _content(_plain(cfg.get("loss"))), keep=True)
+    return build_loss(cfg) if loss is None else loss
+
+
+def build_metrics(cfg: DictConfig, checked: bool = False) -> dict:
+    """``{name: torchmetrics.Metric}`` of ``cfg.metrics`` (empty by default, which imports no torchmetrics), each
+    logged as one number. Raises :class:`ConfigError` naming ``metrics.<name>``: for anything else, a
+    ``MetricCollection`` (several values) too. ``checked``: the metrics :func:`check_components` built of the same
+    nodes, when no one took them yet (the run's build)."""
+    nodes = cfg.get("metrics") or {}
+    if not nodes:
+        return {}
+    if checked:
+        built = checked_build("metrics", _content(_plain(nodes)))
+        if built is not None:
+            return built
     from torchmetrics import Metric, MetricCollection
 
     out = {}
-    for name, node in (cfg.get("metrics") or {}).items():
+    for name, node in nodes.items():
         key = f"metrics.{name}"
         if str(name) in ("loss", "perplexity"):
             raise ConfigError(key, _plain(node), "is logged as eval/loss or eval/perplexity already: give the metric "
@@ -481,7 +536,9 @@ def check_components(cfg: DictConfig) -> None:
     keywords, types, hydratrain's model keys and the model's own checks (a build on the meta device, whose
     :class:`ConfigError` is raised; anything else it raises waits for the real build, which may not be on meta);
     the loss; each metric (built: torchmetrics checks its arguments then); a data factory's target and keywords.
-    Raises :class:`ConfigError`."""
+    The meta model, the loss and the metrics it built are kept for the run's build in this process to take over
+    (:func:`checked_build`). Raises :class:`ConfigError`."""
+    _CHECKED.clear()
     settings = model_settings(cfg)
     if str(settings.init_device) not in INIT_DEVICES:
         raise ConfigError("model.init_device", settings.init_device, f"allowed: {', '.join(INIT_DEVICES)}")
@@ -502,8 +559,14 @@ def check_components(cfg: DictConfig) -> None:
     if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
         raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "
                           f"({type(model).__name__}.max_seq_len); allowed: <= {limit}")
-    build_loss(cfg)
-    build_metrics(cfg)
+    loss, metrics = build_loss(cfg), build_metrics(cfg)
+    # what was built to check it is what the run's build then uses (build_model, build_loss, build_metrics with
+    # checked=True), not built again in this process
+    if model is not None:
+        _CHECKED["model"] = (_content(_model_node(cfg, target, model_kwargs(cfg, vocab))), model)
+    _CHECKED["loss"] = (_content(_plain(cfg.get("loss"))), loss)
+    if metrics:
+        _CHECKED["metrics"] = (_content(_plain(cfg.get("metrics"))), metrics)
     data = cfg.get("data")
     if data is not None and OmegaConf.is_dict(data) and "_target_" in data:
         from hydratrain.data.loader import check_data_node

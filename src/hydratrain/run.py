@@ -481,7 +481,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     seed_training_rng(cfg.trainer.seed, info.rank)
     log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", components.model_name(cfg),
              n_params / 1e6, strategy.local_param_bytes(model) / 1e6, summary)
-    loss_fn, metrics = components.build_loss(cfg, device), components.build_metrics(cfg)
+    # what check() built to check it (validate's check_components) is taken over here, not built again
+    loss_fn, metrics = components.build_loss(cfg, device, checked=True), components.build_metrics(cfg, checked=True)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("model._target_", str(_select(cfg, "model._target_", "")), "every parameter of the model is "
                           "frozen (requires_grad=False), so there is nothing to train: leave the ones to train "
@@ -511,6 +512,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
                       cache_dir=paths.cache, local_world_size=info.local_world_size)
     timing.mark("peak FLOP/s")
     flops_per_item = model_flops(cfg, raw, train_batches, loss_fn, vocab_size, seq_len)
+    components.forget_checked()  # (a checked meta model no build took: the run trains one built with storage)
     timing.mark("model FLOPs")
     step_logger = StepLogger(run_dir, device, items_per_step, flops_per_item,
                              peak * info.world_size, cfg.trainer.log_every_n_steps, max_steps, info.is_main,
@@ -569,7 +571,7 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
 
     if seq_len and has_flops_per_token(raw):
         return float(raw.flops_per_token(seq_len))
-    per_sample = counted_flops_per_sample(lambda: components.build_model(cfg, "meta", vocab_size),
+    per_sample = counted_flops_per_sample(lambda: components.build_model(cfg, "meta", vocab_size, checked=True),
                                           train_batches.example(), loss_fn)
     return per_sample / seq_len if seq_len else per_sample
 

@@ -1071,3 +1071,41 @@ def test_a_metric_that_computes_no_single_number_is_told_a_fix_it_takes():
         with pytest.raises(ConfigError, match="logged as one number") as err:
             Evaluator([], torch.device("cpu"), torch.nn.CrossEntropyLoss(), {"m": metric}).check_metrics(outputs, batch)
         assert fix in str(err.value) and ("average" in fix) == ("average" in str(err.value)), str(err.value)
+
+
+@pytest.mark.parametrize("args,builds", [
+    (["strategy=single"], {"meta": 1, "cpu": 1}),  # the check's meta model counts the FLOPs; the run trains a cpu one
+    # the checked model is the one the run trains; the FLOP count (ResMLP has no flops_per_token) builds its own copy
+    (["strategy=single", "+model.init_device=meta"], {"meta": 2}),
+])
+def test_start_up_builds_each_component_once_the_check_handing_its_build_to_the_run(cli, own, monkeypatch, args,
+                                                                                     builds):
+    """check_components built the model (on meta), the loss and the metrics before the process group, and the run
+    built each again; the metrics' build imports torchmetrics (seconds), which a run without metrics paid too. Now
+    what the check built is what the run uses (the memory planner's own simulation builds are left out:
+    plan.enabled=false)."""
+    sys.path.insert(0, str(own))  # (the fixture restores sys.path)
+    import torchmetrics.classification
+    from mypkg.nets import ResMLP
+
+    counts: dict = {}
+    made = {"loss": 0, "metric": 0}
+
+    def counted(cls, what):
+        init = cls.__init__
+
+        def __init__(self, *a, **kw):
+            init(self, *a, **kw)
+            if what == "model":
+                device = next(self.parameters()).device.type
+                counts[device] = counts.get(device, 0) + 1
+            elif type(self) is cls:
+                made[what] += 1
+        monkeypatch.setattr(cls, "__init__", __init__)
+
+    counted(ResMLP, "model")
+    counted(torch.nn.CrossEntropyLoss, "loss")
+    counted(torchmetrics.classification.MulticlassAccuracy, "metric")
+    r = cli([*QUICK, *args, "trainer.max_steps=1", "plan.enabled=false"], own / "once", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    assert counts == builds and made == {"loss": 1, "metric": 1}, (counts, made)

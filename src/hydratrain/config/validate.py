@@ -422,9 +422,9 @@ def validate(cfg: DictConfig) -> None:
     check_components(cfg)
     _check_block_classes(cfg)
     objective = cfg.trainer.objective
-    from hydratrain.components import build_loss
+    from hydratrain.components import checked_loss
 
-    perplexity = ["eval/perplexity"] if getattr(build_loss(cfg), "perplexity", False) else []  # (next_token)
+    perplexity = ["eval/perplexity"] if getattr(checked_loss(cfg), "perplexity", False) else []  # (next_token)
     allowed = ["eval/loss", *perplexity, *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
     ema = cfg.trainer.ema.decay is not None
     if ema:  # the EMA weights' evaluation logs the same names under eval_ema/ (hydratrain.train.ema)

@@ -652,7 +652,7 @@ def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.dev
 
     kind = param_init.protocol_of_class(components.model_class(cfg))
     build_device = strategy.build_device(device, kind)
-    raw = components.build_model(cfg, build_device, vocab_size)
+    raw = components.build_model(cfg, build_device, vocab_size, checked=True)  # on meta: the one check() built
     on_meta = build_device.type == "meta"
     if on_meta:
         lacking = param_init.uninitialisable(raw)
