@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from helpers import results, run
 
 OWN = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precision=fp32", "logger.peak_flops=1e11",
        "trainer.progress_bar=false", "data.n=600", "+data.test_fraction=0.2"]
 
 
+@pytest.mark.slow  # (25 s here: a training run, an evaluation in this process and one on 2 torchrun ranks)
 def test_a_runs_best_checkpoint_evaluates_alike_on_one_and_two_ranks(cli, own):
     trained = cli([*OWN, "strategy=single", "trainer.max_steps=12", "trainer.eval_every_n_steps=3",
                    "checkpoint.monitor=eval/accuracy", "checkpoint.mode=max", "checkpoint.save_top_k=2",

@@ -45,12 +45,12 @@ class Crash:  # a callback need not subclass Callback
 '''
 
 # the own-model example (seconds a run): 30 steps at most; an eval every 5; early stopping that no eval can satisfy
-# (min_delta 100), so it stops at the third eval (step 15) whatever the values; checkpoints every 4 steps; a
+# (min_delta 100), so it stops at the third eval (step 15) whatever the values; a checkpoint at step 12; a
 # constant lr (the schedule's length apart)
 OWN = ["--config-dir", "my_conf", "+experiment=spirals", "device=cpu", "precision=fp32", "logger.peak_flops=1e11",
-       "trainer.progress_bar=false", "data.n=600", "strategy=single"]
+       "trainer.progress_bar=false", "data.n=600", "strategy=single", "plan.enabled=false"]
 LOOP = [*OWN, "trainer.max_steps=30", "trainer.eval_every_n_steps=5", "trainer.log_every_n_steps=2",
-        "scheduler=constant", "checkpoint.every_n_steps=4", "+callbacks.count._target_=mypkg.cb.Count",
+        "scheduler=constant", "checkpoint.every_n_steps=12", "+callbacks.count._target_=mypkg.cb.Count",
         "trainer.early_stopping.monitor=eval/loss", "trainer.early_stopping.patience=2",
         "trainer.early_stopping.min_delta=100"]
 
@@ -81,10 +81,13 @@ def test_a_callback_and_early_stopping_go_on_after_a_crash_as_if_uninterrupted(c
 QUICK = [*OWN, "trainer.max_steps=12", "trainer.eval_every_n_steps=2", "trainer.log_every_n_steps=6", "optim.lr=0.02"]
 
 
-def test_the_two_best_checkpoints_by_accuracy_are_kept_and_the_best_is_the_objective(cli, own):
+def test_the_two_best_checkpoints_by_accuracy_are_kept_tested_and_evaluated_again(cli, own):
+    """Top-2 by eval/accuracy: kept, recorded, the best one the objective, tested at the end (a test split), and
+    evaluated again by mode=eval, which reproduces the recorded value and the test figures. (On 2 ranks under FSDP:
+    tests/e2e/test_evaluate_ranks.py.)"""
     r = cli([*QUICK, "checkpoint.monitor=eval/accuracy", "checkpoint.mode=max", "checkpoint.save_top_k=2",
-             "checkpoint.every_n_steps=0", "checkpoint.keep_last=1", "trainer.objective_at=best"], own / "run",
-            fast=False)
+             "checkpoint.every_n_steps=0", "checkpoint.keep_last=1", "trainer.objective_at=best",
+             "+data.test_fraction=0.2", "trainer.test_after_fit=true"], own / "run", fast=False)
     assert r.returncode == 0, r.output[-3000:]
     accuracy = tb_all(own / "run")["eval/accuracy"]  # {step: value} of every evaluation, the final one included
     ranked = sorted(accuracy, key=lambda step: (-accuracy[step], step))[:2]
@@ -101,6 +104,14 @@ def test_the_two_best_checkpoints_by_accuracy_are_kept_and_the_best_is_the_objec
 
     best = load_file(own / "run" / "best" / "model.safetensors")
     ResMLP(width=64, depth=4, num_classes=3).load_state_dict(best, strict=True)  # the model's own names
+    assert set(res["test_metrics"]) == {"loss", "accuracy"} and "testing the best weights" in r.output
+    again = cli([*OWN, "+data.test_fraction=0.2", "mode=eval", f"checkpoint.resume_from={own / 'run'}"],
+                own / "again", fast=False)
+    assert again.returncode == 0, again.output[-3000:]
+    evaluated = json.loads((own / "again" / "eval_results.json").read_text())
+    assert evaluated["step"] == ranked[0] and evaluated["eval"]["accuracy"] == accuracy[ranked[0]]
+    assert all(abs(evaluated["test"][k] - v) <= 1e-6 for k, v in res["test_metrics"].items())
+    assert not (own / "again" / "checkpoints").exists()  # nothing trained, nothing saved
 
 
 def test_a_monitor_that_names_no_logged_metric_is_one_line_before_the_run(cli, own):
