@@ -14,11 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional
 
+from hydratrain.dist.launch import _COMPOSING, composing  # noqa: F401 (run.py calls exits.composing)
+from hydratrain.dist.run_dir import in_multirun, resume_hint
 from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError, say
-
-_COMPOSING = {"on": False}  # Hydra raises, rather than prints, its errors until the config is composed
 
 log = logging.getLogger("hydratrain")
 
@@ -111,19 +110,6 @@ def tell_the_agent(line: str) -> None:
         pass
 
 
-def composing(on: bool = True) -> None:
-    """From ``train.py``'s start until the config is composed (``on``), Hydra raises its composition errors
-    (``HYDRA_FULL_ERROR=1``) instead of printing them on every rank, so :func:`end_composition` can end the launch
-    with one line; ``composing(False)`` (its first callback, or the run itself) gives Hydra its own error report back
-    for the rest. A user's own ``HYDRA_FULL_ERROR`` is left as it is (they asked for tracebacks)."""
-    if on and "HYDRA_FULL_ERROR" not in os.environ:
-        os.environ["HYDRA_FULL_ERROR"] = "1"
-        _COMPOSING["on"] = True
-    elif not on and _COMPOSING["on"]:
-        os.environ.pop("HYDRA_FULL_ERROR", None)
-        _COMPOSING["on"] = False
-
-
 def end_composition(err: BaseException) -> None:
     """End the launch for ``err``, raised while Hydra composed the config (:func:`composing`), when it is Hydra's or
     OmegaConf's composition error: ``hydratrain: config error: <Hydra's reason in one line>`` (each node's first rank
@@ -180,25 +166,6 @@ def _says_how_to_resume(err, env) -> bool:
     if env is None or env.world_size == 1:
         return True
     return env.rank == (1 if getattr(err, "failed_rank", None) == 0 else 0)
-
-
-def resume_hint(how: Optional[str]) -> str:
-    """``; <how>: <the command that resumes this run>`` (:func:`hydratrain.dist.launch.resume_command`) when ``how``
-    is given, this is a single run (a sweep's failed job leaves the sweep going) and its run dir holds a complete
-    checkpoint to resume from; else ''. Raises nothing."""
-    if not how or in_multirun():
-        return ""
-    try:
-        from hydratrain.checkpoint.manager import latest_checkpoint
-        from hydratrain.dist.launch import resume_command
-        from hydratrain.dist.run_dir import run_dir_of
-
-        run_dir = run_dir_of()
-        if latest_checkpoint(run_dir / "checkpoints") is None:
-            return ""
-        return f"; {how}: {resume_command(run_dir)}"
-    except Exception:  # noqa: BLE001 (the line it ends is what matters)
-        return ""
 
 
 def leave(save_on_sigterm: bool, lock) -> None:
@@ -319,10 +286,3 @@ def _refused_by_lock(err: HydratrainError) -> bool:
     (unless the error says it is: ``discard_run_dir``)."""
     return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir") and \
         not getattr(err, "discard_run_dir", False)
-
-
-def in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

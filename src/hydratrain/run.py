@@ -240,7 +240,8 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
     one line naming what was written where, the cause and its remedy and the checkpoint to resume from, exit status 3,
     as a failed checkpoint save does, instead of the library's traceback. A permission error on another path (an
     input that cannot be read) is raised as it was."""
-    from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
+    from hydratrain.dist.launch import unwritable_message
+    from hydratrain.errors import OutputError, unwritable_cause
 
     try:
         yield
@@ -365,7 +366,7 @@ def _refuse_another_jobs_dir(run_dir: Path) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from hydratrain.errors import ConfigError
-    from hydratrain.sweep import other_job_of_this_multirun
+    from hydratrain.dist.run_dir import other_job_of_this_multirun
 
     hc = HydraConfig.get()
     other = other_job_of_this_multirun(run_dir, hc)

@@ -19,17 +19,13 @@ from typing import Any, List, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from hydratrain.dist.run_dir import MULTIRUN_MARK, _read_json, _sweep_dir
 from hydratrain.errors import say
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ["job", "overrides", "status", "steps", "train_loss", "eval_loss", "tokens_per_sec", "peak_memory_mb",
            "mfu", "seconds", "error"]
-
-
-#: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null,
-#: "command": the command line that launched it, or null})
-MULTIRUN_MARK = ".hydratrain_multirun.json"
 
 
 def mark_multirun(sweep_dir: Path, sampled: Optional[List[str]] = None, command: Optional[List[str]] = None) -> str:
@@ -80,24 +76,6 @@ def refused_the_dir(err: Any) -> bool:
     """Whether a job failed with the config error that its run dir is another job's or trial's (held by a live job,
     a checkpoint of another trial, another job of this multirun: keyed on ``hydra.sweep.dir`` / ``.subdir``)."""
     return getattr(err, "key", "") in ("hydra.sweep.dir", "hydra.sweep.subdir")
-
-
-def other_job_of_this_multirun(job_dir: Path, hc: Any) -> Optional[int]:
-    """The number of another job of the running multirun that already ran in ``job_dir`` (its ``status.json``
-    says so: two jobs whose ``hydra.sweep.subdir`` resolves to one dir), or None. ``hc``: the job's Hydra config."""
-    status = _read_json(job_dir / "status.json")
-    mark = _read_json(_sweep_dir(hc) / MULTIRUN_MARK)
-    num = status.get("num")
-    if mark and status.get("multirun") == mark.get("id") and num is not None and num != hc.job.num:
-        return num
-    return None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _overrides_yaml(job_dir: Path) -> Optional[List[str]]:
@@ -388,14 +366,6 @@ def _refuse_a_stored_study_over_its_job_dirs(hc: Any) -> None:
                           "again, so each would land in an earlier trial's dir; to add trials to the study give a new "
                           "hydra.sweep.dir (and another hydra.sweeper.sampler.seed, or the seeded sampler proposes "
                           "the first trials' values again)")
-
-
-def _sweep_dir(hc: Any) -> Path:
-    """``hydra.sweep.dir``, a relative one resolved against the launch dir (``hydra.runtime.cwd``): with
-    ``hydra.job.chdir=true`` a job's callbacks run in its own dir."""
-    from hydratrain.dist.run_dir import resolve_path
-
-    return resolve_path(str(hc.sweep.dir), Path(str(hc.runtime.cwd)))
 
 
 def _job_dir(hc: Any) -> Path:

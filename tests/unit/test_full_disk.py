@@ -58,7 +58,7 @@ def _file_size_limit(monkeypatch, limit):
 
 
 def test_the_advice_fits_the_errno(tmp_path, monkeypatch):
-    from hydratrain.errors import unwritable_message
+    from hydratrain.dist.launch import unwritable_message
 
     read_only = unwritable_message("writing x", tmp_path, OSError(errno.EROFS, "Read-only file system"), None,
                                    stopped="the run stopped")
@@ -82,7 +82,7 @@ def test_each_cause_gets_its_own_remedy(tmp_path, monkeypatch, code, remedy):
     EFBIG) with 43 GB free and a dir made unwritable (``chmod a-w``: EACCES, ``chattr +i``: EPERM) alike. A
     permission error names the dir that refused (the one the new file was to be made in); a file-size limit gives
     its value."""
-    from hydratrain.errors import unwritable_message
+    from hydratrain.dist.launch import unwritable_message
 
     _file_size_limit(monkeypatch, 1000 * 1024)
     refused = tmp_path / "checkpoints"
@@ -103,7 +103,7 @@ def test_an_error_that_lost_its_errno_is_told_from_the_dir(tmp_path, monkeypatch
     the cause is said to be unknown, with the error's text."""
     import shutil
 
-    from hydratrain.errors import unwritable_message
+    from hydratrain.dist.launch import unwritable_message
 
     lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 

@@ -33,8 +33,8 @@ import torch
 from hydratrain.checkpoint import METADATA
 from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
-from hydratrain.dist.launch import stop_if_launcher_gone
-from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError, unwritable_message
+from hydratrain.dist.launch import stop_if_launcher_gone, unwritable_message
+from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError
 
 log = logging.getLogger(__name__)
 
@@ -425,7 +425,7 @@ class CheckpointManager:
 
     def _save_failed(self, step: int, tmp: Path, cause: Optional[BaseException]) -> CheckpointError:
         """The one-line error of a save that could not be written, with the remedy for its cause
-        (:func:`hydratrain.errors.unwritable_message`: no space, quota, read-only, permissions, file-size limit, or
+        (:func:`hydratrain.dist.launch.unwritable_message`: no space, quota, read-only, permissions, file-size limit, or
         told from the dir when the error lost its errno, as torch's checkpoint writer's ``RuntimeError`` does); then
         rank 0 removes the partial ``tmp`` dir, which frees its space (the next start would remove it anyway)."""
         err = CheckpointError(unwritable_message(f"saving step {step}", self.root, cause, self.last_good(),

@@ -32,7 +32,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from hydratrain.data.cache import build_lock, default_cache_dir, verified_cache, write_manifest
+from hydratrain.data.cache import build_lock, verified_cache, write_manifest
 from hydratrain.data.corpora import expand_paths, relative_name, split_files, stdlib_files
 from hydratrain.data.tokenizer import (
     PIECE_BYTES,
@@ -44,6 +44,7 @@ from hydratrain.data.tokenizer import (
     train_bpe,
 )
 from hydratrain.errors import ConfigError
+from hydratrain.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -11,16 +11,21 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from hydratrain.dist.env import env_rank
 from hydratrain.errors import EXIT_CONFIG, ConfigError, say
+from hydratrain.paths import join, launch_dir, resolve_path
 
+#: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null,
+#: "command": the command line that launched it, or null}; :func:`hydratrain.sweep.mark_multirun`)
+MULTIRUN_MARK = ".hydratrain_multirun.json"
 _FAILED = "\0failed"  # rank 0's answer in the store when it could not create the run dir
 
 STAMP_ENV = "HYDRATRAIN_STAMP"  # a launcher's stamp, inherited by the processes it starts
@@ -49,7 +54,7 @@ def run_stamp() -> str:
         _INHERITED = bool(os.environ.get(STAMP_ENV))
         mine = os.environ.get(STAMP_ENV) or time.strftime("%Y-%m-%d/%H-%M-%S")
         if dist_info().world_size > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            from hydratrain.dist.process_group import base_store
+            from hydratrain.dist.store import base_store
 
             store = base_store()
             key = "hydratrain/run_stamp/" + _launch_key()
@@ -80,12 +85,10 @@ def unique_dir(base: str, kind: str) -> str:
     stamp = run_stamp()
     key = (base, kind, stamp)
     if key not in _UNIQUE_DIRS:
-        from hydratrain.paths import join
-
         if _INHERITED or _only_prints():
             chosen = stamp
         elif dist_world_size() > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            from hydratrain.dist.process_group import base_store, store_get
+            from hydratrain.dist.store import base_store, store_get
 
             store = base_store()
             store_key = f"hydratrain/unique_dir/{_launch_key()}/{kind}"
@@ -243,7 +246,8 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
     every rank), before Hydra writes a job's ``.hydra/`` (:func:`output_subdir`, rank 0), and for the sweep dir
     (``sweep``) before Hydra's ``multirun.yaml`` (``hydratrain.sweep``). Under torchrun each node's first rank says the
     line, and the other ranks leave after rank 0 (the agent's root cause)."""
-    from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
+    from hydratrain.dist.launch import unwritable_message
+    from hydratrain.errors import OutputError, unwritable_cause
 
     probe = run_dir / f".hydratrain-write-probe-{os.getpid()}"
     try:
@@ -294,7 +298,6 @@ def _of_another_job(run_dir: Path) -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from hydratrain.sweep import other_job_of_this_multirun
 
     hydra_cfg = HydraConfig.get()
     return hydra_cfg.mode == RunMode.MULTIRUN and other_job_of_this_multirun(run_dir, hydra_cfg) is not None
@@ -342,30 +345,12 @@ def register_resolvers() -> None:
     (:func:`hydratrain.paths.join`) (idempotent)."""
     from omegaconf import OmegaConf
 
-    from hydratrain.paths import join
-
     for name, fn in (("hydratrain.stamp", run_stamp), ("hydratrain.unique_dir", unique_dir),
                      ("hydratrain.output_base", output_base),
                      ("hydratrain.output_subdir", output_subdir),
                      ("hydratrain.rank", env_rank), ("hydratrain.path", join)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn, use_cache=False)
-
-
-def launch_dir() -> Path:
-    """The directory the command was launched from: Hydra's ``hydra.runtime.cwd`` (set before any ``chdir`` and
-    carried to launcher workers with the job's config), else the current directory."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.cwd)
-    return Path(os.getcwd())
-
-
-def resolve_path(value: Union[str, Path], base: Optional[Path] = None) -> Path:
-    """``value`` with ``~`` expanded, made absolute against ``base`` (default :func:`launch_dir`) when relative."""
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else (base if base is not None else launch_dir()) / path
 
 
 def run_dir_of() -> Path:
@@ -376,3 +361,55 @@ def run_dir_of() -> Path:
     if HydraConfig.initialized():
         return resolve_path(HydraConfig.get().runtime.output_dir)
     return Path(os.getcwd())
+
+
+def other_job_of_this_multirun(job_dir: Path, hc: Any) -> Optional[int]:
+    """The number of another job of the running multirun that already ran in ``job_dir`` (its ``status.json``
+    says so: two jobs whose ``hydra.sweep.subdir`` resolves to one dir), or None. ``hc``: the job's Hydra config."""
+    status = _read_json(job_dir / "status.json")
+    mark = _read_json(_sweep_dir(hc) / MULTIRUN_MARK)
+    num = status.get("num")
+    if mark and status.get("multirun") == mark.get("id") and num is not None and num != hc.job.num:
+        return num
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _sweep_dir(hc: Any) -> Path:
+    """``hydra.sweep.dir``, a relative one resolved against the launch dir (``hydra.runtime.cwd``): with
+    ``hydra.job.chdir=true`` a job's callbacks run in its own dir."""
+    from hydratrain.dist.run_dir import resolve_path
+
+    return resolve_path(str(hc.sweep.dir), Path(str(hc.runtime.cwd)))
+
+
+def resume_hint(how: Optional[str]) -> str:
+    """``; <how>: <the command that resumes this run>`` (:func:`hydratrain.dist.launch.resume_command`) when ``how``
+    is given, this is a single run (a sweep's failed job leaves the sweep going) and its run dir holds a complete
+    checkpoint to resume from; else ''. Raises nothing."""
+    if not how or in_multirun():
+        return ""
+    try:
+        from hydratrain.checkpoint.manager import latest_checkpoint
+        from hydratrain.dist.launch import resume_command
+        from hydratrain.dist.run_dir import run_dir_of
+
+        run_dir = run_dir_of()
+        if latest_checkpoint(run_dir / "checkpoints") is None:
+            return ""
+        return f"; {how}: {resume_command(run_dir)}"
+    except Exception:  # noqa: BLE001 (the line it ends is what matters)
+        return ""
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

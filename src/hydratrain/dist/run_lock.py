@@ -320,7 +320,7 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
         except OSError as err:
             problem = f"cannot create the lock file {err.filename or run_dir / LOCK_NAME}: {err.strerror}"
     if info.world_size > 1 and os.environ.get("MASTER_ADDR"):
-        from hydratrain.dist.process_group import base_store, store_get
+        from hydratrain.dist.store import base_store, store_get
 
         store = base_store()
         store_key = f"hydratrain/run_dir/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/hold{_HOLDS}"
