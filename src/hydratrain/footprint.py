@@ -27,8 +27,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any, Optional
+from typing import Optional
 
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -270,26 +269,3 @@ def shard_unit_names(model, wrap_policy: str, min_num_params: int, blocks=None) 
         seen.update(id(p) for p in unit.parameters())
         units.append(own)
     return units
-
-
-# -------------------------------------------------------------------------------------------------- predict
-@lru_cache(maxsize=16)
-def _memory_model(target: str) -> Optional[Any]:
-    """The ``memory_plan`` classmethod of the class ``target`` names, or None (no such hook)."""
-    from hydratrain.components import locate
-
-    hook = getattr(locate(target, "model"), "memory_plan", None)
-    return hook if callable(hook) else None
-
-
-def predict(s: Setup) -> Plan:
-    """The :class:`Plan` of setup ``s``: the model class's own ``memory_plan(s)`` where it has one that answers,
-    else the generic plan (:func:`hydratrain.stepsim.predict`). Raises what they raise
-    (:class:`hydratrain.plan.PlanUnavailable` when the model does not build on the meta device)."""
-    hook = _memory_model(s.model.target)
-    plan = hook(s) if hook is not None else None
-    if plan is None:
-        from hydratrain.stepsim import predict as simulated
-
-        plan = simulated(s)
-    return plan

@@ -16,11 +16,14 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hydratrain.components import locate
 from hydratrain.errors import ConfigError
-from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup, predict
+from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup
+from hydratrain.stepsim import predict as simulated
 
 __all__ = ["GiB", "ModelSpec", "Plan", "PlanUnavailable", "Setup", "predict", "suggestions", "budget_bytes",
            "plan_run", "main", "OutOfMemoryGuard"]
@@ -404,6 +407,25 @@ class OutOfMemoryGuard:
         log.error("memory plan of this run:\n%s", "\n".join(rp.plan.table()), extra={"file_only": True})
         raise OutOfMemoryError(f"{what}; planned {rp.plan.summary()}, budget {rp.budget / GiB:.2f} GiB per rank "
                                f"({rp.budget_from}); {rp.advice()}") from None
+
+
+# -------------------------------------------------------------------------------------------------- predict
+@lru_cache(maxsize=16)
+def _memory_model(target: str) -> Optional[Any]:
+    """The ``memory_plan`` classmethod of the class ``target`` names, or None (no such hook)."""
+    hook = getattr(locate(target, "model"), "memory_plan", None)
+    return hook if callable(hook) else None
+
+
+def predict(s: Setup) -> Plan:
+    """The :class:`Plan` of setup ``s``: the model class's own ``memory_plan(s)`` where it has one that answers,
+    else the generic plan (:func:`hydratrain.stepsim.predict`). Raises what they raise
+    (:class:`hydratrain.plan.PlanUnavailable` when the model does not build on the meta device)."""
+    hook = _memory_model(s.model.target)
+    plan = hook(s) if hook is not None else None
+    if plan is None:
+        plan = simulated(s)
+    return plan
 
 
 # ------------------------------------------------------------------------------------------------------ CLI

@@ -365,8 +365,8 @@ def _refuse_another_jobs_dir(run_dir: Path) -> None:
     :class:`~hydratrain.errors.ConfigError` instead of overwriting that job's results, log and TensorBoard curves."""
     from hydra.core.hydra_config import HydraConfig
 
-    from hydratrain.errors import ConfigError
     from hydratrain.dist.run_dir import other_job_of_this_multirun
+    from hydratrain.errors import ConfigError
 
     hc = HydraConfig.get()
     other = other_job_of_this_multirun(run_dir, hc)

@@ -318,7 +318,7 @@ def _refuse_swept_executor_keys(config: DictConfig) -> None:
     key."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from hydratrain.config import ConfigError
+    from hydratrain.errors import ConfigError
 
     for override in OverridesParser.create().parse_overrides([str(line) for line in config.hydra.overrides.task]):
         if override.is_sweep_override() and override.key_or_group.startswith("launcher."):
@@ -422,7 +422,8 @@ class SweepReportCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydratrain.checkpoint.preemption import take_early_signal
-        from hydratrain.config import ConfigError, validate_launcher
+        from hydratrain.config.validate import validate_launcher
+        from hydratrain.errors import ConfigError
         from hydratrain.exits import composing
 
         composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
@@ -618,7 +619,7 @@ def _refuse_a_run_dir(hydra_cfg: DictConfig) -> None:
     the key that does it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from hydratrain.config import ConfigError
+    from hydratrain.errors import ConfigError
 
     given = []
     for override in OverridesParser.create().parse_overrides([str(o) for o in hydra_cfg.overrides.hydra]):

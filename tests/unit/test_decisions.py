@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
-from hydratrain.config import validate
+from hydratrain.config.validate import validate
 from hydratrain.errors import CheckpointError, ConfigError, DivergenceError
 
 

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from helpers import requires
-from hydratrain.config import ConfigError, validate
+from hydratrain.config.validate import validate
+from hydratrain.errors import ConfigError
 
 
 @pytest.mark.parametrize("overrides, key", [

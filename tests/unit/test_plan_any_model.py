@@ -13,8 +13,9 @@ from torch import nn
 
 from helpers import requires
 from hydratrain import stepsim
-from hydratrain.footprint import ModelSpec, PlanUnavailable, Setup, padded, predict
+from hydratrain.footprint import ModelSpec, PlanUnavailable, Setup, padded
 from hydratrain.memsim import Mode
+from hydratrain.plan import predict
 from live_bytes import LiveBytes
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "hydratrain"

@@ -12,7 +12,7 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from helpers import requires
-from hydratrain.config import validate
+from hydratrain.config.validate import validate
 from hydratrain.errors import ConfigError
 
 

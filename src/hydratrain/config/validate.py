@@ -16,37 +16,33 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from hydratrain.components import (
+    INIT_DEVICES,
+    _accepts,
+    _hints,
+    build_loss,
+    build_metrics,
+    build_model,
+    check_call,
+    check_parameters,
+    check_state_dict,
+    locate,
+    model_kwargs,
+    model_settings,
+    target_of,
+)
+from hydratrain.config.choices import (  # noqa: F401 (their home was here)
+    COMPILE_VALUES,
+    SHARD_ON_ONE_RANK_VALUES,
+    _choice,
+    compile_setting,
+    shard_on_one_rank_setting,
+)
 from hydratrain.config.schema import DType, StrategyName, WrapPolicyName
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError, Placeholder
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
 GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths")
-
-
-#: the values of ``trainer.compile`` (what each compiles: :mod:`hydratrain.parallel.ac_compile`)
-COMPILE_VALUES = ("auto", "true", "false", "model", "blocks")
-#: the values of ``strategy.shard_on_one_rank`` (fsdp and hsdp: :mod:`hydratrain.parallel.strategy`)
-SHARD_ON_ONE_RANK_VALUES = ("auto", "true", "false")
-
-
-def _choice(key: str, value: Any, allowed: tuple) -> str:
-    """``value`` as one of ``allowed`` (lower case; YAML/CLI booleans become ``true``/``false``). Raises
-    :class:`ConfigError` naming ``key`` and the allowed values for anything else."""
-    text = ("true" if value else "false") if isinstance(value, bool) else str(value).strip().lower()
-    if text not in allowed:
-        raise ConfigError(key, value, f"allowed: {', '.join(allowed)}")
-    return text
-
-
-def compile_setting(value: Any) -> str:
-    """``trainer.compile`` as one of :data:`COMPILE_VALUES`. Raises :class:`ConfigError` otherwise."""
-    return _choice("trainer.compile", value, COMPILE_VALUES)
-
-
-def shard_on_one_rank_setting(value: Any) -> str:
-    """``strategy.shard_on_one_rank`` as one of :data:`SHARD_ON_ONE_RANK_VALUES`. Raises :class:`ConfigError`
-    otherwise."""
-    return _choice("strategy.shard_on_one_rank", value, SHARD_ON_ONE_RANK_VALUES)
 
 
 def batch_size_setting(value: Any) -> Any:
@@ -360,7 +356,7 @@ def validate(cfg: DictConfig) -> None:
     if strategy == StrategyName.single and cfg.precision.reduce_dtype != DType.float32:
         raise ConfigError("precision.reduce_dtype", cfg.precision.reduce_dtype, "strategy=single reduces no "
                           "gradients across ranks; allowed: float32")
-    from hydratrain.components import check_components, model_settings
+    from hydratrain.components import model_settings
 
     settings = model_settings(cfg)
     if settings["init_device"] == "cuda" and cfg.device == "cpu":
@@ -588,3 +584,62 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
             where = (f"looked for {resolve_path(value, base)}" if Path(value).expanduser().is_absolute()
                      else f"relative paths resolve against {what} {base}")
             raise ConfigError(key, value, f"no such path ({where})")
+
+
+def _vocabulary_for_checks(cfg: DictConfig, cls: Any) -> Optional[int]:
+    """What a ``vocab_size: null`` keyword becomes for the checks before the run: the data's vocabulary where it is
+    known without a tokenizer (256 for bytes and synthetic tokens), else a stand-in of its type (the run takes the
+    tokenizer's); None when the keyword is not null. Raises :class:`ConfigError` naming ``model.vocab_size`` when
+    the data builds datasets (no vocabulary to take) and ``cls`` does not take None."""
+    if model_kwargs(cfg).get("vocab_size", 0) is not None:
+        return None
+    from hydratrain.data.loader import is_dataset_node
+
+    data = cfg.get("data")
+    if not is_dataset_node(data):
+        from hydratrain.data.tokenized import vocab_size_for
+
+        try:
+            return vocab_size_for(data, None, None)
+        except ConfigError:  # token_bin without a tokenizer: the run says so where it looks for the vocabulary
+            return 256
+    if "vocab_size" in _hints(cls) and _accepts(_hints(cls)["vocab_size"], None) is not None:
+        raise ConfigError("model.vocab_size", None, f"null takes the data's vocabulary, but data._target_="
+                          f"{data.get('_target_')} builds datasets, which have none (only token data does): set "
+                          "model.vocab_size to the number of ids your data holds")
+    return None
+
+
+def check_components(cfg: DictConfig) -> None:
+    """Every check of the components that needs no process group (see the module docstring): the model's target,
+    keywords, types, hydratrain's model keys and the model's own checks (a build on the meta device, whose
+    :class:`ConfigError` is raised; anything else it raises waits for the real build, which may not be on meta);
+    the loss; each metric (built: torchmetrics checks its arguments then); a data factory's target and keywords.
+    Raises :class:`ConfigError`."""
+    settings = model_settings(cfg)
+    if str(settings["init_device"]) not in INIT_DEVICES:
+        raise ConfigError("model.init_device", settings["init_device"], f"allowed: {', '.join(INIT_DEVICES)}")
+    target = target_of(cfg.get("model"), "model")
+    cls = locate(target, "model")
+    vocab = _vocabulary_for_checks(cfg, cls)
+    check_call(cls, model_kwargs(cfg, vocab), "model", target)
+    try:
+        model = build_model(cfg, "meta", vocab)
+    except ConfigError as err:
+        if err.key != "model._target_":  # the model's own check, naming its key
+            raise
+        model = None
+    if model is not None:
+        check_parameters(model, target)
+        check_state_dict(model, target, built_on_meta=True)
+    limit, seq_len = getattr(model, "max_seq_len", None), cfg.data.get("seq_len") if cfg.get("data") else None
+    if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
+        raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "
+                          f"({type(model).__name__}.max_seq_len); allowed: <= {limit}")
+    build_loss(cfg)
+    build_metrics(cfg)
+    data = cfg.get("data")
+    if data is not None and OmegaConf.is_dict(data) and "_target_" in data:
+        from hydratrain.data.loader import check_data_node
+
+        check_data_node(data)

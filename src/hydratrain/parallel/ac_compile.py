@@ -37,7 +37,7 @@ from typing import Any, ContextManager, Iterator, Optional
 
 from torch import nn
 
-from hydratrain.config.validate import COMPILE_VALUES, compile_setting  # noqa: F401  (re-exported)
+from hydratrain.config.choices import COMPILE_VALUES, compile_setting  # noqa: F401  (re-exported)
 from hydratrain.parallel.blocks import Blocks, find_blocks
 
 log = logging.getLogger("hydratrain.compile")

@@ -605,7 +605,7 @@ def single_on_one_rank(name: str, setting, world_size: int, device_type: str, cp
 
     Pure: reads no device. Raises :class:`ConfigError` naming ``strategy.shard_on_one_rank`` when it is not
     auto/true/false, or is false with ``strategy.cpu_offload=true`` at world size 1."""
-    from hydratrain.config.validate import shard_on_one_rank_setting
+    from hydratrain.config.choices import shard_on_one_rank_setting
 
     value = shard_on_one_rank_setting(setting)
     if name not in ("fsdp", "hsdp") or world_size != 1 or value == "true":
