@@ -39,7 +39,7 @@ def importable() -> None:
     """Put the launch dir (:func:`hydratrain.dist.run_dir.launch_dir`) first on ``sys.path`` when it is not there,
     so ``_target_: mypkg.nets.MLP`` finds ``mypkg/`` beside the command (``python train.py`` puts the script's dir
     there instead)."""
-    from hydratrain.dist.run_dir import launch_dir
+    from hydratrain.paths import launch_dir
 
     here = str(launch_dir())
     if here not in sys.path:

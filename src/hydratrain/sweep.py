@@ -370,7 +370,7 @@ def _refuse_a_stored_study_over_its_job_dirs(hc: Any) -> None:
 
 def _job_dir(hc: Any) -> Path:
     """This job's run dir (``hydra.runtime.output_dir``), made absolute the same way as :func:`_sweep_dir`."""
-    from hydratrain.dist.run_dir import resolve_path
+    from hydratrain.paths import resolve_path
 
     return resolve_path(str(hc.runtime.output_dir), Path(str(hc.runtime.cwd)))
 
@@ -415,7 +415,7 @@ class SweepReportCallback(Callback):
         (``SystemExit``) before Hydra makes it and opens the log file there
         (:func:`hydratrain.dist.run_dir.refuse_an_unwritable_run_dir`)."""
         from hydratrain.dist.run_dir import refuse_an_unwritable_run_dir
-        from hydratrain.exits import composing
+        from hydratrain.dist.launch import composing
 
         composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
         refuse_an_unwritable_run_dir(config)
@@ -424,7 +424,7 @@ class SweepReportCallback(Callback):
         from hydratrain.checkpoint.preemption import take_early_signal
         from hydratrain.config.validate import validate_launcher
         from hydratrain.errors import ConfigError
-        from hydratrain.exits import composing
+        from hydratrain.dist.launch import composing
 
         composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
         early = take_early_signal()  # a SIGTERM while Hydra composed the sweep: no job has started

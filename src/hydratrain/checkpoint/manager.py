@@ -503,7 +503,7 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
     Raises :class:`CheckpointError` when the chosen checkpoint is incomplete, truncated or unreadable; for the run
     dir's own latest checkpoint the message names the previous complete one and how to resume from it.
     """
-    from hydratrain.dist.run_dir import resolve_path
+    from hydratrain.paths import resolve_path
 
     own = list_checkpoints(Path(run_dir) / "checkpoints") if ccfg.auto_resume else []
     if own:

@@ -531,7 +531,7 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     import torch
     import torch.distributed as dist
 
-    from hydratrain.dist.run_dir import resolve_path
+    from hydratrain.paths import resolve_path
 
     cuda = torch.cuda.is_available()
     if "cuda" in (cfg.device, _get(cfg, "model.init_device")) and not cuda:

@@ -205,7 +205,7 @@ def resume_command(run_dir: Optional[Path] = None, sweep: bool = False) -> str:
 
 def _what_resumes(run_dir: Optional[Path]):
     """(the dir's key, the dir or None, the launch dir or None, the command) of this run."""
-    from hydratrain.dist.run_dir import resolve_path
+    from hydratrain.paths import resolve_path
 
     hydra_cfg = _hydra_config()
     if hydra_cfg is None:

@@ -346,7 +346,7 @@ class FailureWatch:
             log.warning("hydratrain: %s: %s (a peer left first: %s)", preempted.label, preempted, failure)
             RunDirLock.release_held()
             os._exit(preempted.exit_status)
-        from hydratrain.exits import resume_hint
+        from hydratrain.dist.run_dir import resume_hint
 
         log.error("stopping rank %d (exit status %d): %s%s", self.rank, EXIT_PEER_FAILED, failure,
                   resume_hint(PeerFailedError.resume_hint) if self.rank == 0 else "")
