@@ -9,6 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
+from hydratrain import plan
+from hydratrain.errors import ConfigError
+
 log = logging.getLogger("hydratrain.auto_batch")
 
 #: the largest micro-batch ``auto`` picks (samples per rank): beyond it a step is large enough to keep any device
@@ -60,8 +63,6 @@ def resolve(cfg, strategy, info, precision, vocab_size: Optional[int], limit: in
     changes that fit)."""
     if str(cfg.data.get("batch_size")).strip().lower() != "auto":
         return cfg
-    from hydratrain import plan
-    from hydratrain.errors import ConfigError
 
     try:
         setup = plan.setup_for(with_value(cfg, "data.batch_size", 1), strategy, world_size=info.world_size,

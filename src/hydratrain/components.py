@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain.errors import ConfigError, Placeholder
+from hydratrain.paths import launch_dir
 
 #: hydratrain's keys in the ``model`` node, with their defaults (a user's model file need not have them)
 MODEL_KEYS = {"init_device": "auto", "init_from": None}
@@ -39,8 +40,6 @@ def importable() -> None:
     """Put the launch dir (:func:`hydratrain.dist.run_dir.launch_dir`) first on ``sys.path`` when it is not there,
     so ``_target_: mypkg.nets.MLP`` finds ``mypkg/`` beside the command (``python train.py`` puts the script's dir
     there instead)."""
-    from hydratrain.paths import launch_dir
-
     here = str(launch_dir())
     if here not in sys.path:
         sys.path.insert(0, here)

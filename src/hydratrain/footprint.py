@@ -29,6 +29,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from hydratrain.memsim import Mode
+from hydratrain.optim import FUSED_DEVICES
+from hydratrain.parallel.wrap_policy import shard_units
+
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -220,8 +224,6 @@ def step_temporaries(s: Setup, params_fp32: int, two_largest_fp32: int) -> tuple
     none (one in-place kernel: on an H200, llama_1b's optimizer-step peak was parameters + gradients + moments);
     foreach, one fp32 copy of the parameters (``torch.optim.adam._multi_tensor_adam``); for_loop, two of the largest
     parameter."""
-    from hydratrain.optim import FUSED_DEVICES
-
     per_tensor = (two_largest_fp32, "AdamW's temporaries (per tensor: two of the largest parameter)")
     if s.device != "cuda":
         return per_tensor
@@ -243,7 +245,6 @@ def mode_of(s: Setup):
     keep fp32 weights under autocast."""
     import torch
 
-    from hydratrain.memsim import Mode
 
     compute = getattr(torch, PRECISION_DTYPE[s.precision])
     device = "cuda" if s.device == "cuda" and torch.cuda.is_available() else "cpu"
@@ -259,7 +260,6 @@ def shard_unit_names(model, wrap_policy: str, min_num_params: int, blocks=None) 
     its order, each parameter in the first unit that holds it; names without the wrappers' prefix."""
     from types import SimpleNamespace
 
-    from hydratrain.parallel.wrap_policy import shard_units
 
     policy = SimpleNamespace(name=wrap_policy, min_num_params=min_num_params)
     name_of = {id(p): n.replace("._checkpoint_wrapped_module", "") for n, p in model.named_parameters()}

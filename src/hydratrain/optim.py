@@ -25,6 +25,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from hydratrain.components import locate
+from hydratrain.errors import ConfigError
+
 LOWBIT_INSTALL = "pip install -e '.[lowbit]'"
 log = logging.getLogger(__name__)
 
@@ -83,9 +86,6 @@ def _own_optimizer(params: list, optim_cfg) -> torch.optim.Optimizer:
     AdamW (the decay on matrices, none on norms' gains and biases), else one. The schedule scales each group's lr
     (``hydratrain.optim.Schedule``), and the state is checkpointed whatever the class (``torch.optim``'s
     ``state_dict``). Raises :class:`~hydratrain.errors.ConfigError` naming ``optim._target_``."""
-    from hydratrain.components import locate
-    from hydratrain.errors import ConfigError
-
     target = str(optim_cfg["_target_"])
     cls = locate(target, "optim")
     decay = optim_cfg.get("weight_decay")

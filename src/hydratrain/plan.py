@@ -20,9 +20,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from hydratrain import components
 from hydratrain.components import locate
-from hydratrain.errors import ConfigError
+from hydratrain.errors import ConfigError, OutOfMemoryError
 from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup
+from hydratrain.stepsim import describe, token_batch
 from hydratrain.stepsim import predict as simulated
 
 __all__ = ["GiB", "ModelSpec", "Plan", "PlanUnavailable", "Setup", "predict", "suggestions", "budget_bytes",
@@ -207,7 +209,6 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
     :class:`~hydratrain.errors.ConfigError` for a model node that names no class."""
     from omegaconf import OmegaConf
 
-    from hydratrain import components
 
     if strategy.name not in ("single", "ddp", "fsdp", "hsdp"):
         raise PlanUnavailable(f"strategy={strategy.name} is not modelled by the planner")
@@ -236,8 +237,6 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
 def _example(example: Optional[Callable[[int], Any]], batch_size: int, seq_len: int) -> tuple:
     """The example micro-batch, described (:func:`hydratrain.stepsim.describe`): ``example(batch_size)``'s, a
     token batch of ``seq_len`` without it, else none (the generic plan then says it has no activations)."""
-    from hydratrain.stepsim import describe, token_batch
-
     if example is not None:
         try:
             return describe(example(batch_size))
@@ -390,7 +389,6 @@ class OutOfMemoryGuard:
             return False
         import traceback
 
-        from hydratrain.errors import OutOfMemoryError
 
         what = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         log.error("out of memory:\n%s", "".join(traceback.format_exception(exc)), extra={"file_only": True})
@@ -431,7 +429,7 @@ def predict(s: Setup) -> Plan:
 # ------------------------------------------------------------------------------------------------------ CLI
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m hydratrain.plan [OVERRIDES]``: :func:`hydratrain.plan_cli.main`."""
-    from hydratrain.plan_cli import main as cli
+    from hydratrain.plan_cli import main as cli  # (python -m hydratrain.plan's entry: the CLI sits above the planner)
 
     return cli(argv)
 

@@ -22,9 +22,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
+from hydratrain import components
 from hydratrain.checkpoint import METADATA
 from hydratrain.dist.collectives import rank_and_world, sampled_digest, unlike_rank0
-from hydratrain.errors import CheckpointError, DamagedCheckpointError
+from hydratrain.errors import CheckpointError, ConfigError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -375,8 +376,6 @@ def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[st
     ``architecture`` has no keys compared (the resume's config-difference warning lists them)."""
     if not saved_model:
         return []
-    from hydratrain import components
-    from hydratrain.errors import ConfigError
 
     before, now = saved_model.get("_target_") or LEGACY_MODEL, model.get("_target_") or LEGACY_MODEL
     try:

@@ -31,11 +31,19 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from hydratrain.checkpoint import METADATA
-from hydratrain.checkpoint.io import check_architecture
+from hydratrain.checkpoint.io import (
+    check_architecture,
+    check_model_shapes,
+    load_dcp,
+    quiet_without_process_group,
+    root_cause,
+    verify,
+)
 from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
 from hydratrain.dist.launch import stop_if_launcher_gone, unwritable_message
 from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError
+from hydratrain.paths import resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +324,6 @@ class CheckpointManager:
         from omegaconf import OmegaConf
         from torch.distributed.checkpoint import FileSystemWriter
 
-        from hydratrain.checkpoint.io import quiet_without_process_group
 
         t0 = time.perf_counter()
         stop_if_launcher_gone(f"before saving step {step}")
@@ -351,7 +358,6 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
-            from hydratrain.checkpoint.io import root_cause
 
             if isinstance(root_cause(err), KeyboardInterrupt):
                 raise  # Ctrl-C (hydratrain.run)
@@ -404,8 +410,6 @@ class CheckpointManager:
         Raises :class:`CheckpointError` when the checkpoint is unreadable, from a model of another shape, or a
         component refuses its state (e.g. the data order changed).
         """
-        from hydratrain.checkpoint.io import check_model_shapes, load_dcp, verify
-
         ckpt = Path(ckpt)
         md = verify(ckpt)
         stored = set(md.state_dict_metadata)
@@ -503,8 +507,6 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
     Raises :class:`CheckpointError` when the chosen checkpoint is incomplete, truncated or unreadable; for the run
     dir's own latest checkpoint the message names the previous complete one and how to resume from it.
     """
-    from hydratrain.paths import resolve_path
-
     own = list_checkpoints(Path(run_dir) / "checkpoints") if ccfg.auto_resume else []
     if own:
         ckpt = own[-1][1]
@@ -512,7 +514,6 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
             log.warning("checkpoint.resume_from=%s not used: this run dir has its own checkpoint %s, which auto-resume "
                         "prefers (add checkpoint.auto_resume=false to start from resume_from instead)",
                         ccfg.resume_from, ckpt)
-        from hydratrain.checkpoint.io import verify  # imports torch.distributed.checkpoint (~1 s): only when needed
 
         try:
             verify(ckpt)
@@ -520,8 +521,6 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
             raise with_previous(err, ckpt) from None
         return ckpt
     if ccfg.resume_from:
-        from hydratrain.checkpoint.io import verify
-
         ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir))
         verify(ckpt)
         return ckpt

@@ -38,8 +38,15 @@ from hydratrain.config.choices import (  # noqa: F401 (their home was here)
     compile_setting,
     shard_on_one_rank_setting,
 )
-from hydratrain.config.schema import DType, StrategyName, WrapPolicyName
+from hydratrain.config.schema import SCHEMAS, DType, StrategyName, WrapPolicyName
+from hydratrain.data.corpora import expand_paths
+from hydratrain.data.loader import check_data_node, is_dataset_node
+from hydratrain.data.tokenized import preflight_data, vocab_size_for
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError, Placeholder
+from hydratrain.optim import LOWBIT_INSTALL, lowbit_available, own_keywords
+from hydratrain.optim import is_own as own
+from hydratrain.parallel.strategy import HSDP
+from hydratrain.paths import Paths, resolve_path
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
 GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths")
@@ -84,8 +91,6 @@ def _check_option_nodes(cfg: DictConfig) -> None:
 def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
     """A group node that no option schema types: a user's own option file without its schema line (which must not
     be reported as removed with ``~group``), or ``~group`` and then an overlay's keys."""
-    from hydratrain.config.schema import SCHEMAS
-
     schemas = list(SCHEMAS[group])
     name = node.get("name") if not OmegaConf.is_missing(node, "name") else None
     if name is None:  # (a user's option file with neither its schema line nor a name lands here too)
@@ -270,8 +275,6 @@ def _check_int_ranges(node: Any, path: str = "") -> None:
 
 
 def is_own(node: Any) -> bool:
-    from hydratrain.optim import is_own as own
-
     return own(node)
 
 
@@ -356,7 +359,6 @@ def validate(cfg: DictConfig) -> None:
     if strategy == StrategyName.single and cfg.precision.reduce_dtype != DType.float32:
         raise ConfigError("precision.reduce_dtype", cfg.precision.reduce_dtype, "strategy=single reduces no "
                           "gradients across ranks; allowed: float32")
-    from hydratrain.components import model_settings
 
     settings = model_settings(cfg)
     if settings["init_device"] == "cuda" and cfg.device == "cpu":
@@ -383,7 +385,6 @@ def validate(cfg: DictConfig) -> None:
     check_components(cfg)
     _check_block_classes(cfg)
     objective = cfg.trainer.objective
-    from hydratrain.components import build_loss
 
     perplexity = ["eval/perplexity"] if getattr(build_loss(cfg), "perplexity", False) else []  # (next_token)
     allowed = ["eval/loss", *perplexity, *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
@@ -400,8 +401,6 @@ def _check_own_optimizer(node: DictConfig) -> None:
 
     import torch
 
-    from hydratrain.components import check_call, locate
-    from hydratrain.optim import own_keywords
 
     target = str(node["_target_"])
     if node.get("lr") is None:
@@ -422,7 +421,6 @@ def _check_block_classes(cfg: DictConfig) -> None:
     names = [str(n) for n in (_get(cfg, "wrap_policy.block_classes") or ())]
     from torch import nn
 
-    from hydratrain.components import locate
 
     for name in names:
         if "." not in name:
@@ -510,7 +508,6 @@ def _check_lowbit(on_cpu: bool) -> None:
     """optim=adamw8bit needs torchao, and on CPU a C++ compiler for the update torchao compiles."""
     import shutil
 
-    from hydratrain.optim import LOWBIT_INSTALL, lowbit_available
 
     if not lowbit_available():
         raise ConfigError("optim.name", "adamw8bit", f"needs torchao, which is not installed ({LOWBIT_INSTALL}); "
@@ -531,7 +528,6 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     import torch
     import torch.distributed as dist
 
-    from hydratrain.paths import resolve_path
 
     cuda = torch.cuda.is_available()
     if "cuda" in (cfg.device, _get(cfg, "model.init_device")) and not cuda:
@@ -560,20 +556,14 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     if _get(cfg, "optim.name") == "adamw8bit":
         _check_lowbit(cfg.device == "cpu" or (cfg.device == "auto" and not cuda))
     if cfg.strategy.name == StrategyName.hsdp:
-        from hydratrain.parallel.strategy import HSDP
-
         HSDP.mesh_shape(cfg.strategy.shard_size, world_size, local_world_size or world_size)
-    from hydratrain.paths import Paths
 
     paths = Paths.resolve(cfg, launch_dir)
     if _get(cfg, "data.name") == "text_files":
-        from hydratrain.data.corpora import expand_paths
-
         try:
             expand_paths(list(cfg.data.paths), paths.data)
         except FileNotFoundError as err:
             raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
-    from hydratrain.data.tokenized import preflight_data
 
     if "name" in cfg.data:
         preflight_data(cfg.data, paths.data)  # token files, the tokenizer, tokenized_text's globs
@@ -593,12 +583,9 @@ def _vocabulary_for_checks(cfg: DictConfig, cls: Any) -> Optional[int]:
     the data builds datasets (no vocabulary to take) and ``cls`` does not take None."""
     if model_kwargs(cfg).get("vocab_size", 0) is not None:
         return None
-    from hydratrain.data.loader import is_dataset_node
 
     data = cfg.get("data")
     if not is_dataset_node(data):
-        from hydratrain.data.tokenized import vocab_size_for
-
         try:
             return vocab_size_for(data, None, None)
         except ConfigError:  # token_bin without a tokenizer: the run says so where it looks for the vocabulary
@@ -640,6 +627,4 @@ def check_components(cfg: DictConfig) -> None:
     build_metrics(cfg)
     data = cfg.get("data")
     if data is not None and OmegaConf.is_dict(data) and "_target_" in data:
-        from hydratrain.data.loader import check_data_node
-
         check_data_node(data)

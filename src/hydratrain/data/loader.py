@@ -28,7 +28,11 @@ from typing import Any, Iterable, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from hydratrain.components import build_callable, check_call, importable, instantiate_node, locate, target_of
+from hydratrain.data.streams import EvalBatches, ShardedBatches
+from hydratrain.dist.collectives import unlike_rank0
 from hydratrain.errors import ConfigError
+from hydratrain.train.batch import shapes
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +59,6 @@ def _kwargs(data: DictConfig) -> dict:
 def check_data_node(data: DictConfig) -> None:
     """The checks of a dataset node that need nothing built: its target imports and takes its keywords, the
     loader's keys have sensible values, ``collate_fn`` imports. Raises :class:`ConfigError` naming the key."""
-    from hydratrain.components import check_call, locate, target_of
-
     s = data_settings(data)
     if str(s["batch_size"]).strip().lower() == "auto":
         raise ConfigError("data.batch_size", "auto", "needs the memory planner to run the model on a batch of the "
@@ -80,8 +82,6 @@ def check_data_node(data: DictConfig) -> None:
     target = target_of(data, "data")
     check_call(locate(target, "data"), _kwargs(data), "data", target)
     if s["collate_fn"] is not None:
-        from hydratrain.components import build_callable
-
         build_callable(data.collate_fn, "data.collate_fn", supplied=1)
 
 
@@ -89,8 +89,6 @@ def load_datasets(data: DictConfig) -> dict:
     """``{"train": Dataset, "val": Dataset}`` from the dataset node (its target's result, or one dataset split by
     ``data.val_fraction``). Raises :class:`ConfigError` naming ``data._target_`` when the target raises or returns
     something else, or an empty val split."""
-    from hydratrain.components import importable, instantiate_node, target_of
-
     target = target_of(data, "data")
     importable()
     node = {"_target_": target, **{k: v for k, v in OmegaConf.to_container(data, resolve=True).items()
@@ -176,7 +174,6 @@ def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
     import torch
     from torch.utils.data import DataLoader
 
-    from hydratrain.components import build_callable
 
     s = data_settings(data)
     collate = build_callable(data.collate_fn, "data.collate_fn", supplied=1) if s["collate_fn"] is not None else None
@@ -233,8 +230,6 @@ def _collated(batches: Iterator[Any], default_collate: bool, data: DictConfig) -
             raise ConfigError("data.collate_fn", None, f"PyTorch's default collate cannot batch the samples ({why}): "
                               "give a function that pads or stacks them (data.collate_fn._target_=...)") from None
         if not isinstance(batch, Mapping) and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            from hydratrain.train.batch import shapes
-
             key = "data._target_" if default_collate else "data.collate_fn._target_"
             node = data.get("_target_") if default_collate else data.collate_fn.get("_target_")
             what = (f"hold {len(batch)} items {shapes(batch)}" if isinstance(batch, (tuple, list))
@@ -339,13 +334,9 @@ def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = N
     """This rank's train micro-batches and eval set for a dataset node (every rank calls; the same datasets on
     every rank are checked by :func:`dataset_fingerprint`). Raises :class:`ConfigError`: the target's, a split
     smaller than the world size or a batch, ranks whose datasets differ."""
-    from hydratrain.data.streams import EvalBatches, ShardedBatches
-
     data = cfg.data
     splits = load_datasets(data)
     if info.world_size > 1:
-        from hydratrain.dist.collectives import unlike_rank0
-
         unlike = unlike_rank0("", dataset_fingerprint(splits))
         if unlike is not None:
             other, every = unlike

@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Op
 
 import numpy as np
 
+from hydratrain.errors import CheckpointError, ConfigError
+from hydratrain.train.batch import rebuilt
+
 if TYPE_CHECKING:
     import torch
 
@@ -34,7 +37,6 @@ def to_device(batch: Any, device: Optional[torch.device]) -> Any:
     ``non_blocking`` (from pinned memory on CUDA, so the copy overlaps the step before it)."""
     import torch
 
-    from hydratrain.train.batch import rebuilt
 
     if device is None:
         return batch
@@ -71,8 +73,6 @@ class TokenDataset:
 
         window = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
         if self.vocab_size is not None and window.size and int(window.max()) >= self.vocab_size:
-            from hydratrain.errors import ConfigError
-
             bad = int(window.max())
             at = int(starts[int(np.argwhere(window == bad)[0][0]), 0]) + int(np.argwhere(window == bad)[0][1])
             raise ConfigError("model.vocab_size", self.vocab_size, f"{self.source} holds token id {bad} (at token "
@@ -172,8 +172,6 @@ class ShardedBatches:
         ``data.seq_len`` or train split), unless the iterator was made with ``strict_position=False``: then the
         saved epoch starts over from its first sample.
         """
-        from hydratrain.errors import CheckpointError
-
         mismatch = [(key, state[name], now) for key, name, now in (
             ("trainer.seed", "seed", self.seed), ("data.seq_len", "seq_len", getattr(self.dataset, "seq_len", 0)),
             ("data (train split size, in samples)", "train_samples", len(self.dataset))) if state[name] != now]

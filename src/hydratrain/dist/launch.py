@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from hydratrain.errors import EXIT_PEER_FAILED, HydratrainError, write_refusal
+from hydratrain.paths import resolve_path
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,6 @@ def resume_command(run_dir: Optional[Path] = None, sweep: bool = False) -> str:
 
 def _what_resumes(run_dir: Optional[Path]):
     """(the dir's key, the dir or None, the launch dir or None, the command) of this run."""
-    from hydratrain.paths import resolve_path
-
     hydra_cfg = _hydra_config()
     if hydra_cfg is None:
         return "hydra.run.dir", (Path(run_dir).absolute() if run_dir else None), Path.cwd(), launch_command()

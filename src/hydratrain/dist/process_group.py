@@ -37,6 +37,9 @@ from hydratrain.dist.launch import LauncherGoneError, end_within, launcher_gone,
 from hydratrain.dist.run_lock import RunDirLock
 from hydratrain.dist.store import _store_client, base_store, store_get
 from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
+from hydratrain.checkpoint.preemption import recorded_preemption
+from hydratrain.dist.run_dir import resume_hint
+from hydratrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -339,14 +342,11 @@ class FailureWatch:
         atexit.register(_mark_exiting, self._main_store, self.rank)
 
     def _die(self, failure: str) -> None:
-        from hydratrain.checkpoint.preemption import recorded_preemption
-
         preempted = recorded_preemption()
         if preempted is not None:  # this rank got the preemption signal too: it ends as preempted
             log.warning("hydratrain: %s: %s (a peer left first: %s)", preempted.label, preempted, failure)
             RunDirLock.release_held()
             os._exit(preempted.exit_status)
-        from hydratrain.dist.run_dir import resume_hint
 
         log.error("stopping rank %d (exit status %d): %s%s", self.rank, EXIT_PEER_FAILED, failure,
                   resume_hint(PeerFailedError.resume_hint) if self.rank == 0 else "")
@@ -370,7 +370,6 @@ def adopt_group(info: DistInfo, wanted: str) -> str:
     RuntimeError when the sizes disagree."""
     import torch.distributed as dist
 
-    from hydratrain.errors import ConfigError
 
     if dist.get_world_size() != info.world_size or dist.get_rank() != info.rank:
         raise RuntimeError(f"the launcher's process group has rank {dist.get_rank()} of {dist.get_world_size()}, "

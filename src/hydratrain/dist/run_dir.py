@@ -22,6 +22,14 @@ from typing import Any, Optional
 from hydratrain.dist.env import env_rank
 from hydratrain.errors import EXIT_CONFIG, ConfigError, say
 from hydratrain.paths import join, launch_dir, resolve_path
+from hydratrain.dist.env import dist_info
+from hydratrain.dist.store import base_store
+from hydratrain.dist.store import store_get
+from hydratrain.dist.run_lock import held_by_another
+from hydratrain.dist.launch import unwritable_message
+from hydratrain.errors import OutputError
+from hydratrain.errors import unwritable_cause
+from hydratrain.dist.launch import resume_command
 
 #: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null,
 #: "command": the command line that launched it, or null}; :func:`hydratrain.sweep.mark_multirun`)
@@ -49,13 +57,9 @@ def run_stamp() -> str:
     """
     global _STAMP, _INHERITED
     if _STAMP is None:
-        from hydratrain.dist.env import dist_info
-
         _INHERITED = bool(os.environ.get(STAMP_ENV))
         mine = os.environ.get(STAMP_ENV) or time.strftime("%Y-%m-%d/%H-%M-%S")
         if dist_info().world_size > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            from hydratrain.dist.store import base_store
-
             store = base_store()
             key = "hydratrain/run_stamp/" + _launch_key()
             _STAMP = store.compare_set(key, "", mine).decode()
@@ -88,8 +92,6 @@ def unique_dir(base: str, kind: str) -> str:
         if _INHERITED or _only_prints():
             chosen = stamp
         elif dist_world_size() > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            from hydratrain.dist.store import base_store, store_get
-
             store = base_store()
             store_key = f"hydratrain/unique_dir/{_launch_key()}/{kind}"
             if env_rank() == 0 and not store.check([store_key]):
@@ -204,7 +206,7 @@ def output_base(*, _root_: Any = None) -> str:
         problem = ConfigError("paths.output_dir", "<missing>", "the run dir is built on it: choose a paths option "
                               "with paths=NAME (conf/paths/), not ~paths")  # a config error, not a dir of that name
     except OmegaConfBaseException as err:
-        from hydratrain.config.validate import unresolvable
+        from hydratrain.config.validate import unresolvable  # (start-up: torch ~2 s, not needed by --cfg/--help)
 
         problem = unresolvable("paths.output_dir", _root_.paths._get_node("output_dir")._value(), err)
     say(f"hydratrain: {problem.label}: {problem}")
@@ -221,7 +223,6 @@ def output_subdir(*, _root_: Any = None) -> Optional[str]:
         return None
     from hydra.core.hydra_config import HydraConfig
 
-    from hydratrain.dist.run_lock import held_by_another
 
     try:
         output_dir = HydraConfig.get().runtime.output_dir
@@ -246,9 +247,6 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
     every rank), before Hydra writes a job's ``.hydra/`` (:func:`output_subdir`, rank 0), and for the sweep dir
     (``sweep``) before Hydra's ``multirun.yaml`` (``hydratrain.sweep``). Under torchrun each node's first rank says the
     line, and the other ranks leave after rank 0 (the agent's root cause)."""
-    from hydratrain.dist.launch import unwritable_message
-    from hydratrain.errors import OutputError, unwritable_cause
-
     probe = run_dir / f".hydratrain-write-probe-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -258,7 +256,7 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
         cause = unwritable_cause(err, writes=(run_dir,))
         if cause is None:
             return
-        from hydratrain.checkpoint.manager import latest_checkpoint
+        from hydratrain.checkpoint.manager import latest_checkpoint  # (start-up: torch ~2 s, not needed by --cfg/--help)
 
         last = ... if sweep else (latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir()
                                   else None)
@@ -316,7 +314,7 @@ def _of_another_trial(run_dir: Path, root: Any) -> bool:
     record = trial_record(run_dir, OmegaConf.select(root, "checkpoint.auto_resume", default=True))
     if record is None:
         return False
-    from hydratrain.checkpoint.manager import other_trial
+    from hydratrain.checkpoint.manager import other_trial  # (start-up: torch ~2 s, not needed by --cfg/--help)
 
     task = OmegaConf.masked_copy(root, [k for k in root if k != "hydra"])
     return bool(other_trial(record, OmegaConf.to_container(task, resolve=True, enum_to_str=True),
@@ -329,7 +327,7 @@ def trial_record(run_dir: Path, auto_resume: bool) -> Optional[Path]:
     run, no ``save_last``: its ``results.json`` is there), its ``.hydra/``, so that a sweep re-run with other
     values cannot replace such a trial's results, ``.hydra/`` and curves without a word. None when the dir holds
     neither."""
-    from hydratrain.checkpoint.manager import list_checkpoints
+    from hydratrain.checkpoint.manager import list_checkpoints  # (start-up: torch ~2 s, not needed by --cfg/--help)
 
     own = list_checkpoints(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
     if own:
@@ -384,8 +382,6 @@ def _read_json(path: Path) -> dict:
 def _sweep_dir(hc: Any) -> Path:
     """``hydra.sweep.dir``, a relative one resolved against the launch dir (``hydra.runtime.cwd``): with
     ``hydra.job.chdir=true`` a job's callbacks run in its own dir."""
-    from hydratrain.dist.run_dir import resolve_path
-
     return resolve_path(str(hc.sweep.dir), Path(str(hc.runtime.cwd)))
 
 
@@ -396,9 +392,7 @@ def resume_hint(how: Optional[str]) -> str:
     if not how or in_multirun():
         return ""
     try:
-        from hydratrain.checkpoint.manager import latest_checkpoint
-        from hydratrain.dist.launch import resume_command
-        from hydratrain.dist.run_dir import run_dir_of
+        from hydratrain.checkpoint.manager import latest_checkpoint  # (start-up: torch ~2 s, not needed by --cfg/--help)
 
         run_dir = run_dir_of()
         if latest_checkpoint(run_dir / "checkpoints") is None:

@@ -36,6 +36,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
+from hydratrain.errors import ConfigError
+from hydratrain.dist.store import base_store
+from hydratrain.dist.store import store_get
+from hydratrain.config import flat_keys
 
 log = logging.getLogger(__name__)
 _HELD: list = []  # the RunDirLocks this process holds now
@@ -307,7 +311,6 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
     different replicas together without a word.
     """
     global _HOLDS
-    from hydratrain.errors import ConfigError
 
     lock, problem, differs = None, "", None
     if info.rank == 0:
@@ -320,8 +323,6 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
         except OSError as err:
             problem = f"cannot create the lock file {err.filename or run_dir / LOCK_NAME}: {err.strerror}"
     if info.world_size > 1 and os.environ.get("MASTER_ADDR"):
-        from hydratrain.dist.store import base_store, store_get
-
         store = base_store()
         store_key = f"hydratrain/run_dir/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/hold{_HOLDS}"
         mine = str(Path(run_dir).resolve())
@@ -382,7 +383,6 @@ def shared_config(cfg) -> dict:
     value)."""
     from omegaconf import OmegaConf
 
-    from hydratrain.config import flat_keys
 
     tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     shared = {}

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hydratrain.errors import ConfigError
+
 
 @dataclass
 class GPTConfig:
@@ -39,8 +41,6 @@ class GPTConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        from hydratrain.errors import ConfigError
-
         for f in fields(self):
             value, kind = getattr(self, f.name), _KINDS[f.name]
             if value is None and f.name in ("n_kv_head", "d_ff"):
@@ -185,8 +185,6 @@ class GPT(nn.Module):
         if cfg is None:
             unknown = sorted(set(kwargs) - {f.name for f in fields(GPTConfig)})
             if unknown:
-                from hydratrain.errors import ConfigError
-
                 raise ConfigError(f"model.{unknown[0]}", kwargs[unknown[0]], "not a keyword of hydratrain.models.GPT; "
                                   f"allowed: {', '.join(f.name for f in fields(GPTConfig))}")
             cfg = GPTConfig(**{k: v for k, v in kwargs.items() if v is not None or k in ("n_kv_head", "d_ff")})
@@ -273,7 +271,7 @@ class GPT(nn.Module):
         planner then simulates the whole model)."""
         if cls is not GPT:
             return None
-        from hydratrain.models.gpt_memory import predict
+        from hydratrain.models.gpt_memory import predict  # (the planner's hook: gpt_memory builds GPT's Blocks)
 
         return predict(setup)
 

@@ -38,7 +38,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+from hydratrain.data.tokenizer import EOT, load_tokenizer, padded_vocab_size
 from hydratrain.errors import ConfigError
+from hydratrain.parallel.init import canonical_name
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 _CLASSES: dict[type, type] = {}
@@ -201,8 +203,6 @@ class PretrainedWeights:
 def _aliases(model, canonical: bool = True) -> dict[int, list[str]]:
     """``id(tensor) -> every name`` of each parameter and persistent buffer of ``model`` (tied weights have several),
     in model order, wrapper prefixes removed."""
-    from hydratrain.parallel.init import canonical_name
-
     out: dict[int, list[str]] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + \
             [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in model.state_dict()]:
@@ -288,8 +288,6 @@ class HFCausalLM:
                         buf.copy_(self._hydratrain_weights.read(key))
 
     def _names_of(self, name: str) -> list[str]:
-        from hydratrain.parallel.init import canonical_name
-
         target = self.get_parameter(name)
         for names in _aliases(self).values():
             if canonical_name(name) in names:
@@ -340,7 +338,6 @@ def save_tokenizer(tokenizer_json: Union[str, Path], out_dir: Path) -> None:
     tokenizer (tokenizer.json, tokenizer_config.json), ``<|endoftext|>`` as its end-of-text token when it has one."""
     from transformers import PreTrainedTokenizerFast
 
-    from hydratrain.data.tokenizer import EOT
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
     if tok.convert_tokens_to_ids(EOT) is not None and EOT in tok.get_vocab():
@@ -455,14 +452,10 @@ def causal_lm(config: Union[None, str, dict] = None, pretrained: Optional[str] =
 
 
 def _padded(n: int) -> int:
-    from hydratrain.data.tokenizer import padded_vocab_size
-
     return padded_vocab_size(n)
 
 
 def _check_tokenizer(path: Union[str, Path], vocab: int, fixed: bool) -> None:
-    from hydratrain.data.tokenizer import load_tokenizer
-
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"

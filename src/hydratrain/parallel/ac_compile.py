@@ -38,6 +38,7 @@ from typing import Any, ContextManager, Iterator, Optional
 from torch import nn
 
 from hydratrain.config.choices import COMPILE_VALUES, compile_setting  # noqa: F401  (re-exported)
+from hydratrain.errors import ConfigError
 from hydratrain.parallel.blocks import Blocks, find_blocks
 
 log = logging.getLogger("hydratrain.compile")
@@ -64,8 +65,6 @@ def choose_compile(setting: Any, device_type: str, strategy: str, activation_che
     Pure: reads no device. Raises :class:`~hydratrain.errors.ConfigError` naming ``trainer.compile`` when the setting
     is not one of :data:`COMPILE_VALUES`, or asks for blocks (``blocks``, or ``true`` under ``fsdp``/``hsdp``) of a
     model with none."""
-    from hydratrain.errors import ConfigError
-
     value = compile_setting(setting)
     if value == "false":
         return CompileChoice("none", "trainer.compile=false")

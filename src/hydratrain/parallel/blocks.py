@@ -22,6 +22,8 @@ from typing import Optional, Sequence
 
 from torch import nn
 
+from hydratrain.errors import ConfigError
+
 
 @dataclass
 class Blocks:
@@ -131,8 +133,6 @@ def find_blocks(model: nn.Module, block_classes: Optional[Sequence[str]] = None,
     Raises :class:`~hydratrain.errors.ConfigError` naming ``key`` when a given class name matches no module.
     """
     if block_classes:
-        from hydratrain.errors import ConfigError
-
         names = [str(n) for n in block_classes]
         present = {type(_inner(m)) for m in model.modules()}
         for name in names:

@@ -21,6 +21,9 @@ from typing import ContextManager, Optional
 import torch
 from torch import nn
 
+from hydratrain import components
+from hydratrain.config.choices import shard_on_one_rank_setting
+from hydratrain.dist.env import dist_info
 from hydratrain.errors import ConfigError, HydratrainError
 from hydratrain.parallel import init as param_init
 from hydratrain.parallel.ac_compile import (
@@ -561,8 +564,6 @@ class HSDP(FSDP):
         """``(replicas, shard_size)`` for ``strategy.shard_size`` (null: ``local_world_size``) on ``world_size``
         ranks. Raises :class:`~hydratrain.errors.ConfigError` naming ``strategy.shard_size`` when it does not divide
         the world size."""
-        from hydratrain.errors import ConfigError
-
         size = local_world_size if shard_size is None else int(shard_size)
         if size < 1 or world_size % size:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -575,7 +576,6 @@ class HSDP(FSDP):
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from hydratrain.dist.env import dist_info
 
         shape = self.mesh_shape(self.cfg.strategy.shard_size, dist.get_world_size(), dist_info().local_world_size)
         return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
@@ -605,8 +605,6 @@ def single_on_one_rank(name: str, setting, world_size: int, device_type: str, cp
 
     Pure: reads no device. Raises :class:`ConfigError` naming ``strategy.shard_on_one_rank`` when it is not
     auto/true/false, or is false with ``strategy.cpu_offload=true`` at world size 1."""
-    from hydratrain.config.choices import shard_on_one_rank_setting
-
     value = shard_on_one_rank_setting(setting)
     if name not in ("fsdp", "hsdp") or world_size != 1 or value == "true":
         return None
@@ -645,8 +643,6 @@ def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.dev
     :class:`ConfigError`: a meta build of a model that nothing could initialise (:func:`~hydratrain.parallel.init.
     uninitialisable`), or what the build raised.
     """
-    from hydratrain import components
-
     kind = param_init.protocol_of_class(components.model_class(cfg))
     build_device = strategy.build_device(device, kind)
     raw = components.build_model(cfg, build_device, vocab_size)
