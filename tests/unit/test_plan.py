@@ -352,7 +352,7 @@ def test_planning_a_gpu_run_from_a_cpu_host_models_cudas_fused_rms_norm():
     (["strategy=single", "plan.world_size=2"], "plan.world_size=2: strategy=single runs one process"),
 ])
 def test_the_cli_names_what_is_wrong_with_an_override_in_one_line(argv, says, capsys):
-    from hydratrain.plan import main
+    from hydratrain.plan_cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -31,14 +31,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from hydratrain.checkpoint import METADATA
-from hydratrain.checkpoint.io import (
-    check_architecture,
-    check_model_shapes,
-    load_dcp,
-    quiet_without_process_group,
-    root_cause,
-    verify,
-)
+from hydratrain.checkpoint.architecture import check_architecture
 from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
 from hydratrain.dist.launch import stop_if_launcher_gone, unwritable_message
@@ -324,6 +317,7 @@ class CheckpointManager:
         from omegaconf import OmegaConf
         from torch.distributed.checkpoint import FileSystemWriter
 
+        from hydratrain.checkpoint.io import quiet_without_process_group, root_cause  # (start-up: DCP, ~1 s)
 
         t0 = time.perf_counter()
         stop_if_launcher_gone(f"before saving step {step}")
@@ -410,6 +404,8 @@ class CheckpointManager:
         Raises :class:`CheckpointError` when the checkpoint is unreadable, from a model of another shape, or a
         component refuses its state (e.g. the data order changed).
         """
+        from hydratrain.checkpoint.io import check_model_shapes, load_dcp, verify  # (start-up: DCP, ~1 s)
+
         ckpt = Path(ckpt)
         md = verify(ckpt)
         stored = set(md.state_dict_metadata)
@@ -514,6 +510,7 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
             log.warning("checkpoint.resume_from=%s not used: this run dir has its own checkpoint %s, which auto-resume "
                         "prefers (add checkpoint.auto_resume=false to start from resume_from instead)",
                         ccfg.resume_from, ckpt)
+        from hydratrain.checkpoint.io import verify  # (start-up: DCP, ~1 s)
 
         try:
             verify(ckpt)
@@ -521,6 +518,8 @@ def find_resume(ccfg, run_dir: Path, launch_dir: Path) -> Optional[Path]:
             raise with_previous(err, ckpt) from None
         return ckpt
     if ccfg.resume_from:
+        from hydratrain.checkpoint.io import verify  # (start-up: DCP, ~1 s)
+
         ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir))
         verify(ckpt)
         return ckpt

@@ -424,15 +424,3 @@ def predict(s: Setup) -> Plan:
     if plan is None:
         plan = simulated(s)
     return plan
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m hydratrain.plan [OVERRIDES]``: :func:`hydratrain.plan_cli.main`."""
-    from hydratrain.plan_cli import main as cli  # (python -m hydratrain.plan's entry: the CLI sits above the planner)
-
-    return cli(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
