@@ -16,8 +16,8 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
-from hydratrain.errors import say
-from hydratrain.errors import ConfigError
+
+from hydratrain.errors import ConfigError, say
 
 
 @dataclass(frozen=True)

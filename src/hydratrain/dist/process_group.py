@@ -31,15 +31,13 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Iterator, Optional
 
-from hydratrain.checkpoint.preemption import hold_sigterm
+from hydratrain.checkpoint.preemption import hold_sigterm, recorded_preemption
 from hydratrain.dist.env import DistInfo, allowed_cores, dist_info
 from hydratrain.dist.launch import LauncherGoneError, end_within, launcher_gone, under_elastic_agent
-from hydratrain.dist.run_lock import RunDirLock
-from hydratrain.dist.store import _store_client, base_store, store_get
-from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
-from hydratrain.checkpoint.preemption import recorded_preemption
 from hydratrain.dist.run_dir import resume_hint
-from hydratrain.errors import ConfigError
+from hydratrain.dist.run_lock import RunDirLock
+from hydratrain.dist.store import _store_client, base_store
+from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, ConfigError, HydratrainError
 
 log = logging.getLogger(__name__)
 

@@ -19,17 +19,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from hydratrain.dist.env import env_rank
-from hydratrain.errors import EXIT_CONFIG, ConfigError, say
-from hydratrain.paths import join, launch_dir, resolve_path
-from hydratrain.dist.env import dist_info
-from hydratrain.dist.store import base_store
-from hydratrain.dist.store import store_get
+from hydratrain.dist.env import dist_info, env_rank
+from hydratrain.dist.launch import resume_command, unwritable_message
 from hydratrain.dist.run_lock import held_by_another
-from hydratrain.dist.launch import unwritable_message
-from hydratrain.errors import OutputError
-from hydratrain.errors import unwritable_cause
-from hydratrain.dist.launch import resume_command
+from hydratrain.dist.store import base_store, store_get
+from hydratrain.errors import EXIT_CONFIG, ConfigError, OutputError, say, unwritable_cause
+from hydratrain.paths import join, resolve_path
 
 #: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null,
 #: "command": the command line that launched it, or null}; :func:`hydratrain.sweep.mark_multirun`)
@@ -256,7 +251,9 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
         cause = unwritable_cause(err, writes=(run_dir,))
         if cause is None:
             return
-        from hydratrain.checkpoint.manager import latest_checkpoint  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        from hydratrain.checkpoint.manager import (
+            latest_checkpoint,  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        )
 
         last = ... if sweep else (latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir()
                                   else None)
@@ -392,7 +389,9 @@ def resume_hint(how: Optional[str]) -> str:
     if not how or in_multirun():
         return ""
     try:
-        from hydratrain.checkpoint.manager import latest_checkpoint  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        from hydratrain.checkpoint.manager import (
+            latest_checkpoint,  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        )
 
         run_dir = run_dir_of()
         if latest_checkpoint(run_dir / "checkpoints") is None:

@@ -36,10 +36,10 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
-from hydratrain.errors import ConfigError
-from hydratrain.dist.store import base_store
-from hydratrain.dist.store import store_get
+
 from hydratrain.config import flat_keys
+from hydratrain.dist.store import base_store, store_get
+from hydratrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _HELD: list = []  # the RunDirLocks this process holds now

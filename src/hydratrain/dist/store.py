@@ -25,9 +25,8 @@ def base_store():
     (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's c10d rendezvous)."""
     global _BASE_STORE
     if _BASE_STORE is None:
-        from torch.distributed import TCPStore
-
         import torch.distributed as dist
+        from torch.distributed import TCPStore
 
         info = dist_info()
         # a torch elastic agent (torchrun's c10d rendezvous) or an existing default group (Ray Train's env://
