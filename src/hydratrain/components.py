@@ -37,7 +37,7 @@ _HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")
 
 
 def importable() -> None:
-    """Put the launch dir (:func:`hydratrain.dist.run_dir.launch_dir`) first on ``sys.path`` when it is not there,
+    """Put the launch dir (:func:`hydratrain.paths.launch_dir`) first on ``sys.path`` when it is not there,
     so ``_target_: mypkg.nets.MLP`` finds ``mypkg/`` beside the command (``python train.py`` puts the script's dir
     there instead)."""
     here = str(launch_dir())

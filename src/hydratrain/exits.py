@@ -223,7 +223,7 @@ def _interrupted(err: BaseException) -> bool:
         return True
     if getattr(err, "failures", None) is None:
         return False
-    from hydratrain.checkpoint.io import root_cause  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.checkpoint.io import root_cause  # (start-up: torch ~2 s)
 
     return isinstance(root_cause(err), KeyboardInterrupt)
 

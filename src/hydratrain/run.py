@@ -21,7 +21,7 @@ from hydratrain.checkpoint.preemption import Preemption, guard
 from hydratrain.dist.env import dist_info, quiet_console, under_submitit
 from hydratrain.dist.launch import note_launcher, resume_command, stop_if_launcher_gone, unwritable_message
 from hydratrain.dist.process_group import device_type, process_group
-from hydratrain.dist.run_dir import launch_dir, other_job_of_this_multirun, resolve_path, run_dir_of, trial_record
+from hydratrain.dist.run_dir import other_job_of_this_multirun, run_dir_of, trial_record
 from hydratrain.dist.run_lock import hold_run_dir, shared_config
 from hydratrain.errors import (
     EXIT_PREEMPTED,
@@ -34,7 +34,7 @@ from hydratrain.errors import (
     unwritable_cause,
 )
 from hydratrain.exits import in_multirun
-from hydratrain.paths import Paths
+from hydratrain.paths import Paths, launch_dir, resolve_path
 
 log = logging.getLogger("hydratrain")
 
@@ -64,12 +64,9 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
               _exit_code(_select(cfg, "checkpoint.preempt_exit_code", None)), _under_submitit())
         import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
 
-        from hydratrain.checkpoint.manager import (  # (start-up: torch ~2 s, not needed by --cfg/--help)
-            find_resume,
-            recover_unfinished_saves,
-        )
-        from hydratrain.parallel.strategy import build_strategy  # (start-up: torch ~2 s, not needed by --cfg/--help)
-        from hydratrain.plan import OutOfMemoryGuard  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves  # (start-up: torch ~2 s)
+        from hydratrain.parallel.strategy import build_strategy  # (start-up: torch ~2 s)
+        from hydratrain.plan import OutOfMemoryGuard  # (start-up: torch ~2 s)
 
         timing.mark("imports")
         quiet_console()
@@ -119,10 +116,7 @@ def check(cfg: DictConfig, world_size: int, launch: Path, local_world_size: Opti
     ``world_size`` and ``local_world_size`` ranks, relative paths against the launch dir ``launch``). :func:`main`
     runs them, and so does ``train.py --cfg job`` (:func:`with_config_checks`). Raises
     :class:`~hydratrain.errors.ConfigError` on the first bad key."""
-    from hydratrain.config.validate import (  # (start-up: torch ~2 s, not needed by --cfg/--help)
-        check_environment,
-        validate,
-    )
+    from hydratrain.config.validate import check_environment, validate  # (start-up: torch ~2 s)
 
     validate(cfg)
     check_environment(cfg, world_size, launch, local_world_size)
@@ -181,7 +175,7 @@ def _check_printed_config() -> None:
         say("hydratrain: the printed config was not checked (this Hydra keeps no composed config after --cfg): "
             "a run of it checks it before it starts")
         return
-    from hydratrain.config.validate import launched_processes  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.config.validate import launched_processes  # (start-up: torch ~2 s)
 
     env = dist_info()
     world, local = env.world_size, env.local_world_size
@@ -256,7 +250,7 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
             raise
         import traceback
 
-        from hydratrain.checkpoint.manager import list_checkpoints  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        from hydratrain.checkpoint.manager import list_checkpoints  # (start-up: torch ~2 s)
 
         done = list_checkpoints(run_dir / "checkpoints")
         frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(err.__traceback__)]
@@ -316,8 +310,8 @@ def _keep_the_epoch_limit(job: "Job") -> None:
     ``trainer.grad_accum_steps`` or world size, :func:`hydratrain.optim.total_steps` from the restored data position
     differs from the config's own count. Re-targets the trainer, the step logger and the lr schedule (its length, at
     the restored step) when it does."""
-    from hydratrain.checkpoint.stateful import SchedulerState  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.optim import total_steps  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.checkpoint.stateful import SchedulerState  # (start-up: torch ~2 s)
+    from hydratrain.optim import total_steps  # (start-up: torch ~2 s)
 
     trainer = job.trainer
     steps = total_steps(job.cfg.trainer, trainer.train_batches, done=trainer.progress.step)
@@ -342,7 +336,7 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
     longer ``trainer.max_steps``) resumes."""
     from hydra.core.hydra_config import HydraConfig
 
-    from hydratrain.checkpoint.manager import other_trial  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.checkpoint.manager import other_trial  # (start-up: torch ~2 s)
 
     hydra_cfg = HydraConfig.get()
     differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
@@ -412,29 +406,29 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     import numpy as np
     import torch
 
-    from hydratrain import auto_batch, components  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.checkpoint.manager import CheckpointManager  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.checkpoint.stateful import (  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain import auto_batch, components  # (start-up: torch ~2 s)
+    from hydratrain.checkpoint.manager import CheckpointManager  # (start-up: torch ~2 s)
+    from hydratrain.checkpoint.stateful import (  # (start-up: torch ~2 s)
         ModelState,
         OptimizerState,
         RNGState,
         SchedulerState,
     )
-    from hydratrain.data.build import build_data, data_vocabulary  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.metrics import peak_flops, reset_peak_memory  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.optim import (  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.data.build import build_data, data_vocabulary  # (start-up: torch ~2 s)
+    from hydratrain.metrics import peak_flops, reset_peak_memory  # (start-up: torch ~2 s)
+    from hydratrain.optim import (  # (start-up: torch ~2 s)
         build_optimizer,
         build_scheduler,
         total_steps,
         warn_run_length,
     )
-    from hydratrain.parallel.precision import Precision  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.parallel.strategy import build_model  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.plan import plan_run  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.train.evaluate import Evaluator  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.train.outputs import model_files  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.train.step_logger import StepLogger  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.train.trainer import Trainer, TrainProgress  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.parallel.precision import Precision  # (start-up: torch ~2 s)
+    from hydratrain.parallel.strategy import build_model  # (start-up: torch ~2 s)
+    from hydratrain.plan import plan_run  # (start-up: torch ~2 s)
+    from hydratrain.train.evaluate import Evaluator  # (start-up: torch ~2 s)
+    from hydratrain.train.outputs import model_files  # (start-up: torch ~2 s)
+    from hydratrain.train.step_logger import StepLogger  # (start-up: torch ~2 s)
+    from hydratrain.train.trainer import Trainer, TrainProgress  # (start-up: torch ~2 s)
 
     timing.mark("imports")
     device = info.device
@@ -541,8 +535,8 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
     """Training FLOPs per item (token for token data, else sample) for MFU: the model's own formula
     (``flops_per_token(seq_len)``) where it has one and the data has tokens, else counted on a meta copy of the
     model (:func:`hydratrain.flops.counted_flops_per_sample`)."""
-    from hydratrain import components  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.flops import counted_flops_per_sample  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain import components  # (start-up: torch ~2 s)
+    from hydratrain.flops import counted_flops_per_sample  # (start-up: torch ~2 s)
 
     if seq_len and callable(getattr(raw, "flops_per_token", None)):
         return float(raw.flops_per_token(seq_len))
@@ -552,17 +546,13 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
 
 
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
-    from hydratrain.checkpoint.io import check_same_resume  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.checkpoint.manager import with_previous  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.components import model_settings  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.dist.collectives import max_over_ranks  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.metrics import peak_memory_bytes  # (start-up: torch ~2 s, not needed by --cfg/--help)
-    from hydratrain.optim import (  # (start-up: torch ~2 s, not needed by --cfg/--help)
-        optimizer_name,
-        state_bytes,
-        warn_run_length,
-    )
-    from hydratrain.train.outputs import write_outputs  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.checkpoint.io import check_same_resume  # (start-up: torch ~2 s)
+    from hydratrain.checkpoint.manager import with_previous  # (start-up: torch ~2 s)
+    from hydratrain.components import model_settings  # (start-up: torch ~2 s)
+    from hydratrain.dist.collectives import max_over_ranks  # (start-up: torch ~2 s)
+    from hydratrain.metrics import peak_memory_bytes  # (start-up: torch ~2 s)
+    from hydratrain.optim import optimizer_name, state_bytes, warn_run_length  # (start-up: torch ~2 s)
+    from hydratrain.train.outputs import write_outputs  # (start-up: torch ~2 s)
 
     job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None)
     init_from = model_settings(cfg)["init_from"]
@@ -589,7 +579,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                             done=progress.step)
     elif init_from:
         from hydratrain.checkpoint.io import init_from_file  # (torch.distributed.checkpoint: only when needed)
-        from hydratrain.train.outputs import model_record  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        from hydratrain.train.outputs import model_record  # (start-up: torch ~2 s)
 
         init_from_file(job.model, resolve_path(init_from, Paths.resolve(cfg, launch).model),
                        model_record(cfg, job.vocab_size))

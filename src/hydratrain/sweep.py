@@ -314,7 +314,7 @@ def _check_before_submitting(config: DictConfig) -> None:
     its wait in the queue. (A bad swept value still fails its own job.) Raises ConfigError."""
     from omegaconf import OmegaConf
 
-    from hydratrain.config.validate import validate  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.config.validate import validate  # (start-up: torch ~2 s)
 
     task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
     OmegaConf.set_readonly(task, True)
@@ -419,7 +419,7 @@ class SweepReportCallback(Callback):
         refuse_an_unwritable_run_dir(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydratrain.config.validate import validate_launcher  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        from hydratrain.config.validate import validate_launcher  # (start-up: torch ~2 s)
 
         composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
         early = take_early_signal()  # a SIGTERM while Hydra composed the sweep: no job has started

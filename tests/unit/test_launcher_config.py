@@ -84,7 +84,7 @@ def test_presets_select_the_hydra_launcher_and_multirun(compose):
     h = torchrun.hydra.launcher
     assert (h.nproc_per_node, h.nnodes, h.node_rank, h.rdzv_endpoint, h.rdzv_timeout, h.max_restarts) == \
         (3, 2, 1, "h:29500", 30, 2)
-    assert h.job_check == "hydratrain.config.validate"
+    assert h.job_check == "hydratrain.config.validate.validate"
     slurm = compose(["launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4", "launcher.partition=gpu",
                      "launcher.account=acct", "launcher.timeout_min=30"], return_hydra_config=True)
     h = slurm.hydra.launcher

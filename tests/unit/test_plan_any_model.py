@@ -19,7 +19,7 @@ from hydratrain.plan import predict
 from live_bytes import LiveBytes
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "hydratrain"
-PLANNER = ["plan.py", "plan_cli.py", "footprint.py", "memsim.py", "stepsim.py"]
+PLANNER = ["plan/__init__.py", "plan/__main__.py", "plan_cli.py", "footprint.py", "memsim.py", "stepsim.py"]
 
 
 class Net(nn.Module):

@@ -31,7 +31,7 @@ from hydratrain.components import (
     model_settings,
     target_of,
 )
-from hydratrain.config.choices import (  # noqa: F401 (their home was here)
+from hydratrain.config.values import (  # noqa: F401 (their home was here)
     COMPILE_VALUES,
     SHARD_ON_ONE_RANK_VALUES,
     _choice,
@@ -523,7 +523,7 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
 
     ``world_size`` and ``local_world_size`` (ranks on this node; default: all of them) come from the launch
     environment (``hydratrain.dist.env``); relative paths resolve against ``launch_dir`` (see
-    :func:`hydratrain.dist.run_dir.resolve_path`). Raises :class:`ConfigError`.
+    :func:`hydratrain.paths.resolve_path`). Raises :class:`ConfigError`.
     """
     import torch
     import torch.distributed as dist

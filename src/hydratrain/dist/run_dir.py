@@ -201,7 +201,7 @@ def output_base(*, _root_: Any = None) -> str:
         problem = ConfigError("paths.output_dir", "<missing>", "the run dir is built on it: choose a paths option "
                               "with paths=NAME (conf/paths/), not ~paths")  # a config error, not a dir of that name
     except OmegaConfBaseException as err:
-        from hydratrain.config.validate import unresolvable  # (start-up: torch ~2 s, not needed by --cfg/--help)
+        from hydratrain.config.validate import unresolvable  # (start-up: torch ~2 s)
 
         problem = unresolvable("paths.output_dir", _root_.paths._get_node("output_dir")._value(), err)
     say(f"hydratrain: {problem.label}: {problem}")
@@ -251,9 +251,7 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
         cause = unwritable_cause(err, writes=(run_dir,))
         if cause is None:
             return
-        from hydratrain.checkpoint.manager import (
-            latest_checkpoint,  # (start-up: torch ~2 s, not needed by --cfg/--help)
-        )
+        from hydratrain.checkpoint.manager import latest_checkpoint  # (start-up: torch ~2 s)
 
         last = ... if sweep else (latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir()
                                   else None)
@@ -311,7 +309,7 @@ def _of_another_trial(run_dir: Path, root: Any) -> bool:
     record = trial_record(run_dir, OmegaConf.select(root, "checkpoint.auto_resume", default=True))
     if record is None:
         return False
-    from hydratrain.checkpoint.manager import other_trial  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.checkpoint.manager import other_trial  # (start-up: torch ~2 s)
 
     task = OmegaConf.masked_copy(root, [k for k in root if k != "hydra"])
     return bool(other_trial(record, OmegaConf.to_container(task, resolve=True, enum_to_str=True),
@@ -324,7 +322,7 @@ def trial_record(run_dir: Path, auto_resume: bool) -> Optional[Path]:
     run, no ``save_last``: its ``results.json`` is there), its ``.hydra/``, so that a sweep re-run with other
     values cannot replace such a trial's results, ``.hydra/`` and curves without a word. None when the dir holds
     neither."""
-    from hydratrain.checkpoint.manager import list_checkpoints  # (start-up: torch ~2 s, not needed by --cfg/--help)
+    from hydratrain.checkpoint.manager import list_checkpoints  # (start-up: torch ~2 s)
 
     own = list_checkpoints(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
     if own:
@@ -389,9 +387,7 @@ def resume_hint(how: Optional[str]) -> str:
     if not how or in_multirun():
         return ""
     try:
-        from hydratrain.checkpoint.manager import (
-            latest_checkpoint,  # (start-up: torch ~2 s, not needed by --cfg/--help)
-        )
+        from hydratrain.checkpoint.manager import latest_checkpoint  # (start-up: torch ~2 s)
 
         run_dir = run_dir_of()
         if latest_checkpoint(run_dir / "checkpoints") is None:

@@ -37,7 +37,7 @@ from typing import Any, ContextManager, Iterator, Optional
 
 from torch import nn
 
-from hydratrain.config.choices import COMPILE_VALUES, compile_setting  # noqa: F401  (re-exported)
+from hydratrain.config.values import COMPILE_VALUES, compile_setting  # noqa: F401  (re-exported)
 from hydratrain.errors import ConfigError
 from hydratrain.parallel.blocks import Blocks, find_blocks
 

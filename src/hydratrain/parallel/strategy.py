@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hydratrain import components
-from hydratrain.config.choices import shard_on_one_rank_setting
+from hydratrain.config.values import shard_on_one_rank_setting
 from hydratrain.dist.env import dist_info
 from hydratrain.errors import ConfigError, HydratrainError
 from hydratrain.parallel import init as param_init
