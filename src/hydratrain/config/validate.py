@@ -31,6 +31,7 @@ from hydratrain.components import (
     model_settings,
     target_of,
 )
+from hydratrain.config.schema import SCHEMAS, DType, StrategyName, WrapPolicyName
 from hydratrain.config.values import (  # noqa: F401 (their home was here)
     COMPILE_VALUES,
     SHARD_ON_ONE_RANK_VALUES,
@@ -38,7 +39,6 @@ from hydratrain.config.values import (  # noqa: F401 (their home was here)
     compile_setting,
     shard_on_one_rank_setting,
 )
-from hydratrain.config.schema import SCHEMAS, DType, StrategyName, WrapPolicyName
 from hydratrain.data.corpora import expand_paths
 from hydratrain.data.loader import check_data_node, is_dataset_node
 from hydratrain.data.tokenized import preflight_data, vocab_size_for
