@@ -272,6 +272,19 @@ def _refusing_dir(cause: Optional[BaseException], where: Any) -> str:
     return path if os.path.lexists(path) else os.path.dirname(path)
 
 
+def root_cause(err: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's ``CheckpointException`` (whose ``failures`` map ranks to an
+    exception, a wrapper with ``.exc``, or an ``(exception, traceback frames)`` tuple), else ``err`` itself."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return err
+    cause = next(iter(failures.values()))
+    if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+        cause = cause[0]
+    cause = getattr(cause, "exc", cause)
+    return cause if isinstance(cause, BaseException) else RuntimeError(str(cause))
+
+
 class DamagedCheckpointError(CheckpointError):
     """A checkpoint's files are damaged (a shard missing, truncated or corrupt, unreadable metadata): an earlier
     checkpoint of the same run may still be good."""

@@ -20,7 +20,15 @@ from hydratrain.dist.env import env_rank
 from hydratrain.dist.launch import _COMPOSING, LauncherGoneError, composing, launcher_gone_error, resume_command  # noqa: F401 (run.py calls exits.composing)
 from hydratrain.dist.process_group import PeerFailedError
 from hydratrain.dist.run_dir import discard_if_unused, in_multirun, resume_hint, run_dir_of
-from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError, say
+from hydratrain.errors import (
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    HydratrainError,
+    PreemptedError,
+    root_cause,
+    say,
+)
 from hydratrain.sweep import keep_early_sigterm, launched_sweep_dir, record_stopped_job, sweep_ended
 
 log = logging.getLogger("hydratrain")
@@ -223,8 +231,6 @@ def _interrupted(err: BaseException) -> bool:
         return True
     if getattr(err, "failures", None) is None:
         return False
-    from hydratrain.checkpoint.io import root_cause  # (start-up: torch ~2 s)
-
     return isinstance(root_cause(err), KeyboardInterrupt)
 
 

@@ -16,8 +16,16 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from hydratrain import exits, timing
+from hydratrain import components, exits, timing
+from hydratrain.checkpoint.layout import (
+    find_resume,
+    list_checkpoints,
+    other_trial,
+    recover_unfinished_saves,
+    with_previous,
+)
 from hydratrain.checkpoint.preemption import Preemption, guard
+from hydratrain.components import model_settings
 from hydratrain.dist.env import dist_info, quiet_console, under_submitit
 from hydratrain.dist.launch import note_launcher, resume_command, stop_if_launcher_gone, unwritable_message
 from hydratrain.dist.process_group import device_type, process_group
@@ -64,7 +72,6 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
               _exit_code(_select(cfg, "checkpoint.preempt_exit_code", None)), _under_submitit())
         import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
 
-        from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves  # (start-up: torch ~2 s)
         from hydratrain.parallel.strategy import build_strategy  # (start-up: torch ~2 s)
         from hydratrain.plan import OutOfMemoryGuard  # (start-up: torch ~2 s)
 
@@ -250,7 +257,6 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
             raise
         import traceback
 
-        from hydratrain.checkpoint.manager import list_checkpoints  # (start-up: torch ~2 s)
 
         done = list_checkpoints(run_dir / "checkpoints")
         frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(err.__traceback__)]
@@ -336,7 +342,6 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
     longer ``trainer.max_steps``) resumes."""
     from hydra.core.hydra_config import HydraConfig
 
-    from hydratrain.checkpoint.manager import other_trial  # (start-up: torch ~2 s)
 
     hydra_cfg = HydraConfig.get()
     differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
@@ -406,7 +411,7 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     import numpy as np
     import torch
 
-    from hydratrain import auto_batch, components  # (start-up: torch ~2 s)
+    from hydratrain import auto_batch  # (start-up: torch ~2 s)
     from hydratrain.checkpoint.manager import CheckpointManager  # (start-up: torch ~2 s)
     from hydratrain.checkpoint.stateful import (  # (start-up: torch ~2 s)
         ModelState,
@@ -535,7 +540,6 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
     """Training FLOPs per item (token for token data, else sample) for MFU: the model's own formula
     (``flops_per_token(seq_len)``) where it has one and the data has tokens, else counted on a meta copy of the
     model (:func:`hydratrain.flops.counted_flops_per_sample`)."""
-    from hydratrain import components  # (start-up: torch ~2 s)
     from hydratrain.flops import counted_flops_per_sample  # (start-up: torch ~2 s)
 
     if seq_len and callable(getattr(raw, "flops_per_token", None)):
@@ -547,8 +551,6 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
 
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
     from hydratrain.checkpoint.io import check_same_resume  # (start-up: torch ~2 s)
-    from hydratrain.checkpoint.manager import with_previous  # (start-up: torch ~2 s)
-    from hydratrain.components import model_settings  # (start-up: torch ~2 s)
     from hydratrain.dist.collectives import max_over_ranks  # (start-up: torch ~2 s)
     from hydratrain.metrics import peak_memory_bytes  # (start-up: torch ~2 s)
     from hydratrain.optim import optimizer_name, state_bytes, warn_run_length  # (start-up: torch ~2 s)

@@ -258,7 +258,7 @@ def test_a_state_with_a_nan_is_never_saved_and_evicts_nothing(compose, tmp_path)
 
 
 def test_checkpoint_errors_are_one_line():
-    from hydratrain.checkpoint.io import root_cause
+    from hydratrain.errors import root_cause
 
     class CheckpointException(BaseException):
         failures = {0: (ValueError("size mismatch for tok_emb"), ["<FrameSummary file x.py, line 3>"])}

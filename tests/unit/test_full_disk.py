@@ -269,7 +269,7 @@ def test_a_run_dir_that_takes_no_writes_ends_the_start_with_one_line_and_status_
     import hydratrain.dist.run_dir as run_dir
 
     (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
-    monkeypatch.setattr("hydratrain.checkpoint.manager.latest_checkpoint", lambda root: root / "step_00000004")
+    monkeypatch.setattr(run_dir, "latest_checkpoint", lambda root: root / "step_00000004")  # (imported from layout)
 
     def full(path, mode="r", *a, **k):
         raise _full()

@@ -38,6 +38,7 @@ from hydratrain.config.values import (  # noqa: F401 (their home was here)
     _choice,
     compile_setting,
     shard_on_one_rank_setting,
+    unresolvable,
 )
 from hydratrain.data.corpora import expand_paths
 from hydratrain.data.loader import check_data_node, is_dataset_node
@@ -213,12 +214,6 @@ def _check_resolves(cfg: DictConfig) -> None:
             else:
                 raw = raw[int(part)] if isinstance(raw, list) and part.isdigit() and int(part) < len(raw) else None
         raise unresolvable(key or "<config>", raw, err) from None
-
-
-def unresolvable(key: str, raw: Any, err: Exception) -> ConfigError:
-    """The config error for ``key``, whose text ``raw`` raised ``err`` (an OmegaConf error) when resolved."""
-    why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return ConfigError(key, raw, f"cannot be resolved: {why}")
 
 
 PATH_KEYS = ("checkpoint.resume_from", "model.init_from", "data.tokenizer", "data.train_path", "data.val_path",

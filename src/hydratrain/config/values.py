@@ -1,6 +1,6 @@
-"""Settings read from a config value: one of a few allowed values (:func:`compile_setting`,
-:func:`shard_on_one_rank_setting`), for the modules that act on them (:mod:`hydratrain.parallel`) and for
-:mod:`hydratrain.config.validate`. No torch import."""
+"""One config value read: as one of a few allowed values (:func:`compile_setting`, :func:`shard_on_one_rank_setting`),
+for the modules that act on them (:mod:`hydratrain.parallel`) and for :mod:`hydratrain.config.validate`; the error
+for a value that does not resolve (:func:`unresolvable`). No torch import."""
 from __future__ import annotations
 
 from typing import Any
@@ -31,3 +31,9 @@ def shard_on_one_rank_setting(value: Any) -> str:
     """``strategy.shard_on_one_rank`` as one of :data:`SHARD_ON_ONE_RANK_VALUES`. Raises :class:`ConfigError`
     otherwise."""
     return _choice("strategy.shard_on_one_rank", value, SHARD_ON_ONE_RANK_VALUES)
+
+
+def unresolvable(key: str, raw: Any, err: Exception) -> ConfigError:
+    """The config error for ``key``, whose text ``raw`` raised ``err`` (an OmegaConf error) when resolved."""
+    why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return ConfigError(key, raw, f"cannot be resolved: {why}")

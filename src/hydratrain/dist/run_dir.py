@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from hydratrain.checkpoint.layout import latest_checkpoint, list_checkpoints, other_trial
+from hydratrain.config.values import unresolvable
 from hydratrain.dist.env import dist_info, env_rank
 from hydratrain.dist.launch import resume_command, unwritable_message
 from hydratrain.dist.run_lock import held_by_another
@@ -201,8 +203,6 @@ def output_base(*, _root_: Any = None) -> str:
         problem = ConfigError("paths.output_dir", "<missing>", "the run dir is built on it: choose a paths option "
                               "with paths=NAME (conf/paths/), not ~paths")  # a config error, not a dir of that name
     except OmegaConfBaseException as err:
-        from hydratrain.config.validate import unresolvable  # (start-up: torch ~2 s)
-
         problem = unresolvable("paths.output_dir", _root_.paths._get_node("output_dir")._value(), err)
     say(f"hydratrain: {problem.label}: {problem}")
     raise SystemExit(EXIT_CONFIG) from None  # (an exception would come out as Hydra's traceback)
@@ -251,7 +251,6 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
         cause = unwritable_cause(err, writes=(run_dir,))
         if cause is None:
             return
-        from hydratrain.checkpoint.manager import latest_checkpoint  # (start-up: torch ~2 s)
 
         last = ... if sweep else (latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir()
                                   else None)
@@ -309,7 +308,6 @@ def _of_another_trial(run_dir: Path, root: Any) -> bool:
     record = trial_record(run_dir, OmegaConf.select(root, "checkpoint.auto_resume", default=True))
     if record is None:
         return False
-    from hydratrain.checkpoint.manager import other_trial  # (start-up: torch ~2 s)
 
     task = OmegaConf.masked_copy(root, [k for k in root if k != "hydra"])
     return bool(other_trial(record, OmegaConf.to_container(task, resolve=True, enum_to_str=True),
@@ -322,8 +320,6 @@ def trial_record(run_dir: Path, auto_resume: bool) -> Optional[Path]:
     run, no ``save_last``: its ``results.json`` is there), its ``.hydra/``, so that a sweep re-run with other
     values cannot replace such a trial's results, ``.hydra/`` and curves without a word. None when the dir holds
     neither."""
-    from hydratrain.checkpoint.manager import list_checkpoints  # (start-up: torch ~2 s)
-
     own = list_checkpoints(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
     if own:
         return own[-1][1] if auto_resume else None
@@ -387,8 +383,6 @@ def resume_hint(how: Optional[str]) -> str:
     if not how or in_multirun():
         return ""
     try:
-        from hydratrain.checkpoint.manager import latest_checkpoint  # (start-up: torch ~2 s)
-
         run_dir = run_dir_of()
         if latest_checkpoint(run_dir / "checkpoints") is None:
             return ""
