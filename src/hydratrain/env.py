@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from hydratrain.config.validate import missing_slurm_commands
+from hydratrain.config.launcher import missing_slurm_commands
 from hydratrain.parallel.precision import cpu_has_native_bf16
 from hydratrain.plan import GiB, budget_bytes
 

@@ -26,6 +26,7 @@ from hydratrain.checkpoint.layout import (
 )
 from hydratrain.checkpoint.preemption import Preemption, guard
 from hydratrain.components import model_settings
+from hydratrain.config.launcher import launched_processes
 from hydratrain.dist.env import dist_info, quiet_console, under_submitit
 from hydratrain.dist.launch import note_launcher, resume_command, stop_if_launcher_gone, unwritable_message
 from hydratrain.dist.process_group import device_type, process_group
@@ -182,7 +183,6 @@ def _check_printed_config() -> None:
         say("hydratrain: the printed config was not checked (this Hydra keeps no composed config after --cfg): "
             "a run of it checks it before it starts")
         return
-    from hydratrain.config.validate import launched_processes  # (start-up: torch ~2 s)
 
     env = dist_info()
     world, local = env.world_size, env.local_world_size

@@ -20,6 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from hydratrain.checkpoint.preemption import early_guard, take_early_signal
+from hydratrain.config.launcher import validate_launcher
 from hydratrain.dist.env import env_rank
 from hydratrain.dist.launch import composing, launch_command, note_launcher
 from hydratrain.dist.run_dir import (
@@ -419,8 +420,6 @@ class SweepReportCallback(Callback):
         refuse_an_unwritable_run_dir(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydratrain.config.validate import validate_launcher  # (start-up: torch ~2 s)
-
         composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
         early = take_early_signal()  # a SIGTERM while Hydra composed the sweep: no job has started
         if early is not None and not config.get("checkpoint", {}).get("save_on_sigterm", True):
