@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
+from omegaconf import OmegaConf, read_write
+
 from hydratrain import plan
 from hydratrain.errors import ConfigError
 
@@ -105,7 +107,6 @@ def with_value(cfg, key: str, value):
     """A copy of ``cfg`` with ``key`` set to ``value`` (the copy is read-only when ``cfg`` is)."""
     import copy
 
-    from omegaconf import OmegaConf, read_write
 
     new = copy.deepcopy(cfg)
     with read_write(new):

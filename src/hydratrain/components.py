@@ -24,6 +24,7 @@ import sys
 import typing
 from typing import Any, Callable, Mapping, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain.errors import ConfigError, Placeholder
@@ -194,8 +195,6 @@ def model_class(cfg: DictConfig) -> Any:
 def model_name(cfg: DictConfig) -> str:
     """The model's name for logs and reports: the ``model`` option chosen (``gpt_tiny``, a user's ``mlp``), else
     the last part of its ``_target_``."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized():
         choice = HydraConfig.get().runtime.choices.get("model")
         if choice:

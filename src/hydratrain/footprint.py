@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from hydratrain.memsim import Mode
 from hydratrain.optim import FUSED_DEVICES
 from hydratrain.parallel.wrap_policy import shard_units
@@ -243,8 +245,6 @@ def raf_ok(s: Setup) -> bool:
 def mode_of(s: Setup):
     """The :class:`hydratrain.memsim.Mode` the forward runs in: FSDP casts parameters (no autocast), single/ddp
     keep fp32 weights under autocast."""
-    import torch
-
 
     compute = getattr(torch, PRECISION_DTYPE[s.precision])
     device = "cuda" if s.device == "cuda" and torch.cuda.is_available() else "cpu"

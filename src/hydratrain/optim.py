@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from hydratrain.components import locate
@@ -75,8 +76,6 @@ OWN_KEYS = ("_target_", "lr", "weight_decay")  # an own optimizer node's keys th
 def own_keywords(optim_cfg) -> dict:
     """The constructor keywords of an own optimizer node: every key but ``_target_``, ``lr`` and ``weight_decay``,
     which :func:`_own_optimizer` passes itself."""
-    from omegaconf import OmegaConf
-
     node = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
     return {k: v for k, v in node.items() if k not in OWN_KEYS}
 

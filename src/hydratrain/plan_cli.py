@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+from omegaconf import OmegaConf
+
 from hydratrain.config import register_configs
 from hydratrain.config.validate import validate
 from hydratrain.data.loader import is_dataset_node, load_datasets, loader_fetch
@@ -69,9 +72,6 @@ def example_of(cfg) -> Optional[Callable[[int], Any]]:
     """``example(n)``: the first ``n`` samples of the train split of a dataset node, collated as the run's loader
     collates them (in this process); None for token data (the plan makes a token batch of ``data.seq_len``). Raises
     :class:`~hydratrain.errors.ConfigError` naming ``data._target_`` when the datasets do not build."""
-    import torch
-    from omegaconf import OmegaConf
-
 
     if not is_dataset_node(cfg.data):
         return None
@@ -150,7 +150,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
-    from omegaconf import OmegaConf
 
 
     overrides, config_dir, flag = _split_argv(argv)
@@ -220,8 +219,6 @@ def assumptions(cfg, plan: Plan, host_has_cuda: bool) -> list[str]:
 
 
 def _report(cfg) -> int:
-    import torch
-
 
     strategy = build_strategy(cfg)
     cuda = str(cfg.device) == "cuda" or (str(cfg.device) == "auto" and torch.cuda.is_available())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain import components, exits, timing
@@ -203,8 +204,6 @@ def _check_printed_config() -> None:
 def _printed_config() -> Optional[DictConfig]:
     """The task config Hydra composed for ``--cfg`` (``hydra`` removed): Hydra's ``show_cfg`` keeps the whole
     composed config as the parent of the ``hydra`` node it hands to ``HydraConfig``; None when it is not there."""
-    from hydra.core.hydra_config import HydraConfig
-
     try:
         whole = HydraConfig.instance().cfg.hydra._get_parent()
     except Exception:  # noqa: BLE001 (another Hydra: said so by the caller)
@@ -340,8 +339,6 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
     continue, or only evaluate, job N of the old sweep, and report its figures under the new values), raise
     :class:`~hydratrain.errors.ConfigError` naming the keys. A relaunch of the same trial (preempted, or with a
     longer ``trainer.max_steps``) resumes."""
-    from hydra.core.hydra_config import HydraConfig
-
 
     hydra_cfg = HydraConfig.get()
     differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
@@ -359,8 +356,6 @@ def _refuse_another_jobs_dir(run_dir: Path) -> None:
     """A sweep job whose run dir another job of the same multirun has already used (two jobs' ``hydra.sweep.subdir``
     resolve to one dir, e.g. ``${hydra.job.override_dirname}`` without a swept key): raise
     :class:`~hydratrain.errors.ConfigError` instead of overwriting that job's results, log and TensorBoard curves."""
-    from hydra.core.hydra_config import HydraConfig
-
 
     hc = HydraConfig.get()
     other = other_job_of_this_multirun(run_dir, hc)
@@ -375,7 +370,6 @@ def _run_dir_key(run_dir: Path) -> tuple:
     ``hydra.sweep.dir`` and the job's run dir."""
     if not in_multirun():
         return "hydra.run.dir", str(run_dir)
-    from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     return "hydra.sweep.dir", str(hc.sweep.dir), f"job {hc.job.num}'s run dir {run_dir}"

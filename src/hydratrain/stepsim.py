@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from hydratrain import components
@@ -163,8 +164,6 @@ def _numel(shape) -> int:
 
 # ---------------------------------------------------------------------------------------------- the model
 def _config(spec: ModelSpec):
-    from omegaconf import OmegaConf
-
     return OmegaConf.create({"model": json.loads(spec.node), "loss": json.loads(spec.loss)})
 
 

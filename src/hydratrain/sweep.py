@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 from typing import Any, List, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
 from hydratrain.checkpoint.preemption import early_guard, take_early_signal
 from hydratrain.config.launcher import validate_launcher
@@ -95,7 +97,6 @@ def _overrides_yaml(job_dir: Path) -> Optional[List[str]]:
     path = job_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
         return None
-    from omegaconf import OmegaConf
 
     return [str(o) for o in OmegaConf.load(path)]
 
@@ -268,8 +269,6 @@ def _sampled(hc: Any) -> Optional[List[str]]:
     those of the sweep dir's ``multirun.yaml`` (Hydra's basic sweeper writes it before the first job); with
     ``hydra.sweeper.params``'s (the job's own). None when the command line's cannot be known (another sweeper, e.g.
     Optuna's, which writes no ``multirun.yaml``, in a sweep dir without the mark)."""
-    from omegaconf import OmegaConf
-
     sweep_dir = _sweep_dir(hc)
     mark = _read_json(sweep_dir / MULTIRUN_MARK)
     if mark.get("sampled") is not None:
@@ -313,8 +312,6 @@ def _check_before_submitting(config: DictConfig) -> None:
     """The config checks of a job (:func:`hydratrain.config.validate`) on the sweep's config, whose swept keys keep
     their defaults, before submitit queues anything: a bad fixed value fails now, not when a SLURM job starts after
     its wait in the queue. (A bad swept value still fails its own job.) Raises ConfigError."""
-    from omegaconf import OmegaConf
-
     from hydratrain.config.validate import validate  # (start-up: torch ~2 s)
 
     task = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
@@ -466,9 +463,6 @@ class SweepReportCallback(Callback):
         self._job_started = time.time()
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
 
         hc = config.hydra if "hydra" in config else HydraConfig.get()
         if hc.mode != RunMode.MULTIRUN or not _is_rank0():
@@ -731,9 +725,6 @@ def record_stopped_job(why: str) -> None:
     """Record this multirun job as FAILED with ``why`` in its ``status.json`` and refresh the sweep report (rank 0 of
     node 0), for a job that ends the whole sweep (a preemption signal, Ctrl-C) before Hydra's ``on_job_end`` runs.
     Its dir's ``results.json``, if any, is an earlier launch's. Does nothing outside a multirun."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
 
     if not _is_rank0() or not HydraConfig.initialized():
         return

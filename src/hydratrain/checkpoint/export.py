@@ -27,6 +27,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from hydratrain.checkpoint.io import read_model_weights
 from hydratrain.checkpoint.manager import resolve_checkpoint, step_of
 from hydratrain.components import locate
@@ -109,7 +111,6 @@ def export_dir(checkpoint: Path, out_dir: Path) -> Path:
     ``_target_`` and keywords, as the run built it), given the full weights and the checkpoint's tokenizer. Returns
     ``out_dir``. Raises :class:`~hydratrain.errors.CheckpointError` when the checkpoint is unusable, has no model.json,
     or its model cannot be rebuilt or has no export hook."""
-    import torch
     from hydra.utils import instantiate
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
+from omegaconf import OmegaConf
 
 from hydratrain.checkpoint.architecture import check_architecture
 from hydratrain.checkpoint.layout import (  # noqa: F401 (their home was here; callers import them from here too)
@@ -245,7 +246,6 @@ class CheckpointManager:
         :class:`~hydratrain.errors.DivergenceError`, writing nothing, when any rank's state holds a non-finite value.
         """
         import torch.distributed.checkpoint as dcp
-        from omegaconf import OmegaConf
         from torch.distributed.checkpoint import FileSystemWriter
 
         from hydratrain.checkpoint.io import quiet_without_process_group  # (start-up: DCP, ~1 s)

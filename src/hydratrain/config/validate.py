@@ -13,7 +13,11 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
 
 from hydratrain.components import (
     INIT_DEVICES,
@@ -197,8 +201,6 @@ def _check_entries(node: DictConfig | ListConfig, where: str) -> None:
 def _check_resolves(cfg: DictConfig) -> None:
     """Every interpolation resolves (``${oc.env:VAR}`` of an unset variable, ``${a.key}`` that does not exist): a
     :class:`ConfigError` naming the key and its unresolved text, not OmegaConf's traceback from the first read."""
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         for name in cfg:  # not Hydra's own node (its run dir resolver reserves a dir)
             if name != "hydra":
@@ -394,7 +396,6 @@ def _check_own_optimizer(node: DictConfig) -> None:
     peak ``lr``. Raises ConfigError naming the key."""
     import inspect
 
-    import torch
 
 
     target = str(node["_target_"])
@@ -414,7 +415,6 @@ def _check_block_classes(cfg: DictConfig) -> None:
     """``wrap_policy.block_classes``: each dotted path imports to an ``nn.Module`` class (a bare class name is
     matched against the model's classes once it is built). Raises ConfigError naming the key."""
     names = [str(n) for n in (_get(cfg, "wrap_policy.block_classes") or ())]
-    from torch import nn
 
 
     for name in names:
@@ -452,9 +452,6 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     environment (``hydratrain.dist.env``); relative paths resolve against ``launch_dir`` (see
     :func:`hydratrain.paths.resolve_path`). Raises :class:`ConfigError`.
     """
-    import torch
-    import torch.distributed as dist
-
 
     cuda = torch.cuda.is_available()
     if "cuda" in (cfg.device, _get(cfg, "model.init_device")) and not cuda:

@@ -26,6 +26,8 @@ import logging
 import zlib
 from typing import Any, Iterable, Iterator, Optional
 
+import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain.components import build_callable, check_call, importable, instantiate_node, locate, target_of
@@ -120,8 +122,6 @@ def load_datasets(data: DictConfig) -> dict:
 
 def _is_dataset(value: Any) -> bool:
     """A map-style dataset object (``__len__`` and ``__getitem__``), not a sample (a tuple, tensor, dict, string)."""
-    import torch
-
     return hasattr(value, "__len__") and hasattr(value, "__getitem__") and \
         not isinstance(value, (tuple, list, dict, str, bytes, torch.Tensor))
 
@@ -148,7 +148,6 @@ def split(dataset: Any, val_fraction: float) -> dict:
     fixed permutation (seed 0), the train split the rest, each in dataset order (``torch.utils.data.Subset``)."""
     import math
 
-    import torch
     from torch.utils.data import Subset
 
     n = len(dataset)
@@ -171,7 +170,6 @@ def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
     eval every N steps starts none); a call made while another call's batches are still being handed out gets a
     loader of its own, whose workers end with it. A call abandoned midway is fine: torch drops what its workers had
     prefetched when the loader is iterated again."""
-    import torch
     from torch.utils.data import DataLoader
 
 
@@ -263,8 +261,6 @@ class _SeededBatches:
     def __getitems__(self, keys: list) -> list:
         import random
 
-        import numpy as np
-        import torch
 
         pairs = [key if isinstance(key, tuple) else (-1, key) for key in keys]
         indices = [i for _, i in pairs]
@@ -317,8 +313,6 @@ def _leaf_bytes(leaf: Any) -> bytes:
     else its repr with any memory address (``<... at 0x7f...>``, which differs between processes) left out."""
     import re
 
-    import numpy as np
-    import torch
 
     if isinstance(leaf, torch.Tensor):
         return leaf.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()

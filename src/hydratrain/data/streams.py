@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
+import torch
 
 from hydratrain.errors import CheckpointError, ConfigError
 from hydratrain.train.batch import rebuilt
@@ -35,8 +36,6 @@ Fetch = Callable[[Iterable[list]], Iterator[Any]]
 def to_device(batch: Any, device: Optional[torch.device]) -> Any:
     """``batch`` (a tensor, or tuples, lists and dicts of them) with every tensor on ``device``, copied
     ``non_blocking`` (from pinned memory on CUDA, so the copy overlaps the step before it)."""
-    import torch
-
 
     if device is None:
         return batch
@@ -69,7 +68,6 @@ class TokenDataset:
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
-        import torch
 
         window = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
         if self.vocab_size is not None and window.size and int(window.max()) >= self.vocab_size:
@@ -276,8 +274,6 @@ class EvalBatches:
         return [[g * W * B + self.rank + W * j for j in range(B)] for g in range(self.global_batches)]
 
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        import torch
-
         positions = [[p for p in ps if p < self.n_samples] or [-1] for ps in self._positions()]  # -1: sample 0, padding
         indices = [[self.order[max(p, 0)] for p in ps] for ps in positions]
         batches = (self.dataset.batch(i) for i in indices) if self.fetch is None else self.fetch(indices)

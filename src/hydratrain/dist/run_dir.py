@@ -19,6 +19,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from hydratrain.checkpoint.layout import latest_checkpoint, list_checkpoints, other_trial
 from hydratrain.config.values import unresolvable
 from hydratrain.dist.env import dist_info, env_rank
@@ -193,9 +198,6 @@ def output_base(*, _root_: Any = None) -> str:
     value that cannot be resolved (``${oc.env:SCRATCH}/runs`` with SCRATCH unset) is the one-line config error, exit
     status 2, as in every other key, not Hydra's 190-line traceback of its run dir. ``_root_``: the whole
     config (OmegaConf passes it)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         base = OmegaConf.select(_root_, "paths.output_dir", default=None)
         if base is not None or "trainer" not in _root_:  # (Hydra's own node alone: --cfg hydra)
@@ -216,7 +218,6 @@ def output_subdir(*, _root_: Any = None) -> Optional[str]:
     (:func:`hydratrain.checkpoint.manager.other_trial`). ``_root_``: the whole config (OmegaConf passes it)."""
     if env_rank() != 0:
         return None
-    from hydra.core.hydra_config import HydraConfig
 
 
     try:
@@ -273,9 +274,6 @@ def refuse_an_unwritable_run_dir(config: Any) -> None:
     earliest point before Hydra makes ``hydra.run.dir`` and opens ``train_rank<R>.log`` in it, whose errors are
     Hydra's traceback. Probes the run dir (:func:`refuse_a_full_run_dir`: one line and ``SystemExit(3)`` when it takes
     no writes). A ``hydra.run.dir`` that does not resolve is left to Hydra (its resolvers say why)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         value = OmegaConf.select(config, "hydra.run.dir")
     except OmegaConfBaseException:
@@ -287,9 +285,6 @@ def refuse_an_unwritable_run_dir(config: Any) -> None:
 def _of_another_job(run_dir: Path) -> bool:
     """Whether another job of this multirun already ran in this sweep job's ``run_dir`` (the job then stops:
     ``hydratrain.run``)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
 
     hydra_cfg = HydraConfig.get()
     return hydra_cfg.mode == RunMode.MULTIRUN and other_job_of_this_multirun(run_dir, hydra_cfg) is not None
@@ -298,10 +293,6 @@ def _of_another_job(run_dir: Path) -> bool:
 def _of_another_trial(run_dir: Path, root: Any) -> bool:
     """Whether this sweep job's ``run_dir`` holds a latest checkpoint that another trial wrote (the job then stops:
     ``hydratrain.run``), judged on ``root``, the job's whole config."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
     hydra_cfg = HydraConfig.get()
     if root is None or hydra_cfg.mode != RunMode.MULTIRUN:
         return False
@@ -332,8 +323,6 @@ def register_resolvers() -> None:
     """Register ``${hydratrain.stamp:}``, ``${hydratrain.unique_dir:BASE,KIND}``, ``${hydratrain.output_base:}``,
     ``${hydratrain.output_subdir:}``, ``${hydratrain.rank:}`` and ``${hydratrain.path:BASE,REST}``
     (:func:`hydratrain.paths.join`) (idempotent)."""
-    from omegaconf import OmegaConf
-
     for name, fn in (("hydratrain.stamp", run_stamp), ("hydratrain.unique_dir", unique_dir),
                      ("hydratrain.output_base", output_base),
                      ("hydratrain.output_subdir", output_subdir),
@@ -345,8 +334,6 @@ def register_resolvers() -> None:
 def run_dir_of() -> Path:
     """Hydra's output dir for this job, absolute (a relative one is below the launch dir); the current dir when
     called without Hydra."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized():
         return resolve_path(HydraConfig.get().runtime.output_dir)
     return Path(os.getcwd())
@@ -392,7 +379,4 @@ def resume_hint(how: Optional[str]) -> str:
 
 
 def in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

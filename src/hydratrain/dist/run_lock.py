@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from omegaconf import OmegaConf
+
 from hydratrain.config import flat_keys
 from hydratrain.dist.store import base_store, store_get
 from hydratrain.errors import ConfigError
@@ -381,8 +383,6 @@ def shared_config(cfg) -> dict:
     """The flat ``{key: value}`` of a run config that every rank of a launch must share (:func:`hold_run_dir`):
     all but :data:`_PER_NODE`, and for :data:`_PER_NODE_INPUTS` whether each is given (``<given>``, or its empty
     value)."""
-    from omegaconf import OmegaConf
-
 
     tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     shared = {}

@@ -38,6 +38,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+import torch
+from torch import nn
+
 from hydratrain.data.tokenizer import EOT, load_tokenizer, padded_vocab_size
 from hydratrain.errors import ConfigError
 from hydratrain.parallel.init import canonical_name
@@ -261,8 +264,6 @@ class HFCausalLM:
         """Fill ``tensor`` (the full shape of parameter ``name``; a name may carry wrapper prefixes) with its initial
         values: ``model.pretrained``'s tensor when given (cast to ``tensor``'s dtype), else the architecture's own
         init drawn from the global RNG seeded with ``generator``'s seed (forked: the caller's RNG state is kept)."""
-        import torch
-
         if self._hydratrain_weights is not None:
             names = self._names_of(name)
             key = self._hydratrain_weights.key_for(names, getattr(self, "base_model_prefix", "") or "")
@@ -275,8 +276,6 @@ class HFCausalLM:
     def init_buffers(self) -> None:
         """Recompute every buffer by the architecture's own init (rotary tables, after ``to_empty`` hold garbage),
         parameters untouched; then ``model.pretrained``'s persistent buffers, if it stores any."""
-        import torch
-
         with _only_this(self, None, None):
             self.initialize_weights()
         if self._hydratrain_weights is not None:
@@ -310,7 +309,6 @@ def export_pretrained(config, hf_class: type, state_dict: dict, out_dir: Union[s
     writing, so a sharded or wrapped model is never asked for its tensors)."""
     import copy
 
-    import torch
 
     out = Path(out_dir)
     config = copy.deepcopy(config)
@@ -348,8 +346,6 @@ def save_tokenizer(tokenizer_json: Union[str, Path], out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def _forked_rng(device) -> Iterator[None]:
-    import torch
-
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
         yield
@@ -361,8 +357,6 @@ def _only_this(model, name: Optional[str], tensor) -> Iterator[None]:
     which ``transformers``' init functions skip) except: parameter ``name``, whose holders (tied ones too) hold
     ``tensor`` instead (unmarked); with ``name`` None, the buffers. Modules' own marks are cleared so the init visits
     every module. Everything is put back after."""
-    from torch import nn
-
     params = {id(p): p for p in model.parameters()}
     buffers = [b for b in model.buffers()]
     target = model.get_parameter(name) if name is not None else None
@@ -414,8 +408,6 @@ def causal_lm(config: Union[None, str, dict] = None, pretrained: Optional[str] =
     naming the key (see :func:`hf_config`, :class:`PretrainedWeights`, :func:`check_pretrained`; ``model.vocab_size``
     or ``data.tokenizer`` when the tokenizer has more tokens than the model's vocabulary).
     """
-    import torch
-
     transformers = _transformers()
     made = hf_config(config, pretrained)
     fixed = made.vocab_size if (pretrained or isinstance(config, (str, Path)) or

@@ -19,6 +19,7 @@ import re
 from typing import ContextManager, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hydratrain import components
@@ -55,7 +56,6 @@ def rank0_buffers(buffers: list) -> None:
     one broadcast per dtype and device of the buffers flattened together, as DDP coalesces its own."""
     from collections import defaultdict
 
-    import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     groups = defaultdict(list)
@@ -76,8 +76,6 @@ def rank0_buffers_before_training_forwards(model: nn.Module) -> None:
     updates it with the rank's own batch), so a save or an eval, which make them rank 0's
     (:meth:`Strategy.sync_buffers`), changes nothing in the training. A model without persistent buffers gets no
     hook and pays nothing."""
-    import torch.distributed as dist
-
     held = persistent_buffers(model)
     if held and dist.is_initialized() and dist.get_world_size() > 1:
         model.register_forward_pre_hook(lambda module, args: rank0_buffers(held) if module.training
@@ -243,8 +241,6 @@ class Strategy:
         Without this the eval would mix
         per-rank statistics, and a checkpoint could hold any rank's (DCP writes each replicated tensor from one
         rank of its choosing), so a resume would not continue the run exactly."""
-        import torch.distributed as dist
-
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         rank0_buffers(persistent_buffers(model))
@@ -341,8 +337,6 @@ def _all_reduce_in(dtype: torch.dtype):
     averages each gradient bucket in ``dtype``: cast, divide by the world size, all-reduce, cast back into the
     bucket. The shape of torch's ``fp16_compress_hook``, for any dtype and backend (torch's bf16 hook refuses gloo,
     whose all-reduce handles bfloat16 fine)."""
-    import torch.distributed as dist
-
     def hook(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
@@ -372,7 +366,6 @@ class FSDP(Strategy):
 
     def _mesh(self, device: torch.device):
         """The 1-D mesh of all ranks (every parameter sharded across all of them)."""
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device.type, (dist.get_world_size(),))
@@ -465,15 +458,12 @@ class FSDP(Strategy):
         rank alike (LayerDrop drawn from a generator seeded alike) passes. First forward only, so later steps cost
         nothing; a mismatch in a later step ends as :class:`CollectiveTimeout`. Not with ``trainer.compile`` (the
         hooks would run in the compiled region) nor on one rank."""
-        import torch.distributed as dist
-
         if not dist.is_initialized() or dist.get_world_size() == 1 or self.compiled:
             return contextlib.nullcontext()
         return self._same_modules(model)
 
     @contextlib.contextmanager
     def _same_modules(self, model):
-        import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
 
         device = self._device if self._device is not None else torch.device("cpu")
@@ -524,8 +514,6 @@ class FSDP(Strategy):
     def _average_replicated(self):
         """After the backward it wraps: the gradients of the parameters every rank holds whole (0-d, which
         fully_shard leaves out) averaged over all ranks, in one all-reduce (sum / world_size: gloo has no AVG)."""
-        import torch.distributed as dist
-
         yield
         grads = [p.grad for p in self._replicated if p.grad is not None]
         if not grads or dist.get_world_size() == 1:
@@ -573,7 +561,6 @@ class HSDP(FSDP):
         return world_size // size, size
 
     def _mesh(self, device):
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
 

@@ -20,6 +20,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import torch
+from omegaconf import OmegaConf
+
 from hydratrain import components
 from hydratrain.components import locate
 from hydratrain.errors import ConfigError, OutOfMemoryError
@@ -207,8 +210,6 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
     shapes the generic plan runs the model on (without it, token data gives a ``(batch_size, data.seq_len)`` token
     batch). Raises :class:`PlanUnavailable` for a strategy the planner does not model, and
     :class:`~hydratrain.errors.ConfigError` for a model node that names no class."""
-    from omegaconf import OmegaConf
-
 
     if strategy.name not in ("single", "ddp", "fsdp", "hsdp"):
         raise PlanUnavailable(f"strategy={strategy.name} is not modelled by the planner")
@@ -314,11 +315,8 @@ def plan_run(cfg, strategy, info, precision, vocab_size: Optional[int],
     planner simulates. Never stops the run for the planner's sake: returns None (and logs why) when the planner
     cannot predict this setup or ``plan.enabled`` is false; raises the :class:`ConfigError` of a config fault it
     meets (a data batch outside the batch contract), which the run would raise at its first step."""
-    from omegaconf import OmegaConf
-
     if not OmegaConf.select(cfg, "plan.enabled", default=True):
         return None
-    import torch
 
     # the run's random state stays as seeded: a DataLoader iterator (the example batch) draws its base seed from the
     # global generator, and the model is built after the plan (an eager build draws its initial weights from it)
@@ -327,8 +325,6 @@ def plan_run(cfg, strategy, info, precision, vocab_size: Optional[int],
 
 
 def _plan_run(cfg, strategy, info, precision, vocab_size, example) -> Optional[RunPlan]:
-    from omegaconf import OmegaConf
-
     try:
         setup = setup_for(cfg, strategy, world_size=info.world_size, precision=precision.name,
                           vocab_size=vocab_size, device=info.device.type, baseline=0,

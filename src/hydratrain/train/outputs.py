@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain import components
@@ -55,7 +56,6 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     out.update({k: _plain(OmegaConf.select(cfg, k)) for k in HPARAM_KEYS})
     out["precision.resolved"] = precision_name
     out["world_size"] = world_size
-    from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         for item in HydraConfig.get().overrides.task:
@@ -69,8 +69,6 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
 
 def _choice(group: str, default) -> str:
     """The option chosen for ``group`` (Hydra's runtime choices), else ``default``."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized() and HydraConfig.get().runtime.choices.get(group):
         return str(HydraConfig.get().runtime.choices[group])
     return str(_plain(default))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hydratrain import timing
@@ -152,7 +153,6 @@ class Trainer:
         step)."""
         if self._counter is None:
             return None
-        import torch.distributed as dist
 
         counts = torch.stack([self._counter(b) for b in batches])
         total = counts.sum()
@@ -172,7 +172,6 @@ class Trainer:
         counted = counted or self._count(batches)
         if counted is None:
             return [accum] * accum, None
-        import torch.distributed as dist
 
         counts, total, work = counted
         if work is not None:
