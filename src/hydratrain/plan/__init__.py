@@ -31,7 +31,7 @@ from hydratrain.stepsim import describe, token_batch
 from hydratrain.stepsim import predict as simulated
 
 __all__ = ["GiB", "ModelSpec", "Plan", "PlanUnavailable", "Setup", "predict", "suggestions", "budget_bytes",
-           "plan_run", "main", "OutOfMemoryGuard"]
+           "plan_run", "OutOfMemoryGuard"]
 log = logging.getLogger("hydratrain.plan")
 
 
