@@ -9,7 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
+from omegaconf import OmegaConf, read_write
+
+from hydratrain import plan
 from hydratrain.config.settings import DataSettings
+from hydratrain.errors import ConfigError
 
 log = logging.getLogger("hydratrain.auto_batch")
 
@@ -62,8 +66,6 @@ def resolve(cfg, strategy, info, precision, vocab_size: Optional[int], limit: in
     changes that fit)."""
     if DataSettings.of(cfg.data).batch_size != "auto":
         return cfg
-    from hydratrain import plan
-    from hydratrain.errors import ConfigError
 
     try:
         setup = plan.setup_for(with_value(cfg, "data.batch_size", 1), strategy, world_size=info.world_size,
@@ -106,7 +108,6 @@ def with_value(cfg, key: str, value):
     """A copy of ``cfg`` with ``key`` set to ``value`` (the copy is read-only when ``cfg`` is)."""
     import copy
 
-    from omegaconf import OmegaConf, read_write
 
     new = copy.deepcopy(cfg)
     with read_write(new):

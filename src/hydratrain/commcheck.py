@@ -54,6 +54,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from hydratrain.errors import say
+from hydratrain.paths import prepare_output_file
 
 EXIT_SLOW, EXIT_CONFIG, EXIT_TIMEOUT = 1, 2, 124
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -219,7 +220,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         return EXIT_CONFIG
     rank, n = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.out and rank == 0:  # before the check, not after it: an OUT that cannot be written fails at once
-        from hydratrain.paths import prepare_output_file
 
         try:
             prepare_output_file(cfg.out)

@@ -27,12 +27,13 @@ import sys
 import typing
 from typing import Any, Callable, Mapping, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain.config.schema import LOADER_KEYS, MODEL_KEYS
 from hydratrain.config.settings import ModelSettings
 from hydratrain.errors import ConfigError, Placeholder
-from hydratrain.protocols import max_seq_len_of
+from hydratrain.paths import launch_dir
 
 INIT_DEVICES = ("auto", "meta", "cpu", "cuda")
 _ABSENT = Placeholder("<absent>")
@@ -44,11 +45,9 @@ _CHECKED: dict[str, tuple[str, Any]] = {}
 
 
 def importable() -> None:
-    """Put the launch dir (:func:`hydratrain.dist.run_dir.launch_dir`) first on ``sys.path`` when it is not there,
+    """Put the launch dir (:func:`hydratrain.paths.launch_dir`) first on ``sys.path`` when it is not there,
     so ``_target_: mypkg.nets.MLP`` finds ``mypkg/`` beside the command (``python train.py`` puts the script's dir
     there instead)."""
-    from hydratrain.dist.run_dir import launch_dir
-
     here = str(launch_dir())
     if here not in sys.path:
         sys.path.insert(0, here)
@@ -69,6 +68,16 @@ def checked_build(what: str, content: str, keep: bool = False) -> Any:
     ``content``, handed over once (``keep``: left for a later taker), else None."""
     kept = _CHECKED.get(what) if keep else _CHECKED.pop(what, None)
     return kept[1] if kept is not None and kept[0] == content else None
+
+
+def keep_checked(cfg: DictConfig, target: str, vocab: Optional[int], model: Any, loss: Any, metrics: dict) -> None:
+    """Keep what the checks before the run built (:func:`hydratrain.config.validate.check_components`: the meta
+    model, the loss, the metrics) for the run's build in this process to take over (:func:`checked_build`)."""
+    if model is not None:
+        _CHECKED["model"] = (_content(_model_node(cfg, target, model_kwargs(cfg, vocab))), model)
+    _CHECKED["loss"] = (_content(_plain(cfg.get("loss"))), loss)
+    if metrics:
+        _CHECKED["metrics"] = (_content(_plain(cfg.get("metrics"))), metrics)
 
 
 def forget_checked() -> None:
@@ -221,8 +230,6 @@ def model_class(cfg: DictConfig) -> Any:
 def model_name(cfg: DictConfig) -> str:
     """The model's name for logs and reports: the ``model`` option chosen (``gpt_tiny``, a user's ``mlp``), else
     the last part of its ``_target_``."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized():
         choice = HydraConfig.get().runtime.choices.get("model")
         if choice:
@@ -505,70 +512,3 @@ def check_state_dict(model: Any, target: str, built_on_meta: bool = False) -> No
                               f"that a checkpoint cannot restore: {step} ({type(err).__name__}: {why[:200]}); "
                               "return a tensor, or plain containers (dict, list, tuple) of tensors, numbers, "
                               "strings and None") from None
-
-
-def _vocabulary_for_checks(cfg: DictConfig, cls: Any) -> Optional[int]:
-    """What a ``vocab_size: null`` keyword becomes for the checks before the run: the data's vocabulary where it is
-    known without a tokenizer (256 for bytes and synthetic tokens), else a stand-in of its type (the run takes the
-    tokenizer's); None when the keyword is not null. Raises :class:`ConfigError` naming ``model.vocab_size`` when
-    the data builds datasets (no vocabulary to take) and ``cls`` does not take None."""
-    if model_kwargs(cfg).get("vocab_size", 0) is not None:
-        return None
-    from hydratrain.data.loader import is_dataset_node
-
-    data = cfg.get("data")
-    if not is_dataset_node(data):
-        from hydratrain.data.tokenized import vocab_size_for
-
-        try:
-            return vocab_size_for(data, None, None)
-        except ConfigError:  # token_bin without a tokenizer: the run says so where it looks for the vocabulary
-            return 256
-    if "vocab_size" in _hints(cls) and _accepts(_hints(cls)["vocab_size"], None) is not None:
-        raise ConfigError("model.vocab_size", None, f"null takes the data's vocabulary, but data._target_="
-                          f"{data.get('_target_')} builds datasets, which have none (only token data does): set "
-                          "model.vocab_size to the number of ids your data holds")
-    return None
-
-
-def check_components(cfg: DictConfig) -> None:
-    """Every check of the components that needs no process group (see the module docstring): the model's target,
-    keywords, types, hydratrain's model keys and the model's own checks (a build on the meta device, whose
-    :class:`ConfigError` is raised; anything else it raises waits for the real build, which may not be on meta);
-    the loss; each metric (built: torchmetrics checks its arguments then); a data factory's target and keywords.
-    The meta model, the loss and the metrics it built are kept for the run's build in this process to take over
-    (:func:`checked_build`). Raises :class:`ConfigError`."""
-    _CHECKED.clear()
-    settings = model_settings(cfg)
-    if str(settings.init_device) not in INIT_DEVICES:
-        raise ConfigError("model.init_device", settings.init_device, f"allowed: {', '.join(INIT_DEVICES)}")
-    target = target_of(cfg.get("model"), "model")
-    cls = locate(target, "model")
-    vocab = _vocabulary_for_checks(cfg, cls)
-    check_call(cls, model_kwargs(cfg, vocab), "model", target)
-    try:
-        model = build_model(cfg, "meta", vocab)
-    except ConfigError as err:
-        if err.key != "model._target_":  # the model's own check, naming its key
-            raise
-        model = None
-    if model is not None:
-        check_parameters(model, target)
-        check_state_dict(model, target, built_on_meta=True)
-    limit, seq_len = max_seq_len_of(model), cfg.data.get("seq_len") if cfg.get("data") else None
-    if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
-        raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "
-                          f"({type(model).__name__}.max_seq_len); allowed: <= {limit}")
-    loss, metrics = build_loss(cfg), build_metrics(cfg)
-    # what was built to check it is what the run's build then uses (build_model, build_loss, build_metrics with
-    # checked=True), not built again in this process
-    if model is not None:
-        _CHECKED["model"] = (_content(_model_node(cfg, target, model_kwargs(cfg, vocab))), model)
-    _CHECKED["loss"] = (_content(_plain(cfg.get("loss"))), loss)
-    if metrics:
-        _CHECKED["metrics"] = (_content(_plain(cfg.get("metrics"))), metrics)
-    data = cfg.get("data")
-    if data is not None and OmegaConf.is_dict(data) and "_target_" in data:
-        from hydratrain.data.loader import check_data_node
-
-        check_data_node(data)

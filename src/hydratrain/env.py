@@ -11,14 +11,16 @@ from __future__ import annotations
 import os
 import sys
 
+from hydratrain.config.launcher import missing_slurm_commands
+from hydratrain.parallel.precision import cpu_has_native_bf16
+from hydratrain.plan import GiB, budget_bytes
+
 
 def report() -> list[str]:
     """The report as lines of text (no side effects)."""
     import torch
     import torch.distributed as dist
 
-    from hydratrain.config.validate import missing_slurm_commands
-    from hydratrain.parallel.precision import cpu_has_native_bf16
 
     cuda = torch.cuda.is_available()
     lines = [f"torch {torch.__version__} (python {sys.version.split()[0]})",
@@ -80,7 +82,6 @@ def memory_budget_line(cuda: bool) -> str:
     ``LOCAL_WORLD_SIZE`` ranks on this node (1 when unset)."""
     import torch
 
-    from hydratrain.plan import GiB, budget_bytes
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()) if cuda \

@@ -99,7 +99,8 @@ class CheckpointError(HydratrainError, RuntimeError):
 class OutputError(HydratrainError, RuntimeError):
     """A run's output could not be written because its filesystem is full, over quota or read-only, a file-size
     limit or the permissions of its dir refused it (:data:`UNWRITABLE_ERRNOS`); ``str(err)`` is one line: what,
-    where, why, what tells the cause (the free space, the limit) and how to go on (:func:`unwritable_message`)."""
+    where, why, what tells the cause (the free space, the limit) and how to go on
+    (:func:`hydratrain.dist.launch.unwritable_message`)."""
 
     label = "output error"
     exit_status = EXIT_CHECKPOINT
@@ -113,7 +114,7 @@ UNWRITABLE_ERRNOS = (28, 122, 30, 27, 13, 1)
 #: input, not an output that cannot be written, so :func:`unwritable_cause` counts them only for writes it is told of
 DENIED_ERRNOS = (13, 1)
 #: below this many free bytes, a failed write that lost its errno is put down to a full filesystem
-#: (:func:`unwritable_message`)
+#: (:func:`hydratrain.dist.launch.unwritable_message`)
 LOW_SPACE_BYTES = 1 << 30
 
 
@@ -166,45 +167,10 @@ def _written(filename: Any, writes: Iterable[Union[str, os.PathLike]]) -> bool:
     return False
 
 
-def unwritable_message(what: str, where: Any, cause: Optional[BaseException], last_checkpoint: Any,
-                       room: Optional[str] = None, stopped: str = "training stopped", frees: str = "",
-                       run_dir: Any = None) -> str:
-    """``<what> under <where> failed (<cause>; <what tells the cause>); <stopped>. The latest complete checkpoint,
-    <last>, is intact: <room> and resume from it with: <command>`` (or, without a checkpoint, ``No checkpoint was
-    written before: <room> and relaunch: <command>``; with ``last_checkpoint=...`` (Ellipsis: not this call's to
-    say, a sweep's), ``<Room> and relaunch: <command>``), where ``<command>`` is the one that resumes this run in
-    its run dir (:func:`hydratrain.dist.launch.resume_command`; ``run_dir``: that dir, or with ``...`` the sweep dir,
-    where Hydra's config does not tell it yet).
-
-    ``room`` defaults to the remedy for the cause (:func:`write_refusal`): make room (no space; ``frees``, e.g. ``"lower
-    checkpoint.keep_last"``, is offered too), free some of the quota (also ``frees``), make it writable (a read-only
-    filesystem), fix the permissions of the dir that refused the write, raise the file-size limit (``ulimit -f``).
-    A cause without an errno (torch's checkpoint writer raises a ``RuntimeError`` that lost it) is told from
-    ``where``: a finite file-size limit, a dir this process may not write, little free space; else the cause is
-    said to be unknown. Raises nothing."""
-    why = (f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None
-           else "another rank could not write its part")
-    told, remedy = write_refusal(cause, where, frees)
-    return _tail(f"{what} under {where} failed ({why}{'; ' + told if told else ''}); {stopped}.", room or remedy,
-                 last_checkpoint, run_dir)
-
-
-def _tail(head: str, room: str, last_checkpoint: Any, run_dir: Any = None) -> str:
-    from hydratrain.dist.launch import resume_command
-
-    command = resume_command(run_dir, sweep=last_checkpoint is ...)
-    if last_checkpoint is ...:
-        return f"{head} {room[0].upper()}{room[1:]} and relaunch: {command}"
-    if last_checkpoint:
-        return (f"{head} The latest complete checkpoint, {last_checkpoint}, is intact: {room} and resume from it "
-                f"with: {command}")
-    return f"{head} No checkpoint was written before: {room} and relaunch: {command}"
-
-
 def write_refusal(cause: Optional[BaseException], where: Any, frees: str = "") -> tuple[str, str]:
     """``(what tells the cause, or "", the remedy)`` of a write under ``where`` that failed with ``cause`` (see
-    :func:`unwritable_message`): by its errno, else (none: a library's error that lost it, or another rank's) by
-    what ``where`` shows now. Raises nothing."""
+    :func:`hydratrain.dist.launch.unwritable_message`): by its errno, else (none: a library's error that lost it, or
+    another rank's) by what ``where`` shows now. Raises nothing."""
     import errno as errnos
 
     code = getattr(cause, "errno", None)
@@ -314,6 +280,19 @@ def _refusing_dir(cause: Optional[BaseException], where: Any) -> str:
         return str(where)
     path = os.fsdecode(name)
     return path if os.path.lexists(path) else os.path.dirname(path)
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The first rank's exception inside DCP's ``CheckpointException`` (whose ``failures`` map ranks to an
+    exception, a wrapper with ``.exc``, or an ``(exception, traceback frames)`` tuple), else ``err`` itself."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return err
+    cause = next(iter(failures.values()))
+    if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
+        cause = cause[0]
+    cause = getattr(cause, "exc", cause)
+    return cause if isinstance(cause, BaseException) else RuntimeError(str(cause))
 
 
 class DamagedCheckpointError(CheckpointError):

@@ -14,11 +14,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
-from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, EXIT_INTERRUPTED, HydratrainError, PreemptedError, say
-
-_COMPOSING = {"on": False}  # Hydra raises, rather than prints, its errors until the config is composed
+from hydratrain.checkpoint.preemption import end_guard, recorded_preemption, release_sigterm
+from hydratrain.dist.env import env_rank
+from hydratrain.dist.launch import _COMPOSING, LauncherGoneError, composing, launcher_gone_error, resume_command  # noqa: F401 (run.py calls exits.composing)
+from hydratrain.dist.process_group import PeerFailedError
+from hydratrain.dist.run_dir import discard_if_unused, in_multirun, resume_hint, run_dir_of
+from hydratrain.errors import (
+    EXIT_CONFIG,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    HydratrainError,
+    PreemptedError,
+    root_cause,
+    say,
+)
+from hydratrain.sweep import keep_early_sigterm, launched_sweep_dir, record_stopped_job, sweep_ended
 
 log = logging.getLogger("hydratrain")
 
@@ -28,10 +40,6 @@ def end(err: BaseException, env) -> None:
     print one line (once per node when every rank has the same one), log it, and raise ``SystemExit`` with its status,
     or re-raise ``err`` inside a multirun (Hydra records the job as failed). A rank that received a preemption signal
     ends as preempted and one that received Ctrl-C as interrupted, whatever error followed."""
-    from hydratrain.checkpoint.preemption import end_guard, recorded_preemption, release_sigterm
-    from hydratrain.dist.launch import launcher_gone_error
-    from hydratrain.dist.process_group import PeerFailedError
-
     end_guard()  # a torchrun worker lingering below is stopped by its agent's SIGTERM, not preempted
     if isinstance(err, PeerFailedError) or not isinstance(err, (HydratrainError, SystemExit)):
         # after its launcher died: the peers stopping alike, or the parent-death SIGINT that torch's spawn asks for
@@ -59,9 +67,6 @@ def end(err: BaseException, env) -> None:
 
 def _end_with_error(err: HydratrainError, env) -> None:
     """:func:`end` for one of our errors: its one line (``hydratrain: <label>: <message>``) and its exit status."""
-    from hydratrain.checkpoint.preemption import recorded_preemption, release_sigterm
-    from hydratrain.dist.launch import LauncherGoneError
-
     if _SIGINT["received"] and not isinstance(err, LauncherGoneError):  # e.g. a peer's end, which the same Ctrl-C
         _stop_interrupted(env)  # caused
     if recorded_preemption() is not None:  # its own PreemptedError (rebuilt: OmegaConf may have added context
@@ -78,8 +83,6 @@ def _end_with_error(err: HydratrainError, env) -> None:
         raise  # Hydra records the job as failed and the sweep goes on
     tell_the_agent(f"hydratrain: {err.label}: {err}")
     if err.exit_status == EXIT_CONFIG and (env is None or env.world_size == 1) and not _refused_by_lock(err):
-        from hydratrain.dist.run_dir import discard_if_unused, run_dir_of
-
         # a default run dir this launch made for a run that never started (one process: with several, the others
         # may still be writing their logs there)
         discard_if_unused(run_dir_of())
@@ -109,19 +112,6 @@ def tell_the_agent(line: str) -> None:
                                                                   "timestamp": str(int(time.time()))}}}, f)
     except OSError:
         pass
-
-
-def composing(on: bool = True) -> None:
-    """From ``train.py``'s start until the config is composed (``on``), Hydra raises its composition errors
-    (``HYDRA_FULL_ERROR=1``) instead of printing them on every rank, so :func:`end_composition` can end the launch
-    with one line; ``composing(False)`` (its first callback, or the run itself) gives Hydra its own error report back
-    for the rest. A user's own ``HYDRA_FULL_ERROR`` is left as it is (they asked for tracebacks)."""
-    if on and "HYDRA_FULL_ERROR" not in os.environ:
-        os.environ["HYDRA_FULL_ERROR"] = "1"
-        _COMPOSING["on"] = True
-    elif not on and _COMPOSING["on"]:
-        os.environ.pop("HYDRA_FULL_ERROR", None)
-        _COMPOSING["on"] = False
 
 
 def end_composition(err: BaseException) -> None:
@@ -182,38 +172,16 @@ def _says_how_to_resume(err, env) -> bool:
     return env.rank == (1 if getattr(err, "failed_rank", None) == 0 else 0)
 
 
-def resume_hint(how: Optional[str]) -> str:
-    """``; <how>: <the command that resumes this run>`` (:func:`hydratrain.dist.launch.resume_command`) when ``how``
-    is given, this is a single run (a sweep's failed job leaves the sweep going) and its run dir holds a complete
-    checkpoint to resume from; else ''. Raises nothing."""
-    if not how or in_multirun():
-        return ""
-    try:
-        from hydratrain.checkpoint.manager import latest_checkpoint
-        from hydratrain.dist.launch import resume_command
-        from hydratrain.dist.run_dir import run_dir_of
-
-        run_dir = run_dir_of()
-        if latest_checkpoint(run_dir / "checkpoints") is None:
-            return ""
-        return f"; {how}: {resume_command(run_dir)}"
-    except Exception:  # noqa: BLE001 (the line it ends is what matters)
-        return ""
-
-
 def leave(save_on_sigterm: bool, lock) -> None:
     """On every way out of ``main``: restore the signal handlers the launch replaced, re-arm a sweep's early SIGTERM
     record between jobs (``hydratrain.sweep.keep_early_sigterm``; ``save_on_sigterm``:
     ``checkpoint.save_on_sigterm``) and release the run-dir ``lock`` (None when not taken)."""
-    from hydratrain.checkpoint.preemption import end_guard, release_sigterm
-
     end_guard()
     release_sigterm()
     watch_interrupts(False)
     if in_multirun():
         from hydra.core.hydra_config import HydraConfig
 
-        from hydratrain.sweep import keep_early_sigterm
 
         keep_early_sigterm(HydraConfig.get(), save_on_sigterm)  # type: ignore[arg-type]  # a DictConfig at run time
     if lock is not None:
@@ -224,8 +192,6 @@ def end_preempted(err: PreemptedError, env) -> None:
     """One line (rank 0's, its rank in the environment before the process group: a preemption is not an error, so
     the other ranks do not repeat it, and a worker that torchrun stops after another failed does not call it a
     preemption) and ``err``'s exit status; in a sweep the whole sweep stops."""
-    from hydratrain.dist.env import env_rank
-
     if (env.rank if env is not None else env_rank()) == 0:
         say(f"hydratrain: {err.label}: {err}")
     log.error("hydratrain: %s: %s", err.label, err, extra={"file_only": True})
@@ -266,15 +232,11 @@ def _interrupted(err: BaseException) -> bool:
         return True
     if getattr(err, "failures", None) is None:
         return False
-    from hydratrain.checkpoint.io import root_cause
-
     return isinstance(root_cause(err), KeyboardInterrupt)
 
 
 def _stop_interrupted(env) -> None:
     """One line (rank 0), exit status :data:`EXIT_INTERRUPTED`; in a sweep the whole sweep stops."""
-    from hydratrain.dist.launch import resume_command
-
     why = ("interrupted (SIGINT, Ctrl-C): stopped without saving (a checkpoint save it cut short is discarded at the "
            f"next start); to resume from the latest checkpoint: {resume_command()}")
     if env is None or env.rank == 0:
@@ -290,13 +252,9 @@ def end_interrupted_launch() -> None:
     """Ctrl-C reached the launching process outside any run's handling of it (Hydra composing the config, a
     launcher starting a sweep's job): one line and :data:`EXIT_INTERRUPTED`, not the ``KeyboardInterrupt``
     traceback; for a sweep, the command that goes on with it. Raises ``SystemExit``."""
-    from hydratrain.sweep import launched_sweep_dir, sweep_ended
-
     sweep_dir = launched_sweep_dir()
     sweep_ended()  # this line ends it
     if sweep_dir is not None:
-        from hydratrain.dist.launch import resume_command
-
         say("hydratrain: interrupted (SIGINT, Ctrl-C) outside the sweep's jobs; to go on with it: "
             f"{resume_command(sweep_dir, sweep=True)}")
     else:
@@ -308,8 +266,6 @@ def end_the_sweep(status: int, why: str) -> None:
     """A job that ends its whole multirun (a preemption signal, Ctrl-C): record it in the sweep report, which Hydra's
     ``on_job_end`` would not do, and exit with ``status`` (SystemExit passes through Hydra; a relaunch of the same
     command runs this job again)."""
-    from hydratrain.sweep import record_stopped_job
-
     record_stopped_job(why)
     raise SystemExit(status) from None
 
@@ -319,10 +275,3 @@ def _refused_by_lock(err: HydratrainError) -> bool:
     (unless the error says it is: ``discard_run_dir``)."""
     return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir") and \
         not getattr(err, "discard_run_dir", False)
-
-
-def in_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

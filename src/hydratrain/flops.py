@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from hydratrain.train.batch import rebuilt
+from hydratrain.train.batch import forward, loss_of, rebuilt, rows
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hydratrain.train.batch import forward, loss_of, rows
 
     n = rows(example)
 

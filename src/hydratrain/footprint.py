@@ -27,10 +27,13 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any, Optional
+from typing import Optional
 
-from hydratrain.protocols import has_memory_plan
+import torch
+
+from hydratrain.memsim import Mode
+from hydratrain.optim import FUSED_DEVICES
+from hydratrain.parallel.wrap_policy import shard_units
 
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -223,8 +226,6 @@ def step_temporaries(s: Setup, params_fp32: int, two_largest_fp32: int) -> tuple
     none (one in-place kernel: on an H200, llama_1b's optimizer-step peak was parameters + gradients + moments);
     foreach, one fp32 copy of the parameters (``torch.optim.adam._multi_tensor_adam``); for_loop, two of the largest
     parameter."""
-    from hydratrain.optim import FUSED_DEVICES
-
     per_tensor = (two_largest_fp32, "AdamW's temporaries (per tensor: two of the largest parameter)")
     if s.device != "cuda":
         return per_tensor
@@ -244,9 +245,6 @@ def raf_ok(s: Setup) -> bool:
 def mode_of(s: Setup):
     """The :class:`hydratrain.memsim.Mode` the forward runs in: FSDP casts parameters (no autocast), single/ddp
     keep fp32 weights under autocast."""
-    import torch
-
-    from hydratrain.memsim import Mode
 
     compute = getattr(torch, PRECISION_DTYPE[s.precision])
     device = "cuda" if s.device == "cuda" and torch.cuda.is_available() else "cpu"
@@ -262,7 +260,6 @@ def shard_unit_names(model, wrap_policy: str, min_num_params: int, blocks=None) 
     its order, each parameter in the first unit that holds it; names without the wrappers' prefix."""
     from types import SimpleNamespace
 
-    from hydratrain.parallel.wrap_policy import shard_units
 
     policy = SimpleNamespace(name=wrap_policy, min_num_params=min_num_params)
     name_of = {id(p): n.replace("._checkpoint_wrapped_module", "") for n, p in model.named_parameters()}
@@ -273,26 +270,3 @@ def shard_unit_names(model, wrap_policy: str, min_num_params: int, blocks=None) 
         seen.update(id(p) for p in unit.parameters())
         units.append(own)
     return units
-
-
-# -------------------------------------------------------------------------------------------------- predict
-@lru_cache(maxsize=16)
-def _memory_model(target: str) -> Optional[Any]:
-    """The ``memory_plan`` classmethod of the class ``target`` names, or None (no such hook)."""
-    from hydratrain.components import locate
-
-    cls = locate(target, "model")
-    return cls.memory_plan if has_memory_plan(cls) else None
-
-
-def predict(s: Setup) -> Plan:
-    """The :class:`Plan` of setup ``s``: the model class's own ``memory_plan(s)`` where it has one that answers,
-    else the generic plan (:func:`hydratrain.stepsim.predict`). Raises what they raise
-    (:class:`hydratrain.plan.PlanUnavailable` when the model does not build on the meta device)."""
-    hook = _memory_model(s.model.target)
-    plan = hook(s) if hook is not None else None
-    if plan is None:
-        from hydratrain.stepsim import predict as simulated
-
-        plan = simulated(s)
-    return plan

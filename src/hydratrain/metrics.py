@@ -36,6 +36,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 
+from hydratrain.dist.env import allowed_cores
+
 log = logging.getLogger(__name__)
 
 
@@ -338,7 +340,6 @@ def peak_flops(device: torch.device, compute_dtype: Union[torch.dtype, str], ove
     dtype = getattr(torch, compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
     if device.type == "cpu":
         flops, where = cpu_peak_flops(dtype, cache_dir)
-        from hydratrain.dist.env import allowed_cores
 
         cores = allowed_cores()
         busy = min(torch.get_num_threads(), cores) * local_world_size  # the figure measured min(threads, cores) cores

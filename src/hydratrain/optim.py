@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
+from hydratrain.components import locate
 from hydratrain.config.settings import node_dict
+from hydratrain.errors import ConfigError
 from hydratrain.parallel.init import canonical_name
 
 LOWBIT_INSTALL = "pip install -e '.[lowbit]'"
@@ -121,8 +124,6 @@ OWN_KEYS = ("_target_", "lr", "weight_decay", "param_groups")
 def own_keywords(optim_cfg) -> dict:
     """The constructor keywords of an own optimizer node: every key but ``_target_``, ``lr`` and ``weight_decay``,
     which :func:`_own_optimizer` passes itself."""
-    from omegaconf import OmegaConf
-
     node: Any = OmegaConf.to_container(optim_cfg, resolve=True) if OmegaConf.is_config(optim_cfg) else dict(optim_cfg)
     return {k: v for k, v in node.items() if k not in OWN_KEYS}
 
@@ -132,9 +133,6 @@ def _own_optimizer(model: nn.Module, params: list, optim_cfg) -> torch.optim.Opt
     AdamW (the decay on matrices, none on norms' gains and biases), else one. The schedule scales each group's lr
     (``hydratrain.optim.Schedule``), and the state is checkpointed whatever the class (``torch.optim``'s
     ``state_dict``). Raises :class:`~hydratrain.errors.ConfigError` naming ``optim._target_``."""
-    from hydratrain.components import locate
-    from hydratrain.errors import ConfigError
-
     target = str(optim_cfg["_target_"])
     cls = locate(target, "optim")
     decay = optim_cfg.get("weight_decay")

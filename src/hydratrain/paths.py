@@ -15,15 +15,16 @@ resolve against ``paths.data_dir``; the run dirs (``hydra.run.dir`` / ``hydra.sw
 are built from ``paths.output_dir``; corpus and token caches and the CPU peak-FLOP/s figure go to
 ``paths.cache_dir`` unless ``data.cache_dir`` is set (it wins, as before); a relative ``model.init_from`` is read from
 ``paths.model_dir``. Relative ``paths.*`` values, ``data.cache_dir`` and ``checkpoint.resume_from`` resolve against
-the launch dir (:func:`hydratrain.dist.run_dir.launch_dir`), whatever ``hydra.job.chdir``.
+the launch dir (:func:`launch_dir`), whatever ``hydra.job.chdir``.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Union
 
-from hydratrain.dist.run_dir import resolve_path
+from hydra.core.hydra_config import HydraConfig
 
 MODEL_DIR_ENV = "HYDRATRAIN_MODEL_DIR"
 
@@ -55,8 +56,6 @@ class Paths:
     def resolve(cls, cfg, launch: Path) -> "Paths":
         """The paths of the run config ``cfg`` with relative values made absolute against ``launch``. A config
         without a ``paths`` node (composed by hand) gets the default layout."""
-        from hydratrain.data.cache import default_cache_dir
-
         node = cfg.get("paths")
         data_cache = cfg.data.get("cache_dir") if cfg.get("data") is not None else None
         if node is None:
@@ -92,3 +91,21 @@ def prepare_output_file(path: "Path | str") -> None:
         raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
     if not os.access(path.parent, os.W_OK):
         raise PermissionError(errno.EACCES, "permission denied", str(path.parent))
+
+
+def launch_dir() -> Path:
+    """The directory the command was launched from: Hydra's ``hydra.runtime.cwd`` (set before any ``chdir`` and
+    carried to launcher workers with the job's config), else the current directory."""
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.cwd)
+    return Path(os.getcwd())
+
+
+def resolve_path(value: Union[str, Path], base: Optional[Path] = None) -> Path:
+    """``value`` with ``~`` expanded, made absolute against ``base`` (default :func:`launch_dir`) when relative."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base if base is not None else launch_dir()) / path
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("HYDRATRAIN_CACHE", Path.home() / ".cache" / "hydratrain"))

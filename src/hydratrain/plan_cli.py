@@ -20,7 +20,20 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hydratrain.errors import say
+import torch
+from omegaconf import OmegaConf
+
+from hydratrain.config import register_configs
+from hydratrain.config.settings import plus_as_force
+from hydratrain.config.validate import validate
+from hydratrain.data.loader import is_dataset_node, load_datasets, loader_fetch
+from hydratrain.data.tokenized import bpe_vocab_size, vocab_size_for
+from hydratrain.data.tokenizer import load_tokenizer, padded_vocab_size
+from hydratrain.dist.run_dir import register_resolvers
+from hydratrain.errors import EXIT_CONFIG, ConfigError, Placeholder, say
+from hydratrain.parallel.precision import Precision
+from hydratrain.parallel.strategy import build_strategy
+from hydratrain.paths import Paths
 from hydratrain.plan import (
     GiB,
     Plan,
@@ -44,10 +57,6 @@ def planned_vocab_size(cfg, launch_dir) -> Optional[int]:
     """The vocabulary a run of ``cfg`` would resolve, without building data: ``model.vocab_size``, else the
     tokenizer file's size or the BPE's ``data.vocab_size`` padded to 64, else 256 (bytes, synthetic); a dataset
     node's is ``model.vocab_size`` (None when unset)."""
-    from hydratrain.data.loader import is_dataset_node
-    from hydratrain.data.tokenized import bpe_vocab_size, vocab_size_for
-    from hydratrain.data.tokenizer import load_tokenizer, padded_vocab_size
-
     data, explicit = cfg.data, cfg.model.get("vocab_size")
     if is_dataset_node(data):
         return explicit
@@ -64,10 +73,6 @@ def example_of(cfg) -> Optional[Callable[[int], Any]]:
     """``example(n)``: the first ``n`` samples of the train split of a dataset node, collated as the run's loader
     collates them (in this process); None for token data (the plan makes a token batch of ``data.seq_len``). Raises
     :class:`~hydratrain.errors.ConfigError` naming ``data._target_`` when the datasets do not build."""
-    import torch
-    from omegaconf import OmegaConf
-
-    from hydratrain.data.loader import is_dataset_node, load_datasets, loader_fetch
 
     if not is_dataset_node(cfg.data):
         return None
@@ -82,9 +87,6 @@ def example_of(cfg) -> Optional[Callable[[int], Any]]:
 def _compose(overrides: list[str], config_dir: Optional[str] = None):
     from hydra import compose, initialize_config_dir
 
-    from hydratrain.config import register_configs
-    from hydratrain.config.settings import plus_as_force
-    from hydratrain.dist.run_dir import register_resolvers
 
     register_configs()
     register_resolvers()
@@ -103,8 +105,6 @@ def conf_dir() -> Path:
         ConfigError: none of them holds ``train.yaml`` (Hydra's own "Primary config directory not found" named
             neither the place nor the way out).
     """
-    from hydratrain.errors import ConfigError, Placeholder
-
     if os.environ.get("HYDRATRAIN_CONF"):
         places = [Path(os.environ["HYDRATRAIN_CONF"])]
     else:
@@ -124,11 +124,6 @@ def conf_dir() -> Path:
 def _run_imports() -> None:
     """Import what a run has imported when it makes its plan, so this process's resident set (the CPU baseline)
     resembles a rank's."""
-    import hydratrain.checkpoint.manager  # noqa: F401  (torch.distributed.checkpoint)
-    import hydratrain.checkpoint.stateful  # noqa: F401
-    import hydratrain.parallel.strategy  # noqa: F401
-    import hydratrain.train.trainer  # noqa: F401
-
 
 def _split_argv(argv: list[str]) -> tuple[list[str], Optional[str], Optional[str]]:
     """(overrides, the ``--config-dir`` / ``-cd`` dir or None, the first flag refused or None)."""
@@ -158,9 +153,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if {"-h", "--help"} & set(argv):
         print(__doc__)
         return 0
-    from omegaconf import OmegaConf
 
-    from hydratrain.errors import EXIT_CONFIG, ConfigError
 
     overrides, config_dir, flag = _split_argv(argv)
     if flag is not None:
@@ -171,7 +164,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cfg = _compose(overrides, config_dir)
         OmegaConf.set_readonly(cfg, True)
-        from hydratrain.config.validate import validate
 
         validate(cfg)
         return _report(cfg)
@@ -230,17 +222,11 @@ def assumptions(cfg, plan: Plan, host_has_cuda: bool) -> list[str]:
 
 
 def _report(cfg) -> int:
-    import torch
-
-    from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_strategy
-    from hydratrain.paths import Paths
 
     strategy = build_strategy(cfg)
     cuda = str(cfg.device) == "cuda" or (str(cfg.device) == "auto" and torch.cuda.is_available())
     world = int(cfg.plan.world_size or os.environ.get("WORLD_SIZE", 1))
     if strategy.name == "single" and world > 1:  # it was planned on 1 rank with the budget split by world
-        from hydratrain.errors import ConfigError
 
         raise ConfigError("plan.world_size", world, "strategy=single runs one process, as a run refuses it on more; "
                           "allowed with plan.world_size > 1: strategy=ddp, fsdp, hsdp")

@@ -15,12 +15,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from hydratrain import exits
+from hydratrain import components, exits, timing
+from hydratrain.checkpoint.layout import (
+    find_resume,
+    list_checkpoints,
+    other_trial,
+    recover_unfinished_saves,
+    with_previous,
+)
+from hydratrain.checkpoint.preemption import Preemption, guard
+from hydratrain.components import model_settings
+from hydratrain.config.launcher import launched_processes
 from hydratrain.config.settings import DataSettings, plus_as_force
-from hydratrain.errors import HydratrainError, say
+from hydratrain.dist.env import dist_info, quiet_console, under_submitit
+from hydratrain.dist.launch import note_launcher, resume_command, stop_if_launcher_gone, unwritable_message
+from hydratrain.dist.process_group import device_type, process_group
+from hydratrain.dist.run_dir import other_job_of_this_multirun, run_dir_of, trial_record
+from hydratrain.dist.run_lock import hold_run_dir, shared_config
+from hydratrain.errors import (
+    EXIT_PREEMPTED,
+    RESERVED_EXIT_CODES,
+    ConfigError,
+    DamagedCheckpointError,
+    HydratrainError,
+    OutputError,
+    say,
+    unwritable_cause,
+)
 from hydratrain.exits import in_multirun
+from hydratrain.paths import Paths, launch_dir, resolve_path
 from hydratrain.protocols import has_flops_per_token
 
 if TYPE_CHECKING:  # Job's fields: these modules import torch, which this module loads only when a run builds
@@ -48,12 +74,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     and Ctrl-C with :data:`~hydratrain.errors.EXIT_INTERRUPTED`, each with one line; in a multirun either ends the
     whole sweep (:mod:`hydratrain.exits`).
     """
-    from hydratrain import timing
-
     timing.begin()
     exits.composing(False)  # composed: Hydra's own error report again (its callbacks said so first)
-    from hydratrain.checkpoint.preemption import guard
-    from hydratrain.dist.launch import note_launcher
 
     note_launcher()  # (train.py noted it first thing; kept from then)
 
@@ -66,14 +88,8 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
               _exit_code(_select(cfg, "checkpoint.preempt_exit_code", None)), _under_submitit())
         import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
 
-        from hydratrain.checkpoint.manager import find_resume, recover_unfinished_saves
-        from hydratrain.dist.env import dist_info, quiet_console
-        from hydratrain.dist.process_group import device_type, process_group
-        from hydratrain.dist.run_dir import launch_dir, run_dir_of
-        from hydratrain.dist.run_lock import hold_run_dir, shared_config
-        from hydratrain.parallel.strategy import build_strategy
-        from hydratrain.paths import Paths
-        from hydratrain.plan import OutOfMemoryGuard
+        from hydratrain.parallel.strategy import build_strategy  # (start-up: torch ~2 s)
+        from hydratrain.plan import OutOfMemoryGuard  # (start-up: torch ~2 s)
 
         timing.mark("imports")
         quiet_console()
@@ -92,8 +108,6 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         if resume is not None and in_multirun() and resume.parent == run_dir / "checkpoints":
             _refuse_another_trial(cfg, resume, run_dir)
         elif resume is None and in_multirun() and (run_dir / "results.json").is_file():
-            from hydratrain.dist.run_dir import trial_record
-
             finished = trial_record(run_dir, cfg.checkpoint.auto_resume)
             if finished is not None:
                 _refuse_another_trial(cfg, finished, run_dir)
@@ -112,8 +126,6 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         OmegaConf.set_readonly(cfg, readonly)  # a second run from Python with the same cfg works
     if result.preempted:  # (Preemption.stopping logged the checkpoint and the command that resumes)
         if in_multirun():
-            from hydratrain.dist.launch import resume_command
-
             exits.end_the_sweep(cfg.checkpoint.preempt_exit_code, "preempted: stopped by a preemption signal after "
                                 f"saving a checkpoint; to resume: {resume_command()}")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
@@ -127,7 +139,7 @@ def check(cfg: DictConfig, world_size: int, launch: Path, local_world_size: Opti
     ``world_size`` and ``local_world_size`` ranks, relative paths against the launch dir ``launch``). :func:`main`
     runs them, and so does ``train.py --cfg job`` (:func:`with_config_checks`). Raises
     :class:`~hydratrain.errors.ConfigError` on the first bad key."""
-    from hydratrain.config.validate import check_environment, validate
+    from hydratrain.config.validate import check_environment, validate  # (start-up: torch ~2 s)
 
     validate(cfg)
     check_environment(cfg, world_size, launch, local_world_size)
@@ -185,9 +197,6 @@ def _check_printed_config() -> None:
         say("hydratrain: the printed config was not checked (this Hydra keeps no composed config after --cfg): "
             "a run of it checks it before it starts")
         return
-    from hydratrain.config.validate import launched_processes
-    from hydratrain.dist.env import dist_info
-    from hydratrain.dist.run_dir import launch_dir
 
     env = dist_info()
     world, local = env.world_size, env.local_world_size
@@ -208,8 +217,6 @@ def _check_printed_config() -> None:
 def _printed_config() -> Optional[DictConfig]:
     """The task config Hydra composed for ``--cfg`` (``hydra`` removed): Hydra's ``show_cfg`` keeps the whole
     composed config as the parent of the ``hydra`` node it hands to ``HydraConfig``; None when it is not there."""
-    from hydra.core.hydra_config import HydraConfig
-
     try:
         whole = HydraConfig.instance().cfg.hydra._get_parent()  # type: ignore[union-attr]  # (a DictConfig)
     except Exception:  # noqa: BLE001 (another Hydra: said so by the caller)
@@ -235,8 +242,6 @@ def _refuse_a_path_that_is_not_utf8(run_dir: Path) -> None:
     try:
         str(run_dir).encode("utf-8")
     except UnicodeEncodeError as err:
-        from hydratrain.errors import ConfigError
-
         bad = os.fsencode(str(run_dir)[err.start:err.end])
         refused = ConfigError("hydra.sweep.dir" if in_multirun() else "hydra.run.dir", str(run_dir),
                               f"holds bytes that are not UTF-8 ({bad!r}: a dir name in another encoding?), which the "
@@ -253,8 +258,6 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
     one line naming what was written where, the cause and its remedy and the checkpoint to resume from, exit status 3,
     as a failed checkpoint save does, instead of the library's traceback. A permission error on another path (an
     input that cannot be read) is raised as it was."""
-    from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
-
     try:
         yield
     except HydratrainError:
@@ -266,7 +269,6 @@ def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir
             raise
         import traceback
 
-        from hydratrain.checkpoint.manager import list_checkpoints
 
         done = list_checkpoints(run_dir / "checkpoints")
         frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(err.__traceback__)]
@@ -313,14 +315,10 @@ def _select(cfg: DictConfig, key: str, default: Any) -> Any:
 def _exit_code(value: Any) -> int:
     """``checkpoint.preempt_exit_code`` for the start-up guard, before the config check: 75 when it is not a
     usable status (the check then names it)."""
-    from hydratrain.errors import EXIT_PREEMPTED, RESERVED_EXIT_CODES
-
     return value if isinstance(value, int) and 0 < value < 256 and value not in RESERVED_EXIT_CODES else EXIT_PREEMPTED
 
 
 def _under_submitit() -> bool:
-    from hydratrain.dist.env import under_submitit
-
     return under_submitit()
 
 
@@ -329,8 +327,8 @@ def _keep_the_epoch_limit(job: "Job") -> None:
     ``trainer.grad_accum_steps`` or world size, :func:`hydratrain.optim.total_steps` from the restored data position
     differs from the config's own count. Re-targets the trainer, the step logger and the lr schedule (its length, at
     the restored step) when it does."""
-    from hydratrain.checkpoint.stateful import SchedulerState
-    from hydratrain.optim import total_steps
+    from hydratrain.checkpoint.stateful import SchedulerState  # (start-up: torch ~2 s)
+    from hydratrain.optim import total_steps  # (start-up: torch ~2 s)
 
     trainer = job.trainer
     steps = total_steps(job.cfg.trainer, trainer.train_batches, done=trainer.progress.step)
@@ -357,10 +355,6 @@ def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
     continue, or only evaluate, job N of the old sweep, and report its figures under the new values), raise
     :class:`~hydratrain.errors.ConfigError` naming the keys. A relaunch of the same trial (preempted, or with a
     longer ``trainer.max_steps``) resumes."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from hydratrain.checkpoint.manager import other_trial
-    from hydratrain.errors import ConfigError
 
     hydra_cfg = HydraConfig.get()
     # (a DictConfig's container: a dict): why the ignore below
@@ -379,10 +373,6 @@ def _refuse_another_jobs_dir(run_dir: Path) -> None:
     """A sweep job whose run dir another job of the same multirun has already used (two jobs' ``hydra.sweep.subdir``
     resolve to one dir, e.g. ``${hydra.job.override_dirname}`` without a swept key): raise
     :class:`~hydratrain.errors.ConfigError` instead of overwriting that job's results, log and TensorBoard curves."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from hydratrain.errors import ConfigError
-    from hydratrain.sweep import other_job_of_this_multirun
 
     hc = HydraConfig.get()
     other = other_job_of_this_multirun(run_dir, hc)
@@ -397,7 +387,6 @@ def _run_dir_key(run_dir: Path) -> Union[tuple[str, str], tuple[str, str, str]]:
     ``hydra.sweep.dir`` and the job's run dir."""
     if not in_multirun():
         return "hydra.run.dir", str(run_dir)
-    from hydra.core.hydra_config import HydraConfig
 
     hc = HydraConfig.get()
     return "hydra.sweep.dir", str(hc.sweep.dir), f"job {hc.job.num}'s run dir {run_dir}"
@@ -434,24 +423,30 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     import numpy as np
     import torch
 
-    from hydratrain import auto_batch, components, timing
-    from hydratrain.checkpoint.manager import CheckpointManager
-    from hydratrain.checkpoint.preemption import Preemption
-    from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, scheduler_state
-    from hydratrain.data.build import build_data, data_vocabulary
-    from hydratrain.dist.env import under_submitit
-    from hydratrain.errors import ConfigError
-    from hydratrain.metrics import peak_flops, reset_peak_memory
-    from hydratrain.optim import build_optimizer, build_scheduler, total_steps, warn_run_length
-    from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_model
-    from hydratrain.paths import Paths
-    from hydratrain.plan import plan_run
-    from hydratrain.train import extras
-    from hydratrain.train.evaluate import Evaluator
-    from hydratrain.train.outputs import model_files
-    from hydratrain.train.step_logger import StepLogger
-    from hydratrain.train.trainer import Trainer, TrainProgress
+    from hydratrain import auto_batch  # (start-up: torch ~2 s)
+    from hydratrain.checkpoint.manager import CheckpointManager  # (start-up: torch ~2 s)
+    from hydratrain.checkpoint.stateful import (  # (start-up: torch ~2 s)
+        ModelState,
+        OptimizerState,
+        RNGState,
+        scheduler_state,
+    )
+    from hydratrain.data.build import build_data, data_vocabulary  # (start-up: torch ~2 s)
+    from hydratrain.metrics import peak_flops, reset_peak_memory  # (start-up: torch ~2 s)
+    from hydratrain.optim import (  # (start-up: torch ~2 s)
+        build_optimizer,
+        build_scheduler,
+        total_steps,
+        warn_run_length,
+    )
+    from hydratrain.parallel.precision import Precision  # (start-up: torch ~2 s)
+    from hydratrain.parallel.strategy import build_model  # (start-up: torch ~2 s)
+    from hydratrain.plan import plan_run  # (start-up: torch ~2 s)
+    from hydratrain.train import extras  # (start-up: torch ~2 s)
+    from hydratrain.train.evaluate import Evaluator  # (start-up: torch ~2 s)
+    from hydratrain.train.outputs import model_files  # (start-up: torch ~2 s)
+    from hydratrain.train.step_logger import StepLogger  # (start-up: torch ~2 s)
+    from hydratrain.train.trainer import Trainer, TrainProgress  # (start-up: torch ~2 s)
 
     timing.mark("imports")
     device = info.device
@@ -566,8 +561,7 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
     """Training FLOPs per item (token for token data, else sample) for MFU: the model's own formula
     (``flops_per_token(seq_len)``) where it has one and the data has tokens, else counted on a meta copy of the
     model (:func:`hydratrain.flops.counted_flops_per_sample`)."""
-    from hydratrain import components
-    from hydratrain.flops import counted_flops_per_sample
+    from hydratrain.flops import counted_flops_per_sample  # (start-up: torch ~2 s)
 
     if seq_len and has_flops_per_token(raw):
         return float(raw.flops_per_token(seq_len))
@@ -577,19 +571,12 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
 
 
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
-    from hydratrain import timing
-    from hydratrain.checkpoint.io import check_same_resume
-    from hydratrain.checkpoint.manager import with_previous
-    from hydratrain.checkpoint.preemption import guard
-    from hydratrain.components import model_settings
-    from hydratrain.dist.collectives import max_over_ranks
-    from hydratrain.dist.run_dir import resolve_path
-    from hydratrain.errors import DamagedCheckpointError
-    from hydratrain.metrics import peak_memory_bytes
-    from hydratrain.optim import optimizer_name, state_bytes, warn_run_length
-    from hydratrain.paths import Paths
-    from hydratrain.train.outputs import write_outputs
-    from hydratrain.train.testing import tester
+    from hydratrain.checkpoint.io import check_same_resume  # (start-up: torch ~2 s)
+    from hydratrain.dist.collectives import max_over_ranks  # (start-up: torch ~2 s)
+    from hydratrain.metrics import peak_memory_bytes  # (start-up: torch ~2 s)
+    from hydratrain.optim import optimizer_name, state_bytes, warn_run_length  # (start-up: torch ~2 s)
+    from hydratrain.train.outputs import write_outputs  # (start-up: torch ~2 s)
+    from hydratrain.train.testing import evaluate_only, tester  # (start-up: torch ~2 s)
 
     job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None)
     init_from = model_settings(cfg).init_from
@@ -616,13 +603,11 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                             done=progress.step)
     elif init_from:
         from hydratrain.checkpoint.io import init_from_file  # (torch.distributed.checkpoint: only when needed)
-        from hydratrain.train.outputs import model_record
+        from hydratrain.train.outputs import model_record  # (start-up: torch ~2 s)
 
         init_from_file(job.model, resolve_path(init_from, Paths.resolve(cfg, launch).model),
                        model_record(cfg, job.vocab_size))
     if str(cfg.mode) == "eval":  # nothing trained, nothing moved aside
-        from hydratrain.train.testing import evaluate_only
-
         return evaluate_only(job, run_dir, resume or (Path(init_from) if init_from else None), progress.step, info)
     job.checkpoints.supersede_after(progress.step)
     timing.mark("resume / init_from")
@@ -638,7 +623,6 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     if result.preempted:
         job.step_logger.tb.close()
         return result
-    from hydratrain.dist.launch import stop_if_launcher_gone
 
     stop_if_launcher_gone("before writing the run's outputs")
     write_outputs(job.cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,

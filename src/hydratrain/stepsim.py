@@ -36,8 +36,10 @@ from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
+from hydratrain import components
 from hydratrain.footprint import (
     CPU_FACT,
     DTYPE_BYTES,
@@ -54,6 +56,10 @@ from hydratrain.footprint import (
     step_temporaries,
 )
 from hydratrain.memsim import Mode, ShadowFactories, Tracker, fuse_norms, shadow, shadow_module
+from hydratrain.parallel.ac_compile import apply_activation_checkpointing
+from hydratrain.parallel.blocks import find_blocks
+from hydratrain.parallel.precision import float32_modules
+from hydratrain.train.batch import forward, loss_of
 
 MiB = 2 ** 20
 
@@ -158,16 +164,12 @@ def _numel(shape) -> int:
 
 # ---------------------------------------------------------------------------------------------- the model
 def _config(spec: ModelSpec):
-    from omegaconf import OmegaConf
-
     return OmegaConf.create({"model": json.loads(spec.node), "loss": json.loads(spec.loss)})
 
 
 def meta_model(spec: ModelSpec) -> nn.Module:
     """The model of ``spec`` built on the meta device. Raises :class:`PlanUnavailable` naming what the build
     raised."""
-    from hydratrain import components
-
     try:
         return components.build_model(_config(spec), "meta")
     except Exception as err:  # noqa: BLE001 (a ConfigError of the constructor, or anything a build on meta raises)
@@ -180,8 +182,6 @@ def _one_line(err: BaseException) -> str:
 
 
 def _blocks(model: nn.Module, spec: ModelSpec):
-    from hydratrain.parallel.blocks import find_blocks
-
     return find_blocks(model, list(spec.block_classes) or None)
 
 
@@ -203,9 +203,6 @@ def structure(spec: ModelSpec, checkpointed: bool, wrap_policy: str, min_num_par
               fp32_norms: bool) -> Structure:
     """The :class:`Structure` of ``spec``'s model under this activation checkpointing and wrap policy (``none``
     for strategies that do not shard). Raises :class:`PlanUnavailable` (the model does not build on meta)."""
-    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
-    from hydratrain.parallel.precision import float32_modules
-
     model = meta_model(spec)
     params = tuple((n, tuple(p.shape), p.element_size(), p.requires_grad) for n, p in model.named_parameters())
     buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -267,11 +264,6 @@ def trace(spec: ModelSpec, batch_size: int, mode: Mode, checkpointed: bool, shar
     ``mode`` (``shards``: FSDP's casts: parameters in ``mode.param_dtype``, BatchNorm in float32, the root's
     floating inputs cast), with activation checkpointing on the model's blocks when ``checkpointed``. Never raises
     for the model's sake: a step that does not run gives a Trace with ``error`` set."""
-    from hydratrain import components
-    from hydratrain.parallel.ac_compile import apply_activation_checkpointing
-    from hydratrain.parallel.precision import float32_modules
-    from hydratrain.train.batch import forward, loss_of
-
     if not spec.batch:
         return Trace(error="no example batch of the run's data")
     device, tracker = mode.torch_device(), _StepTracker()

@@ -16,20 +16,31 @@ import time
 from pathlib import Path
 from typing import Any, List, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
-from hydratrain.errors import say
+from hydratrain.checkpoint.preemption import early_guard, take_early_signal
+from hydratrain.config.launcher import validate_launcher
+from hydratrain.dist.env import env_rank
+from hydratrain.dist.launch import composing, launch_command, note_launcher
+from hydratrain.dist.run_dir import (
+    MULTIRUN_MARK,
+    _read_json,
+    _sweep_dir,
+    discard_if_unused,
+    discard_reserved_unused,
+    refuse_a_full_run_dir,
+    refuse_an_unwritable_run_dir,
+)
+from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, ConfigError, HydratrainError, say
+from hydratrain.paths import resolve_path
 
 log = logging.getLogger(__name__)
 
 COLUMNS = ["job", "overrides", "status", "steps", "train_loss", "eval_loss", "tokens_per_sec", "peak_memory_mb",
            "mfu", "seconds", "error"]
-
-
-#: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null,
-#: "command": the command line that launched it, or null})
-MULTIRUN_MARK = ".hydratrain_multirun.json"
 
 
 def mark_multirun(sweep_dir: Path, sampled: Optional[List[str]] = None, command: Optional[List[str]] = None) -> str:
@@ -82,29 +93,10 @@ def refused_the_dir(err: Any) -> bool:
     return getattr(err, "key", "") in ("hydra.sweep.dir", "hydra.sweep.subdir")
 
 
-def other_job_of_this_multirun(job_dir: Path, hc: Any) -> Optional[int]:
-    """The number of another job of the running multirun that already ran in ``job_dir`` (its ``status.json``
-    says so: two jobs whose ``hydra.sweep.subdir`` resolves to one dir), or None. ``hc``: the job's Hydra config."""
-    status = _read_json(job_dir / "status.json")
-    mark = _read_json(_sweep_dir(hc) / MULTIRUN_MARK)
-    num = status.get("num")
-    if mark and status.get("multirun") == mark.get("id") and num is not None and num != hc.job.num:
-        return num
-    return None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _overrides_yaml(job_dir: Path) -> Optional[List[str]]:
     path = job_dir / ".hydra" / "overrides.yaml"
     if not path.exists():
         return None
-    from omegaconf import OmegaConf
 
     return [str(o) for o in OmegaConf.load(path)]
 
@@ -251,8 +243,6 @@ def _fails_alike(err: BaseException, sampled: Optional[List[str]], hc: Any, conf
 
     A checkpoint or output error (status 3) is not: the checkpoint's shapes, the save's size follow the sampled
     model and batch."""
-    from hydratrain.errors import ConfigError
-
     if not isinstance(err, ConfigError) or sampled is None:
         return False
     key = str(getattr(err, "key", ""))
@@ -279,8 +269,6 @@ def _sampled(hc: Any) -> Optional[List[str]]:
     those of the sweep dir's ``multirun.yaml`` (Hydra's basic sweeper writes it before the first job); with
     ``hydra.sweeper.params``'s (the job's own). None when the command line's cannot be known (another sweeper, e.g.
     Optuna's, which writes no ``multirun.yaml``, in a sweep dir without the mark)."""
-    from omegaconf import OmegaConf
-
     sweep_dir = _sweep_dir(hc)
     mark = _read_json(sweep_dir / MULTIRUN_MARK)
     recorded: Optional[list]
@@ -325,9 +313,7 @@ def _check_before_submitting(config: DictConfig) -> None:
     """The config checks of a job (:func:`hydratrain.config.validate`) on the sweep's config, whose swept keys keep
     their defaults, before submitit queues anything: a bad fixed value fails now, not when a SLURM job starts after
     its wait in the queue. (A bad swept value still fails its own job.) Raises ConfigError."""
-    from omegaconf import OmegaConf
-
-    from hydratrain.config.validate import validate
+    from hydratrain.config.validate import validate  # (start-up: torch ~2 s)
 
     task = OmegaConf.masked_copy(config, [str(k) for k in config if k != "hydra"])  # (its keys are strings)
     OmegaConf.set_readonly(task, True)
@@ -341,7 +327,6 @@ def _refuse_swept_executor_keys(config: DictConfig) -> None:
     key."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from hydratrain.config import ConfigError
 
     for override in OverridesParser.create().parse_overrides([str(line) for line in config.hydra.overrides.task]):
         if override.is_sweep_override() and override.key_or_group.startswith("launcher."):
@@ -360,8 +345,6 @@ def _refuse_a_stored_study_over_its_job_dirs(hc: Any) -> None:
     the study as a new observation (the study would hold copies of trials). Also a stored study
     searched inside each torchrun rank (one sweeper per rank). Raises :class:`~hydratrain.errors.ConfigError` on
     ``hydra.sweeper.storage``; a storage optuna cannot read is left to the sweeper."""
-    from hydratrain.errors import ConfigError
-
     sweeper = hc.get("sweeper", {})
     storage, name = sweeper.get("storage"), sweeper.get("study_name")
     if storage and "optuna" in str(sweeper.get("_target_", "")).lower() and \
@@ -392,24 +375,12 @@ def _refuse_a_stored_study_over_its_job_dirs(hc: Any) -> None:
                           "the first trials' values again)")
 
 
-def _sweep_dir(hc: Any) -> Path:
-    """``hydra.sweep.dir``, a relative one resolved against the launch dir (``hydra.runtime.cwd``): with
-    ``hydra.job.chdir=true`` a job's callbacks run in its own dir."""
-    from hydratrain.dist.run_dir import resolve_path
-
-    return resolve_path(str(hc.sweep.dir), Path(str(hc.runtime.cwd)))
-
-
 def _job_dir(hc: Any) -> Path:
     """This job's run dir (``hydra.runtime.output_dir``), made absolute the same way as :func:`_sweep_dir`."""
-    from hydratrain.dist.run_dir import resolve_path
-
     return resolve_path(str(hc.runtime.output_dir), Path(str(hc.runtime.cwd)))
 
 
 def _is_rank0() -> bool:
-    from hydratrain.dist.env import env_rank
-
     return env_rank() == 0
 
 
@@ -426,8 +397,6 @@ def keep_early_sigterm(hydra_cfg: DictConfig, save_on_sigterm: bool) -> None:
     job's workers. Called at the sweep's start and when each job's ``hydratrain.run.main`` ends; not with
     ``checkpoint.save_on_sigterm=false`` (the default action stays), nor for other launchers (Ray, submitit: their
     own handling)."""
-    from hydratrain.checkpoint.preemption import early_guard
-
     target = str(hydra_cfg.get("launcher", {}).get("_target_"))
     if save_on_sigterm and any(t in target for t in _TAKE_EARLY_SIGTERM):
         early_guard()
@@ -446,17 +415,10 @@ class SweepReportCallback(Callback):
         """A single run, every rank: a run dir that takes no writes ends the launch with one line and exit status 3
         (``SystemExit``) before Hydra makes it and opens the log file there
         (:func:`hydratrain.dist.run_dir.refuse_an_unwritable_run_dir`)."""
-        from hydratrain.dist.run_dir import refuse_an_unwritable_run_dir
-        from hydratrain.exits import composing
-
         composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
         refuse_an_unwritable_run_dir(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydratrain.checkpoint.preemption import take_early_signal
-        from hydratrain.config import ConfigError, validate_launcher
-        from hydratrain.exits import composing
-
         composing(False)  # composed: Hydra reports its own errors again (hydratrain.exits)
         early = take_early_signal()  # a SIGTERM while Hydra composed the sweep: no job has started
         if early is not None and not config.get("checkpoint", {}).get("save_on_sigterm", True):
@@ -471,9 +433,6 @@ class SweepReportCallback(Callback):
         try:
             _refuse_a_run_dir(config.hydra)
         except ConfigError as err:
-            from hydratrain.dist.run_dir import discard_reserved_unused
-            from hydratrain.errors import EXIT_CONFIG
-
             if _is_rank0():
                 say(f"hydratrain: config error: {err}")
                 discard_reserved_unused()
@@ -487,9 +446,6 @@ class SweepReportCallback(Callback):
                         _check_before_submitting(config)
                         _refuse_swept_executor_keys(config)
             except ConfigError as err:
-                from hydratrain.dist.run_dir import discard_reserved_unused
-                from hydratrain.errors import EXIT_CONFIG
-
                 if _is_rank0():
                     say(f"hydratrain: config error: {err}")
                     discard_reserved_unused(_LEFT_BY_A_REFUSED_JOB)  # (the dirs this launch made)
@@ -497,10 +453,7 @@ class SweepReportCallback(Callback):
                     time.sleep(10)  # the same error on every rank: rank 0 says it and leaves first (root cause)
                 raise SystemExit(EXIT_CONFIG) from None
         if _is_rank0() and ("launcher" not in config or config.launcher.get("node_rank", 0) == 0):
-            from hydratrain.dist.run_dir import refuse_a_full_run_dir
-
             refuse_a_full_run_dir(_sweep_dir(config.hydra), sweep=True)
-            from hydratrain.dist.launch import launch_command, note_launcher
 
             note_launcher()  # (a sweep inside each torchrun rank: its command is torchrun's)
             mark_multirun(_sweep_dir(config.hydra), sampled_keys(config.hydra), launch_command())
@@ -512,9 +465,6 @@ class SweepReportCallback(Callback):
         self._job_started = time.time()
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
 
         hc = config.hydra if "hydra" in config else HydraConfig.get()
         if hc.mode != RunMode.MULTIRUN or not _is_rank0():
@@ -563,14 +513,11 @@ class SweepReportCallback(Callback):
                                                                                   for r in sweep_rows(sweep_dir)):
             # Hydra's basic sweeper raises the first failure after the last job, so on_multirun_end would not run:
             # the report and the closing line come now, and last (not Hydra's hint)
-            from hydratrain.checkpoint.preemption import take_early_signal
 
             take_early_signal()  # as on_multirun_end: every job has ended
             _end_of_sweep(sweep_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydratrain.checkpoint.preemption import take_early_signal
-
         take_early_signal()  # a SIGTERM after the last job: every job has ended; the report is still written
         if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):
             return
@@ -603,9 +550,6 @@ def end_one_run(err: BaseException, sweep_dir: Path) -> None:
     started: 2, :data:`hydratrain.errors.EXIT_CONFIG`), after the error's one line unless a worker has said it. A
     config error leaves no dir behind, as in a run: ``sweep_dir``, when this launch made it and it holds only the
     sweep's records of the refused job, is removed."""
-    from hydratrain.dist.run_dir import discard_if_unused
-    from hydratrain.errors import EXIT_CONFIG, EXIT_ERROR, HydratrainError
-
     code = getattr(err, "exitcode", None)
     if isinstance(code, int):
         status = code if code > 0 else 128 - code
@@ -650,7 +594,6 @@ def _refuse_a_run_dir(hydra_cfg: DictConfig) -> None:
     the key that does it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from hydratrain.config import ConfigError
 
     given = []
     for override in OverridesParser.create().parse_overrides([str(o) for o in hydra_cfg.overrides.hydra]):
@@ -750,8 +693,6 @@ def end_of_process() -> None:
                                                                            KeyboardInterrupt):
         return
     try:
-        from hydratrain.checkpoint.preemption import take_early_signal
-
         take_early_signal()  # as on_multirun_end: every job has ended
         line = _closing_line(sweep_dir)
         if line:
@@ -786,9 +727,6 @@ def record_stopped_job(why: str) -> None:
     """Record this multirun job as FAILED with ``why`` in its ``status.json`` and refresh the sweep report (rank 0 of
     node 0), for a job that ends the whole sweep (a preemption signal, Ctrl-C) before Hydra's ``on_job_end`` runs.
     Its dir's ``results.json``, if any, is an earlier launch's. Does nothing outside a multirun."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
 
     if not _is_rank0() or not HydraConfig.initialized():
         return

@@ -66,13 +66,13 @@ def test_checkpointed_moments_quantise_back_to_the_same_codes():
 
 
 def test_lowbit_without_torchao_is_a_config_error(compose, monkeypatch):
-    import hydratrain.optim
+    import hydratrain.config.validate
     from hydratrain.config.validate import check_environment
 
     cfg = compose(["optim=adamw8bit", "device=cpu"])
     assert cfg.optim.block_size == 256
     check_environment(cfg, 1, ROOT)
-    monkeypatch.setattr(hydratrain.optim, "lowbit_available", lambda: False)
+    monkeypatch.setattr(hydratrain.config.validate, "lowbit_available", lambda: False)  # (imported from optim)
     with pytest.raises(ConfigError) as err:
         check_environment(cfg, 1, ROOT)
     assert str(err.value) == ("optim.name='adamw8bit': needs torchao, which is not installed (pip install -e "

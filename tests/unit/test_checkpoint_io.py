@@ -280,7 +280,8 @@ def test_data_position_remaps_exactly(old, new):
 
 # ----------------------------------------------------------------------------------------------- config
 def test_config_checks(compose):
-    from hydratrain.config import ConfigError, validate
+    from hydratrain.config.validate import validate
+    from hydratrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="checkpoint.preempt_exit_code=2"):
         validate(compose(["checkpoint.preempt_exit_code=2"]))
@@ -403,7 +404,7 @@ def test_a_save_refused_for_another_cause_than_space_gives_that_causes_remedy(ma
 def test_an_architecture_named_as_the_preset_derives_it_is_the_same_architecture():
     """d_ff=null derives the width from d_model (192 for 64) and n_kv_head=null is n_head: naming those values
     explicitly on resume or init_from is no architecture change (d_ff=192 is accepted); another width is."""
-    from hydratrain.checkpoint.manager import architecture_diff
+    from hydratrain.checkpoint.architecture import architecture_diff
 
     saved = {"d_model": 64, "n_head": 2, "n_kv_head": None, "d_ff": None, "ff_multiple_of": 64}
     assert architecture_diff(saved, {**saved, "d_ff": 192, "n_kv_head": 2}) == []
@@ -435,7 +436,7 @@ def test_an_unfinished_save_that_cannot_be_removed_is_not_said_to_be_removed(tmp
 def test_one_class_under_two_paths_is_the_same_architecture():
     """A re-export or a moved module that the old path still imports names the same class: a resume or init_from
     across the two spellings is not refused as another architecture."""
-    from hydratrain.checkpoint.manager import architecture_diff
+    from hydratrain.checkpoint.architecture import architecture_diff
 
     assert architecture_diff({"_target_": "torch.nn.modules.linear.Linear"}, {"_target_": "torch.nn.Linear"}) == []
     assert architecture_diff({"_target_": "torch.nn.Linear"}, {"_target_": "torch.nn.Conv2d"}) == [

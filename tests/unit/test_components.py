@@ -1023,7 +1023,7 @@ def test_a_null_vocab_size_takes_token_datas_vocabulary_and_is_refused_naming_da
     vocabulary was put in; with a data function's datasets (no vocabulary) it said the same."""
     from omegaconf import OmegaConf
 
-    from hydratrain.components import check_components
+    from hydratrain.config.validate import check_components
     from hydratrain.errors import ConfigError
 
     (own / "mypkg" / "lm.py").write_text(

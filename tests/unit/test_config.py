@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from helpers import CONF, ROOT, requires
-from hydratrain.config import ConfigError, validate
+from hydratrain.config.validate import validate
+from hydratrain.errors import ConfigError
 
 GROUPS = ["model", "data", "loss", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "trainer",
           "logger"]

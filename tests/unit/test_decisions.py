@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import ReadonlyConfigError
 
-from hydratrain.config import validate
+from hydratrain.config.validate import validate
 from hydratrain.errors import CheckpointError, ConfigError, DivergenceError
 
 
@@ -258,7 +258,7 @@ def test_a_state_with_a_nan_is_never_saved_and_evicts_nothing(compose, tmp_path)
 
 
 def test_checkpoint_errors_are_one_line():
-    from hydratrain.checkpoint.io import root_cause
+    from hydratrain.errors import root_cause
 
     class CheckpointException(BaseException):
         failures = {0: (ValueError("size mismatch for tok_emb"), ["<FrameSummary file x.py, line 3>"])}
@@ -349,14 +349,14 @@ def test_buffers_follow_the_compute_device_and_ties_survive_to_empty():
 
 
 def test_grouped_query_attention_gives_the_same_result_with_kv_heads_expanded(monkeypatch):
-    from hydratrain.models import gpt
+    from hydratrain.models import gpt, gpt_layers
 
     torch.manual_seed(0)
     model = gpt.GPT(gpt.GPTConfig(d_model=64, n_layer=1, n_head=4, n_kv_head=2, max_seq_len=16))
     x = torch.randint(0, 256, (2, 16))
     assert not gpt.expand_kv_heads(torch.zeros(1))  # CPU: SDPA takes enable_gqa
     ref = model(x)
-    monkeypatch.setattr(gpt, "expand_kv_heads", lambda q: True)  # the CUDA fp32 path
+    monkeypatch.setattr(gpt_layers, "expand_kv_heads", lambda q: True)  # the CUDA fp32 path
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
 
 

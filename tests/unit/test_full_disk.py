@@ -58,7 +58,7 @@ def _file_size_limit(monkeypatch, limit):
 
 
 def test_the_advice_fits_the_errno(tmp_path, monkeypatch):
-    from hydratrain.errors import unwritable_message
+    from hydratrain.dist.launch import unwritable_message
 
     read_only = unwritable_message("writing x", tmp_path, OSError(errno.EROFS, "Read-only file system"), None,
                                    stopped="the run stopped")
@@ -82,7 +82,7 @@ def test_each_cause_gets_its_own_remedy(tmp_path, monkeypatch, code, remedy):
     EFBIG) with 43 GB free and a dir made unwritable (``chmod a-w``: EACCES, ``chattr +i``: EPERM) alike. A
     permission error names the dir that refused (the one the new file was to be made in); a file-size limit gives
     its value."""
-    from hydratrain.errors import unwritable_message
+    from hydratrain.dist.launch import unwritable_message
 
     _file_size_limit(monkeypatch, 1000 * 1024)
     refused = tmp_path / "checkpoints"
@@ -103,7 +103,7 @@ def test_an_error_that_lost_its_errno_is_told_from_the_dir(tmp_path, monkeypatch
     the cause is said to be unknown, with the error's text."""
     import shutil
 
-    from hydratrain.errors import unwritable_message
+    from hydratrain.dist.launch import unwritable_message
 
     lost = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
@@ -269,7 +269,7 @@ def test_a_run_dir_that_takes_no_writes_ends_the_start_with_one_line_and_status_
     import hydratrain.dist.run_dir as run_dir
 
     (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
-    monkeypatch.setattr("hydratrain.checkpoint.manager.latest_checkpoint", lambda root: root / "step_00000004")
+    monkeypatch.setattr(run_dir, "latest_checkpoint", lambda root: root / "step_00000004")  # (imported from layout)
 
     def full(path, mode="r", *a, **k):
         raise _full()

@@ -61,7 +61,7 @@ def test_compile_without_blocks():
 
 @pytest.mark.parametrize("value", ["yes", "on", 1, "whole"])
 def test_compile_refuses_other_values_in_one_line(value, compose):
-    from hydratrain.config import validate
+    from hydratrain.config.validate import validate
 
     with pytest.raises(ConfigError) as err:
         choose_compile(value, "cuda", "single", False, True)
@@ -72,7 +72,7 @@ def test_compile_refuses_other_values_in_one_line(value, compose):
 
 
 def test_compile_defaults_to_auto_and_takes_every_value(compose):
-    from hydratrain.config import validate
+    from hydratrain.config.validate import validate
 
     assert compose([]).trainer.compile == "auto"
     for value in ("auto", "true", "false", "model", "blocks"):
@@ -174,7 +174,7 @@ def test_other_strategies_stay_on_one_gpu(name):
 
 
 def test_build_strategy_on_one_rank(compose, caplog):
-    from hydratrain.config import validate
+    from hydratrain.config.validate import validate
     from hydratrain.parallel.strategy import FSDP, HSDP, Single, build_strategy
 
     cfg = compose(["strategy=fsdp"])
@@ -237,7 +237,7 @@ def test_largest_fitting_edges():
 
 @pytest.mark.parametrize("value", ["0", "-3", "abc", "true", "1.5"])
 def test_batch_size_takes_a_positive_int_or_auto(compose, value):
-    from hydratrain.config import validate
+    from hydratrain.config.validate import validate
 
     validate(compose(["data.batch_size=auto"]))
     validate(compose(["data.batch_size=12"]))

@@ -61,7 +61,7 @@ def test_a_stray_local_world_size_or_local_rank_is_refused_like_a_stray_rank(mon
     ("model.norm_eps=-1", "model.norm_eps"), ("model.vocab_size=1", "model.vocab_size"),
 ])
 def test_model_values_that_cannot_train_are_config_errors(compose, override, key):
-    from hydratrain.config import validate
+    from hydratrain.config.validate import validate
 
     with pytest.raises(ConfigError) as err:
         validate(compose(["strategy=single", override]))

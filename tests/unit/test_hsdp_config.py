@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hydratrain.config import validate
+from hydratrain.config.validate import validate
 from hydratrain.errors import ConfigError
 from hydratrain.parallel.strategy import HSDP, build_strategy
 

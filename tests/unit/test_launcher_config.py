@@ -7,7 +7,8 @@ import os
 import pytest
 
 from helpers import requires
-from hydratrain.config import ConfigError, validate
+from hydratrain.config.validate import validate
+from hydratrain.errors import ConfigError
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -34,7 +35,7 @@ def test_bad_launcher_config_is_one_line_error_naming_the_key(compose, overrides
 @requires("slurm")
 def test_slurm_needs_sbatch_and_srun_only_where_it_submits(compose, tmp_path, monkeypatch):
     """The process that submits needs SLURM's commands on PATH; a job's own checks (on a compute node) do not."""
-    from hydratrain.config import validate_launcher
+    from hydratrain.config.launcher import validate_launcher
 
     cfg = compose(["launcher=slurm", "launcher.gpus_per_node=2"], return_hydra_config=True)
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -54,7 +55,7 @@ def test_slurm_needs_sbatch_and_srun_only_where_it_submits(compose, tmp_path, mo
 def test_a_launcher_started_inside_torchrun_is_refused_where_it_would_submit(compose, monkeypatch, name):
     """torchrun ... train.py launcher=torchrun: each outer rank started the same jobs, and one of them failed with a
     misleading "run dir in use by another job"; a sweep inside each rank (launcher=local) stays allowed."""
-    from hydratrain.config import validate_launcher
+    from hydratrain.config.launcher import validate_launcher
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
@@ -83,7 +84,7 @@ def test_presets_select_the_hydra_launcher_and_multirun(compose):
     h = torchrun.hydra.launcher
     assert (h.nproc_per_node, h.nnodes, h.node_rank, h.rdzv_endpoint, h.rdzv_timeout, h.max_restarts) == \
         (3, 2, 1, "h:29500", 30, 2)
-    assert h.job_check == "hydratrain.config.validate"
+    assert h.job_check == "hydratrain.config.validate.validate"
     slurm = compose(["launcher=slurm", "launcher.nodes=2", "launcher.gpus_per_node=4", "launcher.partition=gpu",
                      "launcher.account=acct", "launcher.timeout_min=30"], return_hydra_config=True)
     h = slurm.hydra.launcher

@@ -265,12 +265,11 @@ def test_cuda_peak_memory_reset_calls_torch(monkeypatch):
 def test_cpu_ranks_that_oversubscribe_the_cores_share_their_peak(monkeypatch, ranks, threads, cores, per_rank):
     """A rank's CPU peak is measured on its own threads; 4 ranks of 1 thread on 2 cores do not have 4 one-thread
     peaks, so MFU read 2x low. The node's ranks together get at most its cores' figure."""
-    from hydratrain.dist import env
 
     # measured on min(threads, cores) cores: 100 GFLOP/s a core (one rank of 4 threads on 2 cores measures 2 cores,
     # and is not scaled again)
     monkeypatch.setattr(metrics, "cpu_peak_flops", lambda dtype, cache_dir=None: (100e9 * min(threads, cores),
                                                                                   "measured"))
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    monkeypatch.setattr(env, "allowed_cores", lambda: cores)
+    monkeypatch.setattr(metrics, "allowed_cores", lambda: cores)  # (metrics imports it from dist.env)
     assert peak_flops(torch.device("cpu"), FP32, local_world_size=ranks) == pytest.approx(per_rank)

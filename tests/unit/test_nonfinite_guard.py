@@ -233,13 +233,13 @@ def test_the_divergence_line_gives_the_steps_loss_over_ranks(monkeypatch, other_
     """Each rank recorded its own loss: with rank 1's loss NaN (a bad batch), rank 0 said "loss 5.252" and pointed
     at the lr. The line now gives the step's loss as train/loss does (the mean over ranks) and says when
     only some ranks' loss was not finite. Rank 1's side of the all-reduce is played here."""
-    from hydratrain.dist import collectives
+    from hydratrain.train import nonfinite
     from hydratrain.train.nonfinite import NonFiniteGuard
     from hydratrain.train.trainer import TrainProgress
 
     guard = NonFiniteGuard("stop", 20, torch.device("cpu"), scaler_skips=False)
     guard.update(5, torch.tensor(float("nan")), torch.tensor(5.252))
-    monkeypatch.setattr(collectives, "rank_and_world", lambda: (0, 2))
+    monkeypatch.setattr(nonfinite, "rank_and_world", lambda: (0, 2))  # (nonfinite imports it from dist.collectives)
 
     def with_rank_1(values, op=None):
         values += torch.tensor([other_loss, 0.0 if math.isfinite(other_loss) else 1.0], dtype=values.dtype)

@@ -72,12 +72,11 @@ def test_export_of_a_byte_level_model_removes_an_earlier_exports_tokenizer(monke
     ``<name>.tokenizer.json`` (it would be taken as the new model's), and the message names only what was written."""
     import torch
 
-    import hydratrain.checkpoint.io as io
-    import hydratrain.checkpoint.manager as manager
+    import hydratrain.checkpoint.export as export
     from hydratrain.checkpoint.export import main
 
-    monkeypatch.setattr(io, "read_model_weights", lambda ckpt: {"w": torch.zeros(2)})
-    monkeypatch.setattr(manager, "resolve_checkpoint", lambda path: path)
+    monkeypatch.setattr(export, "read_model_weights", lambda ckpt: {"w": torch.zeros(2)})
+    monkeypatch.setattr(export, "resolve_checkpoint", lambda path: path)
     bpe, byte = tmp_path / "bpe" / "step_00000002", tmp_path / "byte" / "step_00000002"
     bpe.mkdir(parents=True)
     byte.mkdir(parents=True)

@@ -87,7 +87,7 @@ def test_ddp_adds_its_buckets_and_every_strategy_counts_the_baseline():
 def test_cuda_optimizer_step_holds_what_the_chosen_adamw_allocates():
     """optim.impl=auto is fused on CUDA: one in-place kernel, no temporaries (on an H200, llama_1b fsdp 2 x 512,
     measured 16.02 GiB; counting foreach's fp32 copy of the parameters predicted 19.35, now 15.85)."""
-    from hydratrain.footprint import predict as predict_moments
+    from hydratrain.plan import predict as predict_moments
 
     def step_bytes(impl):
         plan = predict_moments(setup(device="cuda", batch_size=1, seq_len=8, optim_impl=impl))
@@ -352,7 +352,7 @@ def test_planning_a_gpu_run_from_a_cpu_host_models_cudas_fused_rms_norm():
     (["strategy=single", "plan.world_size=2"], "plan.world_size=2: strategy=single runs one process"),
 ])
 def test_the_cli_names_what_is_wrong_with_an_override_in_one_line(argv, says, capsys):
-    from hydratrain.plan import main
+    from hydratrain.plan_cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -13,12 +13,13 @@ from torch import nn
 
 from helpers import requires
 from hydratrain import stepsim
-from hydratrain.footprint import ModelSpec, PlanUnavailable, Setup, padded, predict
+from hydratrain.footprint import ModelSpec, PlanUnavailable, Setup, padded
 from hydratrain.memsim import Mode
+from hydratrain.plan import predict
 from live_bytes import LiveBytes
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "hydratrain"
-PLANNER = ["plan.py", "plan_cli.py", "footprint.py", "memsim.py", "stepsim.py"]
+PLANNER = ["plan/__init__.py", "plan/__main__.py", "plan_cli.py", "footprint.py", "memsim.py", "stepsim.py"]
 
 
 class Net(nn.Module):
@@ -318,7 +319,7 @@ def test_the_cli_first_states_what_it_planned_for(capsys, monkeypatch):
     """The first line names the device, the ranks, the micro-batch and its length, and the precision; a device
     chosen by device=auto for lack of a GPU, and a sequence far below the model's max_seq_len, are warned about; on
     CPU the plan says what it does not cover (the allocator's heap that made a run 44 % above its plan)."""
-    from hydratrain.plan import main
+    from hydratrain.plan_cli import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["model=gpt_tiny", "strategy=single", "precision=fp32", "data=synthetic", "data.batch_size=4",
@@ -341,7 +342,7 @@ def test_the_cli_first_states_what_it_planned_for(capsys, monkeypatch):
 def test_the_cli_plans_a_users_model_from_a_config_dir(tmp_path, capsys, monkeypatch):
     """``python -m hydratrain.plan --config-dir my_conf ...`` as train.py takes it, the user's package imported from
     the current dir: the plan is the generic one, on the shapes of the data's first samples."""
-    from hydratrain.plan import main
+    from hydratrain.plan_cli import main
 
     (tmp_path / "plan_pkg").mkdir()
     (tmp_path / "plan_pkg" / "__init__.py").write_text(

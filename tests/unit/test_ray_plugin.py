@@ -12,7 +12,7 @@ from hydra import initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
 from helpers import requires
-from hydratrain.config import validate
+from hydratrain.config.validate import validate
 from hydratrain.errors import ConfigError
 
 
@@ -45,7 +45,7 @@ def test_launcher_ray_maps_its_keys_onto_the_plugin(compose):
                    "launcher.address=head:6379", "strategy=hsdp", "strategy.shard_size=2"], return_hydra_config=True)
     node = cfg.hydra.launcher
     assert (node.num_workers, node.max_failures, node.address) == (4, 2, "head:6379")
-    assert node.job_check == "hydratrain.config.validate" and cfg.hydra.mode.name == "MULTIRUN"
+    assert node.job_check == "hydratrain.config.validate.validate" and cfg.hydra.mode.name == "MULTIRUN"
     task = compose(["launcher=ray", "launcher.num_workers=4", "strategy=hsdp", "strategy.shard_size=2"])
     validate(task)
 

@@ -322,7 +322,8 @@ def test_a_rank_waiting_for_rank_0s_answer_still_runs_its_signal_handlers():
 
     import torch.distributed as dist
 
-    from hydratrain.dist.process_group import _all_arrived, store_get
+    from hydratrain.dist.process_group import _all_arrived
+    from hydratrain.dist.store import store_get
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=30))

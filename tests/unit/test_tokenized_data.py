@@ -342,11 +342,11 @@ def test_tokenizer_cli_trains_on_the_train_split(tmp_path):
 def test_tokenizer_cli_checks_out_before_training_and_takes_a_json_file_name(tmp_path, monkeypatch, capsys):
     """--out naming a file gave a traceback after the whole training, and --out tok/tokenizer.json made a
     directory of that name, which data.tokenizer then called "no such file"."""
-    from hydratrain.data.tokenizer import main
+    from hydratrain.tokenizer import main
 
     make_texts(tmp_path)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("hydratrain.data.tokenizer.train_bpe",
+    monkeypatch.setattr("hydratrain.tokenizer.train_bpe",
                         lambda *a, **k: pytest.fail("trained before --out's check"))
     (tmp_path / "a_file").write_text("x")
     for out, why in (("a_file", "File exists"), ("a_file/tok.json", "Not a directory"), ("docs", None)):

@@ -27,8 +27,15 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from hydratrain.errors import say
-from hydratrain.paths import temporary_sibling
+import torch
+
+from hydratrain.checkpoint.io import read_model_weights
+from hydratrain.checkpoint.manager import resolve_checkpoint, step_of
+from hydratrain.components import locate
+from hydratrain.data.tokenizer import copy_atomic
+from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError, HydratrainError, say, unwritable_cause
+from hydratrain.parallel.init import returned_class
+from hydratrain.paths import default_model_dir, prepare_output_file, temporary_sibling
 from hydratrain.protocols import has_export_to
 
 log = logging.getLogger(__name__)
@@ -61,9 +68,6 @@ def export(checkpoint: Path, out: Path) -> Path:
     ``out`` (:func:`tokenizer_path_for`); otherwise a file of that name (an earlier export's) is removed, so what sits
     next to ``out`` is always this model's. Returns ``out``. Raises :class:`~hydratrain.errors.CheckpointError`.
     """
-    from hydratrain.checkpoint.io import read_model_weights
-    from hydratrain.checkpoint.manager import resolve_checkpoint, step_of
-
     ckpt = resolve_checkpoint(Path(checkpoint))
     weights = read_model_weights(ckpt)
     meta = {"format": "pt", "producer": "hydratrain", "checkpoint": str(ckpt.resolve()),
@@ -81,8 +85,6 @@ def export(checkpoint: Path, out: Path) -> Path:
         meta["tokenizer"] = tokenizer.name
     write_safetensors(weights, out, meta)
     if (ckpt / "tokenizer.json").is_file():
-        from hydratrain.data.tokenizer import copy_atomic
-
         copy_atomic(ckpt / "tokenizer.json", tokenizer)
     else:  # a byte-level model: an earlier export's tokenizer of the same name would be taken as this model's
         tokenizer.unlink(missing_ok=True)
@@ -110,12 +112,8 @@ def export_dir(checkpoint: Path, out_dir: Path) -> Path:
     ``_target_`` and keywords, as the run built it), given the full weights and the checkpoint's tokenizer. Returns
     ``out_dir``. Raises :class:`~hydratrain.errors.CheckpointError` when the checkpoint is unusable, has no model.json,
     or its model cannot be rebuilt or has no export hook."""
-    import torch
     from hydra.utils import instantiate
 
-    from hydratrain.checkpoint.io import read_model_weights
-    from hydratrain.checkpoint.manager import resolve_checkpoint
-    from hydratrain.errors import CheckpointError, HydratrainError
 
     ckpt = resolve_checkpoint(Path(checkpoint))
     if not (ckpt / "model.json").is_file():
@@ -147,10 +145,6 @@ def _has_export_hook(checkpoint: Path) -> bool:
     """Whether the model of ``checkpoint`` (its model.json's ``_target_``) can write its own format: a class with
     :data:`EXPORT_HOOK`, or a factory whose return annotation names one. False when anything is missing."""
     try:
-        from hydratrain.checkpoint.manager import resolve_checkpoint
-        from hydratrain.components import locate
-        from hydratrain.parallel.init import returned_class
-
         record = json.loads((resolve_checkpoint(Path(checkpoint)) / "model.json").read_text())
         target = locate(record["_target_"], "model")
         built = target if isinstance(target, type) else returned_class(target)
@@ -161,8 +155,6 @@ def _has_export_hook(checkpoint: Path) -> bool:
 
 def _main_dir(checkpoint: Path, out: Path) -> int:
     """``main`` for an OUT dir: :func:`export_dir`, one line on failure (exit status 3)."""
-    from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError
-
     try:
         export_dir(checkpoint, out)
     except CheckpointError as err:
@@ -180,8 +172,6 @@ def main(argv=None) -> int:
     an ``export_to()`` of its own format, e.g. a Hugging Face save_pretrained dir). Exit status 2 for a bad argument,
     3 for a checkpoint that cannot be read or an OUT that cannot be written (one line each; OUT's dir is checked
     before the checkpoint is read)."""
-    from hydratrain.errors import EXIT_CHECKPOINT, CheckpointError, unwritable_cause
-
     parser = argparse.ArgumentParser(prog="python -m hydratrain.export", description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a step_XXXXXXXX dir, or a run or checkpoints dir (its latest)")
     parser.add_argument("out", type=Path, help="the .safetensors file to write (relative: under --model-dir), or a "
@@ -189,7 +179,6 @@ def main(argv=None) -> int:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="where a relative OUT goes (default: $HYDRATRAIN_MODEL_DIR, else the current dir)")
     args = parser.parse_args(argv)
-    from hydratrain.paths import default_model_dir, prepare_output_file
 
     out = args.out.expanduser()
     if not out.is_absolute():

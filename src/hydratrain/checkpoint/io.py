@@ -23,8 +23,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from hydratrain.checkpoint import METADATA
+from hydratrain.checkpoint.architecture import check_architecture
 from hydratrain.dist.collectives import rank_and_world, sampled_digest, unlike_rank0
-from hydratrain.errors import CheckpointError, DamagedCheckpointError
+from hydratrain.errors import CheckpointError, DamagedCheckpointError, root_cause
 
 log = logging.getLogger(__name__)
 
@@ -159,19 +160,6 @@ def load_dcp(state: dict, ckpt: Path) -> None:
         lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
         raise CheckpointError(f"{ckpt}: loading failed ({type(cause).__name__}: {lines[-1] if lines else ''})") \
             from err
-
-
-def root_cause(err: BaseException) -> BaseException:
-    """The first rank's exception inside DCP's ``CheckpointException`` (whose ``failures`` map ranks to an
-    exception, a wrapper with ``.exc``, or an ``(exception, traceback frames)`` tuple), else ``err`` itself."""
-    failures = getattr(err, "failures", None)
-    if not isinstance(failures, dict) or not failures:
-        return err
-    cause = next(iter(failures.values()))
-    if isinstance(cause, tuple) and cause and isinstance(cause[0], BaseException):
-        cause = cause[0]
-    cause = getattr(cause, "exc", cause)
-    return cause if isinstance(cause, BaseException) else RuntimeError(str(cause))
 
 
 def check_model_shapes(md: Metadata, model_shapes: dict[str, tuple], ckpt: Path, saved_config: Optional[dict],
@@ -311,8 +299,6 @@ def init_from_file(model: torch.nn.Module, path: Path, model_config: Optional[di
         raise CheckpointError(f"{where}: unreadable safetensors file ({type(err).__name__}: {err})") from None
     if saved and model_config:
         import json
-
-        from hydratrain.checkpoint.manager import check_architecture
 
         try:
             saved_model = json.loads(saved)

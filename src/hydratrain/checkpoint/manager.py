@@ -20,116 +20,39 @@ and the model's shapes against this run's model, so an unusable checkpoint stops
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
+from omegaconf import OmegaConf
 
-from hydratrain.checkpoint import METADATA
+from hydratrain.checkpoint.architecture import check_architecture
+from hydratrain.checkpoint.layout import (  # noqa: F401 (their home was here; callers import them from here too)
+    STEP_RE,
+    TMP_PREFIX,
+    find_resume,
+    latest_checkpoint,
+    list_checkpoints,
+    other_trial,
+    recover_unfinished_saves,
+    resolve_checkpoint,
+    saved_config,
+    step_dir_name,
+    step_of,
+    with_previous,
+)
 from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
-from hydratrain.dist.launch import stop_if_launcher_gone
-from hydratrain.errors import CheckpointError, DamagedCheckpointError, DivergenceError, unwritable_message
-from hydratrain.protocols import has_architecture
+from hydratrain.dist.launch import stop_if_launcher_gone, unwritable_message
+from hydratrain.errors import CheckpointError, DivergenceError, root_cause
 
 log = logging.getLogger(__name__)
 
-STEP_RE = re.compile(r"^step_(\d{8})$")
-TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 2
-
-
-def step_dir_name(step: int) -> str:
-    """``step_XXXXXXXX`` (8 digits) for optimizer step ``step``."""
-    return f"step_{step:08d}"
-
-
-def step_of(path: Path) -> Optional[int]:
-    """The step of a ``step_XXXXXXXX`` dir, else None."""
-    m = STEP_RE.match(Path(path).name)
-    return int(m.group(1)) if m else None
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under ``root`` as (step, path), oldest first. Skips (with a warning) ``step_*`` dirs
-    without ``.metadata`` and ignores temporary ``.tmp-*`` dirs of unfinished saves."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = []
-    for p in root.iterdir():
-        step = step_of(p)
-        if step is None or not p.is_dir():
-            continue
-        if (p / METADATA).is_file():
-            out.append((step, p))
-        elif p not in _WARNED_INCOMPLETE:  # once: the dir is listed again at every save
-            _WARNED_INCOMPLETE.add(p)
-            log.warning("ignoring %s: no %s, so it is not a complete checkpoint", p, METADATA)
-    return sorted(out)
-
-
-_WARNED_INCOMPLETE: set = set()
-
-
-def recover_unfinished_saves(root: Path) -> None:
-    """Undo what a save killed midway left under ``root`` (one process, rank 0, before any rank chooses a checkpoint
-    to resume from): a ``.tmp-old-step_*`` whose replacement never arrived is put back as ``step_*`` (it is the
-    complete checkpoint of that step); other ``.tmp-*`` dirs (unfinished new checkpoints) are removed."""
-    root = Path(root)
-    if not root.is_dir():
-        return
-    for stale in root.glob(TMP_PREFIX + "*"):
-        replaced = root / stale.name[len(TMP_PREFIX + "old-"):]
-        if stale.name.startswith(TMP_PREFIX + "old-") and not replaced.exists():
-            os.replace(stale, replaced)  # killed between the two renames of a re-save: the old one is good
-            log.warning("restored %s, set aside by a save that did not finish", replaced)
-            continue
-        try:
-            shutil.rmtree(stale)
-            log.warning("removed %s, left by a save that did not finish", stale)
-        except OSError as err:  # (never log "removed" when nothing could be removed)
-            log.warning("could not remove %s, left by a save that did not finish (%s: %s); the save of that step "
-                        "will fail the same way unless it is removed", stale, type(err).__name__, err)
-
-
-def latest_checkpoint(root: Path) -> Optional[Path]:
-    """The complete checkpoint with the highest step under ``root``, or None."""
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
-
-
-def resolve_checkpoint(path: Path, prefer_best: bool = False) -> Path:
-    """A checkpoint dir from ``path``: a ``step_*`` dir itself, or the latest complete one in a ``checkpoints`` dir
-    or in a run dir's ``checkpoints/`` (``prefer_best``: a run dir's best one, by its ``best_checkpoints.json``,
-    when it kept some: ``checkpoint.monitor``). Raises :class:`CheckpointError` when there is none."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such checkpoint dir")
-    record = path / "best_checkpoints.json"
-    if prefer_best and record.is_file():
-        try:
-            best = json.loads(record.read_text())["best"][0]["step"]
-        except (OSError, ValueError, KeyError, IndexError, TypeError):
-            best = None
-        if best is not None and (path / "checkpoints" / step_dir_name(best) / METADATA).is_file():
-            return path / "checkpoints" / step_dir_name(best)
-    if (path / METADATA).is_file() or step_of(path) is not None:
-        if not (path / METADATA).is_file():
-            raise CheckpointError(f"{path / METADATA}: missing, so {path} is not a complete checkpoint")
-        return path
-    for root in (path, path / "checkpoints"):
-        latest = latest_checkpoint(root)
-        if latest is not None:
-            return latest
-    raise CheckpointError(f"{path}: holds no complete checkpoint (step_XXXXXXXX/{METADATA})")
-
 
 
 def _fsync_dir(path: Path) -> None:
@@ -244,55 +167,6 @@ def _from_format_1(loaded: dict, rank_key: str, components: Mapping) -> dict:
     return loaded
 
 
-#: the model a saved model node without ``_target_`` describes (checkpoints written before models were components)
-LEGACY_MODEL = "hydratrain.models.GPT"
-
-
-def architecture_diff(saved_model: Optional[Mapping], model: Mapping) -> list[str]:
-    """``model.KEY: old -> new`` for each difference between two model nodes (a checkpoint's or weights file's, and
-    this run's) that changes what weights of the same shapes compute: another ``_target_``, or a key of the class's
-    ``architecture(kwargs) -> {key: effective value}`` (hydratrain's GPT: ``ARCHITECTURE_KEYS``, with derived values
-    such as the feed-forward width compared as built). None when ``saved_model`` is unknown; a class without
-    ``architecture`` has no keys compared (the resume's config-difference warning lists them)."""
-    if not saved_model:
-        return []
-    from hydratrain import components
-    from hydratrain.errors import ConfigError
-
-    before, now = saved_model.get("_target_") or LEGACY_MODEL, model.get("_target_") or LEGACY_MODEL
-    try:
-        cls = components.locate(now, "model")
-    except ConfigError:
-        cls = None
-    if _canonical_target(before) != _canonical_target(now):
-        try:  # one class under two paths (a re-export, a moved module the old path still imports) is the same model
-            same = cls is not None and components.locate(before, "model") is cls
-        except ConfigError:
-            same = False
-        if not same:
-            return [f"model._target_: {before!r} -> {now!r}"]
-    if cls is None:
-        return []
-    if not has_architecture(cls):
-        return []
-    old, new = cls.architecture(dict(saved_model)), cls.architecture(dict(model))
-    return [f"model.{k}: {old[k]!r} -> {new.get(k)!r}" for k in old if old[k] != new.get(k)]
-
-
-def _canonical_target(target: str) -> str:
-    """A target with the ``hydratrain.models.gpt`` spelling of the GPT made ``hydratrain.models``'."""
-    return target.replace("hydratrain.models.gpt.GPT", "hydratrain.models.GPT")
-
-
-def check_architecture(saved_model: Optional[Mapping], model: Mapping, where: str) -> None:
-    """Raise :class:`CheckpointError` naming each :func:`architecture_diff` entry: weights ``where`` (a checkpoint
-    or a weights file) were written by another architecture of the same shapes."""
-    arch = architecture_diff(saved_model, model)
-    if arch:
-        raise CheckpointError(f"{where}: written by another model architecture ({'; '.join(arch)}): use its model "
-                              "settings (weights of other shapes do not load; of the same shapes, they would load and "
-                              "compute something else)")
-
 
 # keys that say how a launch is started and where it resumes from, not what it trains: not listed as differences
 _WHERE_A_LAUNCH_STARTS = ("launcher.", "checkpoint.resume_from:", "checkpoint.auto_resume:", "mode:")
@@ -374,10 +248,9 @@ class CheckpointManager:
         :class:`~hydratrain.errors.DivergenceError`, writing nothing, when any rank's state holds a non-finite value.
         """
         import torch.distributed.checkpoint as dcp
-        from omegaconf import OmegaConf
         from torch.distributed.checkpoint import FileSystemWriter
 
-        from hydratrain.checkpoint.io import quiet_without_process_group
+        from hydratrain.checkpoint.io import quiet_without_process_group  # (start-up: DCP, ~1 s)
 
         t0 = time.perf_counter()
         stop_if_launcher_gone(f"before saving step {step}")
@@ -413,7 +286,6 @@ class CheckpointManager:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
-            from hydratrain.checkpoint.io import root_cause
 
             if isinstance(root_cause(err), KeyboardInterrupt):
                 raise  # Ctrl-C (hydratrain.run)
@@ -438,7 +310,7 @@ class CheckpointManager:
 
     def _save_failed(self, step: int, tmp: Path, cause: Optional[BaseException]) -> CheckpointError:
         """The one-line error of a save that could not be written, with the remedy for its cause
-        (:func:`hydratrain.errors.unwritable_message`: no space, quota, read-only, permissions, file-size limit, or
+        (:func:`hydratrain.dist.launch.unwritable_message`: no space, quota, read-only, permissions, file-size limit, or
         told from the dir when the error lost its errno, as torch's checkpoint writer's ``RuntimeError`` does); then
         rank 0 removes the partial ``tmp`` dir, which frees its space (the next start would remove it anyway)."""
         err = CheckpointError(unwritable_message(f"saving step {step}", self.root, cause, self.last_good(),
@@ -468,7 +340,7 @@ class CheckpointManager:
         Raises :class:`CheckpointError` when the checkpoint is unreadable, from a model of another shape, or a
         component refuses its state (e.g. the data order changed).
         """
-        from hydratrain.checkpoint.io import check_model_shapes, load_dcp, verify
+        from hydratrain.checkpoint.io import check_model_shapes, load_dcp, verify  # (start-up: DCP, ~1 s)
 
         ckpt = Path(ckpt)
         md = verify(ckpt)
@@ -530,92 +402,4 @@ class CheckpointManager:
         log.info("resumed from %s: step %s (saved by %s ranks, now %d)", ckpt, step, saved_world or "?",
                  self.world_size)
 
-    @staticmethod
-    def _saved_config(ckpt: Path) -> Optional[dict]:
-        from omegaconf import OmegaConf
-
-        path = ckpt / "config.yaml"
-        if not path.is_file():
-            return None
-        try:
-            saved = OmegaConf.load(path)
-        except Exception:  # a config file we cannot read is not a reason to refuse the checkpoint
-            return None
-        try:  # (a run's .hydra/config.yaml keeps its interpolations; a checkpoint's is resolved)
-            return OmegaConf.to_container(saved, resolve=True)  # type: ignore[return-value]  # (a config file's dict)
-        except Exception:  # noqa: BLE001 (one that no longer resolves: compared as written)
-            return OmegaConf.to_container(saved)  # type: ignore[return-value]  # (as above)
-
-
-def with_previous(err: DamagedCheckpointError, ckpt: Path) -> DamagedCheckpointError:
-    """``err`` about ``ckpt`` (damaged), with how to resume from the complete checkpoint before it in its dir instead,
-    when there is one."""
-    earlier = [path for step, path in list_checkpoints(Path(ckpt).parent) if step < (step_of(ckpt) or 0)]
-    if not earlier:
-        return err
-    return DamagedCheckpointError(f"{err}; to resume from the previous checkpoint instead: "
-                                  f"checkpoint.auto_resume=false checkpoint.resume_from={earlier[-1]} (later ones are "
-                                  "then set aside)")
-
-
-def find_resume(ccfg, run_dir: Path, launch_dir: Path, prefer_best: bool = False) -> Optional[Path]:
-    """The checkpoint this run starts from, checked for completeness: the latest complete one in
-    ``<run_dir>/checkpoints`` (auto-resume, when ``checkpoint.auto_resume``), else ``checkpoint.resume_from``
-    (relative to ``launch_dir``), else None. A run dir's own checkpoint wins over ``resume_from`` so that a
-    relaunch of a preempted run continues where it stopped (logged when both are there).
-
-    Raises :class:`CheckpointError` when the chosen checkpoint is incomplete, truncated or unreadable; for the run
-    dir's own latest checkpoint the message names the previous complete one and how to resume from it.
-    """
-    from hydratrain.dist.run_dir import resolve_path
-
-    own = list_checkpoints(Path(run_dir) / "checkpoints") if ccfg.auto_resume else []
-    if own:
-        ckpt = own[-1][1]
-        if ccfg.resume_from:
-            log.warning("checkpoint.resume_from=%s not used: this run dir has its own checkpoint %s, which auto-resume "
-                        "prefers (add checkpoint.auto_resume=false to start from resume_from instead)",
-                        ccfg.resume_from, ckpt)
-        from hydratrain.checkpoint.io import verify  # imports torch.distributed.checkpoint (~1 s): only when needed
-
-        try:
-            verify(ckpt)
-        except DamagedCheckpointError as err:
-            raise with_previous(err, ckpt) from None
-        return ckpt
-    if ccfg.resume_from:
-        from hydratrain.checkpoint.io import verify
-
-        ckpt = resolve_checkpoint(resolve_path(ccfg.resume_from, launch_dir), prefer_best)
-        verify(ckpt)
-        return ckpt
-    return None
-
-
-#: keys a relaunched sweep job may change and still continue its trial (run length, logging, checkpointing, where
-#: and how it runs); any other overridden key that differs from its checkpoint's makes it another trial
-TRIAL_NEUTRAL = ("checkpoint.", "logger.", "distributed.", "plan.", "launcher.", "paths.", "device",
-                 "trainer.max_steps", "trainer.max_epochs", "trainer.log_every_n_steps", "trainer.eval_every_n_steps",
-                 "trainer.progress_bar", "trainer.save_weights", "trainer.sample_tokens")
-
-
-def other_trial(ckpt: Path, config: Mapping, overrides: Sequence[str]) -> list[str]:
-    """``key: old -> new`` for each config leaf whose value in ``config`` (the job's config as a plain container)
-    differs from the one ``ckpt`` was written with, leaving out :data:`TRIAL_NEUTRAL` keys: an override dropped
-    since then counts as much as a changed one. A leaf that only one of the two configs has (a key another
-    hydratrain version added) counts only under one of the job's command-line ``overrides`` (Hydra's
-    ``hydra.overrides.task``; a group choice covers its whole subtree). Empty when ``ckpt`` has no readable
-    ``config.yaml``."""
-    saved = CheckpointManager._saved_config(ckpt)
-    if saved is None:
-        return []
-    old, new = flat_keys(saved), flat_keys(config)
-    named = {str(item).partition("=")[0].lstrip("+~") for item in overrides}
-    out = []
-    for k in sorted(set(old) | set(new)):
-        if k.startswith(TRIAL_NEUTRAL) or old.get(k, "<absent>") == new.get(k, "<absent>"):
-            continue
-        if (k not in old or k not in new) and not any(k == n or k.startswith(n + ".") for n in named):
-            continue
-        out.append(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}")
-    return out
+    _saved_config = staticmethod(saved_config)

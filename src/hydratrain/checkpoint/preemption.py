@@ -15,6 +15,9 @@ import os
 import signal
 from typing import Any, Optional
 
+from hydratrain.dist.launch import resume_command
+from hydratrain.errors import PreemptedError
+
 log = logging.getLogger(__name__)
 
 
@@ -124,9 +127,6 @@ def release_sigterm() -> None:
 
 
 def _preempted(signum: int):
-    from hydratrain.dist.launch import resume_command
-    from hydratrain.errors import PreemptedError
-
     return PreemptedError(f"{signal.Signals(signum).name} {PHASES[_GUARD['phase']]}: {resume_command()}",
                           _GUARD["exit_code"])
 
@@ -211,8 +211,6 @@ class Preemption:
     def stopping(self, step: int, checkpoint: Optional[str]) -> None:
         """Called by every rank after the stop's checkpoint is saved: log it, with the command that resumes from
         it, and, inside submitit, let its SIGUSR2 handler requeue the job (rank 0)."""
-        from hydratrain.dist.launch import resume_command
-
         self.stopped = True
         log.warning("stopping at step %d after a preemption signal; checkpoint %s; exit status %d; to resume: %s",
                     step, checkpoint, self.exit_code, resume_command())

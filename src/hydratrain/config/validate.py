@@ -8,54 +8,68 @@ are in :func:`check_environment`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-import os
 import re
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch import nn
 
+from hydratrain.components import (
+    INIT_DEVICES,
+    _accepts,
+    _hints,
+    build_loss,
+    build_metrics,
+    build_model,
+    check_call,
+    check_parameters,
+    check_state_dict,
+    checked_loss,
+    forget_checked,
+    keep_checked,
+    locate,
+    model_kwargs,
+    model_settings,
+    target_of,
+)
+from hydratrain.config.launcher import launched_processes, missing_slurm_commands, validate_launcher  # noqa: F401
 from hydratrain.config.schema import (
     DATASET_ONLY_KEYS,
     LOADER_KEYS,
     MODEL_KEYS,
+    SCHEMAS,
     DType,
     LoaderKeys,
     StrategyName,
     WrapPolicyName,
 )
 from hydratrain.config.settings import node_dict
+from hydratrain.config.values import (  # noqa: F401 (their home was here)
+    COMPILE_VALUES,
+    SHARD_ON_ONE_RANK_VALUES,
+    _choice,
+    compile_setting,
+    shard_on_one_rank_setting,
+    unresolvable,
+)
+from hydratrain.data.corpora import expand_paths
+from hydratrain.data.loader import check_data_node, is_dataset_node
+from hydratrain.data.tokenized import preflight_data, vocab_size_for
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError, Placeholder
+from hydratrain.optim import LOWBIT_INSTALL, RUN_LENGTH_KEYWORDS, lowbit_available, own_keywords
+from hydratrain.optim import is_own as own
+from hydratrain.parallel.strategy import HSDP
+from hydratrain.paths import Paths, resolve_path
+from hydratrain.protocols import max_seq_len_of
 
 BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
 GROUPS_WITH_OPTIONS = ("data", "strategy", "precision", "wrap_policy", "launcher", "optim", "scheduler", "paths")
-
-
-#: the values of ``trainer.compile`` (what each compiles: :mod:`hydratrain.parallel.ac_compile`)
-COMPILE_VALUES = ("auto", "true", "false", "model", "blocks")
-#: the values of ``strategy.shard_on_one_rank`` (fsdp and hsdp: :mod:`hydratrain.parallel.strategy`)
-SHARD_ON_ONE_RANK_VALUES = ("auto", "true", "false")
-
-
-def _choice(key: str, value: Any, allowed: tuple) -> str:
-    """``value`` as one of ``allowed`` (lower case; YAML/CLI booleans become ``true``/``false``). Raises
-    :class:`ConfigError` naming ``key`` and the allowed values for anything else."""
-    text = ("true" if value else "false") if isinstance(value, bool) else str(value).strip().lower()
-    if text not in allowed:
-        raise ConfigError(key, value, f"allowed: {', '.join(allowed)}")
-    return text
-
-
-def compile_setting(value: Any) -> str:
-    """``trainer.compile`` as one of :data:`COMPILE_VALUES`. Raises :class:`ConfigError` otherwise."""
-    return _choice("trainer.compile", value, COMPILE_VALUES)
-
-
-def shard_on_one_rank_setting(value: Any) -> str:
-    """``strategy.shard_on_one_rank`` as one of :data:`SHARD_ON_ONE_RANK_VALUES`. Raises :class:`ConfigError`
-    otherwise."""
-    return _choice("strategy.shard_on_one_rank", value, SHARD_ON_ONE_RANK_VALUES)
 
 
 def batch_size_setting(value: Any) -> Any:
@@ -97,8 +111,6 @@ def _check_option_nodes(cfg: DictConfig) -> None:
 def _refuse_an_untyped_option(group: str, node: DictConfig) -> None:
     """A group node that no option schema types: a user's own option file without its schema line (which must not
     be reported as removed with ``~group``), or ``~group`` and then an overlay's keys."""
-    from hydratrain.config.schema import SCHEMAS
-
     schemas = list(SCHEMAS[group])
     name = node.get("name") if not OmegaConf.is_missing(node, "name") else None
     if name is None:  # (a user's option file with neither its schema line nor a name lands here too)
@@ -205,8 +217,6 @@ def _check_entries(node: DictConfig | ListConfig, where: str) -> None:
 def _check_resolves(cfg: DictConfig) -> None:
     """Every interpolation resolves (``${oc.env:VAR}`` of an unset variable, ``${a.key}`` that does not exist): a
     :class:`ConfigError` naming the key and its unresolved text, not OmegaConf's traceback from the first read."""
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         for name in cfg:  # not Hydra's own node (its run dir resolver reserves a dir)
             if name != "hydra":
@@ -222,12 +232,6 @@ def _check_resolves(cfg: DictConfig) -> None:
             else:
                 raw = raw[int(part)] if isinstance(raw, list) and part.isdigit() and int(part) < len(raw) else None
         raise unresolvable(key or "<config>", raw, err) from None
-
-
-def unresolvable(key: str, raw: Any, err: Exception) -> ConfigError:
-    """The config error for ``key``, whose text ``raw`` raised ``err`` (an OmegaConf error) when resolved."""
-    why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return ConfigError(key, raw, f"cannot be resolved: {why}")
 
 
 PATH_KEYS = ("checkpoint.resume_from", "model.init_from", "data.tokenizer", "data.train_path", "data.val_path",
@@ -287,8 +291,6 @@ def _check_int_ranges(node: Any, path: str = "") -> None:
 
 
 def is_own(node: Any) -> bool:
-    from hydratrain.optim import is_own as own
-
     return own(node)
 
 
@@ -395,7 +397,6 @@ def validate(cfg: DictConfig) -> None:
     if strategy == StrategyName.single and cfg.precision.reduce_dtype != DType.float32:
         raise ConfigError("precision.reduce_dtype", cfg.precision.reduce_dtype, "strategy=single reduces no "
                           "gradients across ranks; allowed: float32")
-    from hydratrain.components import check_components, model_settings
 
     settings = model_settings(cfg)
     if settings.init_device == "cuda" and cfg.device == "cpu":
@@ -422,7 +423,6 @@ def validate(cfg: DictConfig) -> None:
     check_components(cfg)
     _check_block_classes(cfg)
     objective = cfg.trainer.objective
-    from hydratrain.components import checked_loss
 
     perplexity = ["eval/perplexity"] if getattr(checked_loss(cfg), "perplexity", False) else []  # (next_token)
     allowed = ["eval/loss", *perplexity, *(f"eval/{name}" for name in (cfg.get("metrics") or {}))]
@@ -481,13 +481,6 @@ def _check_loop_extras(cfg: DictConfig) -> None:
 def _check_own_optimizer(node: DictConfig) -> None:
     """An ``optim`` node with ``_target_``: a ``torch.optim.Optimizer`` class that takes the node's keywords, and a
     peak ``lr``. Raises ConfigError naming the key."""
-    import inspect
-
-    import torch
-
-    from hydratrain.components import check_call, locate
-    from hydratrain.optim import own_keywords
-
     target = str(node["_target_"])
     if node.get("lr") is None:
         raise ConfigError("optim.lr", _NO_VALUE, f"optim._target_={target} needs its peak lr here (the schedule, "
@@ -527,13 +520,6 @@ def _check_param_groups(node: DictConfig) -> None:
 def _check_own_scheduler(node: DictConfig) -> None:
     """A ``scheduler`` node with ``_target_``: an lr scheduler class (``torch.optim.lr_scheduler.*``) that takes the
     node's keywords after the optimizer. Raises ConfigError naming the key."""
-    import inspect
-
-    import torch
-
-    from hydratrain.components import check_call, locate
-    from hydratrain.optim import RUN_LENGTH_KEYWORDS
-
     target = str(node["_target_"])
     cls = locate(target, "scheduler")
     bases = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -550,9 +536,7 @@ def _check_block_classes(cfg: DictConfig) -> None:
     """``wrap_policy.block_classes``: each dotted path imports to an ``nn.Module`` class (a bare class name is
     matched against the model's classes once it is built). Raises ConfigError naming the key."""
     names = [str(n) for n in (_get(cfg, "wrap_policy.block_classes") or ())]
-    from torch import nn
 
-    from hydratrain.components import locate
 
     for name in names:
         if "." not in name:
@@ -568,79 +552,10 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def launched_processes(launcher: DictConfig) -> int:
-    """How many ranks the ``launcher`` option starts per job (1 for ``local``: torchrun's count is not known here)."""
-    if "nproc_per_node" in launcher:
-        return launcher.nproc_per_node * launcher.nnodes
-    if "tasks_per_node" in launcher:
-        return launcher.tasks_per_node * launcher.nodes
-    if "num_workers" in launcher:
-        return launcher.num_workers
-    return 1
-
-
-def missing_slurm_commands() -> list:
-    """SLURM's commands that ``launcher=slurm`` needs and this machine's PATH lacks: ``sbatch`` (submitit submits
-    with it) and ``srun`` (submitit's SLURM executor refuses to start without it)."""
-    import shutil
-
-    return [c for c in ("sbatch", "srun") if shutil.which(c) is None]
-
-
-def validate_launcher(launcher: DictConfig, submitting: bool = False) -> None:
-    """Check the ``launcher`` group alone (the sweep callback calls it before anything is submitted).
-
-    Raises :class:`ConfigError` naming the key, e.g. a GPUs-per-node / tasks-per-node mismatch for SLURM. With
-    ``submitting`` (the process that submits, not a job) also what that machine needs: SLURM's commands on PATH for
-    ``launcher=slurm``.
-    """
-    missing = missing_slurm_commands() if submitting and launcher.get("name") == "slurm" else []
-    if missing:
-        raise ConfigError("launcher", "slurm", f"needs SLURM, but {' and '.join(missing)} "
-                          f"{'is' if len(missing) == 1 else 'are'} not on PATH here; allowed here: local, torchrun, "
-                          "submitit_local (the same submitit path as local processes), ray")
-    name = launcher.get("name")
-    inside = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")
-    if submitting and name not in (None, "local") and inside:
-        raise ConfigError("launcher", name, f"starts processes of its own, but this process is already one rank of "
-                          f"{os.environ.get('WORLD_SIZE', '?')} (torchrun): run python train.py -m launcher={name} "
-                          "... without torchrun, or keep torchrun with launcher=local (a sweep inside each rank)")
-    for key in ("nproc_per_node", "nnodes", "nodes", "tasks_per_node", "timeout_min", "rdzv_timeout",
-                "num_workers"):
-        if key in launcher and (launcher[key] is None or launcher[key] <= 0):
-            raise ConfigError(f"launcher.{key}", launcher[key], "must be > 0")
-    if name == "submitit_local" and launcher.get("nodes", 1) != 1:
-        raise ConfigError("launcher.nodes", launcher.nodes, "must be 1: submitit's local executor runs on this "
-                          "machine only (more ranks: launcher.tasks_per_node; more nodes: launcher=slurm)")
-    for key in ("max_restarts", "gpus_per_node"):
-        if key in launcher and (launcher[key] is None or launcher[key] < 0):
-            raise ConfigError(f"launcher.{key}", launcher[key], "must be >= 0")
-    if "max_failures" in launcher and (launcher.max_failures is None or launcher.max_failures < -1):
-        raise ConfigError("launcher.max_failures", launcher.max_failures, "must be >= 0, or -1 for unlimited")
-    for name, amount in (launcher.get("resources_per_worker") or {}).items():
-        if amount is None or amount < 0:
-            raise ConfigError(f"launcher.resources_per_worker.{name}", amount, "must be >= 0")
-    if "node_rank" in launcher and not 0 <= launcher.node_rank < launcher.nnodes:
-        raise ConfigError("launcher.node_rank", launcher.node_rank,
-                          f"must be in [0, launcher.nnodes={launcher.nnodes})")
-    endpoint = launcher.get("rdzv_endpoint")
-    if endpoint is not None:
-        host, _, port = str(endpoint).rpartition(":")
-        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise ConfigError("launcher.rdzv_endpoint", endpoint, "must be HOST:PORT (port in 0-65535)")
-    if launcher.get("nnodes", 1) > 1 and (endpoint is None or str(endpoint).endswith(":0")):
-        raise ConfigError("launcher.rdzv_endpoint", endpoint,
-                          f"launcher.nnodes={launcher.nnodes} needs node 0's HOST:PORT, the same on every node")
-    if launcher.get("gpus_per_node") and launcher.tasks_per_node != launcher.gpus_per_node:
-        raise ConfigError("launcher.tasks_per_node", launcher.tasks_per_node,
-                          f"must equal launcher.gpus_per_node={launcher.gpus_per_node} (one task per GPU)")
-
-
 def _check_lowbit(on_cpu: bool) -> None:
     """optim=adamw8bit needs torchao, and on CPU a C++ compiler for the update torchao compiles."""
     import shutil
 
-    from hydratrain.optim import LOWBIT_INSTALL, lowbit_available
 
     if not lowbit_available():
         raise ConfigError("optim.name", "adamw8bit", f"needs torchao, which is not installed ({LOWBIT_INSTALL}); "
@@ -656,12 +571,8 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
 
     ``world_size`` and ``local_world_size`` (ranks on this node; default: all of them) come from the launch
     environment (``hydratrain.dist.env``); relative paths resolve against ``launch_dir`` (see
-    :func:`hydratrain.dist.run_dir.resolve_path`). Raises :class:`ConfigError`.
+    :func:`hydratrain.paths.resolve_path`). Raises :class:`ConfigError`.
     """
-    import torch
-    import torch.distributed as dist
-
-    from hydratrain.dist.run_dir import resolve_path
 
     cuda = torch.cuda.is_available()
     if "cuda" in (cfg.device, _get(cfg, "model.init_device")) and not cuda:
@@ -690,20 +601,14 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     if _get(cfg, "optim.name") == "adamw8bit":
         _check_lowbit(cfg.device == "cpu" or (cfg.device == "auto" and not cuda))
     if cfg.strategy.name == StrategyName.hsdp:
-        from hydratrain.parallel.strategy import HSDP
-
         HSDP.mesh_shape(cfg.strategy.shard_size, world_size, local_world_size or world_size)
-    from hydratrain.paths import Paths
 
     paths = Paths.resolve(cfg, launch_dir)
     if _get(cfg, "data.name") == "text_files":
-        from hydratrain.data.corpora import expand_paths
-
         try:
             expand_paths(list(cfg.data.paths), paths.data)
         except FileNotFoundError as err:
             raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
-    from hydratrain.data.tokenized import preflight_data
 
     if "name" in cfg.data:
         preflight_data(cfg.data, paths.data)  # token files, the tokenizer, tokenized_text's globs
@@ -714,3 +619,60 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
             where = (f"looked for {resolve_path(value, base)}" if Path(value).expanduser().is_absolute()
                      else f"relative paths resolve against {what} {base}")
             raise ConfigError(key, value, f"no such path ({where})")
+
+
+def _vocabulary_for_checks(cfg: DictConfig, cls: Any) -> Optional[int]:
+    """What a ``vocab_size: null`` keyword becomes for the checks before the run: the data's vocabulary where it is
+    known without a tokenizer (256 for bytes and synthetic tokens), else a stand-in of its type (the run takes the
+    tokenizer's); None when the keyword is not null. Raises :class:`ConfigError` naming ``model.vocab_size`` when
+    the data builds datasets (no vocabulary to take) and ``cls`` does not take None."""
+    if model_kwargs(cfg).get("vocab_size", 0) is not None:
+        return None
+
+    data = cfg.get("data")
+    if not is_dataset_node(data):
+        try:
+            return vocab_size_for(data, None, None)
+        except ConfigError:  # token_bin without a tokenizer: the run says so where it looks for the vocabulary
+            return 256
+    if "vocab_size" in _hints(cls) and _accepts(_hints(cls)["vocab_size"], None) is not None:
+        raise ConfigError("model.vocab_size", None, f"null takes the data's vocabulary, but data._target_="
+                          f"{data.get('_target_')} builds datasets, which have none (only token data does): set "
+                          "model.vocab_size to the number of ids your data holds")
+    return None
+
+
+def check_components(cfg: DictConfig) -> None:
+    """Every check of the components that needs no process group (see the module docstring): the model's target,
+    keywords, types, hydratrain's model keys and the model's own checks (a build on the meta device, whose
+    :class:`ConfigError` is raised; anything else it raises waits for the real build, which may not be on meta);
+    the loss; each metric (built: torchmetrics checks its arguments then); a data factory's target and keywords.
+    The meta model, the loss and the metrics it built are kept for the run's build in this process to take over
+    (:func:`hydratrain.components.keep_checked`). Raises :class:`ConfigError`."""
+    forget_checked()
+    settings = model_settings(cfg)
+    if str(settings.init_device) not in INIT_DEVICES:
+        raise ConfigError("model.init_device", settings.init_device, f"allowed: {', '.join(INIT_DEVICES)}")
+    target = target_of(cfg.get("model"), "model")
+    cls = locate(target, "model")
+    vocab = _vocabulary_for_checks(cfg, cls)
+    check_call(cls, model_kwargs(cfg, vocab), "model", target)
+    try:
+        model = build_model(cfg, "meta", vocab)
+    except ConfigError as err:
+        if err.key != "model._target_":  # the model's own check, naming its key
+            raise
+        model = None
+    if model is not None:
+        check_parameters(model, target)
+        check_state_dict(model, target, built_on_meta=True)
+    limit, seq_len = max_seq_len_of(model), cfg.data.get("seq_len") if cfg.get("data") else None
+    if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
+        raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "
+                          f"({type(model).__name__}.max_seq_len); allowed: <= {limit}")
+    loss, metrics = build_loss(cfg), build_metrics(cfg)
+    # what was built to check it is what the run's build then uses, not built again in this process
+    keep_checked(cfg, target, vocab, model, loss, metrics)
+    data = cfg.get("data")
+    if data is not None and OmegaConf.is_dict(data) and "_target_" in data:
+        check_data_node(data)

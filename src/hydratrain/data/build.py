@@ -14,7 +14,11 @@ import numpy as np
 
 from hydratrain.config.settings import DataSettings
 from hydratrain.data.corpora import build_corpus, expand_paths, split_files, stdlib_files, synthetic_stream
+from hydratrain.data.loader import build_dataset_batches, is_dataset_node
 from hydratrain.data.streams import EvalBatches, ShardedBatches, TokenDataset
+from hydratrain.data.tokenized import TOKEN_CORPORA, cache_root, load_token_splits, tokenizer_for, vocab_size_for
+from hydratrain.dist.collectives import barrier, sampled_digest, unlike_rank0
+from hydratrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,6 @@ def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
         stream = synthetic_stream(data_cfg.synthetic_tokens, vocab_size)
         cut = int(len(stream) * (1 - data_cfg.val_fraction))
         return {"train": stream[:cut], "val": stream[cut:]}
-    from hydratrain.data.tokenized import TOKEN_CORPORA, cache_root, load_token_splits
 
     if data_cfg.name in TOKEN_CORPORA:
         # (memmaps are arrays: dict is invariant): why the ignore below
@@ -60,10 +63,6 @@ def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Opti
     node's other ranks wait. Raises :class:`~hydratrain.errors.ConfigError` (see
     :func:`hydratrain.data.tokenized.vocab_size_for`). A dataset node (:mod:`hydratrain.data.loader`) has no
     vocabulary of its own: (None, ``model.vocab_size`` or None)."""
-    from hydratrain.data.loader import is_dataset_node
-    from hydratrain.data.tokenized import tokenizer_for, vocab_size_for
-    from hydratrain.dist.collectives import barrier
-
     if is_dataset_node(cfg.data):
         if "vocab_size" in cfg.model and cfg.model.vocab_size is None and info.is_main:
             log.warning("model.vocab_size=null takes the data's vocabulary, but data=%s (a dataset node) has none: the "
@@ -89,9 +88,6 @@ def build_data(cfg, info, launch_dir: Path, progress: bool, vocab_size: int,
     build_dataset_batches`. ``with_test``: also the test set (every sample of a dataset node's ``test`` split, or
     None), third.
     """
-    from hydratrain.data.loader import build_dataset_batches, is_dataset_node
-    from hydratrain.dist.collectives import barrier
-
     if is_dataset_node(cfg.data):
         made = build_dataset_batches(cfg, info)
         return made if with_test else made[:2]
@@ -125,8 +121,6 @@ def data_fingerprint(splits: dict, windows: int = 64, window_tokens: int = 4096)
     and dtypes and :func:`~hydratrain.dist.collectives.sampled_digest` of ``windows + 1`` windows of
     ``window_tokens`` tokens of each (the first and last included). Tells two copies of a corpus apart in
     milliseconds whatever its size (a sample, not a proof of identity)."""
-    from hydratrain.dist.collectives import sampled_digest
-
     digest = hashlib.blake2b(digest_size=8)
     for name in ("train", "val"):
         tokens = splits[name]
@@ -143,9 +137,6 @@ def check_same_data(data_cfg, splits: dict) -> None:
     stdlib for ``data=python_stdlib``) had each node train on its own corpus without a word, and hang at an eval of
     another length. Raises :class:`~hydratrain.errors.ConfigError` on every rank, naming the data key, the first
     rank whose data differs from rank 0's and both fingerprints."""
-    from hydratrain.dist.collectives import unlike_rank0
-    from hydratrain.errors import ConfigError
-
     unlike = unlike_rank0("", data_fingerprint(splits))
     if unlike is None:
         return
@@ -165,8 +156,6 @@ def split_error(data_cfg, launch_dir: Path, split: str, tokens: int, err: Except
     (``err``), naming where its tokens come from: ``data.train_path`` / ``data.val_path`` and the file for
     token_bin; ``data.paths`` and the split's files (the first ``shown``; ``(empty)`` after a file of 0 bytes) for
     text_files and tokenized_text; ``data`` and its name for the built-in corpora."""
-    from hydratrain.errors import ConfigError
-
     key, value, source = "data", data_cfg.name, ""
     if data_cfg.name == "token_bin":
         key, value = f"data.{split}_path", getattr(data_cfg, f"{split}_path")

@@ -84,7 +84,3 @@ def verified_cache(out: Path) -> Optional[dict]:
     if why is not None:
         log.warning("cache %s: %s; rebuilding it", out, why)
     return meta
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("HYDRATRAIN_CACHE", Path.home() / ".cache" / "hydratrain"))

@@ -30,6 +30,7 @@ import numpy as np
 
 from hydratrain.data.cache import build_lock, verified_cache, write_manifest
 from hydratrain.data.corpora import expand_paths, relative_name
+from hydratrain.data.token_bin import open_token_bin
 from hydratrain.data.tokenizer import TextTokenizer, load_tokenizer, train_bpe
 from hydratrain.errors import ConfigError
 
@@ -253,8 +254,6 @@ def load_token_splits(data_cfg, tokenizer: TextTokenizer, launch_dir: Path, cach
                       progress: bool) -> dict[str, np.memmap]:
     """``{"train", "val"}``: the cached token streams (read-only 1-D memmaps) of :func:`build_cache` (call on local
     rank 0 first, then barrier)."""
-    from hydratrain.data.tokenized import open_token_bin
-
     out = build_cache(data_cfg, launch_dir, cache_dir, tokenizer, progress)
     meta = json.loads((out / "meta.json").read_text())
     splits = {s: open_token_bin(out / f"{s}.bin", meta["dtype"], f"{s} cache") for s in ("train", "val")}

@@ -27,11 +27,17 @@ import logging
 import zlib
 from typing import Any, Iterable, Iterator, Optional
 
+import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from hydratrain.components import build_callable, check_call, importable, instantiate_node, locate, target_of
 from hydratrain.config.schema import LOADER_KEYS
 from hydratrain.config.settings import DataSettings
+from hydratrain.data.streams import EvalBatches, ShardedBatches
+from hydratrain.dist.collectives import unlike_rank0
 from hydratrain.errors import ConfigError
+from hydratrain.train.batch import shapes
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +54,6 @@ def _kwargs(data: DictConfig) -> dict:
 def check_data_node(data: DictConfig) -> None:
     """The checks of a dataset node that need nothing built: its target imports and takes its keywords, the
     loader's keys have sensible values, ``collate_fn`` imports. Raises :class:`ConfigError` naming the key."""
-    from hydratrain.components import check_call, locate, target_of
-
     s = vars(DataSettings.of(data))
     if s["batch_size"] == "auto":
         raise ConfigError("data.batch_size", "auto", "needs the memory planner to run the model on a batch of the "
@@ -73,8 +77,6 @@ def check_data_node(data: DictConfig) -> None:
     target = target_of(data, "data")
     check_call(locate(target, "data"), _kwargs(data), "data", target)
     if s["collate_fn"] is not None:
-        from hydratrain.components import build_callable
-
         build_callable(data.collate_fn, "data.collate_fn", supplied=1)
 
 
@@ -82,8 +84,6 @@ def load_datasets(data: DictConfig) -> dict:
     """``{"train": Dataset, "val": Dataset}`` from the dataset node (its target's result, or one dataset split by
     ``data.val_fraction``). Raises :class:`ConfigError` naming ``data._target_`` when the target raises or returns
     something else, or an empty val split."""
-    from hydratrain.components import importable, instantiate_node, target_of
-
     target = target_of(data, "data")
     importable()
     # (to_container of a DictConfig: a dict with str keys)
@@ -119,8 +119,6 @@ def load_datasets(data: DictConfig) -> dict:
 
 def _is_dataset(value: Any) -> bool:
     """A map-style dataset object (``__len__`` and ``__getitem__``), not a sample (a tuple, tensor, dict, string)."""
-    import torch
-
     return hasattr(value, "__len__") and hasattr(value, "__getitem__") and \
         not isinstance(value, (tuple, list, dict, str, bytes, torch.Tensor))
 
@@ -147,7 +145,6 @@ def split(dataset: Any, val_fraction: float) -> dict:
     fixed permutation (seed 0), the train split the rest, each in dataset order (``torch.utils.data.Subset``)."""
     import math
 
-    import torch
     from torch.utils.data import Subset
 
     n = len(dataset)
@@ -170,10 +167,8 @@ def loader_fetch(dataset: Any, data: DictConfig, device, seed: int = 0) -> Any:
     eval every N steps starts none); a call made while another call's batches are still being handed out gets a
     loader of its own, whose workers end with it. A call abandoned midway is fine: torch drops what its workers had
     prefetched when the loader is iterated again."""
-    import torch
     from torch.utils.data import DataLoader
 
-    from hydratrain.components import build_callable
 
     s = DataSettings.of(data)
     collate = build_callable(s.collate_fn, "data.collate_fn", supplied=1) if s.collate_fn is not None else None
@@ -231,8 +226,6 @@ def _collated(batches: Iterator[Any], default_collate: bool, data: DictConfig) -
             raise ConfigError("data.collate_fn", None, f"PyTorch's default collate cannot batch the samples ({why}): "
                               "give a function that pads or stacks them (data.collate_fn._target_=...)") from None
         if not isinstance(batch, Mapping) and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            from hydratrain.train.batch import shapes
-
             key = "data._target_" if default_collate else "data.collate_fn._target_"
             node = data.get("_target_") if default_collate else data.collate_fn.get("_target_")
             what = (f"hold {len(batch)} items {shapes(batch)}" if isinstance(batch, (tuple, list))
@@ -266,8 +259,6 @@ class _SeededBatches:
     def __getitems__(self, keys: list) -> list:
         import random
 
-        import numpy as np
-        import torch
 
         pairs = [key if isinstance(key, tuple) else (-1, key) for key in keys]
         indices = [i for _, i in pairs]
@@ -320,8 +311,6 @@ def _leaf_bytes(leaf: Any) -> bytes:
     else its repr with any memory address (``<... at 0x7f...>``, which differs between processes) left out."""
     import re
 
-    import numpy as np
-    import torch
 
     if isinstance(leaf, torch.Tensor):
         return leaf.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
@@ -338,13 +327,9 @@ def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = N
     target returns none) for a dataset node (every rank calls; the same datasets on every rank are checked by
     :func:`dataset_fingerprint`). Raises :class:`ConfigError`: the target's, a split smaller than the world size or
     a batch, ranks whose datasets differ."""
-    from hydratrain.data.streams import EvalBatches, ShardedBatches
-
     data = cfg.data
     splits = load_datasets(data)
     if info.world_size > 1:
-        from hydratrain.dist.collectives import unlike_rank0
-
         unlike = unlike_rank0("", dataset_fingerprint(splits))
         if unlike is not None:
             other, every = unlike

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
+import torch
+
+from hydratrain.errors import CheckpointError, ConfigError
+from hydratrain.train.batch import rebuilt
 
 if TYPE_CHECKING:
     import torch
@@ -32,9 +36,6 @@ Fetch = Callable[[Iterable[list]], Iterator[Any]]
 def to_device(batch: Any, device: Optional[torch.device]) -> Any:
     """``batch`` (a tensor, or tuples, lists and dicts of them) with every tensor on ``device``, copied
     ``non_blocking`` (from pinned memory on CUDA, so the copy overlaps the step before it)."""
-    import torch
-
-    from hydratrain.train.batch import rebuilt
 
     if device is None:
         return batch
@@ -67,12 +68,9 @@ class TokenDataset:
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         starts = np.asarray(indices, dtype=np.int64)[:, None] * self.seq_len
-        import torch
 
         window = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
         if self.vocab_size is not None and window.size and int(window.max()) >= self.vocab_size:
-            from hydratrain.errors import ConfigError
-
             bad = int(window.max())
             at = int(starts[int(np.argwhere(window == bad)[0][0]), 0]) + int(np.argwhere(window == bad)[0][1])
             raise ConfigError("model.vocab_size", self.vocab_size, f"{self.source} holds token id {bad} (at token "
@@ -176,8 +174,6 @@ class ShardedBatches:
         ``data.seq_len`` or train split), unless the iterator was made with ``strict_position=False``: then the
         saved epoch starts over from its first sample.
         """
-        from hydratrain.errors import CheckpointError
-
         mismatch = [(key, state[name], now) for key, name, now in (
             ("trainer.seed", "seed", self.seed), ("data.seq_len", "seq_len", getattr(self.dataset, "seq_len", 0)),
             ("data (train split size, in samples)", "train_samples", len(self.dataset))) if state[name] != now]
@@ -283,8 +279,6 @@ class EvalBatches:
         return [[g * W * B + self.rank + W * j for j in range(B)] for g in range(self.global_batches)]
 
     def __iter__(self) -> Iterator[tuple[Any, torch.Tensor]]:
-        import torch
-
         positions = [[p for p in ps if p < self.n_samples] or [-1] for ps in self._positions()]  # -1: sample 0, padding
         indices = [[self.order[max(p, 0)] for p in ps] for ps in positions]
         batches = (self.dataset.batch(i) for i in indices) if self.fetch is None else self.fetch(indices)

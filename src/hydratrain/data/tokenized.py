@@ -32,8 +32,10 @@ from typing import Any, Iterator, Optional, Sequence, cast
 
 import numpy as np
 
-from hydratrain.data.cache import build_lock, default_cache_dir, verified_cache, write_manifest
+from hydratrain.data import hf_dataset
+from hydratrain.data.cache import build_lock, verified_cache, write_manifest
 from hydratrain.data.corpora import expand_paths, relative_name, split_files, stdlib_files
+from hydratrain.data.token_bin import LLMC_FORMATS, LLMC_HEADER_BYTES, llmc_header, open_token_bin  # noqa: F401
 from hydratrain.data.tokenizer import (
     PIECE_BYTES,
     TextTokenizer,
@@ -44,75 +46,18 @@ from hydratrain.data.tokenizer import (
     train_bpe,
 )
 from hydratrain.errors import ConfigError
+from hydratrain.paths import default_cache_dir
 
 log = logging.getLogger(__name__)
 
 TOKEN_CORPORA = ("token_bin", "tokenized_text", "python_stdlib_bpe", "hf_dataset")
 BPE_VOCAB_SIZE = 4096  # tokens of the BPE trained when data.tokenizer and data.vocab_size are null
 BYTE_CORPORA = ("python_stdlib", "text_files")
-# llm.c's data files (karpathy/llm.c, dev/data/data_common.py, write_datafile): a header of 256 little-endian int32
-# (header[0] a magic number, header[1] a version, header[2] the token count), then the tokens. Magic 20240520 with
-# version 1 is GPT-2's (uint16 tokens), magic 20240801 with version 7 is LLaMA-3's (uint32 tokens).
-LLMC_HEADER_BYTES = 256 * 4
-LLMC_FORMATS = {20240520: (1, "uint16"), 20240801: (7, "uint32")}  # magic -> (version, token dtype)
 SAMPLE_TOKENS = 1 << 20  # tokens read by the start-up max-id check (64 windows spread over the file)
 BATCH_BYTES = 16 << 20  # text handed to one encode_batch call
 FORMAT = 1  # part of every cache key: bump when the cached layout or the text pieces change
 
 Segment = tuple[Path, int, Optional[int]]  # a file and the byte range [start, stop) of it that a split holds
-
-
-def llmc_header(path: Path) -> Optional[tuple[str, int]]:
-    """``(token dtype, token count)`` from ``path``'s llm.c header, or None when it does not start with one.
-
-    Raises ValueError on a known magic number with another version."""
-    with open(path, "rb") as fh:
-        head = fh.read(LLMC_HEADER_BYTES)
-    if len(head) < LLMC_HEADER_BYTES:
-        return None
-    magic, version, count = (int(v) for v in np.frombuffer(head, dtype="<i4", count=3))
-    if magic not in LLMC_FORMATS:
-        return None
-    want_version, dtype = LLMC_FORMATS[magic]
-    if version != want_version:
-        raise ValueError(f"llm.c header magic {magic} with version {version}; known: 20240520 v1 (uint16), "
-                         f"20240801 v7 (uint32)")
-    return dtype, count
-
-
-def open_token_bin(path: Path, dtype: Optional[str] = None, key: str = "data.train_path") -> np.memmap:
-    """``path``'s tokens as a read-only 1-D ``np.memmap`` (uint16 or uint32, little-endian); nothing is read but
-    the header. An llm.c header (see :data:`LLMC_FORMATS`) is skipped and gives the dtype; without one the dtype is
-    ``dtype`` (default uint16). Raises :class:`ConfigError` naming ``key`` (missing, empty or truncated file, size
-    not a multiple of the dtype, unknown header version) or ``data.dtype`` (not uint16/uint32/null, or not the
-    header's)."""
-    path = Path(path)
-    if dtype not in (None, "uint16", "uint32"):
-        raise ConfigError("data.dtype", dtype, "allowed: uint16, uint32, null (the llm.c header's, else uint16)")
-    if not path.is_file():
-        raise ConfigError(key, str(path), "no such file")
-    size = path.stat().st_size
-    try:
-        header = llmc_header(path)
-    except ValueError as err:
-        raise ConfigError(key, str(path), str(err)) from None
-    offset = 0
-    if header is not None:
-        offset, (hdtype, count) = LLMC_HEADER_BYTES, header
-        if dtype is not None and dtype != hdtype:
-            raise ConfigError("data.dtype", dtype, f"{key}={path} has an llm.c header of {hdtype} tokens; "
-                              f"allowed: {hdtype}, null")
-        dtype = hdtype
-        if size != offset + count * np.dtype(dtype).itemsize:
-            raise ConfigError(key, str(path), f"its llm.c header says {count} {dtype} tokens "
-                              f"({offset + count * np.dtype(dtype).itemsize} bytes) but the file has {size} bytes")
-    tokens = np.dtype(dtype or "uint16").newbyteorder("<")
-    if (size - offset) % tokens.itemsize:
-        raise ConfigError(key, str(path), f"{size - offset} bytes of tokens is not a multiple of "
-                          f"data.dtype={tokens.name}'s {tokens.itemsize}")
-    if size == offset:
-        raise ConfigError(key, str(path), "holds no tokens")
-    return np.memmap(path, dtype=tokens, mode="r", offset=offset, shape=((size - offset) // tokens.itemsize,))
 
 
 def max_token_id(tokens: np.ndarray, sample: Optional[int] = SAMPLE_TOKENS) -> int:
@@ -321,8 +266,6 @@ def tokenizer_for(data_cfg, launch_dir: Path, progress: bool = False, files: Opt
     Raises :class:`ConfigError` (``data.tokenizer``, ``data.paths``, ``data.vocab_size``). hf_dataset:
     :func:`hydratrain.data.hf_dataset.tokenizer_for`."""
     if data_cfg.name == "hf_dataset":
-        from hydratrain.data import hf_dataset
-
         return hf_dataset.tokenizer_for(data_cfg, launch_dir, cache_root(data_cfg, launch_dir, cache_dir),
                                         bpe_vocab_size(data_cfg), progress)
     if getattr(data_cfg, "tokenizer", None):
@@ -389,8 +332,6 @@ def load_token_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: boo
         raise ConfigError("model.vocab_size", vocab_size, f"smaller than the tokenizer's {tokenizer.vocab_size} "
                           f"tokens ({tokenizer.path}); allowed: >= {tokenizer.vocab_size}")
     if data_cfg.name == "hf_dataset":
-        from hydratrain.data import hf_dataset
-
         return hf_dataset.load_token_splits(data_cfg, tokenizer, launch_dir,
                                             cache_root(data_cfg, launch_dir, cache_dir), progress)
     root, all_files = corpus_files(data_cfg, launch_dir)
@@ -427,8 +368,6 @@ def preflight_data(data_cfg, launch_dir: Path) -> None:
     elif data_cfg.name == "tokenized_text":
         corpus_files(data_cfg, launch_dir)
     elif data_cfg.name == "hf_dataset":
-        from hydratrain.data import hf_dataset
-
         hf_dataset.preflight(data_cfg, launch_dir)  # the tokenizer too (a dir holding tokenizer.json is allowed)
         return
     if data_cfg.tokenizer:

@@ -16,7 +16,8 @@ import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
-from hydratrain.errors import say
+
+from hydratrain.errors import ConfigError, say
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,6 @@ def dist_info() -> DistInfo:
     a single process's threads and memory budget without a word), or
     ``WORLD_SIZE > 1`` without ``MASTER_ADDR``/``MASTER_PORT`` (``python train.py`` where torchrun was meant).
     """
-    from hydratrain.errors import ConfigError
-
     export_cluster_env()
     world_size = _env_int("WORLD_SIZE", 1)
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
@@ -87,8 +86,6 @@ def _env_int(name: str, default: int) -> int:
     if not raw:
         return default
     if not raw.isdigit():
-        from hydratrain.errors import ConfigError
-
         raise ConfigError(f"${name}", raw, "must be a non-negative integer (torchrun and the schedulers set it)")
     return int(raw)
 

@@ -24,13 +24,15 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
-from hydratrain.errors import EXIT_PEER_FAILED, HydratrainError
+from hydratrain.errors import EXIT_PEER_FAILED, HydratrainError, write_refusal
+from hydratrain.paths import resolve_path
 
 log = logging.getLogger(__name__)
 
 _LAUNCHER: dict = {}  # this process's parent when first noted: {"pid": int, "cmdline": list of str, or None}
+_COMPOSING = {"on": False}  # Hydra raises, rather than prints, its errors until the config is composed
 _DEADLINE: dict = {}  # end_within's: {"at": time.monotonic() of the end, "file": where the stacks go}
 
 
@@ -204,8 +206,6 @@ def resume_command(run_dir: Optional[Path] = None, sweep: bool = False) -> str:
 
 def _what_resumes(run_dir: Optional[Path]):
     """(the dir's key, the dir or None, the launch dir or None, the command) of this run."""
-    from hydratrain.dist.run_dir import resolve_path
-
     hydra_cfg = _hydra_config()
     if hydra_cfg is None:
         return "hydra.run.dir", (Path(run_dir).absolute() if run_dir else None), Path.cwd(), launch_command()
@@ -279,3 +279,49 @@ def _join(args: List[str]) -> str:
         else:
             out.append(shlex.quote(arg))
     return " ".join(out)
+
+
+def unwritable_message(what: str, where: Any, cause: Optional[BaseException], last_checkpoint: Any,
+                       room: Optional[str] = None, stopped: str = "training stopped", frees: str = "",
+                       run_dir: Any = None) -> str:
+    """``<what> under <where> failed (<cause>; <what tells the cause>); <stopped>. The latest complete checkpoint,
+    <last>, is intact: <room> and resume from it with: <command>`` (or, without a checkpoint, ``No checkpoint was
+    written before: <room> and relaunch: <command>``; with ``last_checkpoint=...`` (Ellipsis: not this call's to
+    say, a sweep's), ``<Room> and relaunch: <command>``), where ``<command>`` is the one that resumes this run in
+    its run dir (:func:`hydratrain.dist.launch.resume_command`; ``run_dir``: that dir, or with ``...`` the sweep dir,
+    where Hydra's config does not tell it yet).
+
+    ``room`` defaults to the remedy for the cause (:func:`hydratrain.errors.write_refusal`): make room (no space; ``frees``, e.g. ``"lower
+    checkpoint.keep_last"``, is offered too), free some of the quota (also ``frees``), make it writable (a read-only
+    filesystem), fix the permissions of the dir that refused the write, raise the file-size limit (``ulimit -f``).
+    A cause without an errno (torch's checkpoint writer raises a ``RuntimeError`` that lost it) is told from
+    ``where``: a finite file-size limit, a dir this process may not write, little free space; else the cause is
+    said to be unknown. Raises nothing."""
+    why = (f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}" if cause is not None
+           else "another rank could not write its part")
+    told, remedy = write_refusal(cause, where, frees)
+    return _tail(f"{what} under {where} failed ({why}{'; ' + told if told else ''}); {stopped}.", room or remedy,
+                 last_checkpoint, run_dir)
+
+
+def _tail(head: str, room: str, last_checkpoint: Any, run_dir: Any = None) -> str:
+    command = resume_command(run_dir, sweep=last_checkpoint is ...)
+    if last_checkpoint is ...:
+        return f"{head} {room[0].upper()}{room[1:]} and relaunch: {command}"
+    if last_checkpoint:
+        return (f"{head} The latest complete checkpoint, {last_checkpoint}, is intact: {room} and resume from it "
+                f"with: {command}")
+    return f"{head} No checkpoint was written before: {room} and relaunch: {command}"
+
+
+def composing(on: bool = True) -> None:
+    """From ``train.py``'s start until the config is composed (``on``), Hydra raises its composition errors
+    (``HYDRA_FULL_ERROR=1``) instead of printing them on every rank, so :func:`end_composition` can end the launch
+    with one line; ``composing(False)`` (its first callback, or the run itself) gives Hydra its own error report back
+    for the rest. A user's own ``HYDRA_FULL_ERROR`` is left as it is (they asked for tracebacks)."""
+    if on and "HYDRA_FULL_ERROR" not in os.environ:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
+        _COMPOSING["on"] = True
+    elif not on and _COMPOSING["on"]:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+        _COMPOSING["on"] = False

@@ -31,15 +31,16 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Iterator, Optional
 
-from hydratrain.checkpoint.preemption import hold_sigterm
+from hydratrain.checkpoint.preemption import hold_sigterm, recorded_preemption
 from hydratrain.dist.env import DistInfo, allowed_cores, dist_info
 from hydratrain.dist.launch import LauncherGoneError, end_within, launcher_gone, under_elastic_agent
+from hydratrain.dist.run_dir import resume_hint
 from hydratrain.dist.run_lock import RunDirLock
-from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, HydratrainError
+from hydratrain.dist.store import _store_client, base_store
+from hydratrain.errors import EXIT_ERROR, EXIT_PEER_FAILED, ConfigError, HydratrainError
 
 log = logging.getLogger(__name__)
 
-_BASE_STORE = None  # this process's client (or, on rank 0 without an agent store, server) of MASTER_ADDR:PORT
 _GROUPS_MADE = 0  # process groups created in this process (a sweep inside each rank makes one per job)
 
 
@@ -65,51 +66,6 @@ class PeerFailedError(HydratrainError):
         found = re.search(r"failed first \(rank (\d+)", message)
         self.failed_rank = int(found.group(1)) if found else None  # the rank that failed, when the record names it
         super().__init__(message)
-
-
-def _store_client(timeout_s: float):
-    from torch.distributed import TCPStore
-
-    return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, is_master=False,
-                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=True)
-
-
-def base_store():
-    """This process's TCPStore at ``MASTER_ADDR:MASTER_PORT``, made once and shared by the run-dir stamp and every
-    process group of this process. Rank 0 hosts it unless a torch elastic agent already does
-    (``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's c10d rendezvous)."""
-    global _BASE_STORE
-    if _BASE_STORE is None:
-        from torch.distributed import TCPStore
-
-        import torch.distributed as dist
-
-        info = dist_info()
-        # a torch elastic agent (torchrun's c10d rendezvous) or an existing default group (Ray Train's env://
-        # rendezvous, hosted by rank 0's group) already serves a store at MASTER_ADDR:MASTER_PORT
-        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or (
-            dist.is_available() and dist.is_initialized())
-        if info.rank == 0 and not agent_hosts:
-            _BASE_STORE = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
-                                   is_master=True, timeout=timedelta(minutes=5), wait_for_workers=False,
-                                   use_libuv=True)
-        else:
-            _BASE_STORE = _store_client(300)
-    return _BASE_STORE
-
-
-def store_get(store, key: str, timeout_s: float = 300.0) -> bytes:
-    """``store.get(key)`` once another process has set ``key``, waited for in short polls (``store.check``, 50 ms)
-    instead of one blocking ``get``: a blocked C++ call defers every Python signal handler, so a rank whose rank 0
-    died before answering ignored its launcher's SIGTERM until the SIGKILL 30 s later; now the start-up guard ends
-    it at once. Raises TimeoutError (naming ``key``) after ``timeout_s`` seconds."""
-    deadline = time.monotonic() + timeout_s
-    while not store.check([key]):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no answer in the launch's store after {timeout_s:.0f} s ({key}): the rank that "
-                               "answers (rank 0) did not get this far")
-        time.sleep(0.05)
-    return store.get(key)
 
 
 def _all_arrived(store, prefix: str, world_size: int, timeout_s: float) -> None:
@@ -384,14 +340,11 @@ class FailureWatch:
         atexit.register(_mark_exiting, self._main_store, self.rank)
 
     def _die(self, failure: str) -> None:
-        from hydratrain.checkpoint.preemption import recorded_preemption
-
         preempted = recorded_preemption()
         if preempted is not None:  # this rank got the preemption signal too: it ends as preempted
             log.warning("hydratrain: %s: %s (a peer left first: %s)", preempted.label, preempted, failure)
             RunDirLock.release_held()
             os._exit(preempted.exit_status)
-        from hydratrain.exits import resume_hint
 
         log.error("stopping rank %d (exit status %d): %s%s", self.rank, EXIT_PEER_FAILED, failure,
                   resume_hint(PeerFailedError.resume_hint) if self.rank == 0 else "")
@@ -415,7 +368,6 @@ def adopt_group(info: DistInfo, wanted: str) -> str:
     RuntimeError when the sizes disagree."""
     import torch.distributed as dist
 
-    from hydratrain.errors import ConfigError
 
     if dist.get_world_size() != info.world_size or dist.get_rank() != info.rank:
         raise RuntimeError(f"the launcher's process group has rank {dist.get_rank()} of {dist.get_world_size()}, "

@@ -11,16 +11,31 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from hydratrain.dist.env import env_rank
-from hydratrain.errors import EXIT_CONFIG, ConfigError, say
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from hydratrain.checkpoint.layout import latest_checkpoint, list_checkpoints, other_trial
+from hydratrain.config.values import unresolvable
+from hydratrain.dist.env import dist_info, env_rank
+from hydratrain.dist.launch import resume_command, unwritable_message
+from hydratrain.dist.run_lock import held_by_another
+from hydratrain.dist.store import base_store, store_get
+from hydratrain.errors import EXIT_CONFIG, ConfigError, OutputError, say, unwritable_cause
+from hydratrain.paths import join, resolve_path
+
+#: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null,
+#: "command": the command line that launched it, or null}; :func:`hydratrain.sweep.mark_multirun`)
+MULTIRUN_MARK = ".hydratrain_multirun.json"
 _FAILED = "\0failed"  # rank 0's answer in the store when it could not create the run dir
 
 STAMP_ENV = "HYDRATRAIN_STAMP"  # a launcher's stamp, inherited by the processes it starts
@@ -44,13 +59,9 @@ def run_stamp() -> str:
     """
     global _STAMP, _INHERITED
     if _STAMP is None:
-        from hydratrain.dist.env import dist_info
-
         _INHERITED = bool(os.environ.get(STAMP_ENV))
         mine = os.environ.get(STAMP_ENV) or time.strftime("%Y-%m-%d/%H-%M-%S")
         if dist_info().world_size > 1 and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            from hydratrain.dist.process_group import base_store
-
             store = base_store()
             key = "hydratrain/run_stamp/" + _launch_key()
             _STAMP = store.compare_set(key, "", mine).decode()
@@ -80,13 +91,9 @@ def unique_dir(base: str, kind: str) -> str:
     stamp = run_stamp()
     key = (base, kind, stamp)
     if key not in _UNIQUE_DIRS:
-        from hydratrain.paths import join
-
         if _INHERITED or _only_prints():
             chosen = stamp
         elif dist_world_size() > 1 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-            from hydratrain.dist.process_group import base_store, store_get
-
             store = base_store()
             store_key = f"hydratrain/unique_dir/{_launch_key()}/{kind}"
             if env_rank() == 0 and not store.check([store_key]):
@@ -191,9 +198,6 @@ def output_base(*, _root_: Any = None) -> str:
     value that cannot be resolved (``${oc.env:SCRATCH}/runs`` with SCRATCH unset) is the one-line config error, exit
     status 2, as in every other key, not Hydra's 190-line traceback of its run dir. ``_root_``: the whole
     config (OmegaConf passes it)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         base = OmegaConf.select(_root_, "paths.output_dir", default=None)
         if base is not None or "trainer" not in _root_:  # (Hydra's own node alone: --cfg hydra)
@@ -201,8 +205,6 @@ def output_base(*, _root_: Any = None) -> str:
         problem = ConfigError("paths.output_dir", "<missing>", "the run dir is built on it: choose a paths option "
                               "with paths=NAME (conf/paths/), not ~paths")  # a config error, not a dir of that name
     except OmegaConfBaseException as err:
-        from hydratrain.config.validate import unresolvable
-
         problem = unresolvable("paths.output_dir", _root_.paths._get_node("output_dir")._value(), err)
     say(f"hydratrain: {problem.label}: {problem}")
     raise SystemExit(EXIT_CONFIG) from None  # (an exception would come out as Hydra's traceback)
@@ -216,9 +218,7 @@ def output_subdir(*, _root_: Any = None) -> Optional[str]:
     (:func:`hydratrain.checkpoint.manager.other_trial`). ``_root_``: the whole config (OmegaConf passes it)."""
     if env_rank() != 0:
         return None
-    from hydra.core.hydra_config import HydraConfig
 
-    from hydratrain.dist.run_lock import held_by_another
 
     try:
         output_dir = HydraConfig.get().runtime.output_dir
@@ -243,8 +243,6 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
     every rank), before Hydra writes a job's ``.hydra/`` (:func:`output_subdir`, rank 0), and for the sweep dir
     (``sweep``) before Hydra's ``multirun.yaml`` (``hydratrain.sweep``). Under torchrun each node's first rank says the
     line, and the other ranks leave after rank 0 (the agent's root cause)."""
-    from hydratrain.errors import OutputError, unwritable_cause, unwritable_message
-
     probe = run_dir / f".hydratrain-write-probe-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -254,7 +252,6 @@ def refuse_a_full_run_dir(run_dir: Path, probe_bytes: int = 65536, sweep: bool =
         cause = unwritable_cause(err, writes=(run_dir,))
         if cause is None:
             return
-        from hydratrain.checkpoint.manager import latest_checkpoint
 
         last = ... if sweep else (latest_checkpoint(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir()
                                   else None)
@@ -277,9 +274,6 @@ def refuse_an_unwritable_run_dir(config: Any) -> None:
     earliest point before Hydra makes ``hydra.run.dir`` and opens ``train_rank<R>.log`` in it, whose errors are
     Hydra's traceback. Probes the run dir (:func:`refuse_a_full_run_dir`: one line and ``SystemExit(3)`` when it takes
     no writes). A ``hydra.run.dir`` that does not resolve is left to Hydra (its resolvers say why)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         value = OmegaConf.select(config, "hydra.run.dir")
     except OmegaConfBaseException:
@@ -291,10 +285,6 @@ def refuse_an_unwritable_run_dir(config: Any) -> None:
 def _of_another_job(run_dir: Path) -> bool:
     """Whether another job of this multirun already ran in this sweep job's ``run_dir`` (the job then stops:
     ``hydratrain.run``)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    from hydratrain.sweep import other_job_of_this_multirun
 
     hydra_cfg = HydraConfig.get()
     return hydra_cfg.mode == RunMode.MULTIRUN and other_job_of_this_multirun(run_dir, hydra_cfg) is not None
@@ -303,17 +293,12 @@ def _of_another_job(run_dir: Path) -> bool:
 def _of_another_trial(run_dir: Path, root: Any) -> bool:
     """Whether this sweep job's ``run_dir`` holds a latest checkpoint that another trial wrote (the job then stops:
     ``hydratrain.run``), judged on ``root``, the job's whole config."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-    from omegaconf import OmegaConf
-
     hydra_cfg = HydraConfig.get()
     if root is None or hydra_cfg.mode != RunMode.MULTIRUN:
         return False
     record = trial_record(run_dir, OmegaConf.select(root, "checkpoint.auto_resume", default=True))
     if record is None:
         return False
-    from hydratrain.checkpoint.manager import other_trial
 
     task = OmegaConf.masked_copy(root, [k for k in root if k != "hydra"])
     # (a DictConfig's container: a dict): why the ignore below
@@ -327,8 +312,6 @@ def trial_record(run_dir: Path, auto_resume: bool) -> Optional[Path]:
     run, no ``save_last``: its ``results.json`` is there), its ``.hydra/``, so that a sweep re-run with other
     values cannot replace such a trial's results, ``.hydra/`` and curves without a word. None when the dir holds
     neither."""
-    from hydratrain.checkpoint.manager import list_checkpoints
-
     own = list_checkpoints(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else []
     if own:
         return own[-1][1] if auto_resume else None
@@ -341,10 +324,6 @@ def register_resolvers() -> None:
     """Register ``${hydratrain.stamp:}``, ``${hydratrain.unique_dir:BASE,KIND}``, ``${hydratrain.output_base:}``,
     ``${hydratrain.output_subdir:}``, ``${hydratrain.rank:}`` and ``${hydratrain.path:BASE,REST}``
     (:func:`hydratrain.paths.join`) (idempotent)."""
-    from omegaconf import OmegaConf
-
-    from hydratrain.paths import join
-
     for name, fn in (("hydratrain.stamp", run_stamp), ("hydratrain.unique_dir", unique_dir),
                      ("hydratrain.output_base", output_base),
                      ("hydratrain.output_subdir", output_subdir),
@@ -353,27 +332,52 @@ def register_resolvers() -> None:
             OmegaConf.register_new_resolver(name, fn, use_cache=False)
 
 
-def launch_dir() -> Path:
-    """The directory the command was launched from: Hydra's ``hydra.runtime.cwd`` (set before any ``chdir`` and
-    carried to launcher workers with the job's config), else the current directory."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.cwd)
-    return Path(os.getcwd())
-
-
-def resolve_path(value: Union[str, Path], base: Optional[Path] = None) -> Path:
-    """``value`` with ``~`` expanded, made absolute against ``base`` (default :func:`launch_dir`) when relative."""
-    path = Path(value).expanduser()
-    return path if path.is_absolute() else (base if base is not None else launch_dir()) / path
-
-
 def run_dir_of() -> Path:
     """Hydra's output dir for this job, absolute (a relative one is below the launch dir); the current dir when
     called without Hydra."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized():
         return resolve_path(HydraConfig.get().runtime.output_dir)
     return Path(os.getcwd())
+
+
+def other_job_of_this_multirun(job_dir: Path, hc: Any) -> Optional[int]:
+    """The number of another job of the running multirun that already ran in ``job_dir`` (its ``status.json``
+    says so: two jobs whose ``hydra.sweep.subdir`` resolves to one dir), or None. ``hc``: the job's Hydra config."""
+    status = _read_json(job_dir / "status.json")
+    mark = _read_json(_sweep_dir(hc) / MULTIRUN_MARK)
+    num = status.get("num")
+    if mark and status.get("multirun") == mark.get("id") and num is not None and num != hc.job.num:
+        return num
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _sweep_dir(hc: Any) -> Path:
+    """``hydra.sweep.dir``, a relative one resolved against the launch dir (``hydra.runtime.cwd``): with
+    ``hydra.job.chdir=true`` a job's callbacks run in its own dir."""
+    return resolve_path(str(hc.sweep.dir), Path(str(hc.runtime.cwd)))
+
+
+def resume_hint(how: Optional[str]) -> str:
+    """``; <how>: <the command that resumes this run>`` (:func:`hydratrain.dist.launch.resume_command`) when ``how``
+    is given, this is a single run (a sweep's failed job leaves the sweep going) and its run dir holds a complete
+    checkpoint to resume from; else ''. Raises nothing."""
+    if not how or in_multirun():
+        return ""
+    try:
+        run_dir = run_dir_of()
+        if latest_checkpoint(run_dir / "checkpoints") is None:
+            return ""
+        return f"; {how}: {resume_command(run_dir)}"
+    except Exception:  # noqa: BLE001 (the line it ends is what matters)
+        return ""
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

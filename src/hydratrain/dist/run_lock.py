@@ -37,6 +37,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from omegaconf import OmegaConf
+
+from hydratrain.config import flat_keys
+from hydratrain.dist.store import base_store, store_get
+from hydratrain.errors import ConfigError
+
 log = logging.getLogger(__name__)
 _HELD: list = []  # the RunDirLocks this process holds now
 
@@ -307,7 +313,6 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
     different replicas together without a word.
     """
     global _HOLDS
-    from hydratrain.errors import ConfigError
 
     differs: Any
     lock, problem, differs = None, "", None
@@ -321,8 +326,6 @@ def hold_run_dir(run_dir: Path, info, key: str, value: Optional[str] = None, whi
         except OSError as err:
             problem = f"cannot create the lock file {err.filename or run_dir / LOCK_NAME}: {err.strerror}"
     if info.world_size > 1 and os.environ.get("MASTER_ADDR"):
-        from hydratrain.dist.process_group import base_store, store_get
-
         store = base_store()
         store_key = f"hydratrain/run_dir/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/hold{_HOLDS}"
         mine = str(Path(run_dir).resolve())
@@ -381,9 +384,6 @@ def shared_config(cfg) -> dict:
     """The flat ``{key: value}`` of a run config that every rank of a launch must share (:func:`hold_run_dir`):
     all but :data:`_PER_NODE`, and for :data:`_PER_NODE_INPUTS` whether each is given (``<given>``, or its empty
     value)."""
-    from omegaconf import OmegaConf
-
-    from hydratrain.config import flat_keys
 
     tree = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     shared = {}

@@ -60,7 +60,7 @@ from hydratrain.footprint import (
     step_temporaries,
 )
 from hydratrain.memsim import META, Mode, Tracker, fuse_norms, inner, shadow, shadow_module
-from hydratrain.models.gpt import Block, GPTConfig
+from hydratrain.models.gpt_layers import Block, GPTConfig
 
 TARGET = "hydratrain.models.GPT"
 

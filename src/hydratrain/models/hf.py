@@ -38,7 +38,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 
+import torch
+from torch import nn
+
+from hydratrain.data.tokenizer import EOT, load_tokenizer, padded_vocab_size
 from hydratrain.errors import ConfigError
+from hydratrain.parallel.init import canonical_name
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 _CLASSES: dict[type, type] = {}
@@ -202,8 +207,6 @@ class PretrainedWeights:
 def _aliases(model, canonical: bool = True) -> dict[int, list[str]]:
     """``id(tensor) -> every name`` of each parameter and persistent buffer of ``model`` (tied weights have several),
     in model order, wrapper prefixes removed."""
-    from hydratrain.parallel.init import canonical_name
-
     out: dict[int, list[str]] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + \
             [(n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in model.state_dict()]:
@@ -269,8 +272,6 @@ class HFCausalLM:
         """Fill ``tensor`` (the full shape of parameter ``name``; a name may carry wrapper prefixes) with its initial
         values: ``model.pretrained``'s tensor when given (cast to ``tensor``'s dtype), else the architecture's own
         init drawn from the global RNG seeded with ``generator``'s seed (forked: the caller's RNG state is kept)."""
-        import torch
-
         if self._hydratrain_weights is not None:
             names = self._names_of(name)
             key = self._hydratrain_weights.key_for(names, getattr(self, "base_model_prefix", "") or "")
@@ -283,8 +284,6 @@ class HFCausalLM:
     def init_buffers(self) -> None:
         """Recompute every buffer by the architecture's own init (rotary tables, after ``to_empty`` hold garbage),
         parameters untouched; then ``model.pretrained``'s persistent buffers, if it stores any."""
-        import torch
-
         with _only_this(self, None, None):
             self.initialize_weights()
         if self._hydratrain_weights is not None:
@@ -296,8 +295,6 @@ class HFCausalLM:
                         buf.copy_(self._hydratrain_weights.read(key))
 
     def _names_of(self, name: str) -> list[str]:
-        from hydratrain.parallel.init import canonical_name
-
         target = self.get_parameter(name)
         for names in _aliases(self).values():
             if canonical_name(name) in names:
@@ -320,7 +317,6 @@ def export_pretrained(config, hf_class: type[Any], state_dict: dict, out_dir: Un
     writing, so a sharded or wrapped model is never asked for its tensors)."""
     import copy
 
-    import torch
 
     out = Path(out_dir)
     config = copy.deepcopy(config)
@@ -348,7 +344,6 @@ def save_tokenizer(tokenizer_json: Union[str, Path], out_dir: Path) -> None:
     tokenizer (tokenizer.json, tokenizer_config.json), ``<|endoftext|>`` as its end-of-text token when it has one."""
     from transformers import PreTrainedTokenizerFast
 
-    from hydratrain.data.tokenizer import EOT
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
     if tok.convert_tokens_to_ids(EOT) is not None and EOT in tok.get_vocab():
@@ -359,8 +354,6 @@ def save_tokenizer(tokenizer_json: Union[str, Path], out_dir: Path) -> None:
 
 @contextlib.contextmanager
 def _forked_rng(device) -> Iterator[None]:
-    import torch
-
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
         yield
@@ -372,8 +365,6 @@ def _only_this(model, name: Optional[str], tensor) -> Iterator[None]:
     which ``transformers``' init functions skip) except: parameter ``name``, whose holders (tied ones too) hold
     ``tensor`` instead (unmarked); with ``name`` None, the buffers. Modules' own marks are cleared so the init visits
     every module. Everything is put back after."""
-    from torch import nn
-
     params = {id(p): p for p in model.parameters()}
     buffers = [b for b in model.buffers()]
     target = model.get_parameter(name) if name is not None else None
@@ -425,8 +416,6 @@ def causal_lm(config: Union[None, str, dict] = None, pretrained: Optional[str] =
     naming the key (see :func:`hf_config`, :class:`PretrainedWeights`, :func:`check_pretrained`; ``model.vocab_size``
     or ``data.tokenizer`` when the tokenizer has more tokens than the model's vocabulary).
     """
-    import torch
-
     transformers = _transformers()
     made = hf_config(config, pretrained)
     fixed = made.vocab_size if (pretrained or isinstance(config, (str, Path)) or
@@ -463,14 +452,10 @@ def causal_lm(config: Union[None, str, dict] = None, pretrained: Optional[str] =
 
 
 def _padded(n: int) -> int:
-    from hydratrain.data.tokenizer import padded_vocab_size
-
     return padded_vocab_size(n)
 
 
 def _check_tokenizer(path: Union[str, Path], vocab: int, fixed: bool) -> None:
-    from hydratrain.data.tokenizer import load_tokenizer
-
     path = Path(path).expanduser()
     if path.is_dir():
         path = path / "tokenizer.json"

@@ -35,9 +35,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator, Optional
 
+import torch
 from torch import nn
 
-from hydratrain.config.validate import COMPILE_VALUES, compile_setting  # noqa: F401  (re-exported)
+from hydratrain.config.values import COMPILE_VALUES, compile_setting  # noqa: F401  (re-exported)
+from hydratrain.errors import ConfigError
 from hydratrain.parallel.blocks import Blocks, find_blocks
 
 log = logging.getLogger("hydratrain.compile")
@@ -64,8 +66,6 @@ def choose_compile(setting: Any, device_type: str, strategy: str, activation_che
     Pure: reads no device. Raises :class:`~hydratrain.errors.ConfigError` naming ``trainer.compile`` when the setting
     is not one of :data:`COMPILE_VALUES`, or asks for blocks (``blocks``, or ``true`` under ``fsdp``/``hsdp``) of a
     model with none."""
-    from hydratrain.errors import ConfigError
-
     value = compile_setting(setting)
     if value == "false":
         return CompileChoice("none", "trainer.compile=false")
@@ -130,8 +130,6 @@ def apply_activation_checkpointing(model: nn.Module, blocks: Optional[Blocks] = 
 def _statistics_kept(norms: list) -> Iterator[None]:
     """The running statistics (mean, var, batch count) of ``norms`` as they are on entry, put back on exit: the
     recomputation of a checkpointed block in backward must not update them again."""
-    import torch
-
     with torch.no_grad():
         kept = [[b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
                 for m in norms]
@@ -176,8 +174,6 @@ def eager() -> ContextManager:
     """A context in which compiled modules run eagerly (``torch.compiler.set_stance("force_eager")``). Evaluation
     and sampling run in it: compiled graphs serve the training steps, and an eval (no grad, eval mode) or each new
     length of a generated sequence would otherwise be compiled again, which costs more than it saves."""
-    import torch
-
     return torch.compiler.set_stance("force_eager")
 
 
@@ -198,7 +194,6 @@ class CompileClock:
     def step_done(self, index: int, started: float, last: bool = False) -> None:
         if self.done or index > 1:
             return
-        import torch
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
+from hydratrain.errors import ConfigError
 from hydratrain.protocols import no_split_module_names
 
 
@@ -132,8 +133,6 @@ def find_blocks(model: nn.Module, block_classes: Optional[Sequence[str]] = None,
     Raises :class:`~hydratrain.errors.ConfigError` naming ``key`` when a given class name matches no module.
     """
     if block_classes:
-        from hydratrain.errors import ConfigError
-
         names = [str(n) for n in block_classes]
         present = {type(_inner(m)) for m in model.modules()}
         for name in names:

@@ -23,6 +23,8 @@ from typing import ContextManager, Optional
 
 import torch
 
+from hydratrain.metrics import matmul_flops
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRESET_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A precision whose matmuls run this many times slower than those of the preset ``auto`` picks is a slow path worth a
@@ -105,8 +107,6 @@ class Precision:
         The rates are the ones MFU uses (:func:`hydratrain.metrics.matmul_flops`): on CPU the matmul measured
         per machine and dtype and cached, on CUDA the datasheet peak of the device (measured when the table has
         none, e.g. bf16 on a V100, which only emulates it). Costs nothing when this is the preset auto picks."""
-        from hydratrain.metrics import matmul_flops
-
         faster = auto_preset(device)
         if faster == self.name:
             return None

@@ -19,10 +19,14 @@ import re
 from typing import ContextManager, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from hydratrain import components
 from hydratrain.config.schema import FSDPStrategy
 from hydratrain.config.settings import ModelSettings, option_value
+from hydratrain.config.values import shard_on_one_rank_setting
+from hydratrain.dist.env import dist_info
 from hydratrain.errors import ConfigError, HydratrainError
 from hydratrain.parallel import init as param_init
 from hydratrain.parallel.ac_compile import (
@@ -54,7 +58,6 @@ def rank0_buffers(buffers: list) -> None:
     one broadcast per dtype and device of the buffers flattened together, as DDP coalesces its own."""
     from collections import defaultdict
 
-    import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     groups = defaultdict(list)
@@ -75,8 +78,6 @@ def rank0_buffers_before_training_forwards(model: nn.Module) -> None:
     updates it with the rank's own batch), so a save or an eval, which make them rank 0's
     (:meth:`Strategy.sync_buffers`), changes nothing in the training. A model without persistent buffers gets no
     hook and pays nothing."""
-    import torch.distributed as dist
-
     held = persistent_buffers(model)
     if held and dist.is_initialized() and dist.get_world_size() > 1:
         model.register_forward_pre_hook(lambda module, args: rank0_buffers(held) if module.training
@@ -241,8 +242,6 @@ class Strategy:
         Without this the eval would mix
         per-rank statistics, and a checkpoint could hold any rank's (DCP writes each replicated tensor from one
         rank of its choosing), so a resume would not continue the run exactly."""
-        import torch.distributed as dist
-
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
         rank0_buffers(persistent_buffers(model))
@@ -341,8 +340,6 @@ def _all_reduce_in(dtype: torch.dtype):
     averages each gradient bucket in ``dtype``: cast, divide by the world size, all-reduce, cast back into the
     bucket. The shape of torch's ``fp16_compress_hook``, for any dtype and backend (torch's bf16 hook refuses gloo,
     whose all-reduce handles bfloat16 fine)."""
-    import torch.distributed as dist
-
     def hook(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         buffer = bucket.buffer()
@@ -372,7 +369,6 @@ class FSDP(Strategy):
 
     def _mesh(self, device: torch.device):
         """The 1-D mesh of all ranks (every parameter sharded across all of them)."""
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(device.type, (dist.get_world_size(),))
@@ -465,15 +461,12 @@ class FSDP(Strategy):
         rank alike (LayerDrop drawn from a generator seeded alike) passes. First forward only, so later steps cost
         nothing; a mismatch in a later step ends as :class:`CollectiveTimeout`. Not with ``trainer.compile`` (the
         hooks would run in the compiled region) nor on one rank."""
-        import torch.distributed as dist
-
         if not dist.is_initialized() or dist.get_world_size() == 1 or self.compiled:
             return contextlib.nullcontext()
         return self._same_modules(model)
 
     @contextlib.contextmanager
     def _same_modules(self, model):
-        import torch.distributed as dist
         from torch.distributed.fsdp import FSDPModule
 
         device = self._device if self._device is not None else torch.device("cpu")
@@ -524,8 +517,6 @@ class FSDP(Strategy):
     def _average_replicated(self):
         """After the backward it wraps: the gradients of the parameters every rank holds whole (0-d, which
         fully_shard leaves out) averaged over all ranks, in one all-reduce (sum / world_size: gloo has no AVG)."""
-        import torch.distributed as dist
-
         yield
         grads = [p.grad for p in self._replicated if p.grad is not None]
         if not grads or dist.get_world_size() == 1:
@@ -564,8 +555,6 @@ class HSDP(FSDP):
         """``(replicas, shard_size)`` for ``strategy.shard_size`` (null: ``local_world_size``) on ``world_size``
         ranks. Raises :class:`~hydratrain.errors.ConfigError` naming ``strategy.shard_size`` when it does not divide
         the world size."""
-        from hydratrain.errors import ConfigError
-
         size = local_world_size if shard_size is None else int(shard_size)
         if size < 1 or world_size % size:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -575,10 +564,8 @@ class HSDP(FSDP):
         return world_size // size, size
 
     def _mesh(self, device):
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from hydratrain.dist.env import dist_info
 
         shape = self.mesh_shape(self.cfg.strategy.shard_size, dist.get_world_size(), dist_info().local_world_size)
         return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
@@ -608,8 +595,6 @@ def single_on_one_rank(name: str, setting, world_size: int, device_type: str, cp
 
     Pure: reads no device. Raises :class:`ConfigError` naming ``strategy.shard_on_one_rank`` when it is not
     auto/true/false, or is false with ``strategy.cpu_offload=true`` at world size 1."""
-    from hydratrain.config.validate import shard_on_one_rank_setting
-
     value = shard_on_one_rank_setting(setting)
     if name not in ("fsdp", "hsdp") or world_size != 1 or value == "true":
         return None
@@ -648,8 +633,6 @@ def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.dev
     :class:`ConfigError`: a meta build of a model that nothing could initialise (:func:`~hydratrain.parallel.init.
     uninitialisable`), or what the build raised.
     """
-    from hydratrain import components
-
     kind = param_init.protocol_of_class(components.model_class(cfg))
     build_device = strategy.build_device(device, kind)
     raw = components.build_model(cfg, build_device, vocab_size, checked=True)  # on meta: the one check() built

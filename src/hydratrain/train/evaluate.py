@@ -23,6 +23,7 @@ from hydratrain.train.batch import (
     prediction,
     rows,
     select,
+    shapes,
     targets_of,
     upcast,
 )
@@ -201,8 +202,6 @@ class Evaluator:
         try:
             metric.update(outputs, targets)
         except (TypeError, ValueError, RuntimeError, IndexError, KeyError, AttributeError) as err:
-            from hydratrain.train.batch import shapes
-
             why = (str(err).strip().splitlines() or [type(err).__name__])[0]
             target = f"{type(metric).__module__}.{type(metric).__qualname__}"
             raise ConfigError(f"metrics.{name}._target_", target, f"refused the model's outputs {shapes(outputs)} "

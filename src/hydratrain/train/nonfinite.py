@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from hydratrain.dist.collectives import rank_and_world
 from hydratrain.errors import DivergenceError
 
 log = logging.getLogger("hydratrain.trainer")
@@ -108,8 +109,6 @@ class NonFiniteGuard:
         the world size). A collective: :meth:`read` calls it on every rank alike when updates were dropped, which
         the global gradient norm decides for all. Each rank used to report its own loss: rank 0's line read "loss
         5.252", pointing at the lr, when rank 1's batch had given a NaN loss."""
-        from hydratrain.dist.collectives import rank_and_world
-
         world = rank_and_world()[1]
         both = torch.tensor([loss, 0.0 if math.isfinite(loss) else 1.0], dtype=torch.float64, device=self._count.device)
         if world > 1:

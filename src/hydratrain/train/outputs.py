@@ -18,8 +18,14 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from hydratrain import components
+from hydratrain.checkpoint.export import export_model, write_safetensors
+from hydratrain.data.loader import is_dataset_node
+from hydratrain.errors import HydratrainError, unwritable_cause
+from hydratrain.parallel.ac_compile import eager
 from hydratrain.train.batch import prediction
 
 log = logging.getLogger("hydratrain")
@@ -41,8 +47,6 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     TensorBoard), so a key swept over null and numbers is one number column, not numbers beside a string "null".
     The components are columns too: ``model`` (its option or class), every scalar keyword of the model node
     (``model.d_model``, a user model's ``model.hidden``), ``data`` and ``loss``."""
-    from hydratrain import components
-
     out: dict[str, Any] = {"model": components.model_name(cfg)}
     for key, value in components.model_kwargs(cfg).items():
         if value is None or isinstance(value, (int, float, str, bool)):
@@ -52,7 +56,6 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     out.update({k: _plain(OmegaConf.select(cfg, k)) for k in HPARAM_KEYS})
     out["precision.resolved"] = precision_name
     out["world_size"] = world_size
-    from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         for item in HydraConfig.get().overrides.task:
@@ -66,8 +69,6 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
 
 def _choice(group: str, default) -> str:
     """The option chosen for ``group`` (Hydra's runtime choices), else ``default``."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized() and HydraConfig.get().runtime.choices.get(group):
         return str(HydraConfig.get().runtime.choices[group])
     return str(_plain(default))
@@ -76,8 +77,6 @@ def _choice(group: str, default) -> str:
 def model_record(cfg: DictConfig, vocab_size: Optional[int]) -> dict:
     """The model as built: ``_target_`` and its keyword arguments, the data's vocabulary filled in (hydratrain's own
     keys left out): what rebuilds it without the run config (``hydra.utils.instantiate(record)``)."""
-    from hydratrain import components
-
     return {"_target_": cfg.model.get("_target_"), **components.model_kwargs(cfg, vocab_size)}
 
 
@@ -110,7 +109,6 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Op
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from hydratrain.checkpoint.export import export_model, write_safetensors
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not is_main:
@@ -179,8 +177,6 @@ def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, a
 def language_model(cfg: DictConfig) -> bool:
     """Whether the run trains a language model on token data (a built-in corpus and a loss that reports perplexity,
     the next-token loss): only then is there a text sample to generate."""
-    from hydratrain.data.loader import is_dataset_node
-
     return not is_dataset_node(cfg.data) and OmegaConf.select(cfg, "loss._target_") == "hydratrain.losses.NextTokenLoss"
 
 
@@ -277,7 +273,6 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
     if cfg.trainer.sample_tokens and language_model(cfg):
         started = time.perf_counter()
         log.info("sampling %d tokens (trainer.sample_tokens) ...", cfg.trainer.sample_tokens)  # seconds to minutes
-        from hydratrain.parallel.ac_compile import eager
 
         with eager():  # each new length would be compiled again (ac_compile.eager)
             text = printable(sample_text(cfg, strategy.unwrap(model), info.device,
@@ -311,8 +306,6 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
 def _keep_going(refused: list, run_dir: Path):
     """Append to ``refused`` an error of the block that is an output refused by its dir under ``run_dir``
     (:func:`hydratrain.errors.unwritable_cause`), instead of raising it; raise any other."""
-    from hydratrain.errors import HydratrainError, unwritable_cause
-
     try:
         yield
     except Exception as err:

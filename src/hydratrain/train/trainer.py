@@ -25,15 +25,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hydratrain import timing
 from hydratrain.checkpoint.preemption import hold_sigterm
-from hydratrain.dist.launch import stop_if_launcher_gone
+from hydratrain.dist.launch import resume_command, stop_if_launcher_gone
 from hydratrain.errors import ConfigError, DivergenceError
 from hydratrain.optim import steps_per_evaluation
 from hydratrain.parallel.ac_compile import CompileClock, eager
 from hydratrain.parallel.strategy import is_collective_timeout
+from hydratrain.plan import is_out_of_memory
 from hydratrain.train import batch as batches_
 from hydratrain.train.callbacks import Callbacks
 from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
@@ -161,7 +163,6 @@ class Trainer:
         step)."""
         if self._counter is None:
             return None
-        import torch.distributed as dist
 
         counts = torch.stack([self._counter(b) for b in batches])
         total = counts.sum()
@@ -181,7 +182,6 @@ class Trainer:
         counted = counted or self._count(batches)
         if counted is None:
             return [accum] * accum, None
-        import torch.distributed as dist
 
         counts, total, work = counted
         if work is not None:
@@ -237,7 +237,6 @@ class Trainer:
         same on every rank: every rank checks its own first batch)."""
         if self._contract_checked:
             return self.loss_of(batch)
-        from hydratrain.plan import is_out_of_memory
 
         model_target, loss_target = self.contract
         known = {name for name, _ in self.strategy.unwrap(self.model).named_parameters()}
@@ -372,8 +371,6 @@ class Trainer:
         and googlenet drop their auxiliary logits): after this launch's first step, one no-grad eval-mode forward of
         its first micro-batch, the loss and each metric (on copies), so an output the loss or a metric refuses is one
         config-error line now, not a traceback at the first eval after the training. Raises :class:`ConfigError`."""
-        from hydratrain.plan import is_out_of_memory
-
         stage, outputs = "forward", None
         self.model.eval()
         try:
@@ -483,8 +480,6 @@ class Trainer:
                 self.strategy.sync_buffers(self.model)
                 self._save(self.progress.step)
             elif self.progress.step >= first and self._last_checkpoint() is not None:
-                from hydratrain.dist.launch import resume_command
-
                 log.info("steps after %s are in no checkpoint (checkpoint.save_last=false): a relaunch with a larger "
                          "trainer.max_steps resumes from it and trains them again: %s trainer.max_steps=<more>",
                          self._last_checkpoint(), resume_command(self.checkpoints.root.parent))

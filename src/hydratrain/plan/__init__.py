@@ -16,16 +16,25 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional
 
+import torch
+from omegaconf import OmegaConf
+
+from hydratrain import components
+from hydratrain.components import locate
 from hydratrain.config.schema import AdamW8bitConfig, AdamWConfig, FSDPStrategy, SizeBasedWrapPolicy
 from hydratrain.config.settings import DataSettings, option_value
-from hydratrain.errors import ConfigError
-from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup, predict
+from hydratrain.errors import ConfigError, OutOfMemoryError
+from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup
+from hydratrain.protocols import has_memory_plan
+from hydratrain.stepsim import describe, token_batch
+from hydratrain.stepsim import predict as simulated
 
 __all__ = ["GiB", "ModelSpec", "Plan", "PlanUnavailable", "Setup", "predict", "suggestions", "budget_bytes",
-           "plan_run", "main", "OutOfMemoryGuard"]
+           "plan_run", "OutOfMemoryGuard"]
 log = logging.getLogger("hydratrain.plan")
 
 
@@ -204,9 +213,6 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
     shapes the generic plan runs the model on (without it, token data gives a ``(batch_size, data.seq_len)`` token
     batch). Raises :class:`PlanUnavailable` for a strategy the planner does not model, and
     :class:`~hydratrain.errors.ConfigError` for a model node that names no class."""
-    from omegaconf import OmegaConf
-
-    from hydratrain import components
 
     if strategy.name not in ("single", "ddp", "fsdp", "hsdp"):
         raise PlanUnavailable(f"strategy={strategy.name} is not modelled by the planner")
@@ -237,8 +243,6 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
 def _example(example: Optional[Callable[[int], Any]], batch_size: int, seq_len: int) -> tuple:
     """The example micro-batch, described (:func:`hydratrain.stepsim.describe`): ``example(batch_size)``'s, a
     token batch of ``seq_len`` without it, else none (the generic plan then says it has no activations)."""
-    from hydratrain.stepsim import describe, token_batch
-
     if example is not None:
         try:
             return describe(example(batch_size))
@@ -316,11 +320,8 @@ def plan_run(cfg, strategy, info, precision, vocab_size: Optional[int],
     planner simulates. Never stops the run for the planner's sake: returns None (and logs why) when the planner
     cannot predict this setup or ``plan.enabled`` is false; raises the :class:`ConfigError` of a config fault it
     meets (a data batch outside the batch contract), which the run would raise at its first step."""
-    from omegaconf import OmegaConf
-
     if not OmegaConf.select(cfg, "plan.enabled", default=True):
         return None
-    import torch
 
     # the run's random state stays as seeded: a DataLoader iterator (the example batch) draws its base seed from the
     # global generator, and the model is built after the plan (an eager build draws its initial weights from it)
@@ -329,8 +330,6 @@ def plan_run(cfg, strategy, info, precision, vocab_size: Optional[int],
 
 
 def _plan_run(cfg, strategy, info, precision, vocab_size, example) -> Optional[RunPlan]:
-    from omegaconf import OmegaConf
-
     try:
         setup = setup_for(cfg, strategy, world_size=info.world_size, precision=precision.name,
                           vocab_size=vocab_size, device=info.device.type, baseline=0,
@@ -391,7 +390,6 @@ class OutOfMemoryGuard:
             return False
         import traceback
 
-        from hydratrain.errors import OutOfMemoryError
 
         what = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         log.error("out of memory:\n%s", "".join(traceback.format_exception(exc)), extra={"file_only": True})
@@ -410,13 +408,20 @@ class OutOfMemoryGuard:
                                f"({rp.budget_from}); {rp.advice()}") from None
 
 
-# ------------------------------------------------------------------------------------------------------ CLI
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m hydratrain.plan [OVERRIDES]``: :func:`hydratrain.plan_cli.main`."""
-    from hydratrain.plan_cli import main as cli
+# -------------------------------------------------------------------------------------------------- predict
+@lru_cache(maxsize=16)
+def _memory_model(target: str) -> Optional[Any]:
+    """The ``memory_plan`` classmethod of the class ``target`` names, or None (no such hook)."""
+    cls = locate(target, "model")
+    return cls.memory_plan if has_memory_plan(cls) else None
 
-    return cli(argv)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+def predict(s: Setup) -> Plan:
+    """The :class:`Plan` of setup ``s``: the model class's own ``memory_plan(s)`` where it has one that answers,
+    else the generic plan (:func:`hydratrain.stepsim.predict`). Raises what they raise
+    (:class:`hydratrain.plan.PlanUnavailable` when the model does not build on the meta device)."""
+    hook = _memory_model(s.model.target)
+    plan = hook(s) if hook is not None else None
+    if plan is None:
+        plan = simulated(s)
+    return plan
