@@ -448,7 +448,7 @@ class Trainer:
                     if diverged is not None:
                         raise diverged  # after the step's log line and scalars
                 self.callbacks.call("on_train_step_end", step, logs)
-                ended = self._end_of_step(step, votes, bool(logs))
+                ended = self._end_of_step(step, votes)
                 if ended == "preempted":
                     result.preempted = True
                     break
@@ -507,11 +507,11 @@ class Trainer:
         every_eval = self.tcfg.eval_every_n_steps
         return bool(every_eval) and step % every_eval == 0 and step < self.max_steps
 
-    def _end_of_step(self, step: int, votes: Optional[float], logged: bool) -> Optional[str]:
+    def _end_of_step(self, step: int, votes: Optional[float]) -> Optional[str]:
         """Eval, periodic save, and the preemption and callbacks' agreements after optimizer step ``step``
         (``votes``: the ranks' mean preemption vote when this was a log step, else None). Returns "preempted" or
         "stopped" (a callback asked) to stop now, else None."""
-        evaluated = self._eval_due(step)
+        logged, evaluated = votes is not None, self._eval_due(step)
         if evaluated:
             self.read_guard(step)
             self._eval_and_log(step)
