@@ -14,9 +14,9 @@ if __name__ == "__main__":  # (not when imported: a process that imports train.p
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from hydratrain.cli import with_config_checks  # noqa: E402
 from hydratrain.config import register_configs  # noqa: E402
 from hydratrain.dist.run_dir import register_resolvers  # noqa: E402
-from hydratrain.run import with_config_checks  # noqa: E402
 
 register_configs()
 register_resolvers()
@@ -25,7 +25,7 @@ register_resolvers()
 @with_config_checks  # --cfg job: the printed config gets the run's checks (exit 2 and its one line when one fails)
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def train(cfg: DictConfig) -> float:
-    from hydratrain.run import main
+    from hydratrain.run import main  # (after composing: torch's ~2 s are not paid by --help and --cfg)
 
     return main(cfg).objective  # trainer.objective (eval/loss by default): what a sweeper optimises
 

@@ -10,10 +10,13 @@ import contextlib
 import copy
 import logging
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+from omegaconf import DictConfig
 
+from hydratrain import components
+from hydratrain.protocols import has_flops_per_token
 from hydratrain.train.batch import forward, loss_of, rebuilt, rows
 
 log = logging.getLogger(__name__)
@@ -100,3 +103,16 @@ def _fake(mode: Any, value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return rebuilt(value, [_fake(mode, v) for v in value])
     return value
+
+
+def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Optional[int], seq_len: int) -> float:
+    """Training FLOPs per item (token for token data, else sample) for MFU: the model's own formula
+    (``flops_per_token(seq_len)``) where it has one and the data has tokens, else counted on a meta copy of the
+    model (:func:`hydratrain.flops.counted_flops_per_sample`)."""
+    from hydratrain.flops import counted_flops_per_sample  # (start-up: torch ~2 s)
+
+    if seq_len and has_flops_per_token(raw):
+        return float(raw.flops_per_token(seq_len))
+    per_sample = counted_flops_per_sample(lambda: components.build_model(cfg, "meta", vocab_size, checked=True),
+                                          train_batches.example(), loss_fn)
+    return per_sample / seq_len if seq_len else per_sample

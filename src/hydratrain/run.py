@@ -7,58 +7,66 @@ objects (:class:`~hydratrain.parallel.precision.Precision`).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import sys
+import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional
 
-from hydra.core.hydra_config import HydraConfig
+import numpy as np
+import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
-from hydratrain import components, exits, timing
+from hydratrain import auto_batch, components, exits, timing
 from hydratrain.checkpoint.layout import (
     find_resume,
-    list_checkpoints,
-    other_trial,
     recover_unfinished_saves,
     with_previous,
 )
+from hydratrain.checkpoint.manager import CheckpointManager
 from hydratrain.checkpoint.preemption import Preemption, guard
+from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, SchedulerState, scheduler_state
+from hydratrain.cli import check, select_value
 from hydratrain.components import model_settings
-from hydratrain.config.launcher import launched_processes
-from hydratrain.config.settings import DataSettings, plus_as_force
-from hydratrain.dist.env import dist_info, quiet_console, under_submitit
-from hydratrain.dist.launch import note_launcher, resume_command, stop_if_launcher_gone, unwritable_message
+from hydratrain.config.settings import DataSettings
+from hydratrain.data.build import build_data, data_vocabulary
+from hydratrain.data.tokenizer import TextTokenizer
+from hydratrain.dist.collectives import max_over_ranks
+from hydratrain.dist.env import DistInfo, dist_info, quiet_console, under_submitit
+from hydratrain.dist.launch import note_launcher, resume_command, stop_if_launcher_gone
 from hydratrain.dist.process_group import device_type, process_group
-from hydratrain.dist.run_dir import other_job_of_this_multirun, run_dir_of, trial_record
+from hydratrain.dist.run_dir import (
+    refuse_a_path_that_is_not_utf8,
+    refuse_another_jobs_dir,
+    refuse_another_trial,
+    run_dir_key,
+    run_dir_of,
+    trial_record,
+)
 from hydratrain.dist.run_lock import hold_run_dir, shared_config
 from hydratrain.errors import (
     EXIT_PREEMPTED,
     RESERVED_EXIT_CODES,
     ConfigError,
     DamagedCheckpointError,
-    HydratrainError,
-    OutputError,
     say,
-    unwritable_cause,
 )
 from hydratrain.exits import in_multirun
+from hydratrain.flops import model_flops
+from hydratrain.metrics import peak_flops, peak_memory_bytes, reset_peak_memory
+from hydratrain.optim import build_optimizer, build_scheduler, optimizer_name, state_bytes, total_steps, warn_run_length
+from hydratrain.parallel.init import seed_training_rng
+from hydratrain.parallel.precision import Precision
+from hydratrain.parallel.strategy import Strategy, build_model, build_strategy
 from hydratrain.paths import Paths, launch_dir, resolve_path
-from hydratrain.protocols import has_flops_per_token
-
-if TYPE_CHECKING:  # Job's fields: these modules import torch, which this module loads only when a run builds
-    from torch import nn
-
-    from hydratrain.checkpoint.manager import CheckpointManager
-    from hydratrain.data.tokenizer import TextTokenizer
-    from hydratrain.dist.env import DistInfo
-    from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import Strategy
-    from hydratrain.train.step_logger import StepLogger
-    from hydratrain.train.trainer import Trainer
+from hydratrain.plan import OutOfMemoryGuard, plan_run
+from hydratrain.train import extras
+from hydratrain.train.evaluate import Evaluator
+from hydratrain.train.outputs import model_files, model_record, unwritable_as_output_error, write_outputs
+from hydratrain.train.step_logger import StepLogger
+from hydratrain.train.testing import evaluate_only, tester
+from hydratrain.train.trainer import Trainer, TrainProgress
 
 log = logging.getLogger("hydratrain")
 
@@ -84,12 +92,9 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
     exits.watch_interrupts()
     try:
         # from here to the first step a preemption signal ends the launch at once (the values are validated below)
-        guard(bool(_select(cfg, "checkpoint.save_on_sigterm", True)),
-              _exit_code(_select(cfg, "checkpoint.preempt_exit_code", None)), _under_submitit())
-        import torch  # noqa: F401  (imported here so that the start-up timeline charges it to "imports")
+        guard(bool(select_value(cfg, "checkpoint.save_on_sigterm", True)),
+              _exit_code(select_value(cfg, "checkpoint.preempt_exit_code", None)), _under_submitit())
 
-        from hydratrain.parallel.strategy import build_strategy  # (start-up: torch ~2 s)
-        from hydratrain.plan import OutOfMemoryGuard  # (start-up: torch ~2 s)
 
         timing.mark("imports")
         quiet_console()
@@ -98,31 +103,31 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
         launch = launch_dir()
         check(cfg, env.world_size, launch, env.local_world_size)
         run_dir = Path(run_dir) if run_dir is not None else run_dir_of()
-        _refuse_a_path_that_is_not_utf8(run_dir)
+        refuse_a_path_that_is_not_utf8(run_dir)
         if in_multirun():
-            _refuse_another_jobs_dir(run_dir)
-        lock = hold_run_dir(run_dir, env, *_run_dir_key(run_dir),
+            refuse_another_jobs_dir(run_dir)
+        lock = hold_run_dir(run_dir, env, *run_dir_key(run_dir),
                             prepare=lambda: recover_unfinished_saves(run_dir / "checkpoints"),
                             config=shared_config(cfg) if env.world_size > 1 else None)
         resume = find_resume(cfg.checkpoint, run_dir, launch, prefer_best=str(cfg.mode) == "eval")
         if resume is not None and in_multirun() and resume.parent == run_dir / "checkpoints":
-            _refuse_another_trial(cfg, resume, run_dir)
+            refuse_another_trial(cfg, resume, run_dir)
         elif resume is None and in_multirun() and (run_dir / "results.json").is_file():
             finished = trial_record(run_dir, cfg.checkpoint.auto_resume)
             if finished is not None:
-                _refuse_another_trial(cfg, finished, run_dir)
+                refuse_another_trial(cfg, finished, run_dir)
         strategy = build_strategy(cfg, env.world_size, device_type(str(cfg.device)))
         dcfg = cfg.distributed
         timing.mark("checks")
         with process_group(str(cfg.device), strategy.backend, strategy.needs_process_group, strategy.cpu_offload,
                            dcfg.failure_timeout_s, dcfg.collective_timeout_s) as info, OutOfMemoryGuard() as oom, \
-                _unwritable_as_output_error(run_dir, resume, Paths.resolve(cfg, launch).cache):
+                unwritable_as_output_error(run_dir, resume, Paths.resolve(cfg, launch).cache):
             timing.mark("device + distributed setup")
             result = _fit(cfg, strategy, info, run_dir, launch, resume, oom)
     except BaseException as err:
         exits.end(err, env)
     finally:
-        exits.leave(bool(_select(cfg, "checkpoint.save_on_sigterm", True)), lock)
+        exits.leave(bool(select_value(cfg, "checkpoint.save_on_sigterm", True)), lock)
         OmegaConf.set_readonly(cfg, readonly)  # a second run from Python with the same cfg works
     if result.preempted:  # (Preemption.stopping logged the checkpoint and the command that resumes)
         if in_multirun():
@@ -130,186 +135,6 @@ def main(cfg: DictConfig, run_dir: Optional[Path] = None):
                                 f"saving a checkpoint; to resume: {resume_command()}")
         raise SystemExit(cfg.checkpoint.preempt_exit_code)
     return result
-
-
-def check(cfg: DictConfig, world_size: int, launch: Path, local_world_size: Optional[int] = None) -> None:
-    """The config checks a run makes before it starts, and before any process group exists: the cross-field rules
-    (:func:`hydratrain.config.validate.validate`) and those of this machine and launch
-    (:func:`~hydratrain.config.validate.check_environment`: device, backend, world size, input paths;
-    ``world_size`` and ``local_world_size`` ranks, relative paths against the launch dir ``launch``). :func:`main`
-    runs them, and so does ``train.py --cfg job`` (:func:`with_config_checks`). Raises
-    :class:`~hydratrain.errors.ConfigError` on the first bad key."""
-    from hydratrain.config.validate import check_environment, validate  # (start-up: torch ~2 s)
-
-    validate(cfg)
-    check_environment(cfg, world_size, launch, local_world_size)
-
-
-def with_config_checks(entry):
-    """``train.py``'s entry: Hydra's ``@hydra.main`` function ``entry``, with the config errors a run ends with.
-
-    - An error Hydra finds while it composes the config (an unknown key or option, a wrong type) ends the launch as
-      any config error does: one line, ``hydratrain: config error: ...``, exit status 2, printed once per node under
-      torchrun (:func:`hydratrain.exits.end_composition`), not Hydra's few lines on every rank.
-    - When the command line printed the composed config instead of running (``--cfg job`` or ``--cfg all``: Hydra
-      prints it and never calls the task), :func:`check` runs on that same config, as a run of that command line
-      would, on the ranks the config's launcher starts (else this launch's). A failed check ends the command as it
-      ends the run: the run's one line (``hydratrain: config error: <key>=<value>: <why>``) and exit status 2, after
-      the printed config. When the printed config cannot be had, one line says it was not checked. Checks that need
-      the built data, model or process group (a token id beyond the vocabulary, the device mesh) run only in a run.
-    """
-    import functools
-
-    @functools.wraps(entry)
-    def run_or_print(*args, **kwargs):
-        if args or kwargs:  # a config passed in: Hydra only calls the task
-            return entry(*args, **kwargs)
-        exits.composing()
-        sys.argv[1:] = plus_as_force(sys.argv[1:])  # +model.init_device=meta, from before every node had the key
-        try:
-            result = entry()
-        except Exception as err:
-            exits.end_composition(err)  # (raises SystemExit for a composition error)
-            raise
-        except KeyboardInterrupt:  # Ctrl-C outside a run's own handling: Hydra composing, a launcher between jobs
-            exits.end_interrupted_launch()
-        finally:
-            exits.composing(False)
-        _check_printed_config()
-        return result
-
-    return run_or_print
-
-
-def _check_printed_config() -> None:
-    """:func:`with_config_checks`' part after Hydra's ``--cfg``: raises ``SystemExit`` with the failed check's
-    status."""
-    from hydra._internal.utils import get_args_parser
-
-    try:
-        args = get_args_parser().parse_args(sys.argv[1:])
-    except SystemExit:
-        return
-    if args.cfg not in ("job", "all"):
-        return
-    cfg = _printed_config()
-    if cfg is None:
-        say("hydratrain: the printed config was not checked (this Hydra keeps no composed config after --cfg): "
-            "a run of it checks it before it starts")
-        return
-
-    env = dist_info()
-    world, local = env.world_size, env.local_world_size
-    if _select(cfg, "launcher.name", "local") not in (None, "local"):  # the launcher's workers run it
-        world = launched_processes(cfg.launcher)
-        local = next((cfg.launcher[k] for k in ("nproc_per_node", "tasks_per_node") if k in cfg.launcher), world)
-    readonly = cfg._get_node_flag("readonly")
-    OmegaConf.set_readonly(cfg, True)
-    try:
-        check(cfg, world, launch_dir(), local)
-    except HydratrainError as err:
-        say(f"hydratrain: {err.label}: {err}")
-        raise SystemExit(err.exit_status) from None
-    finally:
-        OmegaConf.set_readonly(cfg, readonly)
-
-
-def _printed_config() -> Optional[DictConfig]:
-    """The task config Hydra composed for ``--cfg`` (``hydra`` removed): Hydra's ``show_cfg`` keeps the whole
-    composed config as the parent of the ``hydra`` node it hands to ``HydraConfig``; None when it is not there."""
-    try:
-        whole = HydraConfig.instance().cfg.hydra._get_parent()  # type: ignore[union-attr]  # (a DictConfig)
-    except Exception:  # noqa: BLE001 (another Hydra: said so by the caller)
-        return None
-    if not isinstance(whole, DictConfig) or "trainer" not in whole:
-        return None
-    if "hydra" in whole:  # --cfg all: the task's part, as a run gets it (a deep copy keeps the schema's types)
-        import copy
-
-        from omegaconf import open_dict, read_write
-
-        whole = copy.deepcopy(whole)
-        with read_write(whole), open_dict(whole):
-            del whole["hydra"]
-    return whole
-
-
-def _refuse_a_path_that_is_not_utf8(run_dir: Path) -> None:
-    """A run dir whose path holds bytes that are not UTF-8 (a dir name in a legacy encoding, which Python keeps as
-    surrogates): every log line naming it was a ``--- Logging error ---`` and TensorBoard's writer then failed with a
-    ``UnicodeEncodeError`` traceback. Raises :class:`~hydratrain.errors.ConfigError` on
-    ``hydra.run.dir`` (``hydra.sweep.dir`` in a sweep)."""
-    try:
-        str(run_dir).encode("utf-8")
-    except UnicodeEncodeError as err:
-        bad = os.fsencode(str(run_dir)[err.start:err.end])
-        refused = ConfigError("hydra.sweep.dir" if in_multirun() else "hydra.run.dir", str(run_dir),
-                              f"holds bytes that are not UTF-8 ({bad!r}: a dir name in another encoding?), which the "
-                              "logs and TensorBoard cannot write; launch from, or give, a dir whose path is UTF-8")
-        refused.discard_run_dir = True  # this launch made it for nothing (hydratrain.exits)
-        raise refused from None
-
-
-@contextlib.contextmanager
-def _unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir: Path):
-    """A write that a full, over-quota or read-only filesystem, or the permissions of a dir under ``run_dir`` or
-    ``cache_dir``, refused anywhere in the run (TensorBoard's events, the weights, results.json, a data cache under
-    ``cache_dir``; :func:`hydratrain.errors.unwritable_cause`) ends it as an :class:`~hydratrain.errors.OutputError`:
-    one line naming what was written where, the cause and its remedy and the checkpoint to resume from, exit status 3,
-    as a failed checkpoint save does, instead of the library's traceback. A permission error on another path (an
-    input that cannot be read) is raised as it was."""
-    try:
-        yield
-    except HydratrainError:
-        raise
-    except Exception as err:
-        compile_cache = _compile_cache_dir()
-        cause = unwritable_cause(err, writes=(run_dir, cache_dir) + ((compile_cache,) if compile_cache else ()))
-        if cause is None:
-            raise
-        import traceback
-
-
-        done = list_checkpoints(run_dir / "checkpoints")
-        frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(err.__traceback__)]
-        room = None
-        # which output, from the code that wrote it (write() errors name no file; an open() error names a lock's)
-        if any("/torch/_inductor/" in f for f in frames):  # (not "the run's outputs under <run dir>")
-            what, where = "writing torch.compile's cache (trainer.compile=true)", compile_cache or "its cache dir"
-            room = "set TORCHINDUCTOR_CACHE_DIR to a dir this process can write (or trainer.compile=false)"
-        elif any("/hydratrain/data/" in f for f in frames):
-            what, where = "writing the data cache (paths.cache_dir, or data.cache_dir, chooses where)", cache_dir
-        elif any("/tensorboard/" in f for f in frames):
-            what, where = "writing TensorBoard events", run_dir / "tensorboard"
-        elif any("/safetensors/" in f or f.endswith("/hydratrain/checkpoint/export.py") for f in frames):
-            what, where = "writing the weights", run_dir
-        elif cause.filename:
-            what, where = f"writing {Path(cause.filename).name}", Path(cause.filename).parent
-        else:
-            what, where = "writing the run's outputs", run_dir
-        raise OutputError(unwritable_message(what, where, OSError(cause.errno, cause.strerror),
-                                             done[-1][1] if done else resume, room=room,
-                                             stopped="the run stopped", run_dir=run_dir)) from err
-
-
-def _compile_cache_dir() -> Optional[Path]:
-    """torch.compile's cache dir (``TORCHINDUCTOR_CACHE_DIR``, else inductor's default under the temp dir) when
-    inductor has been imported (``trainer.compile=true``), else None."""
-
-    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
-    try:
-        return Path(utils.cache_dir()) if utils is not None else None
-    except Exception:  # noqa: BLE001 (only a name for the message)
-        return None
-
-
-def _select(cfg: DictConfig, key: str, default: Any) -> Any:
-    """``cfg``'s value at ``key``, or ``default`` when it is missing or does not resolve (the config check names
-    it)."""
-    try:
-        return OmegaConf.select(cfg, key, default=default)
-    except Exception:
-        return default
 
 
 def _exit_code(value: Any) -> int:
@@ -327,8 +152,6 @@ def _keep_the_epoch_limit(job: "Job") -> None:
     ``trainer.grad_accum_steps`` or world size, :func:`hydratrain.optim.total_steps` from the restored data position
     differs from the config's own count. Re-targets the trainer, the step logger and the lr schedule (its length, at
     the restored step) when it does."""
-    from hydratrain.checkpoint.stateful import SchedulerState  # (start-up: torch ~2 s)
-    from hydratrain.optim import total_steps  # (start-up: torch ~2 s)
 
     trainer = job.trainer
     steps = total_steps(job.cfg.trainer, trainer.train_batches, done=trainer.progress.step)
@@ -347,49 +170,6 @@ def _keep_the_epoch_limit(job: "Job") -> None:
     for schedule in trainer.scheduler.lr_lambdas:
         schedule.total_steps = steps
     state.load_state_dict(state.state_dict())  # the groups' lr at the restored step, on the new schedule
-
-
-def _refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
-    """A sweep job about to auto-resume from its own run dir's checkpoint: when its overrides give another trial
-    than the one that wrote it (a sweep re-run into the same ``hydra.sweep.dir`` with other values: job N would
-    continue, or only evaluate, job N of the old sweep, and report its figures under the new values), raise
-    :class:`~hydratrain.errors.ConfigError` naming the keys. A relaunch of the same trial (preempted, or with a
-    longer ``trainer.max_steps``) resumes."""
-
-    hydra_cfg = HydraConfig.get()
-    # (a DictConfig's container: a dict): why the ignore below
-    differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),  # type: ignore[arg-type]
-                          list(hydra_cfg.overrides.task))
-    if differs:
-        what = (f"a checkpoint of another trial ({resume.name}" if resume.name != ".hydra" else
-                "the results of another trial, finished without a checkpoint (its .hydra/config.yaml")
-        raise ConfigError("hydra.sweep.dir", hydra_cfg.sweep.dir,
-                          f"job {hydra_cfg.job.num}'s run dir {run_dir} holds {what}; {', '.join(differs)}): sweep "
-                          "into a new hydra.sweep.dir" + (", or add checkpoint.auto_resume=false to start every "
-                                                          "trial over" if resume.name != ".hydra" else ""))
-
-
-def _refuse_another_jobs_dir(run_dir: Path) -> None:
-    """A sweep job whose run dir another job of the same multirun has already used (two jobs' ``hydra.sweep.subdir``
-    resolve to one dir, e.g. ``${hydra.job.override_dirname}`` without a swept key): raise
-    :class:`~hydratrain.errors.ConfigError` instead of overwriting that job's results, log and TensorBoard curves."""
-
-    hc = HydraConfig.get()
-    other = other_job_of_this_multirun(run_dir, hc)
-    if other is not None:
-        raise ConfigError("hydra.sweep.subdir", hc.sweep.subdir,
-                          f"job {hc.job.num}'s run dir {run_dir} is job {other}'s of this sweep: give every job a dir "
-                          "of its own (the default ${hydra.job.num}; an override_dirname must keep every swept key)")
-
-
-def _run_dir_key(run_dir: Path) -> Union[tuple[str, str], tuple[str, str, str]]:
-    """(config key, its value[, which dir below it]) that place ``run_dir``: ``hydra.run.dir``, or in a sweep
-    ``hydra.sweep.dir`` and the job's run dir."""
-    if not in_multirun():
-        return "hydra.run.dir", str(run_dir)
-
-    hc = HydraConfig.get()
-    return "hydra.sweep.dir", str(hc.sweep.dir), f"job {hc.job.num}'s run dir {run_dir}"
 
 
 @dataclass
@@ -418,36 +198,6 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     a checkpoint is loaded next, so the run length's warnings wait for its data position. ``data.batch_size=auto``
     resolves here (:func:`hydratrain.auto_batch.resolve`): the job's ``cfg`` holds the number, its checkpoints the
     config as composed (so a relaunch of the same trial is the same trial)."""
-    import random
-
-    import numpy as np
-    import torch
-
-    from hydratrain import auto_batch  # (start-up: torch ~2 s)
-    from hydratrain.checkpoint.manager import CheckpointManager  # (start-up: torch ~2 s)
-    from hydratrain.checkpoint.stateful import (  # (start-up: torch ~2 s)
-        ModelState,
-        OptimizerState,
-        RNGState,
-        scheduler_state,
-    )
-    from hydratrain.data.build import build_data, data_vocabulary  # (start-up: torch ~2 s)
-    from hydratrain.metrics import peak_flops, reset_peak_memory  # (start-up: torch ~2 s)
-    from hydratrain.optim import (  # (start-up: torch ~2 s)
-        build_optimizer,
-        build_scheduler,
-        total_steps,
-        warn_run_length,
-    )
-    from hydratrain.parallel.precision import Precision  # (start-up: torch ~2 s)
-    from hydratrain.parallel.strategy import build_model  # (start-up: torch ~2 s)
-    from hydratrain.plan import plan_run  # (start-up: torch ~2 s)
-    from hydratrain.train import extras  # (start-up: torch ~2 s)
-    from hydratrain.train.evaluate import Evaluator  # (start-up: torch ~2 s)
-    from hydratrain.train.outputs import model_files  # (start-up: torch ~2 s)
-    from hydratrain.train.step_logger import StepLogger  # (start-up: torch ~2 s)
-    from hydratrain.train.trainer import Trainer, TrainProgress  # (start-up: torch ~2 s)
-
     timing.mark("imports")
     device = info.device
     precision = Precision.resolve(cfg.precision, device)
@@ -479,9 +229,9 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     # what check() built to check it (validate's check_components) is taken over here, not built again
     loss_fn, metrics = components.build_loss(cfg, device, checked=True), components.build_metrics(cfg, checked=True)
     if not any(p.requires_grad for p in model.parameters()):
-        raise ConfigError("model._target_", str(_select(cfg, "model._target_", "")), "every parameter of the model is "
-                          "frozen (requires_grad=False), so there is nothing to train: leave the ones to train "
-                          "trainable")
+        raise ConfigError("model._target_", str(select_value(cfg, "model._target_", "")), "every parameter of the "
+                          "model is frozen (requires_grad=False), so there is nothing to train: leave the ones to "
+                          "train trainable")
     optimizer = build_optimizer(model, cfg.optim)
     optimizer_state = OptimizerState(model, optimizer)  # the configured hyper-parameters, before the scheduler
     timing.mark("optimizer")
@@ -536,47 +286,8 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
                test_batches)
 
 
-def seed_training_rng(seed: int, rank: int) -> None:
-    """After the model is built (its weights the same on every rank), give each rank its own stream of the global
-    RNGs for training: dropout and other randomness in the forward draws independently per rank, as it does per
-    sample of one process's batch (with one seed on every rank, rank r's masks were rank 0's, position for
-    position: transformers issue #31412). Rank 0 keeps its stream, so a one-process run is as before; rank r > 0
-    is seeded by (``seed``, ``r``). Randomness that must agree across ranks (a layer dropped for the whole batch, as
-    LayerDrop does) draws from a generator of its own seeded alike."""
-    import random
-    import zlib
-
-    import numpy as np
-    import torch
-
-    if rank == 0:
-        return
-    derived = zlib.crc32(f"{seed}:rank{rank}".encode())
-    torch.manual_seed(derived)
-    random.seed(derived)
-    np.random.seed(derived)
-
-
-def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Optional[int], seq_len: int) -> float:
-    """Training FLOPs per item (token for token data, else sample) for MFU: the model's own formula
-    (``flops_per_token(seq_len)``) where it has one and the data has tokens, else counted on a meta copy of the
-    model (:func:`hydratrain.flops.counted_flops_per_sample`)."""
-    from hydratrain.flops import counted_flops_per_sample  # (start-up: torch ~2 s)
-
-    if seq_len and has_flops_per_token(raw):
-        return float(raw.flops_per_token(seq_len))
-    per_sample = counted_flops_per_sample(lambda: components.build_model(cfg, "meta", vocab_size, checked=True),
-                                          train_batches.example(), loss_fn)
-    return per_sample / seq_len if seq_len else per_sample
-
-
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
     from hydratrain.checkpoint.io import check_same_resume  # (start-up: torch ~2 s)
-    from hydratrain.dist.collectives import max_over_ranks  # (start-up: torch ~2 s)
-    from hydratrain.metrics import peak_memory_bytes  # (start-up: torch ~2 s)
-    from hydratrain.optim import optimizer_name, state_bytes, warn_run_length  # (start-up: torch ~2 s)
-    from hydratrain.train.outputs import write_outputs  # (start-up: torch ~2 s)
-    from hydratrain.train.testing import evaluate_only, tester  # (start-up: torch ~2 s)
 
     job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None)
     init_from = model_settings(cfg).init_from
@@ -603,7 +314,6 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
                             done=progress.step)
     elif init_from:
         from hydratrain.checkpoint.io import init_from_file  # (torch.distributed.checkpoint: only when needed)
-        from hydratrain.train.outputs import model_record  # (start-up: torch ~2 s)
 
         init_from_file(job.model, resolve_path(init_from, Paths.resolve(cfg, launch).model),
                        model_record(cfg, job.vocab_size))

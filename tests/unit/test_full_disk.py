@@ -453,7 +453,7 @@ def test_a_compile_cache_that_takes_no_writes_is_named_not_the_run_dir(tmp_path,
     import types
 
     from hydratrain.errors import OutputError
-    from hydratrain.run import _unwritable_as_output_error
+    from hydratrain.train.outputs import unwritable_as_output_error
 
     cache = tmp_path / "inductor"
     monkeypatch.setitem(sys.modules, "torch._inductor.runtime.cache_dir_utils",
@@ -463,7 +463,7 @@ def test_a_compile_cache_that_takes_no_writes_is_named_not_the_run_dir(tmp_path,
     inductor = {}
     exec(code, inductor)  # a frame whose file is inductor's, as in a real compile
     with pytest.raises(OutputError) as raised:
-        with _unwritable_as_output_error(tmp_path / "run", None, tmp_path / "data-cache"):
+        with unwritable_as_output_error(tmp_path / "run", None, tmp_path / "data-cache"):
             inductor["codegen"]()
     line = str(raised.value)
     assert line.startswith(f"writing torch.compile's cache (trainer.compile=true) under {cache} failed "

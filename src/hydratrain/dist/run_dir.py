@@ -17,11 +17,11 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hydratrain.checkpoint.layout import latest_checkpoint, list_checkpoints, other_trial
@@ -381,3 +381,65 @@ def resume_hint(how: Optional[str]) -> str:
 
 def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def refuse_a_path_that_is_not_utf8(run_dir: Path) -> None:
+    """A run dir whose path holds bytes that are not UTF-8 (a dir name in a legacy encoding, which Python keeps as
+    surrogates): every log line naming it was a ``--- Logging error ---`` and TensorBoard's writer then failed with a
+    ``UnicodeEncodeError`` traceback. Raises :class:`~hydratrain.errors.ConfigError` on
+    ``hydra.run.dir`` (``hydra.sweep.dir`` in a sweep)."""
+    try:
+        str(run_dir).encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = os.fsencode(str(run_dir)[err.start:err.end])
+        refused = ConfigError("hydra.sweep.dir" if in_multirun() else "hydra.run.dir", str(run_dir),
+                              f"holds bytes that are not UTF-8 ({bad!r}: a dir name in another encoding?), which the "
+                              "logs and TensorBoard cannot write; launch from, or give, a dir whose path is UTF-8")
+        refused.discard_run_dir = True  # this launch made it for nothing (hydratrain.exits)
+        raise refused from None
+
+
+
+def refuse_another_trial(cfg: DictConfig, resume: Path, run_dir: Path) -> None:
+    """A sweep job about to auto-resume from its own run dir's checkpoint: when its overrides give another trial
+    than the one that wrote it (a sweep re-run into the same ``hydra.sweep.dir`` with other values: job N would
+    continue, or only evaluate, job N of the old sweep, and report its figures under the new values), raise
+    :class:`~hydratrain.errors.ConfigError` naming the keys. A relaunch of the same trial (preempted, or with a
+    longer ``trainer.max_steps``) resumes."""
+
+    hydra_cfg = HydraConfig.get()
+    # (a DictConfig's container: a dict): why the ignore below
+    differs = other_trial(resume, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),  # type: ignore[arg-type]
+                          list(hydra_cfg.overrides.task))
+    if differs:
+        what = (f"a checkpoint of another trial ({resume.name}" if resume.name != ".hydra" else
+                "the results of another trial, finished without a checkpoint (its .hydra/config.yaml")
+        raise ConfigError("hydra.sweep.dir", hydra_cfg.sweep.dir,
+                          f"job {hydra_cfg.job.num}'s run dir {run_dir} holds {what}; {', '.join(differs)}): sweep "
+                          "into a new hydra.sweep.dir" + (", or add checkpoint.auto_resume=false to start every "
+                                                          "trial over" if resume.name != ".hydra" else ""))
+
+
+
+def refuse_another_jobs_dir(run_dir: Path) -> None:
+    """A sweep job whose run dir another job of the same multirun has already used (two jobs' ``hydra.sweep.subdir``
+    resolve to one dir, e.g. ``${hydra.job.override_dirname}`` without a swept key): raise
+    :class:`~hydratrain.errors.ConfigError` instead of overwriting that job's results, log and TensorBoard curves."""
+
+    hc = HydraConfig.get()
+    other = other_job_of_this_multirun(run_dir, hc)
+    if other is not None:
+        raise ConfigError("hydra.sweep.subdir", hc.sweep.subdir,
+                          f"job {hc.job.num}'s run dir {run_dir} is job {other}'s of this sweep: give every job a dir "
+                          "of its own (the default ${hydra.job.num}; an override_dirname must keep every swept key)")
+
+
+
+def run_dir_key(run_dir: Path) -> Union[tuple[str, str], tuple[str, str, str]]:
+    """(config key, its value[, which dir below it]) that place ``run_dir``: ``hydra.run.dir``, or in a sweep
+    ``hydra.sweep.dir`` and the job's run dir."""
+    if not in_multirun():
+        return "hydra.run.dir", str(run_dir)
+
+    hc = HydraConfig.get()
+    return "hydra.sweep.dir", str(hc.sweep.dir), f"job {hc.job.num}'s run dir {run_dir}"

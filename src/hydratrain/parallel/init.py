@@ -294,3 +294,24 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
         for name, buf in module._buffers.items():
             if buf is not None and buf.device != device:
                 module._buffers[name] = buf.to(device)
+
+
+def seed_training_rng(seed: int, rank: int) -> None:
+    """After the model is built (its weights the same on every rank), give each rank its own stream of the global
+    RNGs for training: dropout and other randomness in the forward draws independently per rank, as it does per
+    sample of one process's batch (with one seed on every rank, rank r's masks were rank 0's, position for
+    position: transformers issue #31412). Rank 0 keeps its stream, so a one-process run is as before; rank r > 0
+    is seeded by (``seed``, ``r``). Randomness that must agree across ranks (a layer dropped for the whole batch, as
+    LayerDrop does) draws from a generator of its own seeded alike."""
+    import random
+    import zlib
+
+    import numpy as np
+    import torch
+
+    if rank == 0:
+        return
+    derived = zlib.crc32(f"{seed}:rank{rank}".encode())
+    torch.manual_seed(derived)
+    random.seed(derived)
+    np.random.seed(derived)

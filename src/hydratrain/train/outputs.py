@@ -10,7 +10,9 @@ import json
 import logging
 import math
 import os
+import sys
 import time
+import traceback
 import unicodedata
 from enum import Enum
 from pathlib import Path
@@ -23,8 +25,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from hydratrain import components
 from hydratrain.checkpoint.export import export_model, write_safetensors
+from hydratrain.checkpoint.layout import list_checkpoints
 from hydratrain.data.loader import is_dataset_node
-from hydratrain.errors import HydratrainError, unwritable_cause
+from hydratrain.dist.launch import unwritable_message
+from hydratrain.errors import HydratrainError, OutputError, unwritable_cause
 from hydratrain.parallel.ac_compile import eager
 from hydratrain.train.batch import prediction
 
@@ -312,3 +316,53 @@ def _keep_going(refused: list, run_dir: Path):
         if isinstance(err, HydratrainError) or unwritable_cause(err, writes=(run_dir,)) is None:
             raise
         refused.append(err)
+
+
+@contextlib.contextmanager
+def unwritable_as_output_error(run_dir: Path, resume: Optional[Path], cache_dir: Path):
+    """A write that a full, over-quota or read-only filesystem, or the permissions of a dir under ``run_dir`` or
+    ``cache_dir``, refused anywhere in the run (TensorBoard's events, the weights, results.json, a data cache under
+    ``cache_dir``; :func:`hydratrain.errors.unwritable_cause`) ends it as an :class:`~hydratrain.errors.OutputError`:
+    one line naming what was written where, the cause and its remedy and the checkpoint to resume from, exit status 3,
+    as a failed checkpoint save does, instead of the library's traceback. A permission error on another path (an
+    input that cannot be read) is raised as it was."""
+    try:
+        yield
+    except HydratrainError:
+        raise
+    except Exception as err:
+        compile_cache = _compile_cache_dir()
+        cause = unwritable_cause(err, writes=(run_dir, cache_dir) + ((compile_cache,) if compile_cache else ()))
+        if cause is None:
+            raise
+        done = list_checkpoints(run_dir / "checkpoints")
+        frames = [f.filename.replace(os.sep, "/") for f in traceback.extract_tb(err.__traceback__)]
+        room = None
+        # which output, from the code that wrote it (write() errors name no file; an open() error names a lock's)
+        if any("/torch/_inductor/" in f for f in frames):  # (not "the run's outputs under <run dir>")
+            what, where = "writing torch.compile's cache (trainer.compile=true)", compile_cache or "its cache dir"
+            room = "set TORCHINDUCTOR_CACHE_DIR to a dir this process can write (or trainer.compile=false)"
+        elif any("/hydratrain/data/" in f for f in frames):
+            what, where = "writing the data cache (paths.cache_dir, or data.cache_dir, chooses where)", cache_dir
+        elif any("/tensorboard/" in f for f in frames):
+            what, where = "writing TensorBoard events", run_dir / "tensorboard"
+        elif any("/safetensors/" in f or f.endswith("/hydratrain/checkpoint/export.py") for f in frames):
+            what, where = "writing the weights", run_dir
+        elif cause.filename:
+            what, where = f"writing {Path(cause.filename).name}", Path(cause.filename).parent
+        else:
+            what, where = "writing the run's outputs", run_dir
+        raise OutputError(unwritable_message(what, where, OSError(cause.errno, cause.strerror),
+                                             done[-1][1] if done else resume, room=room,
+                                             stopped="the run stopped", run_dir=run_dir)) from err
+
+
+
+def _compile_cache_dir() -> Optional[Path]:
+    """torch.compile's cache dir (``TORCHINDUCTOR_CACHE_DIR``, else inductor's default under the temp dir) when
+    inductor has been imported (``trainer.compile=true``), else None."""
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    try:
+        return Path(utils.cache_dir()) if utils is not None else None
+    except Exception:  # noqa: BLE001 (only a name for the message)
+        return None
