@@ -99,8 +99,9 @@ def _inject() -> None:
 
     if os.environ.get("HT_FAULT_AT") == "startup":
         import hydratrain.data.build as data
+        import hydratrain.run as run_module
 
-        original_build_data = data.build_data  # hydratrain.run.build imports it by name when it runs
+        original_build_data = data.build_data
 
         def build_data(*args, **kwargs):
             (run_dir_of() / f"fault_rank{rank}_startup").touch()
@@ -115,18 +116,19 @@ def _inject() -> None:
                 fault()
             return original_build_data(*args, **kwargs)
 
-        data.build_data = build_data
+        data.build_data = run_module.build_data = build_data  # (hydratrain.run imported it by name)
     elif os.environ.get("HT_FAULT_AT") == "final":
+        import hydratrain.run as run_module
         import hydratrain.train.outputs as outputs
 
-        original_write_outputs = outputs.write_outputs  # imported by name in hydratrain.run._fit when it runs
+        original_write_outputs = outputs.write_outputs
 
         def write_outputs(*args, **kwargs):
             (run_dir_of() / f"fault_rank{rank}_final").touch()
             time.sleep(120)
             return original_write_outputs(*args, **kwargs)
 
-        outputs.write_outputs = write_outputs
+        outputs.write_outputs = run_module.write_outputs = write_outputs  # (hydratrain.run imported it by name)
     elif os.environ.get("HT_FAULT_AT", "step") == "step":
         original = trainer.Trainer.train_step
 
