@@ -289,27 +289,28 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
 def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: Optional[Path], oom_guard=None):
     from hydratrain.checkpoint.io import check_same_resume  # (start-up: torch ~2 s)
 
-    job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None)
+    evaluating = str(cfg.mode) == "eval"  # (mode=eval: no run-length or resume warnings, nothing trained)
+    job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None or evaluating)
     init_from = model_settings(cfg).init_from
     check_same_resume(resume)
     progress = job.trainer.progress
     if resume is not None:
         try:
-            job.checkpoints.load(resume)
+            job.checkpoints.load(resume, compare_config=not evaluating)
         except DamagedCheckpointError as err:  # found while reading (corrupt bytes), not by find_resume's checks
             raise with_previous(err, resume) if resume.parent == run_dir / "checkpoints" else err from None
         if cfg.trainer.max_epochs is not None:
             _keep_the_epoch_limit(job)
         lr_change = job.checkpoints.components["scheduler"].lr_change(progress.step)
-        if lr_change and progress.step < job.trainer.max_steps:
+        if lr_change and progress.step < job.trainer.max_steps and not evaluating:
             log.warning(lr_change)
         if init_from:
             log.info("model.init_from=%s not used: resuming from %s", init_from, resume)
-        if progress.step >= job.trainer.max_steps:
+        if progress.step >= job.trainer.max_steps and not evaluating:
             log.warning("resumed at step %d, which is already at or past the %d steps this config trains "
                         "(trainer.max_steps / max_epochs): nothing to train, evaluating only", progress.step,
                         job.trainer.max_steps)
-        else:
+        elif not evaluating:
             warn_run_length(cfg.trainer, cfg.scheduler, job.trainer.train_batches, job.trainer.max_steps,
                             done=progress.step)
     elif init_from:
@@ -317,7 +318,7 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
 
         init_from_file(job.model, resolve_path(init_from, Paths.resolve(cfg, launch).model),
                        model_record(cfg, job.vocab_size))
-    if str(cfg.mode) == "eval":  # nothing trained, nothing moved aside
+    if evaluating:  # nothing trained, nothing moved aside
         return evaluate_only(job, run_dir, resume or (Path(init_from) if init_from else None), progress.step, info)
     job.checkpoints.supersede_after(progress.step)
     timing.mark("resume / init_from")

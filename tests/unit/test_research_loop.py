@@ -63,6 +63,7 @@ def test_a_callback_and_early_stopping_go_on_after_a_crash_as_if_uninterrupted(c
     assert json.loads((own / "whole" / "count.json").read_text()) == {"steps": 15, "evals": 3, "logged": 8, "at": 15}
     done = results(own / "whole")
     assert done["steps"] == 15 and done["stopped_early"].startswith("early stopping: eval/loss")
+    assert 15 in tb_all(own / "whole")["train/loss"]  # the last step's window is logged, as a last step's is
 
     crashed = cli([*LOOP, "+callbacks.crash._target_=mypkg.cb.Crash", "+callbacks.crash.at=13"], own / "split",
                   fast=False)
@@ -108,6 +109,7 @@ def test_the_two_best_checkpoints_by_accuracy_are_kept_tested_and_evaluated_agai
     again = cli([*OWN, "+data.test_fraction=0.2", "mode=eval", f"checkpoint.resume_from={own / 'run'}"],
                 own / "again", fast=False)
     assert again.returncode == 0, again.output[-3000:]
+    assert "differs from the one that saved it" not in again.output and "WARNING" not in again.output
     evaluated = json.loads((own / "again" / "eval_results.json").read_text())
     assert evaluated["step"] == ranked[0] and evaluated["eval"]["accuracy"] == accuracy[ranked[0]]
     assert all(abs(evaluated["test"][k] - v) <= 1e-6 for k, v in res["test_metrics"].items())

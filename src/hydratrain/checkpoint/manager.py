@@ -333,9 +333,10 @@ class CheckpointManager:
             log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", path, self.keep_last)
 
     # ------------------------------------------------------------------------------------------------- load
-    def load(self, ckpt: Path) -> None:
+    def load(self, ckpt: Path, compare_config: bool = True) -> None:
         """Restore every component from ``ckpt`` (resharded by DCP to this strategy and world size); every rank
-        calls. Logs every config value that differs from the one the checkpoint was saved with.
+        calls. Logs every config value that differs from the one the checkpoint was saved with (``compare_config``:
+        not when the weights are only evaluated, ``mode=eval``).
 
         Raises :class:`CheckpointError` when the checkpoint is unreadable, from a model of another shape, or a
         component refuses its state (e.g. the data order changed).
@@ -391,7 +392,7 @@ class CheckpointManager:
         if self.root.resolve() == ckpt.parent.resolve():
             self.last_saved_step = step_of(ckpt)
         self.loaded_from = ckpt
-        if saved_config is not None:
+        if saved_config is not None and compare_config:
             diff = [d for d in config_diff(saved_config, self.config) if not d.startswith(_WHERE_A_LAUNCH_STARTS)]
             if diff:
                 log.warning("resuming from %s with a config that differs from the one that saved it (the new values "

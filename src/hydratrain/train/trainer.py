@@ -453,6 +453,10 @@ class Trainer:
                     result.preempted = True
                     break
                 if ended == "stopped":
+                    if not logs:  # the run's last step: its window is logged as a last step's is
+                        train_loss, _ = self.logger.log(step, grad_norm, lr, timed=step > first)
+                        if step == 1:
+                            self.progress.first_loss = train_loss
                     log.info("stopping after step %d of %d: %s", step, self.max_steps, self.callbacks.stopped)
                     break
         except RuntimeError as err:
