@@ -44,8 +44,6 @@ def param_groups(model: nn.Module, optim_cfg, weight_decay: Optional[float]) -> 
     gains, biases); ``weight_decay`` None: one group, no such split. The lr of a group is ``optim.lr * lr_scale``
     (the schedule scales each). Logs how many parameters each group got. Raises :class:`ConfigError` naming
     ``optim.param_groups[i].match`` for a glob that matches no trainable parameter."""
-    from hydratrain.errors import ConfigError
-
     entries = [dict(e) for e in (optim_cfg.get("param_groups") or [])]
     named = [(_plain_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     chosen: list[list] = [[] for _ in entries] + [[]]
@@ -228,7 +226,6 @@ def lr_factor(step: int, name: str, warmup_steps: int, total_steps: int, min_lr_
 class Schedule:
     """:func:`lr_factor` of one run as a callable for ``LambdaLR``; ``total_steps`` may be re-targeted on a resume
     (``trainer.max_epochs`` on another batch geometry, see ``hydratrain.run``)."""
-
     name: str
     warmup_steps: int
     total_steps: int
@@ -262,8 +259,6 @@ def own_scheduler(optimizer: torch.optim.Optimizer, scheduler_cfg, total_steps: 
     ``scheduler._target_``."""
     import inspect
 
-    from hydratrain.components import locate
-    from hydratrain.errors import ConfigError
 
     target = str(scheduler_cfg["_target_"])
     cls = locate(target, "scheduler")

@@ -444,8 +444,6 @@ def validate(cfg: DictConfig) -> None:
 def _check_loop_extras(cfg: DictConfig) -> None:
     """The best checkpoints, early stopping, the EMA of the weights and the callbacks' nodes
     (:mod:`hydratrain.train.extras`)."""
-    from hydratrain.components import check_call, locate, target_of
-
     if str(cfg.mode) == "eval" and not cfg.checkpoint.resume_from and cfg.model.get("init_from") is None:
         raise ConfigError("mode", "eval", "evaluates trained weights: give checkpoint.resume_from=<a run dir, a "
                           "checkpoints dir or a step_XXXXXXXX dir> or model.init_from=<a .safetensors file>")
@@ -573,7 +571,6 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
     environment (``hydratrain.dist.env``); relative paths resolve against ``launch_dir`` (see
     :func:`hydratrain.paths.resolve_path`). Raises :class:`ConfigError`.
     """
-
     cuda = torch.cuda.is_available()
     if "cuda" in (cfg.device, _get(cfg, "model.init_device")) and not cuda:
         key = "device" if cfg.device == "cuda" else "model.init_device"

@@ -36,7 +36,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from hydratrain.parallel.init import canonical_name
 from hydratrain.train.callbacks import Callback, RunView
+from hydratrain.train.outputs import save_weights
 
 log = logging.getLogger("hydratrain.callbacks")
 
@@ -66,10 +68,8 @@ class EMA(Callback):
 
     ``save_weights``: write :data:`FILE` at the end of the run; ``metadata``: its header's entries (the model's
     config, as ``model.safetensors`` has)."""
-
     def __init__(self, model: nn.Module, decay: float, warmup_steps: int = 0, save_weights: bool = True,
                  metadata: Optional[dict] = None):
-        from hydratrain.parallel.init import canonical_name
 
         self.decay, self.warmup_steps = float(decay), int(warmup_steps)
         self.save_weights, self.metadata = save_weights, dict(metadata or {})
@@ -121,7 +121,6 @@ class EMA(Callback):
     def on_fit_end(self, run: RunView, result: Any) -> None:
         if not self.save_weights:
             return
-        from hydratrain.train.outputs import save_weights
 
         with self.swapped(run.raw_model):
             path = save_weights(run.model, Path(run.run_dir) / FILE, run.is_main,
