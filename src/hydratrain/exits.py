@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -161,7 +162,25 @@ def composition_error_line(err: BaseException) -> str:
         options = [o.strip() for o in text.split("Available options in", 1)[1].split("Config search path")[0]
                    .splitlines()[1:] if o.strip()]
         line += f" (available: {', '.join(options)})"
-    return line
+    if line.endswith("raised while composing config:") and len(lines) > 1:  # its reason is on the next line
+        line = f"{line} {lines[1]}"
+    return line + _experiment_hint(f"{text}\n{err.__cause__ or ''}")
+
+
+def _experiment_hint(text: str) -> str:
+    """How to write the experiment file behind two of Hydra's composition errors that do not say it: an ``override
+    /<group>`` in a file without ``# @package _global_`` on its first line ("Could not override
+    'loss@experiment.loss'"), and a ``_target_`` node written over a built-in option's typed node ("Key '_target_'
+    not in 'PythonStdlibData'", full_key ``data._target_``): Hydra merges into the option the defaults chose."""
+    if re.search(r"Could not override '[\w.]+@experiment\.", text):
+        return " (an experiment file must begin with the line '# @package _global_')"
+    target = re.search(r"full_key: (\w+)\._target_", text)
+    if "Key '_target_' not in" in text and target:
+        group = target.group(1)
+        return (f" (a {group} node with _target_ replaces the built-in {group} option: add '- override /{group}: "
+                f"null' to the experiment's defaults list, or put the node in <config dir>/{group}/NAME.yaml and "
+                f"choose it with {group}=NAME)")
+    return ""
 
 
 def _says_how_to_resume(err, env) -> bool:

@@ -461,6 +461,13 @@ def test_blocks_held_in_nn_sequential_are_found_as_in_a_module_list():
     assert find_blocks(stages).describe() == "3 Basic"
     assert find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))).describe() == "no blocks"
 
+    class Block(nn.Sequential):  # a block class of the model's own, built as a Sequential (docs/recipe-cnn.md)
+        def __init__(self, width):
+            super().__init__(nn.Conv2d(width, width, 3), nn.BatchNorm2d(width), nn.ReLU())
+
+    found = find_blocks(nn.Sequential(nn.Sequential(Block(4), Block(4), Block(4)), nn.Linear(4, 2)))
+    assert (found.describe(), [type(m) for m in found.modules]) == ("3 Block", [Block] * 3), found
+
 
 def test_parametrizations_and_lists_of_parameterless_modules_are_not_blocks():
     """weight_norm's ParametrizationList was taken as the largest nn.ModuleList: "blocks: 2 _WeightNorm", modules that

@@ -327,6 +327,33 @@ def test_a_users_own_option_needs_its_schema_line_and_the_error_says_so(cli, tmp
     assert r.returncode == 0 and "synthetic_tokens: 6000" in (tmp_path / "typed" / ".hydra" / "config.yaml").read_text()
 
 
+def test_an_experiment_may_write_its_model_and_data_inline_and_its_two_slips_say_how(cli, tmp_path):
+    """docs/recipe-cnn.md: an experiment writes its model and data as ``_target_`` nodes after ``override /model:
+    null`` (was refused as 'removed with ~model'). Without the null override, or without ``# @package _global_`` on
+    the first line, Hydra's errors said nothing of either: each now says what to write."""
+    pytest.importorskip("sklearn", reason="the digits example needs the [examples] extra")
+    (tmp_path / "my_conf" / "experiment").mkdir(parents=True)
+    body = ("defaults:\n  - override /model: null\n  - override /data: null\n  - override /loss: cross_entropy\n"
+            "model: {_target_: hydratrain.examples.digits.DigitsCNN, channels: 8, depth: 2}\n"
+            "data: {_target_: hydratrain.examples.digits.digits, batch_size: 16}\n")
+    (tmp_path / "my_conf" / "experiment" / "inline.yaml").write_text("# @package _global_\n" + body)
+    (tmp_path / "my_conf" / "experiment" / "nonull.yaml").write_text(
+        "# @package _global_\n" + body.replace("  - override /data: null\n", ""))
+    (tmp_path / "my_conf" / "experiment" / "nopackage.yaml").write_text(body)
+    config_dir = ["--config-dir", str(tmp_path / "my_conf"), "strategy=single", "precision=fp32"]
+    r = cli([*config_dir, "+experiment=inline", "trainer.max_steps=1"], tmp_path / "inline", fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    assert "DigitsCNN" in (tmp_path / "inline" / ".hydra" / "config.yaml").read_text()
+    r = cli([*config_dir, "+experiment=nonull"], tmp_path / "nonull")
+    assert r.returncode == 2 and r.err.strip().endswith(
+        "(a data node with _target_ replaces the built-in data option: add '- override /data: null' to the "
+        "experiment's defaults list, or put the node in <config dir>/data/NAME.yaml and choose it with data=NAME)"), \
+        r.output[-3000:]
+    r = cli([*config_dir, "+experiment=nopackage"], tmp_path / "nopackage")
+    assert r.returncode == 2 and r.err.strip().endswith(
+        "(an experiment file must begin with the line '# @package _global_')"), r.output[-3000:]
+
+
 def test_a_runs_saved_config_composed_again_says_how_to_rerun_it(cli, tmp_path):
     """``--config-dir RUN/.hydra --config-name config`` (a Hydra habit) composes an untyped config: it was refused as
     'data=???: removed with ~data?'."""

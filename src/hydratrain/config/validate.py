@@ -151,11 +151,18 @@ def _refuse_removed_groups(cfg: DictConfig) -> None:
     if not choices:
         return
     for group in DEFAULT_GROUPS:
-        if choices.get(group) is None:
+        if choices.get(group) is None and not _a_target_node_in_its_place(cfg, group):
             off = f"; to turn it off: {_OFF_SWITCHES[group]}" if group in _OFF_SWITCHES else ""
             raise ConfigError(group, _DELETED, f"removed with ~{group}, but the run reads every key of it (the "
                               f"schema's defaults would take the option's place): choose an option with "
                               f"{group}=NAME (conf/{group}/){off}")
+
+
+def _a_target_node_in_its_place(cfg: DictConfig, group: str) -> bool:
+    """``override /<group>: null`` in an experiment that then writes the group's node with ``_target_`` (a model,
+    data or loss of one's own inline): the node took the option's place, nothing was removed."""
+    node = OmegaConf.select(cfg, group, default=None)
+    return isinstance(node, DictConfig) and "_target_" in node
 
 
 _DELETED, _NO_VALUE, _ANOTHER_CONFIG = Placeholder("<deleted>"), Placeholder("???"), Placeholder("<another config>")

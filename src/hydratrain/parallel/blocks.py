@@ -85,7 +85,8 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: never a 
 def largest_module_list(model: nn.Module) -> Optional[Union[nn.ModuleList, nn.Sequential]]:
     """The ``nn.ModuleList`` or ``nn.Sequential`` of ``model`` holding the most parameters in its children, among
     those whose children are all of one class that is neither a container (:data:`CONTAINERS`) nor
-    ``nn.Sequential`` (a generic class: as a block class it would match every ``nn.Sequential``), or None when it has
+    ``nn.Sequential`` itself (a generic class: as a block class it would match every ``nn.Sequential``; a subclass of
+    it, ``class Block(nn.Sequential)``, is a class of the model's own and may be one), or None when it has
     none. A ``ParametrizationList`` (``weight_norm``, ``spectral_norm``: it holds the original weight, its children
     compute from it and own nothing) and a list whose children own no parameters are not lists of blocks."""
     from torch.nn.utils.parametrize import ParametrizationList
@@ -95,7 +96,8 @@ def largest_module_list(model: nn.Module) -> Optional[Union[nn.ModuleList, nn.Se
         if not isinstance(m, (nn.ModuleList, nn.Sequential)) or isinstance(m, ParametrizationList) or not len(m):
             continue
         kinds = {type(_inner(c)) for c in m}
-        if len(kinds) != 1 or issubclass(next(iter(kinds)), (*CONTAINERS, nn.Sequential)):
+        kind = next(iter(kinds))
+        if len(kinds) != 1 or kind is nn.Sequential or issubclass(kind, CONTAINERS):
             continue
         n = sum(p.numel() for c in m for p in c.parameters())
         if n > most:
