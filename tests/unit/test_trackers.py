@@ -9,7 +9,6 @@ import logging
 
 import pytest
 
-from hydratrain.errors import ConfigError
 from hydratrain.metrics import TensorBoardLogger
 from hydratrain.train.trackers import CSVTracker, Tracker, Trackers, flat, scrub
 
