@@ -136,10 +136,10 @@ class Trackers:
 # ------------------------------------------------------------------------------------------------------ CSV
 class CSVTracker(Tracker):
     """``<run dir>/metrics.csv``: a ``step`` column, then one column per tag in the order first logged; one row per
-    logged step (the scalars of a log line, an evaluation and the end of the run at one step share a row). A row is
-    appended when the step is done (a later step is logged, or the run ends); the file is rewritten (atomically)
-    when a new column appears or an earlier row changes, and at a resume, whose rows after the resume point go as
-    TensorBoard's do."""
+    logged step (the scalars of a log line, an evaluation and the end of the run at one step share a row). The file
+    holds every value as soon as it is logged (a killed launch loses none): a row is appended, the last row rewritten
+    in place when its step gets more values, and the whole file rewritten (atomically) when a new column appears or
+    an earlier row changes, and at a resume, whose rows after the resume point go as TensorBoard's do."""
 
     key = "logger.csv"
 
@@ -147,8 +147,9 @@ class CSVTracker(Tracker):
         self.path = path
         self.rows: dict[int, dict[str, float]] = {}
         self.columns: list[str] = []
-        self._on_disk: tuple[list[str], int] = ([], -1)  # (the header, the last step) the file holds
-        self._rewrite = True  # the file does not hold the rows before the last one written
+        self._header: list[str] = []  # the columns of the file's header
+        self._last: Optional[tuple[int, int]] = None  # (step, byte offset) of the file's last row
+        self._rewrite = True  # the file does not hold the rows as they are: write it whole
 
     def start_at(self, step: int) -> None:
         if step > 0 and self.path.is_file():
@@ -161,39 +162,36 @@ class CSVTracker(Tracker):
         self._rewrite = True
 
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
-        if self.rows and step != next(reversed(self.rows)):
-            self._write(done=step)
-        if step <= self._on_disk[1]:
-            self._rewrite = True
         self.rows.setdefault(step, {}).update(values)
         self.columns += [tag for tag in values if tag not in self.columns]
-
-    def _write(self, done: Optional[int] = None) -> None:
-        """Put the rows before step ``done`` (all: None) on disk."""
-        ready = [s for s in sorted(self.rows) if done is None or s < done]
-        if not ready:
-            return
-        header, last = self._on_disk
-        if self._rewrite or header != self.columns:
+        last = self._last[0] if self._last else None
+        if self._rewrite or self._header != self.columns or (last is not None and step < last):
             tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
             with tmp.open("w", newline="") as f:
-                self._rows(f, ready, header=True)
+                steps = sorted(self.rows)
+                self._write(f, steps[:-1], header=True)
+                self._last = (steps[-1], f.tell())
+                self._write(f, steps[-1:])
             os.replace(tmp, self.path)
-        else:
-            with self.path.open("a", newline="") as f:
-                self._rows(f, [s for s in ready if s > last], header=False)
-        self._on_disk, self._rewrite = (list(self.columns), ready[-1]), False
+            self._header, self._rewrite = list(self.columns), False
+            return
+        with self.path.open("r+", newline="") as f:
+            if step == last:  # (self._last is set: the file has rows)
+                f.seek(self._last[1])  # type: ignore[index]
+                f.truncate()
+            else:
+                f.seek(0, os.SEEK_END)
+                self._last = (step, f.tell())
+            self._write(f, [step])
 
-    def _rows(self, f, steps: list[int], header: bool) -> None:
+    def _write(self, f, steps: list[int], header: bool = False) -> None:
         writer = csv.writer(f)
         if header:
             writer.writerow(["step", *self.columns])
         for step in steps:
             row = self.rows[step]
             writer.writerow([step, *(repr(row[c]) if c in row else "" for c in self.columns)])
-
-    def close(self, status: str) -> None:
-        self._write()
+        f.flush()
 
 
 # --------------------------------------------------------------------------------------------------- MLflow
