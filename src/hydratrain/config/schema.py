@@ -624,7 +624,7 @@ class WandbMode(Option):
 class MLflowConfig:
     """``logger=mlflow`` (extra ``mlflow``; docs/tracking.md)."""
 
-    enabled: bool = False
+    enabled: bool = False  # logger=mlflow (or a list holding it) sets it
     # null: $MLFLOW_TRACKING_URI, else a local store sqlite:///<paths.output_dir>/mlruns/mlflow.db (no network);
     # no password here (Hydra writes this key to .hydra/): give it in $MLFLOW_TRACKING_PASSWORD
     tracking_uri: Optional[str] = None
@@ -636,12 +636,12 @@ class WandbConfig:
     """``logger=wandb`` (extra ``wandb``; docs/tracking.md). The API key comes from ``wandb login`` or
     $WANDB_API_KEY, never from the config."""
 
-    enabled: bool = False
-    mode: WandbMode = WandbMode.online
-    project: str = "hydratrain"
+    enabled: bool = False  # logger=wandb (or a list holding it) sets it
+    mode: WandbMode = WandbMode.online  # offline: files under <run dir>/wandb, no network, no account (wandb sync)
+    project: str = "hydratrain"  # the W&B project
     entity: Optional[str] = None  # null: the account's default entity
-    group: Optional[str] = None  # null: the sweep dir of a sweep job (no group for a single run)
-    tags: List[str] = field(default_factory=list)
+    group: Optional[str] = None  # null: a multirun job's sweep dir (relative to paths.output_dir); none otherwise
+    tags: List[str] = field(default_factory=list)  # the run's W&B tags
 
 
 @dataclass
