@@ -131,3 +131,19 @@ def test_mlflow_run_holds_the_stream_params_and_summary_and_a_resume_continues_i
         for m in client.get_metric_history(run.info.run_id, tag):
             got.setdefault(m.step, {})[tag] = m.value
     assert got == expected()
+
+
+@pytest.mark.slow  # a sweep of 2 jobs in this process: 58 s on the shared 2-core machine
+def test_each_sweep_job_is_an_mlflow_run_grouped_by_the_sweep_with_its_overrides_and_objective(cli, tmp_path):
+    pytest.importorskip("mlflow", reason="logger=mlflow needs the extra: pip install 'hydratrain[mlflow]'")
+    from mlflow.tracking import MlflowClient
+
+    sweep_dir = tmp_path / "multirun" / "lr"
+    r = cli(["-m", "strategy=single", "trainer.max_steps=2", "optim.lr=1e-3,2e-3", "logger=[tensorboard,mlflow]",
+             f"paths.output_dir={tmp_path}", f"hydra.sweep.dir={sweep_dir}"])
+    assert r.returncode == 0, r.output
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("hydratrain").experiment_id], "tags.sweep = 'multirun/lr'")
+    assert sorted(run.info.run_name for run in runs) == ["multirun/lr/0", "multirun/lr/1"]
+    assert sorted(run.data.params["optim.lr"] for run in runs) == ["0.001", "0.002"]
+    assert all("optim.lr=" in run.data.params["overrides"] and "final/objective" in run.data.metrics for run in runs)
