@@ -9,6 +9,8 @@ import logging
 
 import pytest
 
+from hydratrain.config.validate import validate
+from hydratrain.errors import ConfigError
 from hydratrain.metrics import TensorBoardLogger
 from hydratrain.train.trackers import CSVTracker, Tracker, Trackers, flat, scrub
 
@@ -93,6 +95,10 @@ def test_logger_options_compose_as_a_list(compose):
     assert cfg.logger.tensorboard and cfg.logger.csv and cfg.logger.mlflow.enabled and not cfg.logger.wandb.enabled
     alone = compose(["logger=wandb", "logger.wandb.mode=offline"])  # TensorBoard stays on unless turned off
     assert alone.logger.tensorboard and alone.logger.wandb.enabled and not alone.logger.csv
+    # a list leaves the group out of Hydra's choices, as ~logger does: not taken for a removed group
+    validate(compose(["logger=[tensorboard,csv]"], return_hydra_config=True))
+    with pytest.raises(ConfigError, match="removed with ~logger"):
+        validate(compose(["~logger"], return_hydra_config=True))
 
 
 def test_a_missing_extra_and_a_password_in_the_uri_are_one_line_before_any_run(cli, monkeypatch):
