@@ -153,3 +153,15 @@ def test_each_sweep_job_is_an_mlflow_run_grouped_by_the_sweep_with_its_overrides
     assert sorted(run.info.run_name for run in runs) == ["multirun/lr/0", "multirun/lr/1"]
     assert sorted(run.data.params["optim.lr"] for run in runs) == ["0.001", "0.002"]
     assert all("optim.lr=" in run.data.params["overrides"] and "final/objective" in run.data.metrics for run in runs)
+
+
+def test_a_tracker_that_fails_to_start_is_one_line_naming_its_key(compose, tmp_path):
+    pytest.importorskip("mlflow", reason="logger=mlflow needs the extra: pip install 'hydratrain[mlflow]'")
+    from hydratrain.train.trackers import start_trackers
+
+    cfg = compose(["logger=[tensorboard,csv,mlflow]", "logger.mlflow.tracking_uri=nosuchstore://u:hunter2@host/x"])
+    with pytest.raises(ConfigError) as err:
+        start_trackers(cfg, tmp_path, tmp_path, resuming=False)
+    assert str(err.value).startswith("logger.mlflow='nosuchstore://host/x': did not start: ")
+    assert "\n" not in str(err.value) and "hunter2" not in str(err.value)
+    assert not (tmp_path / "trackers.json").exists()
