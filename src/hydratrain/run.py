@@ -66,6 +66,7 @@ from hydratrain.train.evaluate import Evaluator
 from hydratrain.train.outputs import model_files, model_record, unwritable_as_output_error, write_outputs
 from hydratrain.train.step_logger import StepLogger
 from hydratrain.train.testing import evaluate_only, tester
+from hydratrain.train.trackers import start_trackers
 from hydratrain.train.trainer import Trainer, TrainProgress
 
 log = logging.getLogger("hydratrain")
@@ -259,10 +260,12 @@ def build(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, oom_guar
     flops_per_item = model_flops(cfg, raw, train_batches, loss_fn, vocab_size, seq_len)
     components.forget_checked()  # (a checked meta model no build took: the run trains one built with storage)
     timing.mark("model FLOPs")
+    # rank 0's MLflow / W&B / CSV (one that fails to start: a ConfigError naming it, before training)
+    trackers = start_trackers(cfg, run_dir, paths.output, resuming) if info.is_main else []
     step_logger = StepLogger(run_dir, device, items_per_step, flops_per_item,
                              peak * info.world_size, cfg.trainer.log_every_n_steps, max_steps, info.is_main,
                              cfg.logger.tensorboard, cfg.trainer.progress_bar, progress=progress,
-                             unit="tokens" if seq_len else "samples", tokens_per_sample=per_sample)
+                             unit="tokens" if seq_len else "samples", tokens_per_sample=per_sample, trackers=trackers)
     checkpoints = CheckpointManager(
         run_dir / "checkpoints",
         components={"model": ModelState(model), "optim": optimizer_state, "scheduler": scheduler_state(scheduler),
@@ -322,6 +325,15 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
         return evaluate_only(job, run_dir, resume or (Path(init_from) if init_from else None), progress.step, info)
     job.checkpoints.supersede_after(progress.step)
     timing.mark("resume / init_from")
+    try:
+        return _train(cfg, job, strategy, info, run_dir, oom_guard)
+    except BaseException as err:  # the trackers' runs end as failed (killed: an exit or Ctrl-C), not as running
+        job.step_logger.trackers.close("failed" if isinstance(err, Exception) else "killed")
+        raise
+
+
+def _train(cfg: DictConfig, job: Job, strategy, info, run_dir: Path, oom_guard) -> Any:
+    """Fit, then write the outputs of a run that was not preempted."""
     result = job.trainer.fit()
     if not result.preempted:  # the final evaluation and outputs: a preemption signal now ends the launch at once
         guard(cfg.checkpoint.save_on_sigterm, cfg.checkpoint.preempt_exit_code, job.trainer.preemption.under_submitit,
@@ -332,13 +344,13 @@ def _fit(cfg: DictConfig, strategy, info, run_dir: Path, launch: Path, resume: O
     planned = oom_guard.run_plan if oom_guard is not None else None
     result.planned_peak_memory_bytes = int(max_over_ranks(planned.plan.peak if planned else 0, info.device))
     if result.preempted:
-        job.step_logger.tb.close()
+        job.step_logger.trackers.close("killed")  # (preempted: a later launch resumes the runs)
         return result
 
     stop_if_launcher_gone("before writing the run's outputs")
     write_outputs(job.cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
-                  run_dir=run_dir, tb=job.step_logger.tb, tokenizer=job.tokenizer, vocab_size=job.vocab_size,
-                  test=tester(job, run_dir))
+                  run_dir=run_dir, trackers=job.step_logger.trackers, tokenizer=job.tokenizer,
+                  vocab_size=job.vocab_size, test=tester(job, run_dir))
     return result
 
 

@@ -615,9 +615,41 @@ class CheckpointConfig:
     save_top_k: int = 1  # best checkpoints kept (with checkpoint.monitor); each evaluation that enters them saves one
 
 
+class WandbMode(Option):
+    online = "online"
+    offline = "offline"  # files under <run dir>/wandb, no network and no account; `wandb sync` uploads them later
+
+
+@dataclass
+class MLflowConfig:
+    """``logger=mlflow`` (extra ``mlflow``; docs/tracking.md)."""
+
+    enabled: bool = False  # logger=mlflow (or a list holding it) sets it
+    # null: $MLFLOW_TRACKING_URI, else a local store sqlite:///<paths.output_dir>/mlruns/mlflow.db (no network);
+    # no password here (Hydra writes this key to .hydra/): give it in $MLFLOW_TRACKING_PASSWORD
+    tracking_uri: Optional[str] = None
+    experiment: str = "hydratrain"  # the MLflow experiment (created when absent)
+
+
+@dataclass
+class WandbConfig:
+    """``logger=wandb`` (extra ``wandb``; docs/tracking.md). The API key comes from ``wandb login`` or
+    $WANDB_API_KEY, never from the config."""
+
+    enabled: bool = False  # logger=wandb (or a list holding it) sets it
+    mode: WandbMode = WandbMode.online  # offline: files under <run dir>/wandb, no network, no account (wandb sync)
+    project: str = "hydratrain"  # the W&B project
+    entity: Optional[str] = None  # null: the account's default entity
+    group: Optional[str] = None  # null: a multirun job's sweep dir (relative to paths.output_dir); none otherwise
+    tags: List[str] = field(default_factory=list)  # the run's W&B tags
+
+
 @dataclass
 class LoggerConfig:
     tensorboard: bool = True  # rank 0 writes events under <run dir>/tensorboard
+    csv: bool = False  # rank 0 writes <run dir>/metrics.csv: one row per logged step, one column per scalar
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     # per-device peak FLOP/s for MFU; null = known GPU table or a measured CPU matmul
     peak_flops: Optional[float] = None
 

@@ -8,9 +8,11 @@ are in :func:`check_environment`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import inspect
 import math
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Any, Optional
 
@@ -143,15 +145,20 @@ def _refuse_removed_groups(cfg: DictConfig) -> None:
     running app's); without either, checks nothing. Raises :class:`ConfigError` naming the group and, where there is
     one, the key that turns its work off."""
     if "hydra" in cfg:
-        choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None)
+        hydra = OmegaConf.select(cfg, "hydra", default=None)
     else:
         from hydra.core.hydra_config import HydraConfig
 
-        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else None
+        hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    choices = OmegaConf.select(hydra, "runtime.choices", default=None) if hydra is not None else None
     if not choices:
         return
+    # a list of options (logger=[tensorboard,mlflow]) leaves the group out of the choices as ~group does
+    lists = {o.split("=", 1)[0] for o in OmegaConf.select(hydra, "overrides.task", default=None) or ()
+             if re.match(r"[\w/]+=\[", o)}
     for group in DEFAULT_GROUPS:
-        if choices.get(group) is None and not _a_target_node_in_its_place(cfg, group):
+        removed = choices.get(group) is None and group not in lists
+        if removed and not _a_target_node_in_its_place(cfg, group):
             off = f"; to turn it off: {_OFF_SWITCHES[group]}" if group in _OFF_SWITCHES else ""
             raise ConfigError(group, _DELETED, f"removed with ~{group}, but the run reads every key of it (the "
                               f"schema's defaults would take the option's place): choose an option with "
@@ -446,6 +453,26 @@ def validate(cfg: DictConfig) -> None:
                 why = " (eval_ema/* is logged with an EMA of the weights: set trainer.ema.decay, e.g. 0.999)"
             raise ConfigError(key, monitor, f"names no metric the evaluation logs; allowed: {', '.join(allowed)}{why}")
     _check_loop_extras(cfg)
+    _check_trackers(cfg.logger)
+
+
+#: tracker -> (the module it needs, the extra that installs it)
+_TRACKER_EXTRAS = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
+
+
+def _check_trackers(logger: DictConfig) -> None:
+    """A chosen tracker's library is installed (looked up, not imported: it loads only in the run that uses it), and
+    no password stands in ``logger.mlflow.tracking_uri``, which Hydra writes to ``.hydra/`` with the rest of the
+    config (MLflow takes it from $MLFLOW_TRACKING_PASSWORD instead)."""
+    for name, (module, extra) in _TRACKER_EXTRAS.items():
+        if logger[name].enabled and importlib.util.find_spec(module) is None:
+            raise ConfigError("logger", name, f"needs the {module} package: pip install 'hydratrain[{extra}]' "
+                              f"(or drop {name} from logger=[...])")
+    uri = logger.mlflow.tracking_uri
+    if uri and urllib.parse.urlsplit(uri).password is not None:
+        raise ConfigError("logger.mlflow.tracking_uri", "<a URI with a password>", "would be written to the run "
+                          "dir's .hydra/config.yaml: give the password in $MLFLOW_TRACKING_PASSWORD (and the user in "
+                          "$MLFLOW_TRACKING_USERNAME), or the whole URI in $MLFLOW_TRACKING_URI")
 
 
 def _check_loop_extras(cfg: DictConfig) -> None:

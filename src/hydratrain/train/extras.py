@@ -80,4 +80,4 @@ def bind(callbacks: Callbacks, trainer: Any, raw: torch.nn.Module, info: Any, ru
                            raw_model=raw, _max_steps=lambda: trainer.max_steps, _step=lambda: trainer.progress.step,
                            _stop=callbacks.request_stop, _checkpoint=callbacks.request_checkpoint,
                            _evaluate=trainer.evaluate,
-                           _log_scalars=lambda values, step: trainer.logger.tb.scalars(values, step)))
+                           _log_scalars=lambda values, step: trainer.logger.trackers.scalars(values, step)))

@@ -255,10 +255,12 @@ def done_line(payload: dict, carried: list[str]) -> str:
     return line
 
 
-def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, tb,
+def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, trackers,
                   tokenizer=None, vocab_size: Optional[int] = None, test=None) -> None:
     """Weights (with the tokenizer next to them), sample, hparams row and results.json of a finished run (every rank
-    calls), then close ``tb``. The hparams metrics are the figures results.json gets (:func:`results_payload`).
+    calls), then close ``trackers`` (:class:`hydratrain.train.trackers.Trackers`: TensorBoard and the others). The
+    hparams metrics are the figures results.json gets (:func:`results_payload`); the trackers' summary adds the
+    objective.
     ``test(result)``: called once the weights and the sample are written (it may load other weights), before the
     figures are (:func:`hydratrain.train.testing.tester`).
 
@@ -284,7 +286,7 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
         log.info("sampled in %.1f s", time.perf_counter() - started)
         log.info("sample:\n%s", text)
         with _keep_going(refused, run_dir):
-            tb.text("sample", text, result.steps)
+            trackers.text("sample", text, result.steps)
     if test is not None:
         test(result)
     hparams = hparams_of(cfg, info.world_size, precision.name)
@@ -295,9 +297,9 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
     metrics.update({f"test/{k}": v for k, v in (payload.get("test_metrics") or {}).items()})
     metrics["peak_memory_bytes"] = float(payload["peak_memory_bytes"])
     with _keep_going(refused, run_dir):
-        tb.hparams(hparams, metrics, result.steps)
+        trackers.hparams(hparams, metrics, result.steps, summary={**metrics, "objective": payload["objective"]})
     with _keep_going(refused, run_dir):
-        tb.close()
+        trackers.close()
     if info.is_main:
         with _keep_going(refused, run_dir):
             write_results(run_dir, payload)

@@ -29,12 +29,13 @@ import math
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
 from hydratrain.dist.collectives import all_reduce_mean
 from hydratrain.metrics import TensorBoardLogger, peak_memory_bytes
+from hydratrain.train.trackers import Tracker, Trackers
 
 log = logging.getLogger("hydratrain.trainer")
 
@@ -42,7 +43,7 @@ LINE_TAGS = ("train/", "perf/", "mem/")  # prefixes of the scalars a log line wr
 
 
 class StepLogger:
-    """The logging window, throughput, TensorBoard and progress.
+    """The logging window, throughput, TensorBoard and the other trackers, and progress.
 
     The window's loss sums are kept per rank between log steps (no synchronisation); a checkpoint save folds them
     over ranks into ``progress`` (:meth:`fold_window`), so a resume continues the window exactly on any world size.
@@ -58,6 +59,8 @@ class StepLogger:
         tokens_per_sample: items per sample (``seq_len`` for tokens, 1 for samples).
         log_every: log every this many steps (and at step 1 and the last step).
         is_main: rank 0 (writes TensorBoard, shows the bar).
+        trackers: rank 0's other trackers (``hydratrain.train.trackers``): ``self.trackers`` sends each of them what
+            TensorBoard gets.
         progress: where the window folded at a checkpoint save is kept (``window_loss_sum``, ``window_steps``: the
             run's ``TrainProgress``, which checkpoints hold once for all ranks); None: a holder of its own.
     """
@@ -65,13 +68,14 @@ class StepLogger:
     def __init__(self, run_dir: Path, device: torch.device, tokens_per_step: int, flops_per_token: float,
                  peak_flops_total: float, log_every: int, max_steps: int, is_main: bool, tensorboard: bool,
                  progress_bar: bool, progress: Optional[Any] = None, unit: str = "tokens",
-                 tokens_per_sample: int = 1):
+                 tokens_per_sample: int = 1, trackers: Iterable[Tracker] = ()):
         self.progress = progress if progress is not None else SimpleNamespace(window_loss_sum=0.0, window_steps=0)
         self.unit, self.tokens_per_sample = unit, tokens_per_sample
         self.device, self.tokens_per_step = device, tokens_per_step
         self.log_every, self.max_steps = log_every, max_steps
         self.flops_per_token, self.peak = flops_per_token, peak_flops_total
-        self.tb = TensorBoardLogger(run_dir / "tensorboard", tensorboard and is_main)
+        self.trackers = Trackers(TensorBoardLogger(run_dir / "tensorboard", tensorboard and is_main), trackers)
+        self.tb = self.trackers.tb
         self.window_loss = torch.zeros((), device=device)
         self.window_steps = torch.zeros((), device=device)  # steps counted in window_loss (a device count: no sync)
         self.last_scalars: dict = {}  # the latest log step's scalars (callbacks get them)
@@ -136,6 +140,7 @@ class StepLogger:
             if earlier:
                 log.info("nothing to train: this launch's eval and end-of-run records of step %d replace the earlier "
                          "ones in %s (the scalars of that step's log line are kept)", step, self.tb.log_dir)
+        self.trackers.start_at(step)
         self._t0 = time.perf_counter()
 
     @contextlib.contextmanager
@@ -224,7 +229,7 @@ class StepLogger:
         for key, value in (extra or {}).items():
             scalars[key] = value
             msg += f" {key.split('/')[-1]} {value:g}"
-        self.tb.scalars(scalars, step)
+        self.trackers.scalars(scalars, step)
         self.last_scalars = scalars  # what callbacks get after this step
         log.info(msg)
         if self._bar is not None and steps:

@@ -58,7 +58,7 @@ def tester(job: Any, run_dir: Path) -> Optional[Callable[[Any], None]]:
             "the last weights"
         log.info("testing %s on the test split", which)
         values = evaluate_split(job, job.test_batches, "test")
-        job.step_logger.tb.scalars(values, result.steps)
+        job.step_logger.trackers.scalars(values, result.steps)
         result.test_metrics = {k.removeprefix("test/"): v for k, v in values.items()}
 
     return test
@@ -71,8 +71,8 @@ def evaluate_only(job: Any, run_dir: Path, source: Optional[Path], step: int, in
     values = evaluate_split(job, job.trainer.evaluator.batches, "eval")
     if job.test_batches is not None:
         values.update(evaluate_split(job, job.test_batches, "test"))
-    job.step_logger.tb.scalars(values, step)
-    job.step_logger.tb.close()
+    job.step_logger.trackers.scalars(values, step)
+    job.step_logger.trackers.close()
     evals = {k.removeprefix("eval/"): v for k, v in values.items() if k.startswith("eval/")}
     tests = {k.removeprefix("test/"): v for k, v in values.items() if k.startswith("test/")}
     objective = job.cfg.trainer.objective

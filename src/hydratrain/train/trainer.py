@@ -471,7 +471,7 @@ class Trainer:
         finally:
             self.preemption.close()
             self.logger.close_bar()
-            self.logger.tb.flush()  # what was logged before an error stays readable
+            self.logger.trackers.flush()  # what was logged before an error stays readable
         self.read_guard(self.progress.step)
         result.steps, result.steps_this_launch = self.progress.step, self.progress.step - first + 1
         result.first_loss, result.skipped_steps = self.progress.first_loss, self.progress.skipped_steps
@@ -555,7 +555,7 @@ class Trainer:
             raise DivergenceError(f"non-finite eval loss ({values['loss']}) at step {step}", step,
                                   self._last_checkpoint())
         tagged = {f"eval/{name}": value for name, value in values.items()}
-        self.logger.tb.scalars(tagged, step)
+        self.logger.trackers.scalars(tagged, step)
         formats = {"loss": ".4f", "perplexity": ".3f"}
         log.info("eval at step %d: %s", step, " ".join(f"{name} {value:{formats.get(name, '.4g')}}"
                                                        for name, value in values.items()))
