@@ -439,6 +439,23 @@ def validate(cfg: DictConfig) -> None:
                 why = " (eval_ema/* is logged with an EMA of the weights: set trainer.ema.decay, e.g. 0.999)"
             raise ConfigError(key, monitor, f"names no metric the evaluation logs; allowed: {', '.join(allowed)}{why}")
     _check_loop_extras(cfg)
+    _check_profile(cfg)
+
+
+def _check_profile(cfg: DictConfig) -> None:
+    """``trainer.profile.steps``: two steps ``[first, last]``, ``1 <= first <= last <= trainer.max_steps``
+    (:mod:`hydratrain.train.profiler`)."""
+    steps = cfg.trainer.profile.steps
+    if steps is None:
+        return
+    steps, max_steps = list(steps), cfg.trainer.max_steps
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1] or (max_steps is not None and steps[1] > max_steps):
+        raise ConfigError("trainer.profile.steps", steps, "must be [first, last] optimizer steps with 1 <= first <= "
+                          f"last <= trainer.max_steps={max_steps}, e.g. [10, 12] (null: no trace)")
+    if "profiler" in (cfg.get("callbacks") or {}):
+        raise ConfigError("callbacks.profiler._target_", cfg.callbacks.profiler.get("_target_"), "callbacks.profiler "
+                          "is the name of trainer.profile's own callback (trainer.profile.steps is set): give yours "
+                          "another name")
 
 
 def _check_loop_extras(cfg: DictConfig) -> None:
