@@ -47,7 +47,7 @@ log = logging.getLogger("hydratrain.trainer")
 def _range(name: str) -> contextlib.AbstractContextManager:
     """A labelled range in the trace while a profiler records (``trainer.profile.steps``:
     :mod:`hydratrain.train.profiler`), else nothing: ``record_function`` costs tens of microseconds even with no
-    profiler running (75 us on a loaded 2-core CPU), the check well under one."""
+    profiler running (a step's 6 ranges: 138 us, against 8 us with this check, on a loaded 2-core CPU)."""
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
