@@ -567,6 +567,15 @@ class EMAConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """A ``torch.profiler`` trace of a window of steps on every rank (``hydratrain.train.profiler``); off while
+    ``steps`` is null."""
+
+    # [first, last] optimizer steps traced, e.g. [10, 12]: <run dir>/profile/rank{N}.pt.trace.json; null = none
+    steps: Optional[List[int]] = None
+
+
+@dataclass
 class TrainerConfig:
     max_steps: Optional[int] = 300  # optimizer steps; null = until max_epochs
     max_epochs: Optional[int] = None  # passes over the train split; null = until max_steps
@@ -593,6 +602,7 @@ class TrainerConfig:
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     test_after_fit: bool = False  # evaluate the data's test split with the best (else the last) weights at the end
     ema: EMAConfig = field(default_factory=EMAConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 @dataclass

@@ -454,6 +454,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(key, monitor, f"names no metric the evaluation logs; allowed: {', '.join(allowed)}{why}")
     _check_loop_extras(cfg)
     _check_trackers(cfg.logger)
+    _check_profile(cfg)
 
 
 #: tracker -> (the module it needs, the extra that installs it)
@@ -473,6 +474,22 @@ def _check_trackers(logger: DictConfig) -> None:
         raise ConfigError("logger.mlflow.tracking_uri", "<a URI with a password>", "would be written to the run "
                           "dir's .hydra/config.yaml: give the password in $MLFLOW_TRACKING_PASSWORD (and the user in "
                           "$MLFLOW_TRACKING_USERNAME), or the whole URI in $MLFLOW_TRACKING_URI")
+
+
+def _check_profile(cfg: DictConfig) -> None:
+    """``trainer.profile.steps``: two steps ``[first, last]``, ``1 <= first <= last <= trainer.max_steps``
+    (:mod:`hydratrain.train.profiler`)."""
+    steps = cfg.trainer.profile.steps
+    if steps is None:
+        return
+    steps, max_steps = list(steps), cfg.trainer.max_steps
+    if len(steps) != 2 or not 1 <= steps[0] <= steps[1] or (max_steps is not None and steps[1] > max_steps):
+        raise ConfigError("trainer.profile.steps", steps, "must be [first, last] optimizer steps with 1 <= first <= "
+                          f"last <= trainer.max_steps={max_steps}, e.g. [10, 12] (null: no trace)")
+    if "profiler" in (cfg.get("callbacks") or {}):
+        raise ConfigError("callbacks.profiler._target_", cfg.callbacks.profiler.get("_target_"), "callbacks.profiler "
+                          "is the name of trainer.profile's own callback (trainer.profile.steps is set): give yours "
+                          "another name")
 
 
 def _check_loop_extras(cfg: DictConfig) -> None:

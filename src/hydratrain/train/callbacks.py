@@ -39,8 +39,8 @@ from hydratrain.errors import CallbackError, ConfigError
 
 log = logging.getLogger("hydratrain.callbacks")
 
-HOOKS = ("on_fit_start", "on_train_step_end", "on_eval_end", "on_save_checkpoint", "on_checkpoint_saved",
-         "on_fit_end")
+HOOKS = ("on_fit_start", "on_train_step_start", "on_train_step_end", "on_eval_end", "on_save_checkpoint",
+         "on_checkpoint_saved", "on_fit_end")
 
 
 class Callback:
@@ -48,6 +48,10 @@ class Callback:
 
     def on_fit_start(self, run: "RunView") -> None:
         """Before the first step of this launch (after a resume: with the restored step)."""
+
+    def on_train_step_start(self, run: "RunView", step: int) -> None:
+        """Before optimizer step ``step`` (its data fetch included); the previous step's log line, evaluation and
+        checkpoint save are done."""
 
     def on_train_step_end(self, run: "RunView", step: int, logs: dict) -> None:
         """After optimizer step ``step``. ``logs``: the scalars logged at this step (``train/loss``, ``train/lr``,

@@ -1,7 +1,8 @@
 """The run's callbacks, built from the config: the EMA of the weights first (``trainer.ema.decay``:
 :mod:`~hydratrain.train.ema`; its ``eval_ema/*`` values join the metrics every later callback gets), then the user's
 ``callbacks`` nodes, in order, then hydratrain's own extras that the config turns on (``checkpoint.monitor``:
-:mod:`~hydratrain.train.best_checkpoints`; ``trainer.early_stopping.monitor``: :mod:`~hydratrain.train.early_stopping`).
+:mod:`~hydratrain.train.best_checkpoints`; ``trainer.early_stopping.monitor``: :mod:`~hydratrain.train.early_stopping`;
+``trainer.profile.steps``: :mod:`~hydratrain.train.profiler`).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hydratrain.train.callbacks import Callback, Callbacks, RunView
 from hydratrain.train.early_stopping import EarlyStopping
 from hydratrain.train.ema import EMA
 from hydratrain.train.outputs import model_config_json
+from hydratrain.train.profiler import StepProfiler
 
 
 def user_callbacks(cfg: DictConfig) -> dict[str, Any]:
@@ -71,6 +73,9 @@ def build_callbacks(cfg: DictConfig, checkpoints: CheckpointManager, device: tor
                                                     cfg.trainer.objective, str(cfg.trainer.objective_at) == "best")
     if stop.monitor is not None:
         built["early_stopping"] = EarlyStopping(stop.monitor, str(stop.mode), stop.patience, stop.min_delta)
+    if cfg.trainer.profile.steps is not None:
+        first, last = cfg.trainer.profile.steps
+        built["profiler"] = StepProfiler(first, last, device)
     return Callbacks(built, device)
 
 
