@@ -25,7 +25,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import numpy as np
 
@@ -103,10 +103,9 @@ class Corpus(ABC):
 
 def _tokenizer_within(corpus: Corpus, vocab_size: int, data_cfg, launch_dir: Path, progress: bool,
                       files: Optional[Sequence[Path]], cache_dir: Optional[Path]) -> TextTokenizer:
-    """``corpus``'s tokenizer (one it always has), checked to fit a model of ``vocab_size``. Raises
+    """``corpus``'s tokenizer (one it always has: given or trained), checked to fit a model of ``vocab_size``. Raises
     :class:`ConfigError` naming ``model.vocab_size``."""
-    tokenizer = corpus.tokenizer(data_cfg, launch_dir, progress, files, cache_dir)
-    assert tokenizer is not None  # (a corpus that tokenizes text has one, given or trained)
+    tokenizer = cast(TextTokenizer, corpus.tokenizer(data_cfg, launch_dir, progress, files, cache_dir))
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError("model.vocab_size", vocab_size, f"smaller than the tokenizer's {tokenizer.vocab_size} "
                           f"tokens ({tokenizer.path}); allowed: >= {tokenizer.vocab_size}")
