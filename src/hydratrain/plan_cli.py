@@ -27,7 +27,8 @@ from hydratrain.config import register_configs
 from hydratrain.config.settings import plus_as_force
 from hydratrain.config.validate import validate
 from hydratrain.data.loader import is_dataset_node, load_datasets, loader_fetch
-from hydratrain.data.tokenized import bpe_vocab_size, vocab_size_for
+from hydratrain.data.registry import bpe_vocab_size, corpus
+from hydratrain.data.tokenized import vocab_size_for
 from hydratrain.data.tokenizer import load_tokenizer, padded_vocab_size
 from hydratrain.dist.run_dir import register_resolvers
 from hydratrain.errors import EXIT_CONFIG, ConfigError, Placeholder, say
@@ -64,7 +65,7 @@ def planned_vocab_size(cfg, launch_dir) -> Optional[int]:
         path = Path(launch_dir) / Path(data.tokenizer).expanduser()
         path = path / "tokenizer.json" if path.is_dir() else path  # hf_dataset: a pretrained model's dir
         return vocab_size_for(data, load_tokenizer(path), explicit)
-    if data.name in ("tokenized_text", "python_stdlib_bpe", "hf_dataset"):
+    if corpus(data.name).trains_bpe:
         return explicit or padded_vocab_size(bpe_vocab_size(data))
     return vocab_size_for(data, None, explicit)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hydratrain.data.corpora import expand_paths
-from hydratrain.data.tokenized import segment_texts, split_segments
+from hydratrain.data.token_cache import segment_texts, split_segments
 from hydratrain.data.tokenizer import train_bpe
 from hydratrain.paths import prepare_output_file
 

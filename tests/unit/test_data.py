@@ -6,10 +6,15 @@ import os
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
+from hydratrain.config.schema import DataName
 from hydratrain.data.build import data_fingerprint
 from hydratrain.data.corpora import build_corpus, expand_paths, stdlib_files, synthetic_stream
+from hydratrain.data.registry import CORPORA, corpus, is_byte_level
 from hydratrain.data.streams import LoaderState, ShardedBatches, TokenDataset
+from hydratrain.data.tokenized import preflight_data
+from hydratrain.errors import ConfigError
 
 
 def test_token_dataset_windows_shift_by_one():
@@ -106,6 +111,22 @@ def test_synthetic_stream_is_deterministic_and_in_vocab():
     a, b = synthetic_stream(5000, 256), synthetic_stream(5000, 256)
     assert np.array_equal(a, b) and len(a) == 5000 and a.max() < 256
     assert synthetic_stream(5000, 32000).dtype == np.uint16
+
+
+def test_each_data_option_has_one_registry_entry_that_answers_for_it(tmp_path):
+    """The registry holds one entry per built-in data option (config.schema's DataName) and nothing else, found by the
+    option as by its name; an unknown name is a one-line error naming data; the byte-level and BPE-training corpora
+    are those the other checks expect; text_files' globs are checked before the run, as tokenized_text's are."""
+    assert sorted(CORPORA) == sorted(DataName.values())
+    assert all(corpus(DataName(name)) is entry and entry.name == name for name, entry in CORPORA.items())
+    assert [n for n in CORPORA if is_byte_level(n)] == ["python_stdlib", "text_files"] and not is_byte_level(None)
+    assert [n for n, c in CORPORA.items() if c.trains_bpe] == ["tokenized_text", "python_stdlib_bpe", "hf_dataset"]
+    with pytest.raises(ConfigError, match=r"^data='digits': not a built-in corpus; allowed: synthetic, python_stdlib"):
+        corpus("digits")
+    for name in ("text_files", "tokenized_text"):
+        with pytest.raises(ConfigError, match=rf"^data.paths=\['b/\*.txt'\]: 'b/\*.txt' matches no file "
+                                              rf"\(looked in {tmp_path}\)$"):
+            preflight_data(OmegaConf.create({"name": name, "paths": ["b/*.txt"], "tokenizer": None}), tmp_path)
 
 
 @pytest.mark.parametrize("empty", ["val", "train"])

@@ -16,16 +16,9 @@ from omegaconf import OmegaConf
 
 from hydratrain.data.build import load_splits
 from hydratrain.data.corpora import split_files, stdlib_files
-from hydratrain.data.tokenized import (
-    SAMPLE_TOKENS,
-    build_token_cache,
-    check_token_ids,
-    max_token_id,
-    open_token_bin,
-    preflight_data,
-    tokenizer_for,
-    vocab_size_for,
-)
+from hydratrain.data.token_bin import open_token_bin
+from hydratrain.data.token_cache import SAMPLE_TOKENS, build_token_cache, check_token_ids, max_token_id
+from hydratrain.data.tokenized import preflight_data, tokenizer_for, vocab_size_for
 from hydratrain.data.tokenizer import EOT, load_tokenizer, padded_vocab_size, read_pieces, train_bpe, undecodable
 from hydratrain.errors import ConfigError
 
@@ -217,12 +210,12 @@ def test_tokenized_text_trains_a_bpe_on_the_train_split_and_caches(tmp_path, mon
     files = make_texts(tmp_path)
     cfg = data_cfg(name="tokenized_text", paths=["docs/*.txt"], vocab_size=300, val_fraction=0.2,
                    cache_dir="cache")  # relative: to the launch dir
-    with caplog.at_level(logging.INFO, "hydratrain.data.tokenized"):
+    with caplog.at_level(logging.INFO, "hydratrain.data"):
         tok = tokenizer_for(cfg, tmp_path)
         assert tok.path.parent.parent == tmp_path / "cache" and tok.vocab_size <= 300
         splits = load_splits(cfg, vocab_size_for(cfg, tok, None), tmp_path, progress=False)
     # each long phase says it starts (off a terminal there is no bar), then what it did
-    said = [r.getMessage().split(" ")[0] for r in caplog.records if r.name == "hydratrain.data.tokenized"]
+    said = [r.getMessage().split(" ")[0] for r in caplog.records if r.name == "hydratrain.data.token_cache"]
     assert said[:2] == ["training", "trained"] and said[2:4] == ["tokenizing", "tokenized"], said
     by_file = split_files(files, tmp_path / "docs", 0.2)
     assert by_file["val"] and by_file["train"]
@@ -237,7 +230,7 @@ def test_tokenized_text_trains_a_bpe_on_the_train_split_and_caches(tmp_path, mon
     def fail(*a, **k):
         raise AssertionError("did the same work twice")
 
-    monkeypatch.setattr("hydratrain.data.tokenized.train_bpe", fail)
+    monkeypatch.setattr("hydratrain.data.token_cache.train_bpe", fail)
     monkeypatch.setattr("hydratrain.data.tokenizer.TextTokenizer.encode_batch", fail)
     again = load_splits(cfg, 320, tmp_path, progress=False)  # reused: no retraining, no retokenizing
     assert Path(again["train"].filename).parent == out
@@ -430,7 +423,7 @@ def test_undecodable_bytes_and_a_smaller_vocab_than_asked_are_each_one_warning(t
     tok = tokenizer_for(cfg, tmp_path)
     for _ in range(2):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, "hydratrain.data.tokenized"):
+        with caplog.at_level(logging.WARNING, "hydratrain.data"):
             load_splits(cfg, 5000, tmp_path, progress=False)
         lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert lines == [
@@ -509,7 +502,7 @@ def test_token_corpora_inputs_are_checked_with_the_environment_before_any_proces
     """A missing token file, tokenizer or corpus is found by the launch's environment check, before the process
     group (it was found only when the data was built, after it), and the default BPE is 4096 tokens."""
     from hydratrain.config.validate import check_environment
-    from hydratrain.data.tokenized import bpe_vocab_size
+    from hydratrain.data.registry import bpe_vocab_size
 
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text(TEXT)

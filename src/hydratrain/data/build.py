@@ -4,19 +4,17 @@ the eval set, with the checks that every rank read the same data and that each s
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
 from hydratrain.config.settings import DataSettings
-from hydratrain.data.corpora import build_corpus, expand_paths, split_files, stdlib_files, synthetic_stream
 from hydratrain.data.loader import build_dataset_batches, is_dataset_node
+from hydratrain.data.registry import corpus
 from hydratrain.data.streams import EvalBatches, ShardedBatches, TokenDataset
-from hydratrain.data.tokenized import TOKEN_CORPORA, cache_root, load_token_splits, tokenizer_for, vocab_size_for
+from hydratrain.data.tokenized import tokenizer_for, vocab_size_for
 from hydratrain.dist.collectives import barrier, sampled_digest, unlike_rank0
 from hydratrain.errors import ConfigError
 
@@ -25,36 +23,17 @@ log = logging.getLogger(__name__)
 def load_splits(data_cfg, vocab_size: int, launch_dir: Path, progress: bool,
                 files: Optional[Sequence[Path]] = None, cache_dir: Optional[Path] = None) -> dict[str, np.ndarray]:
     """Token arrays ``{"train", "val"}`` (1-D; read-only memmaps: uint8 for the byte corpora, uint16/uint32 for
-    token_bin, tokenized_text and python_stdlib_bpe, see :mod:`hydratrain.data.tokenized`) for ``data_cfg`` (a
-    DataConfig). ``files``: python_stdlib(_bpe)'s files instead of the whole stdlib (tests). Relative data paths
-    resolve against ``launch_dir`` (the run passes ``paths.data_dir``); caches go to ``cache_dir`` (the run passes
-    ``data.cache_dir`` or ``paths.cache_dir``, see :class:`hydratrain.paths.Paths`), by default
-    :func:`hydratrain.data.tokenized.cache_root`'s.
+    token_bin, tokenized_text, python_stdlib_bpe and hf_dataset) of the built-in corpus ``data_cfg`` (a DataConfig)
+    names, from its entry in :mod:`hydratrain.data.registry`. ``files``: python_stdlib(_bpe)'s files instead of the
+    whole stdlib (tests). Relative data paths resolve against ``launch_dir`` (the run passes ``paths.data_dir``);
+    caches go to ``cache_dir`` (the run passes ``data.cache_dir`` or ``paths.cache_dir``, see
+    :class:`hydratrain.paths.Paths`), by default :func:`hydratrain.data.registry.cache_root`'s.
 
     Builds the cache when it is missing: call it on local rank 0 first, then barrier, then on the other ranks.
-    Raises FileNotFoundError when a text_files ``data.paths`` pattern matches no file, and ConfigError for the token
-    corpora (an id not below ``vocab_size``, a bad file or setting).
+    Raises ConfigError: a ``data.paths`` pattern that matches no file, an id not below ``vocab_size``, a bad file
+    or setting.
     """
-    if data_cfg.name == "synthetic":
-        stream = synthetic_stream(data_cfg.synthetic_tokens, vocab_size)
-        cut = int(len(stream) * (1 - data_cfg.val_fraction))
-        return {"train": stream[:cut], "val": stream[cut:]}
-
-    if data_cfg.name in TOKEN_CORPORA:
-        # (memmaps are arrays: dict is invariant): why the ignore below
-        return load_token_splits(data_cfg, vocab_size, launch_dir, progress, files, cache_dir)  # type: ignore[return-value]
-    if data_cfg.name == "python_stdlib":
-        root, all_files = stdlib_files()
-        files = list(files) if files is not None else all_files
-    else:
-        files = expand_paths(list(data_cfg.paths), launch_dir)
-        root = Path(os.path.commonpath([str(f.parent) for f in files]))
-    out = build_corpus(files, root, data_cfg.val_fraction, cache_root(data_cfg, launch_dir, cache_dir), progress)
-    splits: dict[str, np.ndarray] = {s: np.memmap(out / f"{s}.bin", dtype=np.uint8, mode="r") for s in ("train", "val")}
-    meta = json.loads((out / "meta.json").read_text())["splits"]
-    log.info("data=%s: %s (train %d files / %d tokens, val %d files / %d tokens)", data_cfg.name, out,
-             meta["train"]["files"], meta["train"]["tokens"], meta["val"]["files"], meta["val"]["tokens"])
-    return splits
+    return corpus(data_cfg.name).splits(data_cfg, vocab_size, launch_dir, progress, files, cache_dir)
 
 
 def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Optional[Path] = None):
@@ -141,39 +120,17 @@ def check_same_data(data_cfg, splits: dict) -> None:
     if unlike is None:
         return
     other, every = unlike
-    key, value = {"token_bin": ("data.train_path", data_cfg.get("train_path")),
-                  "text_files": ("data.paths", list(data_cfg.get("paths") or [])),
-                  "tokenized_text": ("data.paths", list(data_cfg.get("paths") or [])),
-                  "hf_dataset": ("data.paths", list(data_cfg.get("paths") or []))}.get(
-        data_cfg.name, ("data", data_cfg.name))
+    key, value = corpus(data_cfg.name).source(data_cfg)
     raise ConfigError(key, value, f"rank {other} read other data than rank 0 ({every[other][1]}; rank 0: "
                       f"{every[0][1]}): every rank, on every node, must read the same data (a node-local copy that "
                       "differs, a stale cache, another Python's standard library)")
 
 
-def split_error(data_cfg, launch_dir: Path, split: str, tokens: int, err: Exception, shown: int = 5):
+def split_error(data_cfg, launch_dir: Path, split: str, tokens: int, err: Exception):
     """The :class:`~hydratrain.errors.ConfigError` for ``split`` ("train" or "val", ``tokens`` long) being too short
-    (``err``), naming where its tokens come from: ``data.train_path`` / ``data.val_path`` and the file for
-    token_bin; ``data.paths`` and the split's files (the first ``shown``; ``(empty)`` after a file of 0 bytes) for
-    text_files and tokenized_text; ``data`` and its name for the built-in corpora."""
-    key, value, source = "data", data_cfg.name, ""
-    if data_cfg.name == "token_bin":
-        key, value = f"data.{split}_path", getattr(data_cfg, f"{split}_path")
-        source = f" from {launch_dir / Path(value).expanduser()}"
-    elif data_cfg.name == "hf_dataset":
-        key, value = ("data.val_paths", list(data_cfg.val_paths)) if split == "val" and data_cfg.val_paths else \
-            ("data.paths", list(data_cfg.paths))
-        source = f" of data.text_field={data_cfg.text_field}"
-    elif data_cfg.name in ("text_files", "tokenized_text"):
-        key, value = "data.paths", list(data_cfg.paths)
-        files = expand_paths(value, launch_dir)
-        if len(files) == 1:
-            share = 1 - data_cfg.val_fraction if split == "train" else data_cfg.val_fraction
-            source = f" from the {'first' if split == 'train' else 'last'} {share:.0%} of {files[0]}"
-        else:
-            part = split_files(files, Path(os.path.commonpath([str(f.parent) for f in files])),
-                               data_cfg.val_fraction)[split]
-            named = [f"{f}{' (empty)' if f.stat().st_size == 0 else ''}" for f in part[:shown]]
-            more = f" and {len(part) - shown} more" if len(part) > shown else ""
-            source = f" from {', '.join(named)}{more}"
+    (``err``), naming where its tokens come from (the corpus's :meth:`~hydratrain.data.registry.Corpus.
+    split_source`): ``data.train_path`` / ``data.val_path`` and the file for token_bin; ``data.paths`` and the
+    split's files (the first five; ``(empty)`` after a file of 0 bytes) for text_files and tokenized_text;
+    ``data.paths`` or ``data.val_paths`` and the text field for hf_dataset; ``data`` and its name for the others."""
+    key, value, source = corpus(data_cfg.name).split_source(data_cfg, launch_dir, split)
     return ConfigError(key, value, f"{split} split ({tokens} tokens){source}: {err}")

@@ -251,12 +251,13 @@ def build_cache(data_cfg, launch_dir: Path, cache_dir: Path, tokenizer: TextToke
 
 
 def load_token_splits(data_cfg, tokenizer: TextTokenizer, launch_dir: Path, cache_dir: Path,
-                      progress: bool) -> dict[str, np.memmap]:
+                      progress: bool) -> dict[str, np.ndarray]:
     """``{"train", "val"}``: the cached token streams (read-only 1-D memmaps) of :func:`build_cache` (call on local
     rank 0 first, then barrier)."""
     out = build_cache(data_cfg, launch_dir, cache_dir, tokenizer, progress)
     meta = json.loads((out / "meta.json").read_text())
-    splits = {s: open_token_bin(out / f"{s}.bin", meta["dtype"], f"{s} cache") for s in ("train", "val")}
+    splits: dict[str, np.ndarray] = {s: open_token_bin(out / f"{s}.bin", meta["dtype"], f"{s} cache")
+                                     for s in ("train", "val")}
     log.info("data=hf_dataset: %s (train %d records / %d tokens, val %d records / %d tokens, vocab %d)", out,
              meta["splits"]["train"]["records"], meta["splits"]["train"]["tokens"],
              meta["splits"]["val"]["records"], meta["splits"]["val"]["tokens"], tokenizer.vocab_size)
