@@ -194,8 +194,8 @@ def test_a_run_dir_given_to_a_sweep_is_refused_naming_the_key_that_places_it(cli
 def test_cfg_job_makes_the_checks_of_the_launch_the_run_makes(cli, overrides):
     """``launcher=torchrun hydra.run.dir=runs/a --cfg job`` exited 0 while the run refused it: the checks of the
     sweep's start (``hydratrain.sweep``: a run dir the sweep would not use, what the submitting machine needs for
-    the launcher) were not made on the printed config. Now it prints the config, then the run's one line (the first check that fails in the run:
-    the sweep's start before the job's), and exits 2, leaving nothing behind."""
+    the launcher) were not made on the printed config. Now it prints the config, then the run's one line (the first
+    check that fails in the run: the sweep's start before the job's), and exits 2, leaving nothing behind."""
     shown = cli(["--cfg", "job", *overrides])
     assert shown.returncode == 2 and OmegaConf.create(shown.out)["trainer"], shown.output[-3000:]
     line = shown.err.strip()
@@ -397,12 +397,13 @@ def test_help_lists_every_option_of_every_group_under_conf_and_no_schema(cli, tm
     assert r.returncode == 0 and r.err == "", r.output[-2000:]
     assert r.out.startswith("hydratrain: distributed PyTorch training configured by Hydra")
     assert "Exit statuses: 0 done, 2 config error" in r.out and "python train.py --cfg job" in r.out
-    lines = {line.split(":")[0].strip(): line.split(":", 1)[1] for line in r.out.splitlines()
-             if line.startswith("  ") and ":" in line and not line.lstrip().startswith("python")}
+    chosen, rest = r.out[r.out.index("== Choices: group=option"):].split("== Added with +group=option ==")
+    added, own = rest.split("== Named nodes of your own")
+    chosen, added, own = (dict(line.strip().split(":", 1) for line in part.splitlines() if line.startswith("  "))
+                          for part in (chosen, added, own))
+    lines = {**chosen, **added, **own}
     groups = sorted(d.name for d in CONF.iterdir() if d.is_dir() and d.name != "hydra")
-    assert [g for g in lines if "." not in g and "/" not in g] == sorted([*(g for g in groups if g not in (
-        "debug", "experiment", "hparams_search")), "debug", "experiment", "hparams_search"], key=lambda g: (
-        g in ("debug", "experiment", "hparams_search"), g))  # the defaults list's groups, then the +group= ones
+    assert sorted([*chosen, *added]) == groups and {"model", "optim"} <= set(chosen) and "experiment" in added
     for group in groups:
         listed = [o.strip().rstrip("*") for o in lines[group].split(",") if "your own" not in o]
         expected = sorted(p.stem for p in (CONF / group).glob("*.yaml")) + (["sgd"] if group == "optim" else [])
