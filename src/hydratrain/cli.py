@@ -108,7 +108,8 @@ def _check_printed_config() -> None:
         if hydra_cfg.mode == RunMode.MULTIRUN:  # (first, as in the run: the sweep starts before its job)
             _check_the_sweep_start(cfg, hydra_cfg)
         check(cfg, world, launch_dir(), local)
-        # the run dir, as the run refuses it (in a sweep a job's is <hydra.sweep.dir>/<its number>: it checks that)
+        # the run dir's path, as the run refuses it (a sweep job's, <hydra.sweep.dir>/<its number>, needs the number:
+        # its sweep dir is checked)
         refuse_a_path_that_is_not_utf8(resolve_path(str(
             hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else hydra_cfg.run.dir)))
     except HydratrainError as err:
