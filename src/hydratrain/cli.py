@@ -1,6 +1,7 @@
 """``train.py``'s command line around Hydra: the run's config checks (:func:`check`), also on the config that
-``--cfg job`` prints (:func:`with_config_checks`), and composition errors as one line. Imports no torch: ``--help``
-and ``--cfg`` stay fast; the checks import what they need when they run."""
+``--cfg job`` prints (:func:`with_config_checks`), composition errors as one line, and the choices ``--help`` lists
+(:func:`option_groups`). Imports no torch: ``--help`` and ``--cfg`` stay fast; the checks import what they need when
+they run."""
 from __future__ import annotations
 
 import copy
@@ -10,15 +11,20 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra._internal.utils import get_args_parser
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.object_type import ObjectType
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hydratrain import exits
-from hydratrain.config.launcher import launched_processes
+from hydratrain.config.launcher import launched_processes, validate_launcher
 from hydratrain.config.settings import plus_as_force
 from hydratrain.dist.env import dist_info
+from hydratrain.dist.run_dir import refuse_a_path_that_is_not_utf8
 from hydratrain.errors import HydratrainError, say
-from hydratrain.paths import launch_dir
+from hydratrain.paths import launch_dir, resolve_path
+from hydratrain.sweep import _refuse_a_run_dir, _refuse_a_stored_study_over_its_job_dirs
 
 
 def check(cfg: DictConfig, world_size: int, launch: Path, local_world_size: Optional[int] = None) -> None:
@@ -43,15 +49,20 @@ def with_config_checks(entry):
       torchrun (:func:`hydratrain.exits.end_composition`), not Hydra's few lines on every rank.
     - When the command line printed the composed config instead of running (``--cfg job`` or ``--cfg all``: Hydra
       prints it and never calls the task), :func:`check` runs on that same config, as a run of that command line
-      would, on the ranks the config's launcher starts (else this launch's). A failed check ends the command as it
+      would, on the ranks the config's launcher starts (else this launch's), with those of its launch: a sweep's
+      start under a launcher that runs one run as a sweep of one job (a ``hydra.run.dir`` it would not use, the
+      launcher's keys: :func:`_check_the_sweep_start`) and the run dir's path. A failed check ends the command as it
       ends the run: the run's one line (``hydratrain: config error: <key>=<value>: <why>``) and exit status 2, after
       the printed config. When the printed config cannot be had, one line says it was not checked. Checks that need
-      the built data, model or process group (a token id beyond the vocabulary, the device mesh) run only in a run.
+      the built data, model or process group (a token id beyond the vocabulary, the device mesh), or that write (the
+      run dir's probe and lock), run only in a run.
+    - ``--help`` lists the choices of this config (:func:`option_groups`, the resolver its template calls).
     """
     @functools.wraps(entry)
     def run_or_print(*args, **kwargs):
         if args or kwargs:  # a config passed in: Hydra only calls the task
             return entry(*args, **kwargs)
+        register_help_resolver()
         exits.composing()
         sys.argv[1:] = plus_as_force(sys.argv[1:])  # +model.init_device=meta, from before every node had the key
         try:
@@ -93,12 +104,35 @@ def _check_printed_config() -> None:
     readonly = cfg._get_node_flag("readonly")
     OmegaConf.set_readonly(cfg, True)
     try:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode == RunMode.MULTIRUN:  # (first, as in the run: the sweep starts before its job)
+            _check_the_sweep_start(cfg, hydra_cfg)
         check(cfg, world, launch_dir(), local)
+        # the run dir's path, as the run refuses it (a sweep job's, <hydra.sweep.dir>/<its number>, needs the number:
+        # its sweep dir is checked)
+        refuse_a_path_that_is_not_utf8(resolve_path(str(
+            hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else hydra_cfg.run.dir)))
     except HydratrainError as err:
         say(f"hydratrain: {err.label}: {err}")
         raise SystemExit(err.exit_status) from None
     finally:
         OmegaConf.set_readonly(cfg, readonly)
+
+
+
+def _check_the_sweep_start(cfg: DictConfig, hydra_cfg: Any) -> None:
+    """The checks of a sweep's start (``on_multirun_start`` of :class:`hydratrain.sweep.SweepReportCallback`, in its
+    order) on the printed config ``cfg`` (``hydra_cfg``: its ``hydra`` node), for a launch that is a sweep: any
+    under a launcher that runs even one run as a sweep of one job (``hydra.mode: MULTIRUN``: torchrun, slurm,
+    submitit_local, ray). A ``hydra.run.dir`` the sweep would not use, a stored Optuna study over the sweep dir's job
+    dirs, the launcher's keys with what this machine needs to submit. Not made: its refusal of a swept
+    ``launcher.*`` key (``--cfg`` composes no sweep: Hydra refuses ``a=1,2`` there) and its probe of the sweep dir,
+    which writes there (``--cfg`` makes no dir); nor, later in the run, the run dir's lock and a sweep job's dir
+    that another job or trial used. Raises :class:`~hydratrain.errors.ConfigError`."""
+    _refuse_a_run_dir(hydra_cfg)
+    _refuse_a_stored_study_over_its_job_dirs(hydra_cfg)
+    if "launcher" in cfg:
+        validate_launcher(cfg.launcher, submitting=True)
 
 
 
@@ -126,3 +160,48 @@ def select_value(cfg: DictConfig, key: str, default: Any) -> Any:
         return OmegaConf.select(cfg, key, default=default)
     except Exception:
         return default
+
+
+
+#: the option groups whose option may be a node of one's own (``_target_`` + keywords, in a ``--config-dir``), and the
+#: top-level keys that hold such nodes by name (hydratrain.components and hydratrain.optim build them)
+OWN_TARGET_GROUPS = ("model", "data", "loss", "optim", "scheduler")
+OWN_TARGET_KEYS = ("metrics", "callbacks")
+#: groups that are no choice of the user's: Hydra's own, and the typed schemas behind the options
+#: (``schema/<group>/<option>``, :func:`hydratrain.config.schema.register_configs`)
+_NOT_CHOICES = ("hydra", "schema")
+
+
+def option_groups(*, _root_: Any = None) -> str:
+    """What ``train.py --help`` lists (``${hydratrain.option_groups:}`` in ``hydra.help.template``): every config
+    group a user chooses from and its options, as Hydra's config search path has them (``conf/`` and a
+    ``--config-dir``'s), so the list cannot go stale. The groups of the defaults list (``group=option``, the one
+    chosen now marked ``*``; ``or your own (_target_: ...)`` where :data:`OWN_TARGET_GROUPS` allows one), then those
+    added with ``+group=option``, then the keys that take named nodes of one's own. ``_root_``: the whole config
+    (OmegaConf passes it); its ``hydra.runtime.choices`` say which groups the defaults list holds."""
+    if not GlobalHydra.instance().is_initialized():  # (resolved outside Hydra: nothing to list)
+        return ""
+    loader = GlobalHydra.instance().config_loader()
+    choices = OmegaConf.select(_root_, "hydra.runtime.choices", default=None) or {}
+    chosen: list[str] = []
+    added: list[str] = []
+    for group in sorted(loader.list_groups("")):
+        options = sorted(loader.get_group_options(group, ObjectType.CONFIG))
+        if group in _NOT_CHOICES or not options:
+            continue
+        now = choices.get(group)
+        line = f"  {group}: " + ", ".join(o + ("*" if o == now else "") for o in options)
+        if group in OWN_TARGET_GROUPS:
+            line += ", or your own (_target_: ...)"
+        (chosen if group in choices else added).append(line)
+    own = [f"  {key}.NAME: your own (_target_: ...)" for key in OWN_TARGET_KEYS]
+    text = "\n".join(["== Choices: group=option (* chosen now) ==", *chosen,
+                      "== Added with +group=option ==", *added,
+                      "== Named nodes of your own, any number: +KEY.NAME._target_=... ==", *own])
+    return text.replace("$", "$$")  # (Hydra's help fills the template's $NAMEs: a $ of ours stays one)
+
+
+def register_help_resolver() -> None:
+    """Register ``${hydratrain.option_groups:}`` (:func:`option_groups`) for ``--help`` (idempotent)."""
+    if not OmegaConf.has_resolver("hydratrain.option_groups"):
+        OmegaConf.register_new_resolver("hydratrain.option_groups", option_groups, use_cache=False)

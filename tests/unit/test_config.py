@@ -4,6 +4,7 @@ All in this process: ``compose`` for the config, ``cli`` for train.py's own comm
 stderr line)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,38 @@ def test_a_run_dir_given_to_a_sweep_is_refused_naming_the_key_that_places_it(cli
         "sub-dir of hydra.sweep.dir (hydra.sweep.subdir, by default the job number): give hydra.sweep.dir=runs/a"), \
         r.output[-3000:]
     assert not list(Path.cwd().iterdir())
+
+
+@pytest.mark.parametrize("overrides", [["launcher=torchrun", "hydra.run.dir=runs/a"],
+                                       ["launcher=torchrun", "hydra.run={dir:runs/a}", "optim.lr=-1"],
+                                       pytest.param(["launcher=slurm"], marks=[requires("slurm"), pytest.mark.skipif(
+                                           bool(shutil.which("sbatch")), reason="SLURM here: the run would submit")])])
+def test_cfg_job_makes_the_checks_of_the_launch_the_run_makes(cli, overrides):
+    """``launcher=torchrun hydra.run.dir=runs/a --cfg job`` exited 0 while the run refused it: the checks of the
+    sweep's start (``hydratrain.sweep``: a run dir the sweep would not use, what the submitting machine needs for
+    the launcher) were not made on the printed config. Now it prints the config, then the run's one line (the first
+    check that fails in the run: the sweep's start before the job's), and exits 2, leaving nothing behind."""
+    shown = cli(["--cfg", "job", *overrides])
+    assert shown.returncode == 2 and OmegaConf.create(shown.out)["trainer"], shown.output[-3000:]
+    line = shown.err.strip()
+    assert line.startswith("hydratrain: config error: ") and "\n" not in line, shown.err
+    ran = cli(overrides)
+    assert ran.returncode == 2 and ran.err.strip() == line, (line, ran.output[-3000:])
+    assert not list(Path.cwd().iterdir())
+
+
+def test_cfg_job_refuses_a_run_dir_the_logs_cannot_write(cli, tmp_path, monkeypatch):
+    """A run dir whose path is not UTF-8 (launched from a dir named in Latin-1) is refused by the run
+    (``test_hostile_inputs``); ``--cfg job`` says the run's line, and makes no run dir."""
+    import os
+
+    launch = tmp_path / os.fsdecode(b"lat\xe9n")
+    launch.mkdir()
+    monkeypatch.chdir(launch)
+    shown = cli(["--cfg", "job"])
+    assert shown.returncode == 2 and shown.err.startswith("hydratrain: config error: hydra.run.dir=") and \
+        "holds bytes that are not UTF-8 (b'\\xe9': a dir name in another encoding?)" in shown.err, shown.output[-3000:]
+    assert list(launch.iterdir()) == []
 
 
 @pytest.mark.parametrize("overrides,key", [
@@ -380,11 +413,32 @@ def test_size_based_policy_never_picks_a_container_without_forward():
     assert not any(isinstance(u, nn.ModuleList) for u in units)
 
 
-def test_help_says_what_hydratrain_is_and_which_groups_are_choices(cli):
-    r = cli(["--help"])
-    assert r.returncode == 0, r.output[-2000:]
+def test_help_lists_every_option_of_every_group_under_conf_and_no_schema(cli, tmp_path):
+    """``--help`` listed the eight ``schema/*`` groups that its own header called "not choices", and nothing said
+    that a ``_target_`` optimizer is allowed: it lists what a user chooses, read from the config search path
+    (``conf/`` and a ``--config-dir``'s), the ``_target_`` form where one is allowed, the chosen option marked."""
+    own = tmp_path / "my_conf" / "optim"
+    own.mkdir(parents=True)
+    (own / "sgd.yaml").write_text("_target_: torch.optim.SGD\nlr: 0.1\n")
+    r = cli(["--help", "--config-dir", str(tmp_path / "my_conf"), "model=gpt_small"], fast=False)
+    assert r.returncode == 0 and r.err == "", r.output[-2000:]
     assert r.out.startswith("hydratrain: distributed PyTorch training configured by Hydra")
-    assert "the schema/* groups are the typed schemas behind" in r.out and "strategy: ddp, fsdp, hsdp, single" in r.out
+    assert "Exit statuses: 0 done, 2 config error" in r.out and "python train.py --cfg job" in r.out
+    chosen, rest = r.out[r.out.index("== Choices: group=option"):].split("== Added with +group=option ==")
+    added, own = rest.split("== Named nodes of your own")
+    chosen, added, own = (dict(line.strip().split(":", 1) for line in part.splitlines() if line.startswith("  "))
+                          for part in (chosen, added, own))
+    lines = {**chosen, **added, **own}
+    groups = sorted(d.name for d in CONF.iterdir() if d.is_dir() and d.name != "hydra")
+    assert sorted([*chosen, *added]) == groups and {"model", "optim"} <= set(chosen) and "experiment" in added
+    for group in groups:
+        listed = [o.strip().rstrip("*") for o in lines[group].split(",") if "your own" not in o]
+        expected = sorted(p.stem for p in (CONF / group).glob("*.yaml")) + (["sgd"] if group == "optim" else [])
+        assert listed == sorted(expected), (group, lines[group])
+        assert ("or your own (_target_: ...)" in lines[group]) == (group in (
+            "model", "data", "loss", "optim", "scheduler")), (group, lines[group])
+    assert " gpt_small*," in lines["model"] and "schema" not in r.out and "hydra_logging" not in r.out
+    assert lines["metrics.NAME"] == lines["callbacks.NAME"] == " your own (_target_: ...)"
 
 
 @requires("slurm")
