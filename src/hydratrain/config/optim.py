@@ -60,7 +60,9 @@ class AdamW8bitConfig:
     param_groups: List[Dict[str, Any]] = field(default_factory=list)
 
 
-RANGES = Ranges(positive=("optim.lr", "optim.eps", "optim.block_size"), non_negative=("optim.weight_decay",))
+RANGES = Ranges(positive=("optim.lr", "optim.eps"), non_negative=("optim.weight_decay",))
+#: adamw8bit's own keys (validate checks them after the strategy's, where they were added)
+ADAMW8BIT_RANGES = Ranges(positive=("optim.block_size",))
 
 
 def check_param_groups(cfg: DictConfig) -> None:

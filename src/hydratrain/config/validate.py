@@ -79,7 +79,7 @@ def _check_ranges(cfg: DictConfig) -> None:
     """Each group's numeric keys (``RANGES`` beside its schema): every group's > 0 keys first, then >= 0, then
     > 0 or null."""
     check_ranges(cfg, (data.RANGES, optim.RANGES, scheduler.RANGES, trainer.RANGES, precision.RANGES, schema.RANGES,
-                       strategy.RANGES, wrap_policy.RANGES, checkpoint.RANGES))
+                       strategy.RANGES, optim.ADAMW8BIT_RANGES, wrap_policy.RANGES, checkpoint.RANGES))
 
 
 def _check_own_optimizer(cfg: DictConfig) -> None:
