@@ -277,7 +277,7 @@ def test_removing_a_group_whose_schema_has_defaults_is_refused(compose, group, o
     """``~checkpoint ~logger`` (to save disk in a sweep) left the schema's defaults in the groups' place: the run
     still wrote checkpoints and events, without a word. Every group of the defaults list is read by the
     run, so removing one is a config error that names the key turning its work off."""
-    from hydratrain.config.validate import DEFAULT_GROUPS
+    from hydratrain.config.structure import DEFAULT_GROUPS
 
     with pytest.raises(ConfigError) as err:
         validate(compose([f"~{group}"], return_hydra_config=True))

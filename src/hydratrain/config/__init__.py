@@ -1,4 +1,5 @@
-"""The run config: typed schemas (:mod:`.schema`) and checks (:mod:`.validate`). No torch import, no side effects."""
+"""The run config: typed schemas (:mod:`.schema`, each group's beside its checks in ``.<group>``) and the walk over the
+checks (:mod:`.validate`, which imports torch). No torch import here, no side effects."""
 from hydratrain.config.schema import TrainConfig, register_configs
 from hydratrain.errors import ConfigError
 

@@ -1,14 +1,98 @@
-"""The ``launcher`` group's checks, which need nothing but that node (:func:`validate_launcher`: the sweep callback
-runs it before anything is submitted), and how many ranks a launcher starts (:func:`launched_processes`). No torch
-import."""
+"""The ``launcher`` group: one schema per option, its checks, which need nothing but that node
+(:func:`validate_launcher`: the sweep callback runs it before anything is submitted), and how many ranks a launcher
+starts (:func:`launched_processes`). No torch import."""
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, Optional
 
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
+from hydratrain.config.values import Option
 from hydratrain.errors import ConfigError
+
+
+class LauncherName(Option):
+    local = "local"
+    torchrun = "torchrun"
+    slurm = "slurm"
+    submitit_local = "submitit_local"
+    ray = "ray"
+
+
+@dataclass
+class LauncherConfig:
+    """Who starts the processes (see docs/launching.md). The keys of each option are the
+    user-facing ones; ``conf/launcher/<option>.yaml`` maps them onto the Hydra launcher plugin's ``hydra.launcher``."""
+
+    option: ClassVar[Optional[LauncherName]] = None
+    name: LauncherName = MISSING
+
+
+@dataclass
+class LocalLauncher(LauncherConfig):
+    """You start the processes: ``python train.py`` or ``torchrun ... train.py``."""
+
+    option: ClassVar[LauncherName] = LauncherName.local
+    name: LauncherName = LauncherName.local
+
+
+@dataclass
+class TorchrunLauncher(LauncherConfig):
+    """hydratrain's Hydra launcher plugin: every job is one elastic launch (torchrun's engine)."""
+
+    option: ClassVar[LauncherName] = LauncherName.torchrun
+    name: LauncherName = LauncherName.torchrun
+    nproc_per_node: int = 2  # workers (ranks) per node
+    nnodes: int = 1  # nodes; > 1 needs rdzv_endpoint and one launch per node with its node_rank
+    node_rank: int = 0  # this node's index in [0, nnodes); node 0 hosts the rendezvous store
+    rdzv_endpoint: Optional[str] = None  # HOST:PORT of node 0's rendezvous store; null = a free port per job
+    rdzv_timeout: int = 600  # seconds to wait for all nodes to join a job's rendezvous
+    max_restarts: int = 0  # times the agent restarts all workers of a job after one fails
+
+
+@dataclass
+class SubmititLauncher(LauncherConfig):
+    """hydra-submitit-launcher (extra ``[slurm]``): one task, i.e. one rank, per GPU."""
+
+    nodes: int = 1  # nodes per job
+    tasks_per_node: int = 1  # ranks per node; must equal gpus_per_node when gpus_per_node > 0
+    gpus_per_node: int = 0  # GPUs per node (0: CPU-only tasks)
+    cpus_per_task: Optional[int] = None  # null = submitit's default
+    timeout_min: int = 60  # job time limit, minutes
+
+
+@dataclass
+class SlurmLauncher(SubmititLauncher):
+    option: ClassVar[LauncherName] = LauncherName.slurm
+    name: LauncherName = LauncherName.slurm
+    gpus_per_node: int = 8
+    tasks_per_node: int = 8
+    partition: Optional[str] = None  # SLURM partition; null = the cluster's default
+    account: Optional[str] = None  # SLURM account to charge; null = your default
+
+
+@dataclass
+class SubmititLocalLauncher(SubmititLauncher):
+    option: ClassVar[LauncherName] = LauncherName.submitit_local
+    name: LauncherName = LauncherName.submitit_local
+    tasks_per_node: int = 2
+
+
+@dataclass
+class RayLauncher(LauncherConfig):
+    """hydratrain's Ray launcher plugin (extra ``[ray]``): every job is one Ray Train ``TorchTrainer`` run."""
+
+    option: ClassVar[LauncherName] = LauncherName.ray
+    name: LauncherName = LauncherName.ray
+    num_workers: int = 2  # workers (ranks) per job, anywhere in the cluster
+    resources_per_worker: Dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})  # Ray resources per rank
+    use_gpu: bool = False  # one GPU per worker (unless resources_per_worker says otherwise); nccl instead of gloo
+    backend: Optional[str] = None  # backend of the process group Ray Train makes; null = nccl with use_gpu, else gloo
+    address: Optional[str] = None  # an existing cluster (HOST:6379, ray://HOST:10001, auto); null = a local one
+    max_failures: int = 0  # restarts of a job's workers after a failure, each resuming from the latest checkpoint
 
 
 def launched_processes(launcher: DictConfig) -> int:
@@ -75,3 +159,7 @@ def validate_launcher(launcher: DictConfig, submitting: bool = False) -> None:
     if launcher.get("gpus_per_node") and launcher.tasks_per_node != launcher.gpus_per_node:
         raise ConfigError("launcher.tasks_per_node", launcher.tasks_per_node,
                           f"must equal launcher.gpus_per_node={launcher.gpus_per_node} (one task per GPU)")
+
+
+def check(cfg: DictConfig) -> None:
+    validate_launcher(cfg.launcher)

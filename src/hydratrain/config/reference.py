@@ -1,6 +1,7 @@
 """The configuration reference (``docs/reference.md``), generated from the schema dataclasses so it cannot drift:
-every key of every typed group and option, its type, its default and the comment beside its field in
-:mod:`hydratrain.config.schema`. A test regenerates it and fails when the page is stale.
+every key of every typed group and option, its type, its default and the comment beside its field (in
+:mod:`hydratrain.config.schema` and the group modules it draws on). A test regenerates it and fails when the page is
+stale.
 
     python -m hydratrain.config.reference > docs/reference.md
 """
@@ -14,6 +15,7 @@ import sys
 import tokenize
 import typing
 from enum import Enum
+from types import ModuleType
 from typing import Any
 
 from hydratrain.config import schema
@@ -27,11 +29,30 @@ whose keys are their own constructor's: see [Your own model](own-model.md).
 """
 
 
+def _schema_modules() -> list[ModuleType]:
+    """The modules that define the schema's dataclasses: schema.py and each group's."""
+    classes: list[type] = [schema.TrainConfig, schema.ModelKeys, schema.LoaderKeys]
+    classes += [cls for options in schema.SCHEMAS.values() for cls in options.values()]
+    hints = typing.get_type_hints(schema.TrainConfig)
+    classes += [hints[f.name] for f in dataclasses.fields(schema.TrainConfig)
+                if dataclasses.is_dataclass(hints[f.name])]
+    names = {base.__module__ for cls in classes for base in cls.__mro__ if dataclasses.is_dataclass(base)}
+    return [sys.modules[name] for name in sorted(names)]
+
+
 def _comments() -> dict[tuple[str, str], str]:
-    """``{(class name, field name): comment}``: the comment-only lines right above a field of schema.py, the ``#``
+    """``{(class name, field name): comment}`` of every schema module (the class names are unique across them)."""
+    out: dict[tuple[str, str], str] = {}
+    for module in _schema_modules():
+        out.update(_module_comments(module))
+    return out
+
+
+def _module_comments(module: ModuleType) -> dict[tuple[str, str], str]:
+    """``{(class name, field name): comment}``: the comment-only lines right above a field of ``module``, the ``#``
     comment on its line, and the comment-only lines right below it that continue that one (``#`` then an aligned
     indent)."""
-    source = inspect.getsource(schema)
+    source = inspect.getsource(module)
     by_line: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:

@@ -3,7 +3,7 @@
     data = DataSettings.of(cfg.data)     # data.batch_size, .num_workers, ... whether the option file lists them or not
     model = ModelSettings.of(cfg.model)  # model.init_device, model.init_from
 
-The defaults are the schema's (:class:`~hydratrain.config.schema.LoaderKeys`, :class:`~hydratrain.config.schema.
+The defaults are the schema's (:class:`~hydratrain.config.data.LoaderKeys`, :class:`~hydratrain.config.model.
 ModelKeys`): a composed config already holds every key, and a config made by hand (a test's ``OmegaConf.create``)
 gets the same values here. Nothing else reads these keys with a default of its own.
 """
@@ -15,7 +15,8 @@ from typing import Any, Optional, Union, cast
 
 from omegaconf import OmegaConf
 
-from hydratrain.config.schema import LOADER_KEYS, MODEL_KEYS, LoaderKeys, ModelKeys
+from hydratrain.config.data import LOADER_KEYS, LoaderKeys
+from hydratrain.config.model import MODEL_KEYS, ModelKeys
 
 _LOADER_DEFAULTS = LoaderKeys()
 _MODEL_DEFAULTS = ModelKeys()
