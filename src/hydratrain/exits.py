@@ -369,11 +369,12 @@ def end_one_run_by_signal(err: BaseException) -> None:
     raise SystemExit(status)
 
 
-def end_of_sweep(sweep_dir: Path) -> None:
-    """The end of a sweep (its last job, or ``on_multirun_end``): refresh the report and log it; exit with status 1
-    and one line when any job failed."""
+def end_of_sweep(sweep_dir: Path, chart: bool = True) -> None:
+    """The end of a sweep (its last job, or ``on_multirun_end``): refresh the report (its chart too, unless not
+    ``chart``: one run launched as a sweep of one job) and log it; exit with status 1 and one line when any job
+    failed."""
     sweep_ended()
-    log_report(sweep_dir)
+    log_report(sweep_dir, chart)
     line = closing_line(sweep_dir)
     if line:
         raise SystemExit(line)
@@ -439,9 +440,9 @@ def end_of_process() -> None:
 
 
 def record_stopped_job(why: str) -> None:
-    """Record this multirun job as FAILED with ``why`` in its ``status.json`` and refresh the sweep report (rank 0 of
-    node 0), for a job that ends the whole sweep (a preemption signal, Ctrl-C) before Hydra's ``on_job_end`` runs.
-    Its dir's ``results.json``, if any, is an earlier launch's. Does nothing outside a multirun."""
+    """Record this multirun job as FAILED with ``why`` in its ``status.json`` and refresh the sweep report and its
+    chart (rank 0 of node 0), for a job that ends the whole sweep (a preemption signal, Ctrl-C) before Hydra's
+    ``on_job_end`` runs. Its dir's ``results.json``, if any, is an earlier launch's. Does nothing outside a multirun."""
     if env_rank() != 0 or not HydraConfig.initialized():
         return
     hc = HydraConfig.get()
@@ -452,4 +453,4 @@ def record_stopped_job(why: str) -> None:
     job_dir = _job_dir(hc)
     write_job_status(job_dir, hc.job.num, list(hc.overrides.task), "FAILED", why, math.nan,
                      _read_json(sweep_dir / MULTIRUN_MARK).get("id"), results_current=False)
-    write_sweep_report(sweep_dir)
+    write_sweep_report(sweep_dir, chart=True)

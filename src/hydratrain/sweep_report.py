@@ -1,5 +1,6 @@
-"""The sweep report: one row per Hydra job of a multirun, in ``sweep_report.csv`` and ``sweep_report.md`` in the sweep
-dir.
+"""The sweep report: one row per Hydra job of a multirun, in ``sweep_report.csv``, ``sweep_report.md`` and
+``sweep_report.html`` in the sweep dir, and at the sweep's end its chart, ``sweep_report.png``
+(``hydratrain.sweep_chart``).
 
 Each job's rank 0 writes ``results.json`` (``Trainer.finish``); the sweep's Hydra callback
 (:class:`hydratrain.sweep.SweepReportCallback`) writes ``status.json`` at the end of each job, in rank 0 or, for a
@@ -10,6 +11,7 @@ job that the torchrun launcher saw fail (a failed check, a dead rank), in the la
 from __future__ import annotations
 
 import csv
+import html
 import json
 import logging
 import math
@@ -23,6 +25,7 @@ from omegaconf import OmegaConf
 
 from hydratrain.dist.run_dir import MULTIRUN_MARK, _read_json
 from hydratrain.paths import resolve_path
+from hydratrain.sweep_chart import CHART, write_chart
 
 log = logging.getLogger("hydratrain.sweep")
 
@@ -42,6 +45,7 @@ def mark_multirun(sweep_dir: Path, sampled: Optional[List[str]] = None, command:
     tmp = sweep_dir / f"{MULTIRUN_MARK}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(mark))
     os.replace(tmp, sweep_dir / MULTIRUN_MARK)
+    (sweep_dir / CHART).unlink(missing_ok=True)  # an earlier multirun's picture: the report no longer shows its jobs
     return mark["id"]
 
 
@@ -150,8 +154,10 @@ def _finite(value: Any) -> Any:
     return value if isinstance(value, (int, float)) and math.isfinite(value) else ""
 
 
-def write_sweep_report(sweep_dir: Path) -> Optional[Path]:
-    """(Re)write ``sweep_report.csv`` and ``sweep_report.md`` in ``sweep_dir`` from the job dirs found there.
+def write_sweep_report(sweep_dir: Path, chart: bool = False) -> Optional[Path]:
+    """(Re)write ``sweep_report.csv``, ``sweep_report.md`` and ``sweep_report.html`` in ``sweep_dir`` from the job dirs
+    found there; with ``chart`` (the end of the sweep, a job that stopped it) also draw ``sweep_report.png``
+    (:func:`hydratrain.sweep_chart.write_chart`), which the md and html show under the table once it exists.
 
     Returns the CSV path, or None when no job dir exists yet. Safe to call after every job.
     """
@@ -171,12 +177,39 @@ def write_sweep_report(sweep_dir: Path) -> Optional[Path]:
         writer.writeheader()
         writer.writerows(rows)
     os.replace(tmp, csv_path)
+    if chart:
+        try:
+            write_chart(sweep_dir, rows)
+        except Exception as err:  # noqa: BLE001 (the table matters more than its picture: one line, no traceback)
+            log.warning("sweep report: no chart (%s): %s: %s", CHART, type(err).__name__, err)
+    picture = (sweep_dir / CHART).exists()  # (this multirun's: mark_multirun removes an earlier one's)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]
-    md = sweep_dir / f".sweep_report.md.tmp{os.getpid()}"
-    md.write_text("\n".join(lines) + "\n")
-    os.replace(md, sweep_dir / "sweep_report.md")
+    if picture:
+        lines += ["", f"![train/loss and the objective of every job; the objective against each swept key]({CHART})"]
+    _write(sweep_dir / "sweep_report.md", "\n".join(lines) + "\n")
+    _write(sweep_dir / "sweep_report.html", _html(sweep_dir.name, columns, rows, picture))
     return csv_path
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _html(title: str, columns: List[str], rows: List[dict], picture: bool) -> str:
+    """The report as a page a browser opens: the table (figures as in the md) and, once drawn, the chart."""
+    def cell(value: Any) -> str:
+        return html.escape(_cell(value).replace("\\|", "|"))
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "\n".join("<tr>" + "".join(f"<td>{cell(r.get(c, ''))}</td>" for c in columns) + "</tr>" for r in rows)
+    image = f'<p><img src="{CHART}" alt="the sweep\'s curves and objective"></p>\n' if picture else ""
+    return (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}: sweep report</title>\n"
+            "<style>table{border-collapse:collapse;font:13px sans-serif}td,th{border:1px solid #ccc;padding:2px 6px}"
+            "img{max-width:100%}</style></head>\n"
+            f"<body><table>\n<tr>{head}</tr>\n{body}\n</table>\n{image}</body></html>\n")
 
 
 def _cell(value: Any) -> str:
@@ -192,12 +225,14 @@ def _job_dir(hc: Any) -> Path:
 
 
 #: what a sweep of one job refused before its workers started leaves in its sweep dir (and the job's sub-dir)
-LEFT_BY_A_REFUSED_JOB = ("multirun.yaml", "sweep_report.csv", "sweep_report.md", MULTIRUN_MARK, "status.json")
+LEFT_BY_A_REFUSED_JOB = ("multirun.yaml", "sweep_report.csv", "sweep_report.md", "sweep_report.html", CHART,
+                         MULTIRUN_MARK, "status.json")
 
 
-def log_report(sweep_dir: Path) -> None:
-    """Refresh the report and log it (the table, on the console in the sweeping process)."""
-    path = write_sweep_report(sweep_dir)
+def log_report(sweep_dir: Path, chart: bool = True) -> None:
+    """Refresh the report (with its chart, unless not ``chart``) and log it (the table, on the console in the
+    sweeping process)."""
+    path = write_sweep_report(sweep_dir, chart)
     if path:
         log.info("sweep report: %s\n%s", path, path.with_suffix(".md").read_text())
 

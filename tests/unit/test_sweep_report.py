@@ -220,3 +220,46 @@ def test_a_stored_optuna_study_is_not_searched_inside_each_torchrun_rank(tmp_pat
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="a search run inside each torchrun rank .* launcher=torchrun"):
         _refuse_a_stored_study_over_its_job_dirs(hc)
+
+
+@requires("report")
+def test_the_report_draws_every_jobs_curves_and_marks_the_failed_one(tmp_path):
+    """A 3-job sweep's report at its end: ``sweep_report.png`` (a valid image) drawn from each job's TensorBoard
+    events, linked under the md's table, and an html page holding the table and the image; the failed job is named
+    "failed" (its curve dashed, its point a cross)."""
+    import matplotlib.image
+    from torch.utils.tensorboard import SummaryWriter
+
+    from hydratrain.sweep_chart import chart_jobs, swept_keys
+    from hydratrain.sweep_report import write_sweep_report
+
+    run_id = mark_multirun(tmp_path)
+    jobs = [(1e-3, "gpt_tiny", True), (3e-2, "gpt_small", True), (1.0, "gpt_tiny", False)]
+    for num, (lr, model, ok) in enumerate(jobs):
+        job = _job(tmp_path, num, lr, results=4.0 - num if ok else None, multirun=run_id, results_current=ok)
+        overrides = [f"optim.lr={lr}", f"model={model}"]
+        write_job_status(job, num, overrides, "COMPLETED" if ok else "FAILED", "" if ok else "DivergenceError: nan",
+                         multirun=run_id, results_current=ok)
+        with SummaryWriter(str(job / "tensorboard")) as tb:
+            for step in range(1, 4 if ok else 3):
+                tb.add_scalar("train/loss", 5.0 - step * (num + 1) * 0.3, step)
+                tb.add_scalar("eval/loss", 5.1 - step * (num + 1) * 0.3, step)
+    assert swept_keys([["optim.lr=1", "model=a", "x=1"], ["optim.lr=2", "model=a", "x=1"], ["+model=b"]]) == [
+        "optim.lr", "model", "x"]
+
+    write_sweep_report(tmp_path)  # after a job: no picture yet
+    assert not (tmp_path / "sweep_report.png").exists() and "sweep_report.png" not in \
+        (tmp_path / "sweep_report.md").read_text()
+    write_sweep_report(tmp_path, chart=True)  # the sweep's end
+    image = matplotlib.image.imread(tmp_path / "sweep_report.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0
+    assert "](sweep_report.png)" in (tmp_path / "sweep_report.md").read_text()
+    page = (tmp_path / "sweep_report.html").read_text()
+    assert '<img src="sweep_report.png"' in page and "FAILED" in page and "DivergenceError: nan" in page
+    assert all(f"<td>{num}</td>" in page and f"optim.lr={lr}" in page for num, lr in enumerate((0.001, 0.03, 1.0)))
+    drawn = chart_jobs(tmp_path, sweep_rows(tmp_path))
+    assert [(len(j["train"]), j["failed"], j["label"].endswith("(failed)")) for j in drawn] == [
+        (3, False, False), (3, False, False), (2, True, True)]
+    assert drawn[2]["value"] == drawn[2]["objective"][-1][1]  # its last eval/loss: a cross in the objective's panels
+    mark_multirun(tmp_path)  # a new multirun in the same dir: the earlier one's picture goes
+    assert not (tmp_path / "sweep_report.png").exists()

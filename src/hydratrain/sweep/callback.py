@@ -170,6 +170,7 @@ class SweepReportCallback(Callback):
                             config=config)
             if why:
                 sweep_ended()
+                write_sweep_report(sweep_dir, chart=True)  # (a search stopped early: its chart as at the end)
                 raise SystemExit(f"hydratrain: sweep stopped after job {hc.job.num}: {why} (see "
                                  f"{sweep_dir / 'sweep_report.md'})")
         if (hc.job.num + 1, os.getpid()) == getattr(self, "_jobs", None) and any(r["status"] == "FAILED"
@@ -184,7 +185,7 @@ class SweepReportCallback(Callback):
         take_early_signal()  # a SIGTERM after the last job: every job has ended; the report is still written
         if not _is_rank0() or ("launcher" in config and config.launcher.get("node_rank", 0) != 0):
             return
-        end_of_sweep(_sweep_dir(config.hydra))
+        end_of_sweep(_sweep_dir(config.hydra), chart=not getattr(self, "_one_run", False))  # (one run: no chart)
 
 
 def launched_as_one_run(hydra_cfg: DictConfig) -> bool:
