@@ -69,7 +69,12 @@ def chart_jobs(sweep_dir: Path, rows: List[dict]) -> List[Dict[str, Any]]:
     ``objective``: ``[(step, value), ...]``), its final objective (``value``), whether it ``failed`` (drawn dashed,
     a cross) and its legend ``label`` (ending in "(failed)" for a failed job)."""
     jobs = [_job(sweep_dir, row) for row in rows]
-    return [j for j in jobs if j["train"] or j["objective"] or j["value"] is not None]
+    jobs = [j for j in jobs if j["train"] or j["objective"] or j["value"] is not None]
+    keys = swept_keys([j["overrides"] for j in jobs])
+    for job in jobs:  # (the label names what differs between the jobs, not every override they share)
+        swept = " ".join(o for o in job["overrides"] if _split(o)[0] in keys)
+        job["label"] = f"{job['job']}: {swept or '(no overrides)'}" + (" (failed)" if job["failed"] else "")
+    return jobs
 
 
 def _job(sweep_dir: Path, row: dict) -> Dict[str, Any]:
@@ -81,10 +86,8 @@ def _job(sweep_dir: Path, row: dict) -> Dict[str, Any]:
     curve = scalars.get(objective, [])
     value: Optional[float] = curve[-1][1] if curve else next(
         (row[k] for k in ("eval_loss", "train_loss") if isinstance(row.get(k), float)), None)
-    failed = row["status"] not in ("COMPLETED", "RUNNING")
-    return {"train": scalars.get("train/loss", []), "objective": curve, "objective_tag": objective, "value": value,
-            "failed": failed, "overrides": row["overrides"].split(),
-            "label": f"{row['job']}: {row['overrides'] or '(no overrides)'}" + (" (failed)" if failed else "")}
+    return {"job": row["job"], "train": scalars.get("train/loss", []), "objective": curve, "objective_tag": objective,
+            "value": value, "failed": row["status"] == "FAILED", "overrides": row["overrides"].split()}
 
 
 def _objective_tag(job_dir: Path) -> str:
