@@ -234,7 +234,9 @@ def log_report(sweep_dir: Path, chart: bool = True) -> None:
     sweeping process)."""
     path = write_sweep_report(sweep_dir, chart)
     if path:
-        log.info("sweep report: %s\n%s", path, path.with_suffix(".md").read_text())
+        table = path.with_suffix(".md").read_text().split("\n\n")[0]  # (the chart's link follows a blank line)
+        chart_line = f" (chart: {sweep_dir / CHART})" if (sweep_dir / CHART).exists() else ""
+        log.info("sweep report: %s%s\n%s", path, chart_line, table.rstrip("\n") + "\n")
 
 
 def closing_line(sweep_dir: Path) -> str:
