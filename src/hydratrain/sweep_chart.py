@@ -29,7 +29,8 @@ def write_chart(sweep_dir: Path, rows: List[dict]) -> Optional[Path]:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        log.info("sweep report: no chart (%s): matplotlib is not installed (pip install -e \".[report]\")", CHART)
+        log.info("the sweep report has no chart (%s): matplotlib is not installed (pip install -e \".[report]\")",
+                 CHART)
         return None
     jobs = chart_jobs(sweep_dir, rows)
     if not jobs:

@@ -181,7 +181,7 @@ def write_sweep_report(sweep_dir: Path, chart: bool = False) -> Optional[Path]:
         try:
             write_chart(sweep_dir, rows)
         except Exception as err:  # noqa: BLE001 (the table matters more than its picture: one line, no traceback)
-            log.warning("sweep report: no chart (%s): %s: %s", CHART, type(err).__name__, err)
+            log.warning("the sweep report has no chart (%s): %s: %s", CHART, type(err).__name__, err)
     picture = (sweep_dir / CHART).exists()  # (this multirun's: mark_multirun removes an earlier one's)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows]

@@ -263,3 +263,20 @@ def test_the_report_draws_every_jobs_curves_and_marks_the_failed_one(tmp_path):
     assert drawn[2]["value"] == drawn[2]["objective"][-1][1]  # its last eval/loss: a cross in the objective's panels
     mark_multirun(tmp_path)  # a new multirun in the same dir: the earlier one's picture goes
     assert not (tmp_path / "sweep_report.png").exists()
+
+
+def test_without_matplotlib_the_report_has_its_table_and_no_chart(tmp_path, monkeypatch, caplog):
+    """matplotlib is an optional extra (report): without it the sweep's end writes the table, no picture and no link
+    to one, and says why in the log."""
+    import sys
+
+    from hydratrain.sweep_report import write_sweep_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # (what an import of a missing module raises)
+    run_id = mark_multirun(tmp_path)
+    _job(tmp_path, 0, 1e-3, results=4.0, multirun=run_id)
+    with caplog.at_level("INFO", logger="hydratrain.sweep"):
+        assert write_sweep_report(tmp_path, chart=True) == tmp_path / "sweep_report.csv"
+    assert not (tmp_path / "sweep_report.png").exists() and "png" not in (tmp_path / "sweep_report.md").read_text()
+    assert "<td>COMPLETED</td>" in (tmp_path / "sweep_report.html").read_text()
+    assert "matplotlib is not installed" in caplog.text
