@@ -188,7 +188,7 @@ def cli(cache_dir, monkeypatch, capsys, hydra_restore_singletons):
     import torch
 
     from hydratrain.dist import run_dir as run_dir_module
-    from hydratrain.sweep import end_of_process
+    from hydratrain.exits import end_of_process
 
     monkeypatch.setenv("HYDRATRAIN_CACHE", str(cache_dir))
     monkeypatch.delenv("HYDRATRAIN_STAMP", raising=False)

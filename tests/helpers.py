@@ -241,6 +241,7 @@ EXTRAS = {
     "optuna": ("optuna", "hydra_plugins.hydra_optuna_sweeper"),
     "slurm": ("submitit", "hydra_plugins.hydra_submitit_launcher"),
     "examples": ("sklearn",),
+    "report": ("matplotlib",),
     "hf": ("transformers", "datasets"),
     "docs": ("mkdocs", "material"),
 }

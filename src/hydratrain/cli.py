@@ -24,7 +24,7 @@ from hydratrain.dist.env import dist_info
 from hydratrain.dist.run_dir import refuse_a_path_that_is_not_utf8
 from hydratrain.errors import HydratrainError, say
 from hydratrain.paths import launch_dir, resolve_path
-from hydratrain.sweep import _refuse_a_run_dir, _refuse_a_stored_study_over_its_job_dirs
+from hydratrain.sweep.checks import refuse_a_run_dir, refuse_a_stored_study_over_its_job_dirs
 
 
 def check(cfg: DictConfig, world_size: int, launch: Path, local_world_size: Optional[int] = None) -> None:
@@ -129,8 +129,8 @@ def _check_the_sweep_start(cfg: DictConfig, hydra_cfg: Any) -> None:
     ``launcher.*`` key (``--cfg`` composes no sweep: Hydra refuses ``a=1,2`` there) and its probe of the sweep dir,
     which writes there (``--cfg`` makes no dir); nor, later in the run, the run dir's lock and a sweep job's dir
     that another job or trial used. Raises :class:`~hydratrain.errors.ConfigError`."""
-    _refuse_a_run_dir(hydra_cfg)
-    _refuse_a_stored_study_over_its_job_dirs(hydra_cfg)
+    refuse_a_run_dir(hydra_cfg)
+    refuse_a_stored_study_over_its_job_dirs(hydra_cfg)
     if "launcher" in cfg:
         validate_launcher(cfg.launcher, submitting=True)
 

@@ -8,20 +8,47 @@ the job as failed and the sweep goes on, while a preemption or Ctrl-C ends the w
 option, a wrong type): one line, ``hydratrain: config error: ...``, and exit status 2, printed once per node under
 torchrun. Under torch's elastic agent the line also goes to the rank's error file (``TORCHELASTIC_ERROR_FILE``),
 so that torchrun's failure summary shows it as the root cause's traceback.
+
+A sweep ends here too: the one line and status of one run that the torchrun launcher made a sweep of one job
+(:func:`end_one_run`), the report and closing line after its last job (:func:`end_of_sweep`) or, whatever launcher
+ran the jobs, at the exit of the sweeping process (:func:`await_the_end`), and the record of a job that stopped the
+whole sweep (:func:`record_stopped_job`). The sweep's Hydra callback (``hydratrain.sweep``) calls them.
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import math
 import os
 import re
+import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
-from hydratrain.checkpoint.preemption import end_guard, recorded_preemption, release_sigterm
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from hydratrain.checkpoint.preemption import (
+    early_guard,
+    end_guard,
+    recorded_preemption,
+    release_sigterm,
+    take_early_signal,
+)
 from hydratrain.dist.env import env_rank
 from hydratrain.dist.launch import _COMPOSING, LauncherGoneError, composing, launcher_gone_error, resume_command  # noqa: F401 (run.py calls exits.composing)
 from hydratrain.dist.process_group import PeerFailedError
-from hydratrain.dist.run_dir import discard_if_unused, in_multirun, resume_hint, run_dir_of
+from hydratrain.dist.run_dir import (
+    MULTIRUN_MARK,
+    _read_json,
+    _sweep_dir,
+    discard_if_unused,
+    in_multirun,
+    resume_hint,
+    run_dir_of,
+)
 from hydratrain.errors import (
     EXIT_CONFIG,
     EXIT_ERROR,
@@ -31,7 +58,14 @@ from hydratrain.errors import (
     root_cause,
     say,
 )
-from hydratrain.sweep import keep_early_sigterm, launched_sweep_dir, record_stopped_job, sweep_ended
+from hydratrain.sweep_report import (
+    LEFT_BY_A_REFUSED_JOB,
+    _job_dir,
+    closing_line,
+    log_report,
+    write_job_status,
+    write_sweep_report,
+)
 
 log = logging.getLogger("hydratrain")
 
@@ -193,15 +227,12 @@ def _says_how_to_resume(err, env) -> bool:
 
 def leave(save_on_sigterm: bool, lock) -> None:
     """On every way out of ``main``: restore the signal handlers the launch replaced, re-arm a sweep's early SIGTERM
-    record between jobs (``hydratrain.sweep.keep_early_sigterm``; ``save_on_sigterm``:
+    record between jobs (:func:`keep_early_sigterm`; ``save_on_sigterm``:
     ``checkpoint.save_on_sigterm``) and release the run-dir ``lock`` (None when not taken)."""
     end_guard()
     release_sigterm()
     watch_interrupts(False)
     if in_multirun():
-        from hydra.core.hydra_config import HydraConfig
-
-
         keep_early_sigterm(HydraConfig.get(), save_on_sigterm)  # type: ignore[arg-type]  # a DictConfig at run time
     if lock is not None:
         lock.release()
@@ -294,3 +325,151 @@ def _refused_by_lock(err: HydratrainError) -> bool:
     (unless the error says it is: ``discard_run_dir``)."""
     return getattr(err, "key", "") in ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir") and \
         not getattr(err, "discard_run_dir", False)
+
+
+# -- the end of a sweep: the one-run launch's line and status, the closing line, the exit hook, a stopped job ----------
+
+#: launchers (``hydra.launcher._target_``) that take a SIGTERM recorded between jobs: Hydra's basic launcher (jobs
+#: in this process: the next job's guard raises it) and the torchrun plugin (raised before it starts the workers)
+_TAKE_EARLY_SIGTERM = ("BasicLauncher", "hydratrain_launcher.torchrun_launcher.TorchrunLauncher")
+
+
+def keep_early_sigterm(hydra_cfg: DictConfig, save_on_sigterm: bool) -> None:
+    """Between the jobs of a sweep, SIGTERM is recorded, as :func:`hydratrain.checkpoint.preemption.early_guard`
+    does before the first composition, instead of killing the sweep with 143 and nothing said while Hydra composes
+    the next job (seconds on a loaded machine); the next job then ends the sweep as preempted: its guard when it runs
+    in this process (Hydra's basic launcher; Optuna's sweeper uses it too), the torchrun plugin before it starts the
+    job's workers. Called at the sweep's start and when each job's ``hydratrain.run.main`` ends; not with
+    ``checkpoint.save_on_sigterm=false`` (the default action stays), nor for other launchers (Ray, submitit: their
+    own handling)."""
+    target = str(hydra_cfg.get("launcher", {}).get("_target_"))
+    if save_on_sigterm and any(t in target for t in _TAKE_EARLY_SIGTERM):
+        early_guard()
+
+
+def end_one_run(err: BaseException, sweep_dir: Path) -> None:
+    """End the launch of one run (:func:`hydratrain.sweep.callback.launched_as_one_run`) whose job failed with ``err``,
+    in the launcher's process: raise ``SystemExit`` with the status the run would have had under plain ``torchrun`` or
+    one process (the failed worker's exit status; 128 + the signal that killed it; a config error found before the
+    workers started: 2, :data:`hydratrain.errors.EXIT_CONFIG`), after the error's one line unless a worker has said it.
+    A config error leaves no dir behind, as in a run: ``sweep_dir``, when this launch made it and it holds only the
+    sweep's records of the refused job, is removed."""
+    code = getattr(err, "exitcode", None)
+    if isinstance(code, int):
+        status = code if code > 0 else 128 - code
+        if not getattr(err, "said_by_worker", False):
+            say(f"hydratrain: {err}")
+    elif isinstance(err, HydratrainError):
+        status = err.exit_status
+        say(f"hydratrain: {err.label}: {err}")
+    elif type(err).__name__ == "LauncherConfigError":  # (the plugin's own: it knows no app)
+        status = EXIT_CONFIG
+        say(f"hydratrain: config error: {err}")
+    else:
+        status = EXIT_ERROR
+        say(f"hydratrain: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    if status == EXIT_CONFIG and code is None:
+        discard_if_unused(sweep_dir, left=LEFT_BY_A_REFUSED_JOB)
+    raise SystemExit(status)
+
+
+def end_one_run_by_signal(err: BaseException) -> None:
+    """End one run (:func:`hydratrain.sweep.callback.launched_as_one_run`) that a signal to the launcher's process
+    stopped (``err``: the launcher's error for it): its workers said the run's line (interrupted, preempted: with the
+    command that resumes) when they had started, so nothing more is said; before them, one line. Raises ``SystemExit``
+    with the signal's status."""
+    status = getattr(err, "exitcode", None)
+    if not isinstance(status, int):
+        return  # (not the torchrun launcher's: its own line)
+    if not getattr(err, "said_by_worker", False):
+        kind = "preempted" if getattr(err, "signal_name", "") == "SIGTERM" else "interrupted"
+        say(f"hydratrain: {kind}: {getattr(err, 'signal_name', 'a signal')} before the run's workers started: "
+            f"nothing was trained; to go on: {getattr(err, 'resume', 'the same command')}")
+    raise SystemExit(status)
+
+
+def end_of_sweep(sweep_dir: Path, chart: bool = True) -> None:
+    """The end of a sweep (its last job, or ``on_multirun_end``): refresh the report (its chart too, unless not
+    ``chart``: one run launched as a sweep of one job) and log it; exit with status 1 and one line when any job
+    failed."""
+    sweep_ended()
+    log_report(sweep_dir, chart)
+    line = closing_line(sweep_dir)
+    if line:
+        raise SystemExit(line)
+
+
+#: the sweep this process launched and whose end is still to be said: {"pid": ..., "sweep_dir": Path}; "hooked":
+#: whether :func:`end_of_process` is registered with ``atexit`` (once per process)
+_AWAITED: dict = {}
+
+
+def await_the_end(sweep_dir: Path) -> None:
+    """Make sure that a sweep with a failed job ends with its report and the closing line (:func:`end_of_sweep`)
+    whatever launcher ran its jobs. Called once per multirun by the sweeping process (``on_multirun_start``, rank 0 of
+    node 0); :func:`sweep_ended` takes it back on every way a sweep ends with a line of ours (the closing line after
+    the last job or in ``on_multirun_end``, a search stopped early, a preemption or Ctrl-C that stopped a job), and
+    :func:`end_of_process`, an ``atexit`` hook, says the end for a sweep that ended otherwise.
+
+    Why at the exit of this process: with Hydra's basic sweeper, a sweep whose jobs include a failure ends with the
+    sweeper raising the first failure once the launcher has returned, so ``on_multirun_end`` never runs; and when
+    the jobs run in other processes nothing of ours runs in this one after the last job: the torchrun and Ray
+    plugins call ``on_job_end`` here only for a job that failed without its workers reporting it,
+    hydra-submitit-launcher never (so no report and no closing line when the last job completed). The
+    launchers' return is no place to hook either: hydra-submitit-launcher's is not ours, and the torchrun plugin
+    knows no app. The exit of this process is the one point every launcher and sweeper reaches after the last job,
+    and after Hydra has printed the failure, so the report and the line come last. An exit hook runs on
+    ``sys.exit`` and on an uncaught exception; not when a signal kills the process or on ``os._exit`` (the workers
+    that ``multiprocessing`` forks leave that way; the pid check is for such a copy). It cannot change the exit
+    status, and need not: a sweeper that returns calls ``on_multirun_end``, which ends the sweep itself, so with a
+    failed job this process only gets here through Hydra's error exit, status 1. A sweep ended by Ctrl-C outside any
+    job (Python's ``KeyboardInterrupt`` traceback) is left as it is."""
+    if not _AWAITED.get("hooked"):
+        atexit.register(end_of_process)
+        _AWAITED["hooked"] = True
+    _AWAITED.update(pid=os.getpid(), sweep_dir=Path(sweep_dir))
+
+
+def launched_sweep_dir() -> Optional[Path]:
+    """The dir of the sweep this process launched and whose end is still to be said, or None."""
+    return _AWAITED.get("sweep_dir") if _AWAITED.get("pid") == os.getpid() else None
+
+
+def sweep_ended() -> None:
+    """The sweep this process launched ended with a line of ours (or its own launcher's): nothing to add at exit."""
+    _AWAITED.pop("sweep_dir", None)
+
+
+def end_of_process() -> None:
+    """At the exit of the sweeping process (``atexit``; see :func:`await_the_end`): when its sweep ended with no line
+    of ours and its report has a FAILED row, log the report and print the closing line. Does nothing in another
+    process (a forked copy), after Ctrl-C, or when :func:`sweep_ended` was called. Never raises."""
+    sweep_dir = _AWAITED.pop("sweep_dir", None)
+    if sweep_dir is None or _AWAITED.get("pid") != os.getpid() or isinstance(getattr(sys, "last_value", None),
+                                                                           KeyboardInterrupt):
+        return
+    try:
+        take_early_signal()  # as on_multirun_end: every job has ended
+        line = closing_line(sweep_dir)
+        if line:
+            log_report(sweep_dir)
+            say(line)
+    except Exception as err:  # noqa: BLE001 (the process is ending with its own status; one line, no traceback)
+        say(f"hydratrain: could not write the sweep report in {sweep_dir}: {type(err).__name__}: {err}")
+
+
+def record_stopped_job(why: str) -> None:
+    """Record this multirun job as FAILED with ``why`` in its ``status.json`` and refresh the sweep report and its
+    chart (rank 0 of node 0), for a job that ends the whole sweep (a preemption signal, Ctrl-C) before Hydra's
+    ``on_job_end`` runs. Its dir's ``results.json``, if any, is an earlier launch's. Does nothing outside a multirun."""
+    if env_rank() != 0 or not HydraConfig.initialized():
+        return
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return
+    sweep_ended()  # the caller's line ends the sweep
+    sweep_dir = _sweep_dir(hc)
+    job_dir = _job_dir(hc)
+    write_job_status(job_dir, hc.job.num, list(hc.overrides.task), "FAILED", why, math.nan,
+                     _read_json(sweep_dir / MULTIRUN_MARK).get("id"), results_current=False)
+    write_sweep_report(sweep_dir, chart=True)

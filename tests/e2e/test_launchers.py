@@ -31,6 +31,7 @@ from helpers import (
     sh,
     skip_without,
     start,
+    why_missing,
 )
 
 # ------------------------------------------------------------------------------------------ torchrun launcher
@@ -395,6 +396,13 @@ def test_a_sweep_of_precision_by_strategy_completes_every_job_on_two_ranks(tmp_p
     rows = report_rows(sweep)
     assert len(rows) == 4 and all(r["status"] == "COMPLETED" for r in rows)
     assert len(hparams_runs(sweep)) == 4
+    # the report's chart, drawn at the sweep's end when matplotlib is installed (the report extra)
+    assert (sweep / "sweep_report.png").exists() == (not why_missing("report"))
+    if (sweep / "sweep_report.png").exists():
+        import matplotlib.image  # (the report extra)
+
+        assert matplotlib.image.imread(sweep / "sweep_report.png").size > 0
+        assert "](sweep_report.png)" in (sweep / "sweep_report.md").read_text()
 
 
 def test_plugin_is_discovered_from_a_normal_install(tmp_path):

@@ -1,4 +1,4 @@
-"""The sweep report (hydratrain.sweep) lists the jobs of the multirun that wrote it last, not those an earlier
+"""The sweep report (hydratrain.sweep_report) lists the jobs of the multirun that wrote it last, not those an earlier
 multirun left in the same sweep dir, and never shows a results.json that the job did not write."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import time
 
 from helpers import requires
-from hydratrain.sweep import mark_multirun, sweep_rows, write_job_status
+from hydratrain.sweep_report import mark_multirun, sweep_rows, write_job_status
 
 
 def _job(sweep, num, lr, results=None, status=True, multirun=None, results_current=True, age_s=0.0):
@@ -50,7 +50,7 @@ def test_the_basic_sweepers_job_count_follows_its_own_expansion():
     must be the sweeper's, or a sweep would end early."""
     from omegaconf import OmegaConf
 
-    from hydratrain.sweep import basic_sweep_jobs
+    from hydratrain.sweep.callback import basic_sweep_jobs
 
     def hydra(task, **sweeper):
         return OmegaConf.create({"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
@@ -78,7 +78,7 @@ def test_a_search_goes_on_after_a_trial_whose_sampled_value_a_check_refused(tmp_
     from omegaconf import OmegaConf
 
     from hydratrain.errors import ConfigError
-    from hydratrain.sweep import _hopeless
+    from hydratrain.sweep.checks import _hopeless
 
     OmegaConf.save({"hydra": {"overrides": {"task": ["+hparams_search=lr_optuna", "model.d_model=choice(64,66)"]}}},
                    tmp_path / "multirun.yaml")
@@ -100,7 +100,7 @@ def _optuna_hc(tmp_path, task, params=None, choices=None, num=0):
     mark the sweep wrote at its start from its command line ``task``."""
     from omegaconf import OmegaConf
 
-    from hydratrain.sweep import sampled_keys
+    from hydratrain.sweep.checks import sampled_keys
 
     params = {"optim.lr": "tag(log, interval(1e-4, 1e-2))", "optim.weight_decay": "interval(0.0, 0.2)"} \
         if params is None else params
@@ -120,7 +120,7 @@ def test_a_search_stops_early_only_when_every_trial_provably_fails_alike(tmp_pat
     from omegaconf import OmegaConf
 
     from hydratrain.errors import CheckpointError, ConfigError
-    from hydratrain.sweep import _hopeless, sampled_keys
+    from hydratrain.sweep.checks import _hopeless, sampled_keys
 
     refused = ConfigError("data.seq_len", 512, "must be <= model.max_seq_len=256")
     fixed = ConfigError("data.paths", ["nope.txt"], "matches no file")
@@ -174,31 +174,31 @@ def test_the_exit_hook_ends_a_sweep_that_ended_without_its_line_once(tmp_path, c
     (Python's KeyboardInterrupt), or when no job failed."""
     import sys
 
-    from hydratrain import sweep
+    from hydratrain import exits
 
     run_id = mark_multirun(tmp_path)
     _job(tmp_path, 0, 1e-3, multirun=run_id, results_current=False)  # FAILED
     _job(tmp_path, 1, 2e-3, results=4.0, multirun=run_id)
     closing = f"hydratrain: 1 of 2 sweep job(s) failed (see {tmp_path / 'sweep_report.md'}); first: job 0 " \
               "(optim.lr=0.001): \n"
-    sweep.await_the_end(tmp_path)
-    sweep.end_of_process()
-    sweep.end_of_process()  # (once)
+    exits.await_the_end(tmp_path)
+    exits.end_of_process()
+    exits.end_of_process()  # (once)
     assert capsys.readouterr().err == closing and (tmp_path / "sweep_report.md").exists()
 
-    sweep.await_the_end(tmp_path)
-    sweep.sweep_ended()
-    sweep.end_of_process()
-    sweep.await_the_end(tmp_path)
-    monkeypatch.setitem(sweep._AWAITED, "pid", -1)  # another process
-    sweep.end_of_process()
-    sweep.await_the_end(tmp_path)
+    exits.await_the_end(tmp_path)
+    exits.sweep_ended()
+    exits.end_of_process()
+    exits.await_the_end(tmp_path)
+    monkeypatch.setitem(exits._AWAITED, "pid", -1)  # another process
+    exits.end_of_process()
+    exits.await_the_end(tmp_path)
     monkeypatch.setattr(sys, "last_value", KeyboardInterrupt(), raising=False)
-    sweep.end_of_process()
+    exits.end_of_process()
     monkeypatch.delattr(sys, "last_value")
     write_job_status(tmp_path / "0", 0, ["optim.lr=0.001"], "COMPLETED", multirun=run_id)
-    sweep.await_the_end(tmp_path)
-    sweep.end_of_process()
+    exits.await_the_end(tmp_path)
+    exits.end_of_process()
     assert capsys.readouterr().err == ""
 
 
@@ -210,13 +210,73 @@ def test_a_stored_optuna_study_is_not_searched_inside_each_torchrun_rank(tmp_pat
     from omegaconf import OmegaConf
 
     from hydratrain.errors import ConfigError
-    from hydratrain.sweep import _refuse_a_stored_study_over_its_job_dirs
+    from hydratrain.sweep.checks import refuse_a_stored_study_over_its_job_dirs
 
     hc = OmegaConf.create({"sweeper": {"_target_": "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper",
                                        "storage": f"sqlite:///{tmp_path}/o.db", "study_name": "s"},
                            "sweep": {"dir": str(tmp_path / "sweep")}, "runtime": {"cwd": str(tmp_path)}})
     monkeypatch.setenv("WORLD_SIZE", "1")
-    _refuse_a_stored_study_over_its_job_dirs(hc)  # one process, a new sweep dir: fine
+    refuse_a_stored_study_over_its_job_dirs(hc)  # one process, a new sweep dir: fine
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="a search run inside each torchrun rank .* launcher=torchrun"):
-        _refuse_a_stored_study_over_its_job_dirs(hc)
+        refuse_a_stored_study_over_its_job_dirs(hc)
+
+
+@requires("report")
+def test_the_report_draws_every_jobs_curves_and_marks_the_failed_one(tmp_path):
+    """A 3-job sweep's report at its end: ``sweep_report.png`` (a valid image) drawn from each job's TensorBoard
+    events, linked under the md's table, and an html page holding the table and the image; the failed job is named
+    "failed" (its curve dashed, its point a cross)."""
+    import matplotlib.image
+    from torch.utils.tensorboard import SummaryWriter
+
+    from hydratrain.sweep_chart import chart_jobs, swept_keys
+    from hydratrain.sweep_report import write_sweep_report
+
+    run_id = mark_multirun(tmp_path)
+    jobs = [(1e-3, "gpt_tiny", True), (3e-2, "gpt_small", True), (1.0, "gpt_tiny", False)]
+    for num, (lr, model, ok) in enumerate(jobs):
+        job = _job(tmp_path, num, lr, results=4.0 - num if ok else None, multirun=run_id, results_current=ok)
+        overrides = [f"optim.lr={lr}", f"model={model}"]
+        write_job_status(job, num, overrides, "COMPLETED" if ok else "FAILED", "" if ok else "DivergenceError: nan",
+                         multirun=run_id, results_current=ok)
+        with SummaryWriter(str(job / "tensorboard")) as tb:
+            for step in range(1, 4 if ok else 3):
+                tb.add_scalar("train/loss", 5.0 - step * (num + 1) * 0.3, step)
+                tb.add_scalar("eval/loss", 5.1 - step * (num + 1) * 0.3, step)
+    assert swept_keys([["optim.lr=1", "model=a", "x=1"], ["optim.lr=2", "model=a", "x=1"], ["+model=b"]]) == [
+        "optim.lr", "model", "x"]
+
+    write_sweep_report(tmp_path)  # after a job: no picture yet
+    assert not (tmp_path / "sweep_report.png").exists() and "sweep_report.png" not in \
+        (tmp_path / "sweep_report.md").read_text()
+    write_sweep_report(tmp_path, chart=True)  # the sweep's end
+    image = matplotlib.image.imread(tmp_path / "sweep_report.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0
+    assert "](sweep_report.png)" in (tmp_path / "sweep_report.md").read_text()
+    page = (tmp_path / "sweep_report.html").read_text()
+    assert '<img src="sweep_report.png"' in page and "FAILED" in page and "DivergenceError: nan" in page
+    assert all(f"<td>{num}</td>" in page and f"optim.lr={lr}" in page for num, lr in enumerate((0.001, 0.03, 1.0)))
+    drawn = chart_jobs(tmp_path, sweep_rows(tmp_path))
+    assert [(len(j["train"]), j["failed"], j["label"].endswith("(failed)")) for j in drawn] == [
+        (3, False, False), (3, False, False), (2, True, True)]
+    assert drawn[2]["value"] == drawn[2]["objective"][-1][1]  # its last eval/loss: a cross in the objective's panels
+    mark_multirun(tmp_path)  # a new multirun in the same dir: the earlier one's picture goes
+    assert not (tmp_path / "sweep_report.png").exists()
+
+
+def test_without_matplotlib_the_report_has_its_table_and_no_chart(tmp_path, monkeypatch, caplog):
+    """matplotlib is an optional extra (report): without it the sweep's end writes the table, no picture and no link
+    to one, and says why in the log."""
+    import sys
+
+    from hydratrain.sweep_report import write_sweep_report
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # (what an import of a missing module raises)
+    run_id = mark_multirun(tmp_path)
+    _job(tmp_path, 0, 1e-3, results=4.0, multirun=run_id)
+    with caplog.at_level("INFO", logger="hydratrain.sweep"):
+        assert write_sweep_report(tmp_path, chart=True) == tmp_path / "sweep_report.csv"
+    assert not (tmp_path / "sweep_report.png").exists() and "png" not in (tmp_path / "sweep_report.md").read_text()
+    assert "<td>COMPLETED</td>" in (tmp_path / "sweep_report.html").read_text()
+    assert "matplotlib is not installed" in caplog.text

@@ -214,7 +214,7 @@ def _signals_end_the_launch() -> Iterator[None]:
     """From here until the agent installs its own handlers (which do the same, once the workers exist), SIGTERM
     raises torch's ``SignalException`` instead of killing this process with 143 and nothing said: the job's
     composition, its check and the rendezvous take seconds. A SIGTERM recorded since the sweep's start
-    (:func:`hydratrain.sweep.keep_early_sigterm`) is raised at once. The handler in place before is restored after
+    (:func:`hydratrain.exits.keep_early_sigterm`) is raised at once. The handler in place before is restored after
     (between jobs, the record-only one)."""
     import signal
 

@@ -178,7 +178,7 @@ _SHELL_PLAIN = re.compile(r"^[A-Za-z0-9_./\-+:@%=,]+$")
 
 def resume_command(run_dir: Optional[Path] = None, sweep: bool = False) -> str:
     """The shell command that resumes this run from its run dir, as one string: :func:`launch_command` (in a sweep:
-    the sweep's command, recorded at its start by :func:`hydratrain.sweep.mark_multirun`) with
+    the sweep's command, recorded at its start by :func:`hydratrain.sweep_report.mark_multirun`) with
     ``hydra.run.dir=<run dir>`` (a sweep: ``hydra.sweep.dir=<sweep dir>``) in place of any it gave; the dir relative
     to the launch dir when it lies below it (the command runs there). ``run_dir`` names the run dir (with ``sweep``,
     the sweep dir) where Hydra has not set it yet (before its job starts); by default it comes from Hydra's config.

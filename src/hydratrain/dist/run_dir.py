@@ -34,7 +34,7 @@ from hydratrain.errors import EXIT_CONFIG, ConfigError, OutputError, say, unwrit
 from hydratrain.paths import join, resolve_path
 
 #: in the sweep dir: the multirun that writes it now ({"id", "started", "sampled": the keys it varies, or null,
-#: "command": the command line that launched it, or null}; :func:`hydratrain.sweep.mark_multirun`)
+#: "command": the command line that launched it, or null}; :func:`hydratrain.sweep_report.mark_multirun`)
 MULTIRUN_MARK = ".hydratrain_multirun.json"
 _FAILED = "\0failed"  # rank 0's answer in the store when it could not create the run dir
 
