@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from hydratrain.config.schema import DataName
+from hydratrain.config.data import DataName
 from hydratrain.data.build import data_fingerprint
 from hydratrain.data.corpora import build_corpus, expand_paths, stdlib_files, synthetic_stream
 from hydratrain.data.registry import CORPORA, corpus, is_byte_level

@@ -1,5 +1,5 @@
 """trainer.profile.steps: the config check (one line naming the key before any process) and the window the
-profiler callback records, driven through its hooks in this process (the 2-rank run is tests/e2e/test_profiler.py)."""
+profiler callback records, driven through its hooks in this process (the 2-rank run: e2e/test_profiler_runs.py)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """The trackers beside TensorBoard (hydratrain.train.trackers): each one fed the stream a StepLogger sends (a log
 line's scalars, an evaluation at the same step, the end of the run's summary) and read back with its own reader;
-config composition and checks of ``logger=[...]``. The runs on 2 ranks are in tests/e2e/test_trackers.py."""
+config composition and checks of ``logger=[...]``. The runs on 2 ranks are in tests/e2e/test_trackers_runs.py."""
 from __future__ import annotations
 
 import csv

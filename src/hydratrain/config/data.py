@@ -53,6 +53,10 @@ class DataConfig(LoaderKeys):
     """Keys every built-in ``data`` option has (see :mod:`hydratrain.data`)."""
 
     option: ClassVar[Optional[DataName]] = None
+    # what the option is, read by the checks here and by the corpus registry (hydratrain.data.registry): its tokens
+    # are the 256 byte values; its val split is a file of its own (data.val_path), so data.val_fraction is unused
+    byte_level: ClassVar[bool] = False
+    val_split_file: ClassVar[bool] = False
     name: DataName = MISSING
     seq_len: int = 256  # tokens per sample (the model sees seq_len tokens and predicts the next seq_len)
 
@@ -67,6 +71,7 @@ class SplitData(DataConfig):
 @dataclass
 class PythonStdlibData(SplitData):
     option: ClassVar[DataName] = DataName.python_stdlib
+    byte_level: ClassVar[bool] = True
     name: DataName = DataName.python_stdlib
     cache_dir: Optional[str] = None  # where built memmaps are kept; null = $HYDRATRAIN_CACHE or ~/.cache/hydratrain
 
@@ -74,6 +79,7 @@ class PythonStdlibData(SplitData):
 @dataclass
 class TextFilesData(SplitData):
     option: ClassVar[DataName] = DataName.text_files
+    byte_level: ClassVar[bool] = True
     name: DataName = DataName.text_files
     paths: List[str] = MISSING  # files or globs (** allowed); relative ones resolve against the launch dir
     cache_dir: Optional[str] = None
@@ -91,6 +97,7 @@ class TokenBinData(DataConfig):
     """Flat token-id files made by another pipeline (nanoGPT / llm.c layout), one per split."""
 
     option: ClassVar[DataName] = DataName.token_bin
+    val_split_file: ClassVar[bool] = True
     name: DataName = DataName.token_bin
     train_path: str = MISSING  # the train split's token file (relative to the launch dir)
     val_path: str = MISSING  # the val split's token file
@@ -137,7 +144,6 @@ class HFDatasetData(SplitData):
     cache_dir: Optional[str] = None
 
 
-BYTE_LEVEL_DATA = ("python_stdlib", "text_files")
 RANGES = Ranges(positive=("data.seq_len", "data.synthetic_tokens"))
 
 
@@ -163,7 +169,7 @@ def check(cfg: DictConfig) -> None:
         select(cfg, "data.seq_len")
     if number(max_seq_len) and number(seq_len) and seq_len > max_seq_len:
         raise ConfigError("data.seq_len", seq_len, f"must be <= model.max_seq_len={max_seq_len}")
-    if select(cfg, "data.name") in BYTE_LEVEL_DATA and number(vocab_size) and vocab_size < 256:
+    if _schema_says(cfg.data, "byte_level") and number(vocab_size) and vocab_size < 256:
         raise ConfigError("model.vocab_size", vocab_size, f"byte-level data={cfg.data.name} needs >= 256")
     if "paths" in cfg.data and not cfg.data.paths:
         raise ConfigError("data.paths", list(cfg.data.paths), f"data={cfg.data.name} needs at least one file or glob")
@@ -180,6 +186,11 @@ def check(cfg: DictConfig) -> None:
                           "data.tokenizer is null); drop one of the two (model.vocab_size sets a larger embedding)")
 
 
+def _schema_says(data: Any, what: str) -> bool:
+    """A class fact of the data node's option schema (``byte_level``, ``val_split_file``); False for a dataset node."""
+    return OmegaConf.is_dict(data) and bool(getattr(OmegaConf.get_type(data), what, False))
+
+
 def _refuse_loader_keys_on_a_corpus(data: Any) -> None:
     """A built-in corpus has the DataLoader's keys (every data option has them, :class:`LoaderKeys`) but batches
     memory-mapped tokens in the training process: a value other than the default would be ignored, so it is refused
@@ -187,7 +198,7 @@ def _refuse_loader_keys_on_a_corpus(data: Any) -> None:
     if not OmegaConf.is_dict(data) or "_target_" in data or data.get("name") is None:
         return
     name = data.name
-    unused = DATASET_ONLY_KEYS + (("val_fraction",) if str(name) == "token_bin" else ())
+    unused = DATASET_ONLY_KEYS + (("val_fraction",) if _schema_says(data, "val_split_file") else ())
     for key in unused:
         if key in data and data[key] != getattr(LoaderKeys, key):
             raise ConfigError(f"data.{key}", data[key], f"not used by data={name}, which slices memory-mapped tokens "

@@ -58,7 +58,6 @@ from hydratrain.config.launcher import launched_processes
 from hydratrain.config.settings import node_dict
 from hydratrain.config.strategy import StrategyName
 from hydratrain.config.values import NO_VALUE, check_ranges, select
-from hydratrain.data.corpora import expand_paths
 from hydratrain.data.loader import check_data_node, is_dataset_node
 from hydratrain.data.tokenized import preflight_data, vocab_size_for
 from hydratrain.errors import ConfigError
@@ -283,12 +282,6 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
         HSDP.mesh_shape(cfg.strategy.shard_size, world_size, local_world_size or world_size)
 
     dirs = Paths.resolve(cfg, launch_dir)
-    if select(cfg, "data.name") == "text_files":
-        try:
-            expand_paths(list(cfg.data.paths), dirs.data)
-        except FileNotFoundError as err:
-            raise ConfigError("data.paths", list(cfg.data.paths), str(err).split(": ", 1)[1]) from None
-
     if "name" in cfg.data:
         preflight_data(cfg.data, dirs.data)  # token files, the tokenizer, tokenized_text's globs
     for key, base, what in (("model.init_from", dirs.model, "paths.model_dir"),

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence, cast
 
 import numpy as np
 
+from hydratrain.config.schema import SCHEMAS
 from hydratrain.data import hf_dataset
 from hydratrain.data.corpora import build_corpus, expand_paths, split_files, stdlib_files, synthetic_stream
 from hydratrain.data.token_bin import open_token_bin
@@ -65,8 +66,13 @@ class Corpus(ABC):
     corpus that has neither files nor a tokenizer of its own."""
 
     name = ""  # data.name
-    byte_level = False  # its tokens are the 256 byte values
+    prompt = "\n"  # what the end-of-run sample continues
     trains_bpe = False  # with data.tokenizer null, its tokenizer is a BPE of data.vocab_size trained on its text
+
+    @property
+    def byte_level(self) -> bool:
+        """Its tokens are the 256 byte values: its option schema says so (``byte_level``)."""
+        return bool(getattr(SCHEMAS["data"].get(self.name), "byte_level", False))
 
     def tokenizer(self, data_cfg, launch_dir: Path, progress: bool = False, files: Optional[Sequence[Path]] = None,
                   cache_dir: Optional[Path] = None) -> Optional[TextTokenizer]:
@@ -209,6 +215,8 @@ class TextCorpus(Corpus):
 class FromStdlib(TextCorpus):
     """The running interpreter's standard-library ``.py`` files."""
 
+    prompt = "def "
+
     def files(self, data_cfg, launch_dir):
         return stdlib_files()
 
@@ -250,9 +258,7 @@ class FromPaths(TextCorpus):
 
 
 class Bytes(TextCorpus):
-    """The files' bytes, concatenated per split into a uint8 cache (vocab 256)."""
-
-    byte_level = True
+    """The files' bytes, concatenated per split into a uint8 cache (vocab 256; their schemas say byte_level)."""
 
     def splits(self, data_cfg, vocab_size, launch_dir, progress, files=None, cache_dir=None) -> Splits:
         root, all_files = self.files(data_cfg, launch_dir)

@@ -27,6 +27,7 @@ from hydratrain import components
 from hydratrain.checkpoint.export import export_model, write_safetensors
 from hydratrain.checkpoint.layout import list_checkpoints
 from hydratrain.data.loader import is_dataset_node
+from hydratrain.data.registry import CORPORA
 from hydratrain.dist.launch import unwritable_message
 from hydratrain.errors import HydratrainError, OutputError, unwritable_cause
 from hydratrain.parallel.ac_compile import eager
@@ -162,9 +163,8 @@ def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, a
     """The end-of-run sample as text: ``trainer.sample_tokens`` tokens after a prompt (``def `` on the Python
     corpora, a newline elsewhere), decoded with the data's tokenizer, as UTF-8 bytes for the byte corpora, or shown
     as token ids (synthetic data, token_bin without ``data.tokenizer``)."""
-    python = cfg.data.name in ("python_stdlib", "python_stdlib_bpe")
-    text = "def " if python else "\n"
-    byte_level = cfg.data.name in ("python_stdlib", "text_files")
+    entry = CORPORA[str(cfg.data.name)]
+    text, byte_level = entry.prompt, entry.byte_level
     if tokenizer is not None:
         prompt = tokenizer.encode(text) or [0]
     else:
