@@ -18,7 +18,7 @@ from hydratrain.errors import CheckpointError, ConfigError, DivergenceError
 
 def _job(compose, tmp_path, *overrides):
     from hydratrain.dist.env import DistInfo
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.run import build
 
     cfg = compose(["+debug=fast", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
@@ -101,7 +101,7 @@ def test_a_value_that_cannot_take_effect_is_a_config_error(compose, overrides, k
 @pytest.mark.parametrize("tied", [True, False])
 def test_meta_and_eager_builds_are_the_same_model(compose, tied):
     from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_model, build_strategy
+    from hydratrain.parallel.build import build_model, build_strategy
 
     built = {}
     for init_device in ("meta", "cpu"):
@@ -125,7 +125,7 @@ def test_activation_checkpointing_does_not_change_the_initial_weights(compose):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_model, build_strategy
+    from hydratrain.parallel.build import build_model, build_strategy
 
     built = {}
     for ac in ("false", "true"):
