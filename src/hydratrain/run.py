@@ -56,9 +56,9 @@ from hydratrain.exits import in_multirun
 from hydratrain.flops import model_flops
 from hydratrain.metrics import peak_flops, peak_memory_bytes, reset_peak_memory
 from hydratrain.optim import build_optimizer, build_scheduler, optimizer_name, state_bytes, total_steps, warn_run_length
+from hydratrain.parallel.build import build_model, build_strategy
 from hydratrain.parallel.init import seed_training_rng
 from hydratrain.parallel.precision import Precision
-from hydratrain.parallel.build import build_model, build_strategy
 from hydratrain.parallel.strategy import Strategy
 from hydratrain.paths import Paths, launch_dir, resolve_path
 from hydratrain.plan import OutOfMemoryGuard, plan_run

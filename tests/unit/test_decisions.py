@@ -100,8 +100,8 @@ def test_a_value_that_cannot_take_effect_is_a_config_error(compose, overrides, k
 # -------------------------------------------------------------------------------- meta build = eager build
 @pytest.mark.parametrize("tied", [True, False])
 def test_meta_and_eager_builds_are_the_same_model(compose, tied):
-    from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.build import build_model, build_strategy
+    from hydratrain.parallel.precision import Precision
 
     built = {}
     for init_device in ("meta", "cpu"):
@@ -124,8 +124,8 @@ def test_activation_checkpointing_does_not_change_the_initial_weights(compose):
     """activation_checkpointing=true must train the same model (AC only trades memory for compute)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.build import build_model, build_strategy
+    from hydratrain.parallel.precision import Precision
 
     built = {}
     for ac in ("false", "true"):

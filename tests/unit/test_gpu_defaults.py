@@ -89,8 +89,8 @@ def _tiny(n_layer: int = 2):
 def test_parallelize_compiles_the_whole_model_without_renaming_parameters(compose):
     """trainer.compile=true under single: Module.compile on the root (no '_orig_mod.' in any key); auto on the CPU
     compiles nothing and says nothing."""
-    from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.build import build_strategy
+    from hydratrain.parallel.precision import Precision
 
     cpu = torch.device("cpu")
     for value, compiled in (("true", "the whole model (GPT)"), ("auto", None), ("blocks", "2 blocks (2 Block)")):
