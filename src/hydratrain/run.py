@@ -288,18 +288,21 @@ def _fit(cfg: DictConfig, strategy: Strategy, info: DistInfo, run_dir: Path, lau
          oom_guard: Optional[OutOfMemoryGuard] = None) -> FitResult:
     """Build the job, start it from ``resume`` or ``model.init_from``, fit (``mode=eval``: evaluate only), then
     write the outputs."""
-    from hydratrain.checkpoint.io import check_same_resume, init_from_file  # (torch.distributed.checkpoint: ~1 s)
-
     evaluating = str(cfg.mode) == "eval"  # (mode=eval: no run-length or resume warnings, nothing trained)
     device = _device(info)
     job = build(cfg, strategy, info, run_dir, launch, oom_guard, resuming=resume is not None or evaluating)
     init_from = model_settings(cfg).init_from
-    check_same_resume(resume)
+    if info.world_size > 1:  # (one rank has no other to compare with)
+        from hydratrain.checkpoint.io import check_same_resume  # (start-up: torch.distributed.checkpoint, ~0.3 s)
+
+        check_same_resume(resume)
     if resume is not None:
         _restore(job, resume, run_dir, evaluating)
         if init_from:
             log.info("model.init_from=%s not used: resuming from %s", init_from, resume)
     elif init_from:
+        from hydratrain.checkpoint.io import init_from_file  # (start-up: torch.distributed.checkpoint, ~0.3 s)
+
         init_from_file(job.model, resolve_path(init_from, Paths.resolve(cfg, launch).model),
                        model_record(cfg, job.vocab_size))
     step = job.trainer.progress.step

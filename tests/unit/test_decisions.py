@@ -42,7 +42,7 @@ def test_main_never_writes_the_config_and_resolves_auto_into_a_new_object(compos
         writes.append("refused")
         validate(cfg)  # validating a read-only config works: validate only reads
 
-    with patch("hydratrain.checkpoint.io.check_same_resume", write_inside):
+    with patch("hydratrain.run.write_outputs", write_inside):
         result = main(cfg, run_dir=tmp_path / "a")
     assert writes == ["refused"] and OmegaConf.to_yaml(cfg) == before and result.steps == 2
     p = Precision.resolve(cfg.precision, torch.device("cpu"))
