@@ -285,7 +285,7 @@ def run_hydratrain(args) -> dict:
 
     from hydratrain.dist.process_group import device_type, process_group
     from hydratrain.optim import state_bytes
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.run import build
 
     if args.threads:
@@ -413,7 +413,7 @@ def run_plan(args) -> dict:
     from hydratrain.dist.process_group import choose_device, device_type
     from hydratrain.dist.run_dir import register_resolvers
     from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
 
     register_configs()
     register_resolvers()

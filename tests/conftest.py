@@ -258,7 +258,7 @@ def make_job(compose):
     import torch
 
     from hydratrain.dist.env import DistInfo
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.run import build
 
     def _make(run_dir: Path, *overrides: str):

@@ -320,6 +320,16 @@ def end_the_sweep(status: int, why: str) -> None:
     raise SystemExit(status) from None
 
 
+def after_preemption(status: int) -> None:
+    """A run that a preemption signal stopped after saving (``Preemption.stopping`` logged the checkpoint and the
+    command that resumes) exits with ``status`` (``checkpoint.preempt_exit_code``); in a multirun that ends the
+    whole sweep (:func:`end_the_sweep`)."""
+    if in_multirun():
+        end_the_sweep(status, f"preempted: stopped by a preemption signal after saving a checkpoint; to resume: "
+                      f"{resume_command()}")
+    raise SystemExit(status)
+
+
 def _refused_by_lock(err: HydratrainError) -> bool:
     """A config error about the run dir itself (held by another job): that dir is not this launch's to remove
     (unless the error says it is: ``discard_run_dir``)."""

@@ -225,7 +225,7 @@ def lr_factor(step: int, name: str, warmup_steps: int, total_steps: int, min_lr_
 @dataclass
 class Schedule:
     """:func:`lr_factor` of one run as a callable for ``LambdaLR``; ``total_steps`` may be re-targeted on a resume
-    (``trainer.max_epochs`` on another batch geometry, see ``hydratrain.run``)."""
+    (``trainer.max_epochs`` on another batch geometry: ``Trainer.keep_the_epoch_limit``)."""
     name: str
     warmup_steps: int
     total_steps: int

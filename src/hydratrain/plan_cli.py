@@ -32,8 +32,8 @@ from hydratrain.data.tokenized import vocab_size_for
 from hydratrain.data.tokenizer import load_tokenizer, padded_vocab_size
 from hydratrain.dist.run_dir import register_resolvers
 from hydratrain.errors import EXIT_CONFIG, ConfigError, Placeholder, say
+from hydratrain.parallel.build import build_strategy
 from hydratrain.parallel.precision import Precision
-from hydratrain.parallel.strategy import build_strategy
 from hydratrain.paths import Paths
 from hydratrain.plan import (
     GiB,

@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 
 from hydratrain.dist.process_group import process_group
 from hydratrain.models.gpt import GPT, GPTConfig
+from hydratrain.parallel.build import STRATEGIES
 from hydratrain.parallel.precision import Precision
-from hydratrain.parallel.strategy import STRATEGIES
 
 name = sys.argv[1] if len(sys.argv) > 1 else "fsdp"
 strategy_cfg = {"name": name, "reshard_after_forward": True, "cpu_offload": False, "bucket_cap_mb": 25,

@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 
 from hydratrain.dist.process_group import process_group
 from hydratrain.models.gpt import GPT, GPTConfig
+from hydratrain.parallel.fsdp import FSDP
 from hydratrain.parallel.precision import Precision
-from hydratrain.parallel.strategy import FSDP
 
 with process_group("cpu", "gloo", needs_group=True) as info:
     cfg = OmegaConf.create({"strategy": {"name": "fsdp", "reshard_after_forward": True, "cpu_offload": False},

@@ -10,8 +10,8 @@ from hydra import compose, initialize_config_dir
 from hydratrain.config import register_configs
 from hydratrain.dist.process_group import process_group
 from hydratrain.dist.run_dir import register_resolvers
+from hydratrain.parallel.build import build_model, build_strategy
 from hydratrain.parallel.precision import Precision
-from hydratrain.parallel.strategy import build_model, build_strategy
 
 register_configs()
 register_resolvers()

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from hydratrain.config import register_configs
 from hydratrain.dist.process_group import process_group
 from hydratrain.dist.run_dir import register_resolvers
-from hydratrain.parallel.strategy import build_strategy
+from hydratrain.parallel.build import build_strategy
 from hydratrain.run import build
 
 

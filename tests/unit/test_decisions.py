@@ -18,7 +18,7 @@ from hydratrain.errors import CheckpointError, ConfigError, DivergenceError
 
 def _job(compose, tmp_path, *overrides):
     from hydratrain.dist.env import DistInfo
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.run import build
 
     cfg = compose(["+debug=fast", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
@@ -42,7 +42,7 @@ def test_main_never_writes_the_config_and_resolves_auto_into_a_new_object(compos
         writes.append("refused")
         validate(cfg)  # validating a read-only config works: validate only reads
 
-    with patch("hydratrain.checkpoint.io.check_same_resume", write_inside):
+    with patch("hydratrain.run.write_outputs", write_inside):
         result = main(cfg, run_dir=tmp_path / "a")
     assert writes == ["refused"] and OmegaConf.to_yaml(cfg) == before and result.steps == 2
     p = Precision.resolve(cfg.precision, torch.device("cpu"))
@@ -100,8 +100,8 @@ def test_a_value_that_cannot_take_effect_is_a_config_error(compose, overrides, k
 # -------------------------------------------------------------------------------- meta build = eager build
 @pytest.mark.parametrize("tied", [True, False])
 def test_meta_and_eager_builds_are_the_same_model(compose, tied):
+    from hydratrain.parallel.build import build_model, build_strategy
     from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_model, build_strategy
 
     built = {}
     for init_device in ("meta", "cpu"):
@@ -124,8 +124,8 @@ def test_activation_checkpointing_does_not_change_the_initial_weights(compose):
     """activation_checkpointing=true must train the same model (AC only trades memory for compute)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from hydratrain.parallel.build import build_model, build_strategy
     from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_model, build_strategy
 
     built = {}
     for ac in ("false", "true"):

@@ -89,8 +89,8 @@ def _tiny(n_layer: int = 2):
 def test_parallelize_compiles_the_whole_model_without_renaming_parameters(compose):
     """trainer.compile=true under single: Module.compile on the root (no '_orig_mod.' in any key); auto on the CPU
     compiles nothing and says nothing."""
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.parallel.precision import Precision
-    from hydratrain.parallel.strategy import build_strategy
 
     cpu = torch.device("cpu")
     for value, compiled in (("true", "the whole model (GPT)"), ("auto", None), ("blocks", "2 blocks (2 Block)")):
@@ -148,7 +148,7 @@ def test_compile_clock_logs_what_was_compiled_and_the_compile_time(caplog):
 # --------------------------------------------------------------------------------- fsdp on one GPU = single
 @pytest.mark.parametrize("name", ["fsdp", "hsdp"])
 def test_fsdp_on_one_gpu_trains_as_single(name):
-    from hydratrain.parallel.strategy import single_on_one_rank
+    from hydratrain.parallel.build import single_on_one_rank
 
     why = single_on_one_rank(name, "auto", 1, "cuda", cpu_offload=False)
     assert why.startswith(f"strategy={name} on 1 GPU trains as strategy=single")
@@ -168,18 +168,20 @@ def test_fsdp_on_one_gpu_trains_as_single(name):
 
 @pytest.mark.parametrize("name", ["single", "ddp"])
 def test_other_strategies_stay_on_one_gpu(name):
-    from hydratrain.parallel.strategy import single_on_one_rank
+    from hydratrain.parallel.build import single_on_one_rank
 
     assert single_on_one_rank(name, "auto", 1, "cuda", cpu_offload=False) is None
 
 
 def test_build_strategy_on_one_rank(compose, caplog):
     from hydratrain.config.validate import validate
-    from hydratrain.parallel.strategy import FSDP, HSDP, Single, build_strategy
+    from hydratrain.parallel.build import build_strategy
+    from hydratrain.parallel.fsdp import FSDP, HSDP
+    from hydratrain.parallel.strategy import Single
 
     cfg = compose(["strategy=fsdp"])
     assert cfg.strategy.shard_on_one_rank == "auto"
-    with caplog.at_level(logging.INFO, logger="hydratrain.parallel.strategy"):
+    with caplog.at_level(logging.INFO, logger="hydratrain.parallel.build"):
         assert type(build_strategy(cfg, 1, "cuda")) is Single
     assert "trains as strategy=single" in caplog.text
     assert type(build_strategy(cfg, 1, "cpu")) is FSDP
@@ -195,7 +197,7 @@ def test_build_strategy_on_one_rank(compose, caplog):
 def test_fsdp_trained_as_single_compiles_the_whole_model(compose):
     """On one GPU the default strategy=fsdp trains as single, so trainer.compile=auto compiles the whole model
     (the device here is faked: parallelize reads only its type before wrapping)."""
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
 
     strategy = build_strategy(compose(["strategy=fsdp"]), 1, "cuda")
     assert strategy.compile_choice(torch.device("cuda"), has_blocks=True).what == "model"
@@ -255,7 +257,7 @@ def test_batch_size_auto_trains_with_the_planners_largest_fit(compose, tmp_path,
 
     from hydratrain import plan
     from hydratrain.dist.env import DistInfo
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.run import build
 
     monkeypatch.setattr(plan, "baseline_bytes", lambda device: 300 * 2**20)  # this process's RSS, held still
@@ -281,7 +283,7 @@ def test_batch_size_auto_trains_with_the_planners_largest_fit(compose, tmp_path,
 
 def test_batch_size_auto_needs_a_model_the_planner_knows(compose, tmp_path):
     from hydratrain.dist.env import DistInfo
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.run import build
 
     cfg = compose(["+experiment=digits_cnn", "strategy=single", "device=cpu", "logger.tensorboard=false",

@@ -5,7 +5,8 @@ import pytest
 
 from hydratrain.config.validate import validate
 from hydratrain.errors import ConfigError
-from hydratrain.parallel.strategy import HSDP, build_strategy
+from hydratrain.parallel.build import build_strategy
+from hydratrain.parallel.fsdp import HSDP
 
 
 def test_mesh_shape_defaults_to_the_ranks_per_node_and_must_divide_the_world():

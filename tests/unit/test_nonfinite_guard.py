@@ -62,7 +62,7 @@ def test_ddp_and_fsdp_read_nothing_on_the_host_between_log_steps(compose, tmp_pa
     import torch.distributed as dist
 
     from hydratrain.dist.process_group import process_group
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.run import build
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

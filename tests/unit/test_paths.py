@@ -73,9 +73,10 @@ def test_export_of_a_byte_level_model_removes_an_earlier_exports_tokenizer(monke
     import torch
 
     import hydratrain.checkpoint.export as export
+    import hydratrain.checkpoint.io as io
     from hydratrain.checkpoint.export import main
 
-    monkeypatch.setattr(export, "read_model_weights", lambda ckpt: {"w": torch.zeros(2)})
+    monkeypatch.setattr(io, "read_model_weights", lambda ckpt: {"w": torch.zeros(2)})  # (export imports it per call)
     monkeypatch.setattr(export, "resolve_checkpoint", lambda path: path)
     bpe, byte = tmp_path / "bpe" / "step_00000002", tmp_path / "byte" / "step_00000002"
     bpe.mkdir(parents=True)

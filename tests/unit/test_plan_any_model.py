@@ -380,7 +380,7 @@ def test_a_runs_plan_of_a_users_model_leaves_its_random_state_as_seeded(compose,
     base seed from the global generator): an eagerly built model must start from the same weights with the plan on
     and off."""
     from hydratrain.dist.env import DistInfo
-    from hydratrain.parallel.strategy import build_strategy
+    from hydratrain.parallel.build import build_strategy
     from hydratrain.plan import OutOfMemoryGuard
     from hydratrain.run import build
 

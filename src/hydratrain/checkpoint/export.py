@@ -29,7 +29,6 @@ from typing import Optional
 
 import torch
 
-from hydratrain.checkpoint.io import read_model_weights
 from hydratrain.checkpoint.manager import resolve_checkpoint, step_of
 from hydratrain.components import locate
 from hydratrain.data.tokenizer import copy_atomic
@@ -68,6 +67,8 @@ def export(checkpoint: Path, out: Path) -> Path:
     ``out`` (:func:`tokenizer_path_for`); otherwise a file of that name (an earlier export's) is removed, so what sits
     next to ``out`` is always this model's. Returns ``out``. Raises :class:`~hydratrain.errors.CheckpointError`.
     """
+    from hydratrain.checkpoint.io import read_model_weights  # (start-up: torch.distributed.checkpoint, ~0.3 s)
+
     ckpt = resolve_checkpoint(Path(checkpoint))
     weights = read_model_weights(ckpt)
     meta = {"format": "pt", "producer": "hydratrain", "checkpoint": str(ckpt.resolve()),
@@ -113,6 +114,8 @@ def export_dir(checkpoint: Path, out_dir: Path) -> Path:
     ``out_dir``. Raises :class:`~hydratrain.errors.CheckpointError` when the checkpoint is unusable, has no model.json,
     or its model cannot be rebuilt or has no export hook."""
     from hydra.utils import instantiate
+
+    from hydratrain.checkpoint.io import read_model_weights  # (start-up: torch.distributed.checkpoint, ~0.3 s)
 
 
     ckpt = resolve_checkpoint(Path(checkpoint))

@@ -163,6 +163,15 @@ class SchedulerState:
         s._last_lr = [float(lr) for lr in lrs]
         self.saved_lr = float(state["lr"]) if state.get("lr") is not None else None
 
+    def retarget(self, steps: int) -> None:
+        """The schedule stretched or shortened to ``steps`` optimizer steps in all, and the groups' lr at the
+        restored step set on it (``trainer.max_epochs`` after a resume on another batch geometry:
+        :meth:`hydratrain.train.trainer.Trainer.keep_the_epoch_limit`)."""
+        for schedule in self.scheduler.lr_lambdas:
+            if isinstance(schedule, Schedule):  # (scheduler_state makes a SchedulerState of Schedules only)
+                schedule.total_steps = steps
+        self.load_state_dict(self.state_dict())
+
     def lr_change(self, step: int) -> Optional[str]:
         """One line when the lr of optimizer step ``step + 1`` (the first after a resume at ``step``) on this run's
         schedule differs (by more than 1e-6 relative) from the one the saved run's schedule gave it: an extended

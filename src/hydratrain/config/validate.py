@@ -63,7 +63,7 @@ from hydratrain.data.tokenized import preflight_data, vocab_size_for
 from hydratrain.errors import ConfigError
 from hydratrain.optim import LOWBIT_INSTALL, RUN_LENGTH_KEYWORDS, lowbit_available, own_keywords
 from hydratrain.optim import is_own as own
-from hydratrain.parallel.strategy import HSDP
+from hydratrain.parallel.fsdp import HSDP
 from hydratrain.paths import Paths, resolve_path
 from hydratrain.protocols import max_seq_len_of
 

@@ -6,7 +6,7 @@
 - :func:`launch_dir` / :func:`resolve_path`: the directory the command was started from (Hydra's
   ``hydra.runtime.cwd``), whatever ``hydra.job.chdir``, the launcher or the sweep; every path key (``data.paths``,
   ``model.init_from``, ``checkpoint.resume_from``, ``data.cache_dir``) resolves against it.
-- :func:`run_dir_of`: this job's output dir.
+- :func:`run_dir_of`: this job's output dir; :func:`claim`: this job takes it and finds the checkpoint it starts from.
 """
 from __future__ import annotations
 
@@ -24,11 +24,17 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from hydratrain.checkpoint.layout import latest_checkpoint, list_checkpoints, other_trial
+from hydratrain.checkpoint.layout import (
+    find_resume,
+    latest_checkpoint,
+    list_checkpoints,
+    other_trial,
+    recover_unfinished_saves,
+)
 from hydratrain.config.values import unresolvable
-from hydratrain.dist.env import dist_info, env_rank
+from hydratrain.dist.env import DistInfo, dist_info, env_rank
 from hydratrain.dist.launch import resume_command, unwritable_message
-from hydratrain.dist.run_lock import held_by_another
+from hydratrain.dist.run_lock import RunDirLock, held_by_another, hold_run_dir, shared_config
 from hydratrain.dist.store import base_store, store_get
 from hydratrain.errors import EXIT_CONFIG, ConfigError, OutputError, say, unwritable_cause
 from hydratrain.paths import join, resolve_path
@@ -158,8 +164,8 @@ def discard_reserved_unused(left: tuple = ()) -> None:
 def _only_prints() -> bool:
     """Whether Hydra's command line asks to print (``--cfg all --resolve``, ``--info``, ``--help``), not to run:
     then no run dir is reserved (created)."""
-    return any(a in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help") or a.startswith(("--cfg=", "--info="))
-               for a in sys.argv[1:])
+    return any(a in ("--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help")
+               or a.startswith(("--cfg=", "--info=")) for a in sys.argv[1:])
 
 
 def _reserve(base: str, parent: str, stamp: str) -> str:
@@ -443,3 +449,30 @@ def run_dir_key(run_dir: Path) -> Union[tuple[str, str], tuple[str, str, str]]:
 
     hc = HydraConfig.get()
     return "hydra.sweep.dir", str(hc.sweep.dir), f"job {hc.job.num}'s run dir {run_dir}"
+
+
+def claim(cfg: DictConfig, run_dir: Path, env: DistInfo, launch: Path) -> tuple[Optional[RunDirLock], Optional[Path]]:
+    """This job takes ``run_dir`` and finds the checkpoint it starts from (every rank calls, before any process
+    group). Refuses (:class:`~hydratrain.errors.ConfigError`) a path that is not UTF-8, another sweep job's dir, and a
+    checkpoint or the results of another trial; rank 0 takes the dir's lock and first completes or moves aside the
+    saves a killed run left unfinished. Returns (the lock: rank 0's, None elsewhere; the checkpoint to resume from
+    (``mode=eval``: the best one when kept), or None). A refusal after the lock releases it."""
+    refuse_a_path_that_is_not_utf8(run_dir)
+    if in_multirun():
+        refuse_another_jobs_dir(run_dir)
+    lock = hold_run_dir(run_dir, env, *run_dir_key(run_dir),
+                        prepare=lambda: recover_unfinished_saves(run_dir / "checkpoints"),
+                        config=shared_config(cfg) if env.world_size > 1 else None)
+    try:
+        resume = find_resume(cfg.checkpoint, run_dir, launch, prefer_best=str(cfg.mode) == "eval")
+        if resume is not None and in_multirun() and resume.parent == run_dir / "checkpoints":
+            refuse_another_trial(cfg, resume, run_dir)
+        elif resume is None and in_multirun() and (run_dir / "results.json").is_file():
+            finished = trial_record(run_dir, cfg.checkpoint.auto_resume)
+            if finished is not None:
+                refuse_another_trial(cfg, finished, run_dir)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, resume

@@ -11,6 +11,7 @@ import math
 from typing import Callable, ContextManager, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hydratrain.errors import ConfigError
@@ -39,7 +40,9 @@ class Evaluator:
 
     The loss is the mean of each batch's mean loss weighted by what it is the mean of: its targets that are not
     ignored where the loss counts them (:func:`~hydratrain.train.batch.item_counter`: the mean over the eval set's
-    tokens, padding left out), else its samples; kept as two ``torchmetrics.SumMetric`` in float64. In the last
+    tokens, padding left out), else its samples; kept as two sums in the default dtype (float32) per rank, summed
+    over the ranks at the end (:func:`_sum_over_ranks`: torchmetrics' ``SumMetric`` did the same, and
+    importing torchmetrics costs a run without user metrics seconds of start-up). In the last
     global batch each rank holds only its own samples (:class:`~hydratrain.data.streams.EvalBatches`); a rank with
     none runs the forward on one padding sample, which every rank needs for FSDP, and discards it.
 
@@ -212,10 +215,8 @@ class Evaluator:
         """``{"loss": nats, "perplexity": exp(loss) (when reported), name: value per metric}`` of ``model`` (every
         rank calls; the model is put back in train mode). No ``loss`` nor ``perplexity`` when the loss counts its
         targets and the eval set has none (every one ignored): one warning, the first time."""
-        from torchmetrics import SumMetric
-
-        loss_sum = SumMetric(nan_strategy="disable").to(self.device)
-        counted = SumMetric(nan_strategy="disable").to(self.device)  # what the losses are means of
+        loss_sum = torch.zeros((), dtype=torch.get_default_dtype(), device=self.device)
+        counted = torch.zeros_like(loss_sum)  # what the losses are means of
         was_training = model.training
         model.eval()
         for g, (batch, valid) in enumerate(self.batches):
@@ -240,14 +241,15 @@ class Evaluator:
             items = (torch.tensor(float(n_valid), dtype=torch.float64, device=self.device) if self.count is None
                      else self.count(batch))
             # a batch whose targets are all ignored has a NaN mean over none of them: it counts for nothing
-            loss_sum.update(torch.where(items > 0, loss.detach().to(torch.float64) * items, 0.0))
-            counted.update(items)
+            loss_sum += torch.where(items > 0, loss.detach().to(torch.float64) * items, 0.0).to(loss_sum.dtype).sum()
+            counted += items.to(counted.dtype).sum()
             self._metrics_only(outputs, batch, None)
         model.train(was_training)
         out: dict[str, float]
-        total, out = counted.compute(), {}
+        loss_sum, total = _sum_over_ranks(torch.stack([loss_sum, counted]))
+        out = {}
         if total.item() > 0:  # the same on every rank: the sums are synchronised
-            mean = (loss_sum.compute() / total).item()
+            mean = (loss_sum / total).item()
             out["loss"] = mean
             if self.perplexity:
                 out["perplexity"] = math.exp(mean) if math.isfinite(mean) and mean < 700 else math.inf
@@ -281,3 +283,13 @@ class Evaluator:
                     "results (a larger eval set, trainer.eval_samples, may give it what it needs)", name, name,
                     f"{type(metric).__module__}.{type(metric).__qualname__}", type(err).__name__, why,
                     f" (on {n} eval samples)" if n is not None else "")
+
+
+def _sum_over_ranks(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over the ranks (every rank calls; without a process group, as they are): gathered and
+    summed by one local kernel, so every rank gets the same bits (an all-reduce's order is the backend's)."""
+    if not dist.is_initialized():
+        return values
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, values)
+    return torch.stack(gathered).sum(0)

@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hydratrain.checkpoint.io import init_from_file
 from hydratrain.dist.collectives import barrier
 from hydratrain.train.outputs import model_record
 from hydratrain.train.trainer import FitResult
@@ -50,6 +49,8 @@ def tester(job: Any, run_dir: Path) -> Optional[Callable[[Any], None]]:
         return None
 
     def test(result: Any) -> None:
+        from hydratrain.checkpoint.io import init_from_file  # (start-up: torch.distributed.checkpoint, ~0.3 s)
+
         barrier()  # rank 0 wrote best/model.safetensors at the end of fit
         best = run_dir / "best" / "model.safetensors"
         if best.is_file():

@@ -26,20 +26,28 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 from torch.profiler import record_function
 
 from hydratrain import timing
-from hydratrain.checkpoint.preemption import hold_sigterm
+from hydratrain.checkpoint.manager import CheckpointManager
+from hydratrain.checkpoint.preemption import Preemption, hold_sigterm
+from hydratrain.checkpoint.stateful import SchedulerState
+from hydratrain.data.streams import ShardedBatches
 from hydratrain.dist.launch import resume_command, stop_if_launcher_gone
 from hydratrain.errors import ConfigError, DivergenceError
-from hydratrain.optim import steps_per_evaluation
+from hydratrain.optim import steps_per_evaluation, total_steps
 from hydratrain.parallel.ac_compile import CompileClock, eager
-from hydratrain.parallel.strategy import is_collective_timeout
+from hydratrain.parallel.precision import Precision
+from hydratrain.parallel.strategy import Strategy, is_collective_timeout
 from hydratrain.plan import is_out_of_memory
 from hydratrain.train import batch as batches_
 from hydratrain.train.callbacks import Callbacks
+from hydratrain.train.evaluate import Evaluator
 from hydratrain.train.nonfinite import NonFiniteGuard, drops_updates_on_device
+from hydratrain.train.step_logger import StepLogger
 
 log = logging.getLogger("hydratrain.trainer")
 
@@ -124,10 +132,12 @@ class Trainer:
         save_every, save_last: checkpoint cadence (``checkpoint.every_n_steps``, ``checkpoint.save_last``).
     """
 
-    def __init__(self, *, tcfg, model: nn.Module, strategy, precision, device: torch.device,
-                 optimizer: torch.optim.Optimizer, scheduler, scaler: torch.amp.GradScaler, train_batches, evaluator,
-                 step_logger, checkpoints, preemption, progress: TrainProgress, max_steps: int, save_every: int = 0,
-                 save_last: bool = False, loss_fn=None, contract: tuple = ("", ""),
+    def __init__(self, *, tcfg: DictConfig, model: nn.Module, strategy: Strategy, precision: Precision,
+                 device: torch.device, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
+                 scaler: torch.amp.GradScaler, train_batches: ShardedBatches, evaluator: Evaluator,
+                 step_logger: StepLogger, checkpoints: Optional[CheckpointManager], preemption: Preemption,
+                 progress: TrainProgress, max_steps: int, save_every: int = 0, save_last: bool = False,
+                 loss_fn: Callable[..., torch.Tensor], contract: tuple[str, str] = ("", ""),
                  callbacks: Optional[Callbacks] = None):
         self.tcfg, self.model, self.strategy, self.precision, self.device = tcfg, model, strategy, precision, device
         self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
@@ -418,6 +428,27 @@ class Trainer:
         latest = self.checkpoints.last_good() if self.checkpoints is not None else None
         return str(latest) if latest is not None else None
 
+    def keep_the_epoch_limit(self) -> None:
+        """After a resume: ``trainer.max_epochs`` limits samples, not steps, so on another ``data.batch_size``,
+        ``trainer.grad_accum_steps`` or world size :func:`~hydratrain.optim.total_steps` from the restored data
+        position differs from the config's own count. Re-targets :attr:`max_steps`, the step logger and the lr
+        schedule (its length, at the restored step) when it does."""
+        if self.tcfg.max_epochs is None:
+            return
+        steps = total_steps(self.tcfg, self.train_batches, done=self.progress.step)
+        if steps == self.max_steps:
+            return
+        log.warning("trainer.max_epochs=%d from the restored data position (epoch %d) at this run's batch geometry: "
+                    "%d optimizer steps in all, not the %d the config alone gives; the lr schedule is re-targeted to "
+                    "%d steps", self.tcfg.max_epochs, self.train_batches.position()[0], steps, self.max_steps, steps)
+        self.max_steps = self.logger.max_steps = steps
+        state = self.checkpoints.components["scheduler"] if self.checkpoints is not None else None
+        if not isinstance(state, SchedulerState):  # (a scheduler of one's own keeps the length it was built with)
+            log.warning("the scheduler (%s) keeps its own length; set its run-length keyword (scheduler._target_'s) "
+                        "to %d to end with the run", type(self.scheduler).__qualname__, steps)
+            return
+        state.retarget(steps)
+
     # ------------------------------------------------------------------------------------------------- fit
     def fit(self) -> FitResult:
         """Train until ``max_steps``; eval every ``trainer.eval_every_n_steps`` and at the end; checkpoint per the
@@ -550,6 +581,7 @@ class Trainer:
         return "stopped" if stopped else None
 
     def _save(self, step: int) -> None:
+        assert self.checkpoints is not None  # (every caller checked)
         self.callbacks.call("on_save_checkpoint", step)
         with _range("hydratrain/checkpoint_save"):
             path = self.checkpoints.save(step)
