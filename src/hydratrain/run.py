@@ -48,10 +48,11 @@ from hydratrain.plan import OutOfMemoryGuard, plan_run
 from hydratrain.train import extras
 from hydratrain.train.evaluate import Evaluator
 from hydratrain.train.outputs import model_files, model_record, unwritable_as_output_error, write_outputs
+from hydratrain.train.progress import FitResult, TrainProgress
 from hydratrain.train.step_logger import StepLogger
 from hydratrain.train.testing import evaluate_only, tester
 from hydratrain.train.trackers import start_trackers
-from hydratrain.train.trainer import FitResult, Trainer, TrainProgress
+from hydratrain.train.trainer import Trainer
 
 log = logging.getLogger("hydratrain")
 

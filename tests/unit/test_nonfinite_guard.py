@@ -235,7 +235,7 @@ def test_the_divergence_line_gives_the_steps_loss_over_ranks(monkeypatch, other_
     only some ranks' loss was not finite. Rank 1's side of the all-reduce is played here."""
     from hydratrain.train import nonfinite
     from hydratrain.train.nonfinite import NonFiniteGuard
-    from hydratrain.train.trainer import TrainProgress
+    from hydratrain.train.progress import TrainProgress
 
     guard = NonFiniteGuard("stop", 20, torch.device("cpu"), scaler_skips=False)
     guard.update(5, torch.tensor(float("nan")), torch.tensor(5.252))
@@ -254,7 +254,7 @@ def test_a_step_with_no_target_is_skipped_without_halting_or_breaking_a_run_of_s
     counted as skipped, with one warning at the read; under ``stop`` it halts nothing, and under ``skip`` it neither
     adds to nor resets a run of non-finite steps (``max_consecutive_nonfinite``)."""
     from hydratrain.train.nonfinite import NonFiniteGuard
-    from hydratrain.train.trainer import TrainProgress
+    from hydratrain.train.progress import TrainProgress
 
     yes, no = torch.tensor(True), torch.tensor(False)
     stop = NonFiniteGuard("stop", 20, torch.device("cpu"), scaler_skips=False)

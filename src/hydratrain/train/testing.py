@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from hydratrain.dist.collectives import barrier
 from hydratrain.train.outputs import model_record
-from hydratrain.train.trainer import FitResult
+from hydratrain.train.progress import FitResult
 
 log = logging.getLogger("hydratrain.eval")
 
