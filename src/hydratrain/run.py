@@ -235,8 +235,8 @@ def _model(cfg: DictConfig, strategy: Strategy, precision: Precision, info: Dist
     model, raw, n_params, summary = build_model(cfg, strategy, precision, device, vocab_size)
     timing.mark("model")
     seed_training_rng(cfg.trainer.seed, info.rank)
-    log.info("model %s: %.2fM parameters, this rank holds %.2f MB of them; %s", components.model_name(cfg),
-             n_params / 1e6, strategy.local_param_bytes(model) / 1e6, summary)
+    log.info("model %s: %s, this rank holds %.2f MB of them; %s", components.model_name(cfg), n_params,
+             strategy.local_param_bytes(model) / 1e6, summary)
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("model._target_", str(select_value(cfg, "model._target_", "")), "every parameter of the "
                           "model is frozen (requires_grad=False), so there is nothing to train: leave the ones to "

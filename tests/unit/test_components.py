@@ -30,7 +30,7 @@ def test_a_model_data_loss_and_metric_of_ones_own_train_export_and_report(cli, o
     scalars = tb_all(own / "run")
     assert {"eval/accuracy", "eval/loss", "perf/samples_per_sec", "perf/mfu", "train/loss"} <= set(scalars)
     assert "eval/perplexity" not in scalars and "sampling" not in r.output  # not a language model
-    assert "model res_mlp: 0.13M parameters" in r.output
+    assert "model res_mlp: 133K parameters," in r.output
     from mypkg.nets import ResMLP
     from safetensors.torch import load_file
 

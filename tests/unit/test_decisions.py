@@ -110,7 +110,7 @@ def test_meta_and_eager_builds_are_the_same_model(compose, tied):
         precision = Precision.resolve(cfg.precision, torch.device("cpu"))
         model, raw, n_params, _ = build_model(cfg, build_strategy(cfg), precision, torch.device("cpu"), 256)
         assert (raw.lm_head.weight is raw.tok_emb.weight) == tied
-        assert sum(p.numel() for p in model.parameters()) == n_params
+        assert sum(p.numel() for p in model.parameters()) == n_params.total
         built[init_device] = raw
     meta, eager = built["meta"].state_dict(), built["cpu"].state_dict()
     assert all(torch.equal(meta[k], eager[k]) for k in eager)
@@ -489,3 +489,17 @@ def test_a_flat_batch_layout_gets_the_same_eval_at_any_batch_size():
         evals = EvalBatches(samples, 10, batch, 0, 1, fetch=loader_fetch(samples, node, torch.device("cpu")))
         out = Evaluator(evals, torch.device("cpu"), nn.CrossEntropyLoss()).evaluate(model, contextlib.nullcontext())
         assert out["loss"] == pytest.approx(hand, rel=1e-6), batch
+
+
+def test_parameter_counts_read_as_model_sizes_with_the_trainable_part_when_some_are_frozen():
+    """The start-up line said '0.00M parameters' for a 17,000-parameter model and nothing of a frozen block."""
+    from torch import nn
+
+    from hydratrain.parallel.build import ParamCount, count_text
+
+    assert [count_text(n) for n in (950, 17_213, 124_439_808, 1_199_999_999, 1_234_567_890, 999_999)] == [
+        "950", "17.2K", "124M", "1.2B", "1.23B", "1M"]
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))
+    assert str(ParamCount.of(model)) == "11.1K parameters"
+    model[0].requires_grad_(False)
+    assert str(ParamCount.of(model)) == "11.1K parameters (1.01K trainable)"

@@ -4,9 +4,11 @@ one rank may train as single) and the model under it (:func:`build_model`: build
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch import nn
 
 from hydratrain import components
 from hydratrain.config.schema import FSDPStrategy
@@ -88,6 +90,34 @@ def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.dev
                               f"initialised after sharding, but {shown} own parameters or buffers without a "
                               "reset_parameters() (and the model has no init_weights()): give them one, or build it "
                               "with storage: ++model.init_device=cpu (or cuda)")
-    n_params = sum(p.numel() for p in raw.parameters())
+    n_params = ParamCount.of(raw)
     model, summary = strategy.parallelize(raw, precision, device, cfg.trainer.seed, built_on_meta=on_meta)
     return model, raw, n_params, summary
+
+
+def count_text(n: float) -> str:
+    """``n`` in three significant figures with a K/M/B/T suffix, as model sizes are written: 950, 17.2K, 124M, 1.2B."""
+    for unit, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if float(f"{n:.3g}") >= unit:
+            value = float(f"{n / unit:.3g}")
+            return f"{value:g}{suffix}"
+    return f"{n:g}"
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """A model's parameters: all of them and the trainable ones (``requires_grad``), counted whole (an FSDP shard
+    counts as its full parameter). Reads ``124M parameters``, or ``124M parameters (1.2M trainable)`` when some are
+    frozen."""
+
+    total: int
+    trainable: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ParamCount":
+        params = list(model.parameters())
+        return cls(sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
+
+    def __str__(self) -> str:
+        frozen = f" ({count_text(self.trainable)} trainable)" if self.trainable != self.total else ""
+        return f"{count_text(self.total)} parameters{frozen}"
