@@ -70,8 +70,8 @@ def instruct_datasets(paths: Sequence[str], val_paths: Optional[Sequence[str]] =
     meta = json.loads((out / "meta.json").read_text())
     splits = {s: InstructDataset(out, s, seq_len, truncation, packing, meta["pad_id"]) for s in meta["splits"]}
     for name, ds in splits.items():
-        log.info("data=instruct %s: %d records -> %d %s (%d response tokens); %d cut, %d dropped (longer than "
-                 "data.seq_len=%d, data.truncation=%s)", name, ds.records, len(ds),
+        log.info("data=instruct %s: %d records -> %d %s (%d response tokens); %d cut, %d dropped (data.seq_len=%d, "
+                 "data.truncation=%s; or no response token left)", name, ds.records, len(ds),
                  "windows" if packing else "examples", ds.response_tokens, ds.cut, ds.dropped, seq_len,
                  truncation)
         if len(ds) == 0:
@@ -179,7 +179,7 @@ def build_cache(node, root: Path, cache_dir: Path, tok_dir: Path) -> Path:
 
 class InstructDataset:
     """One split of the cache :func:`build_cache` wrote, as examples (``packing`` false) or packed windows of
-    ``seq_len`` tokens. ``cut`` / ``dropped``: records cut to ``seq_len`` / dropped (see :func:`instruct_datasets`);
+    ``seq_len`` tokens. ``cut`` / ``dropped``: records cut to ``seq_len`` (and kept) / dropped (see :func:`instruct_datasets`);
     ``response_tokens``: the tokens counted in the loss over the split."""
 
     def __init__(self, out: Path, split: str, seq_len: int, truncation: str, packing: bool, pad_id: int):
@@ -190,15 +190,15 @@ class InstructDataset:
         self.records = len(offsets) - 1
         spans, self.cut, self.dropped = [], 0, 0
         for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
-            if end - start > seq_len:
-                if truncation == "drop":
-                    self.dropped += 1
-                    continue
-                end = start + seq_len
-                self.cut += 1
-            if not self.counted[start + 1:end].any():  # (the first token is never a target)
+            long = end - start > seq_len
+            if long and truncation == "drop":
                 self.dropped += 1
                 continue
+            end = min(end, start + seq_len)
+            if not self.counted[start + 1:end].any():  # nothing left to learn (the first token is never a target)
+                self.dropped += 1
+                continue
+            self.cut += long
             spans.append((start, end))
         self.spans = spans
         self.response_tokens = int(sum(int(self.counted[s + 1:e].sum()) for s, e in spans))
