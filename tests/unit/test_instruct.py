@@ -113,8 +113,9 @@ def test_truncation_cuts_the_end_of_the_response_or_drops_with_counts(arith, tmp
     them; an example whose prompt alone fills seq_len is dropped either way."""
     import logging
 
-    from hydratrain.data.instruct import encode
     from transformers import AutoTokenizer
+
+    from hydratrain.data.instruct import encode
 
     tok = AutoTokenizer.from_pretrained(str(arith / "tiny"))
     records = [{"prompt": "What is 1 + 1?", "completion": "2"}, {"prompt": "What is 1 + 1?", "completion": "2 " * 30},
@@ -129,8 +130,7 @@ def test_truncation_cuts_the_end_of_the_response_or_drops_with_counts(arith, tmp
         drop = datasets_of(arith, tmp_path, "long.jsonl", seq_len=seq_len, truncation="drop")
     assert (len(cut), cut.cut, cut.dropped) == (3, 1, 1)  # record 2 cut is all prompt: nothing left to learn
     assert (len(drop), drop.cut, drop.dropped) == (2, 0, 2)
-    cut_one = cut[1]
-    assert len(cut_one["input_ids"]) == seq_len and cut_one["input_ids"].tolist() == encode(records[1], tok)[0][:seq_len]
+    assert cut[1]["input_ids"].tolist() == encode(records[1], tok)[0][:seq_len]
     assert "4 records -> 3 examples" in caplog.text and "1 cut, 1 dropped" in caplog.text
     assert "4 records -> 2 examples" in caplog.text and "0 cut, 2 dropped" in caplog.text
 

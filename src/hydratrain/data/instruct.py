@@ -179,8 +179,8 @@ def build_cache(node, root: Path, cache_dir: Path, tok_dir: Path) -> Path:
 
 class InstructDataset:
     """One split of the cache :func:`build_cache` wrote, as examples (``packing`` false) or packed windows of
-    ``seq_len`` tokens. ``cut`` / ``dropped``: records cut to ``seq_len`` (and kept) / dropped (see :func:`instruct_datasets`);
-    ``response_tokens``: the tokens counted in the loss over the split."""
+    ``seq_len`` tokens. ``cut`` / ``dropped``: records cut to ``seq_len`` (and kept) / dropped (see
+    :func:`instruct_datasets`); ``response_tokens``: the tokens counted in the loss over the split."""
 
     def __init__(self, out: Path, split: str, seq_len: int, truncation: str, packing: bool, pad_id: int):
         self.seq_len, self.packing, self.pad_id = seq_len, packing, pad_id
