@@ -50,7 +50,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 
 
 def instruct_datasets(paths: Sequence[str], val_paths: Optional[Sequence[str]] = None, format: Optional[str] = None,
-                      tokenizer: Optional[str] = None, seq_len: int = 512, truncation: str = "cut",
+                      tokenizer: Optional[str] = None, seq_len: int = 256, truncation: str = "cut",
                       packing: bool = False, data_dir: str = ".", cache_dir: Optional[str] = None) -> Any:
     """The instruction datasets of ``paths`` (globs; relative ones to ``data_dir``): ``{"train", "val"}`` with
     ``val_paths``, else one dataset that the loader splits by ``data.val_fraction``. Examples longer than
