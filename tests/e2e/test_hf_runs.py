@@ -1,7 +1,8 @@
 """Hugging Face transformers models on 2 gloo ranks under torchrun (extra [hf]; skipped without it): a meta-built,
 FSDP-sharded Llama with activation checkpointing starts from exactly the weights one process draws (its step-1 loss
 is the single-process run's on the same 8 samples); Llama and GPT-2 train under DDP and FSDP with auto units and
-activation checkpointing; a 2-rank FSDP resume ends bit-identical; +experiment=hf_llama_tiny's loss falls >= 20 %.
+activation checkpointing; a 2-rank FSDP resume ends bit-identical; +experiment=hf_llama_tiny's loss falls >= 20 %;
++experiment=hf_sft_tiny's response-only eval/loss halves.
 In-process checks (init, pretrained, export, bad input): tests/unit/test_hf.py."""
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ import math
 
 import pytest
 
-from helpers import Sweep, assert_same_tensors, ckpt_of, load_weights, log_of, requires, results, run, sweep_runs
+from helpers import (
+    Sweep,
+    assert_same_tensors,
+    ckpt_of,
+    load_weights,
+    log_of,
+    requires,
+    results,
+    run,
+    sweep_runs,
+    tb_scalars,
+)
 
 pytestmark = requires("hf")
 
@@ -94,3 +106,18 @@ def test_hf_llama_tiny_experiment_loss_falls(tmp_path, cache_dir):
     res = results(tmp_path / "x")
     assert res["steps"] == 200 and res["train_loss"] <= 0.8 * res["first_loss"], res
     assert (tmp_path / "x" / "export" / "config.json").is_file(), r.output[-2000:]
+
+
+@pytest.mark.slow  # ~90 s: the experiment as documented
+def test_hf_sft_tiny_experiment_response_only_eval_loss_falls(tmp_path, cache_dir):
+    """python -m hydratrain.examples.arith arith, then +experiment=hf_sft_tiny on 2 FSDP ranks (packed windows): the
+    response-only eval/loss of its last eval is under half its first."""
+    from hydratrain.examples.arith import main as write_arith
+
+    assert write_arith([str(tmp_path / "arith")]) == 0
+    r = run(["+experiment=hf_sft_tiny", "trainer.progress_bar=false"], tmp_path / "x", nproc=2, fast=False,
+            env=_env(cache_dir), cwd=tmp_path, timeout=600).ok()
+    evals = tb_scalars(tmp_path / "x", "eval/loss")
+    assert sorted(evals) == [50, 100, 150, 200, 250, 300], r.output[-2000:]
+    assert evals[300] < 0.5 * evals[50] and results(tmp_path / "x")["first_loss"] > 5, (evals, results(tmp_path / "x"))
+    assert "data=instruct train: " in log_of(tmp_path / "x")

@@ -45,12 +45,19 @@ def _extra(group: str, option: str, tmp_path: Path) -> list[str]:
                  for i in range(40)]
         (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
         return [f"data.paths=[{tmp_path / 'd.jsonl'}]", "data.vocab_size=300", "model.vocab_size=320"]
+    if (group, option) == ("data", "instruct"):
+        from hydratrain.examples.arith import LLAMA, arith_records, tiny_llama, write_records
+
+        records = write_records(tmp_path / "arith.jsonl", arith_records(40))
+        tiny = tiny_llama(tmp_path / "tiny", [r["prompt"] for r in arith_records(40)], {**LLAMA, "vocab_size": 300})
+        return [f"data.paths=[{records}]", f"data.tokenizer={tiny}"]
     return []
 
 
 # the options (and experiments) that need an extra of pyproject.toml: skipped, with the reason, without it
 NEEDS = {("model", "hf_causal_lm"): "hf", ("data", "hf_dataset"): "hf", ("model", "digits_cnn"): "examples",
          ("data", "digits"): "examples", ("optim", "adamw8bit"): "lowbit", ("experiment", "hf_llama_tiny"): "hf",
+         ("data", "instruct"): "hf", ("experiment", "hf_sft_tiny"): "hf",
          ("launcher", "slurm"): "slurm", ("launcher", "submitit_local"): "slurm"}
 
 
@@ -98,11 +105,11 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
         sched = build_scheduler(opt, cfg.scheduler, total_steps=10)
         opt.step()
         sched.step()
-    if group == "data" and option == "digits":
+    if group == "data" and option in ("digits", "instruct"):
         from hydratrain.data.loader import load_datasets
 
         splits = load_datasets(cfg.data)
-        assert len(splits["train"]) == 1437 and len(splits["val"]) == 360
+        assert (len(splits["train"]), len(splits["val"])) == {"digits": (1437, 360), "instruct": (38, 2)}[option]
     elif group == "data":
         from hydratrain.data.build import load_splits
         from hydratrain.data.corpora import stdlib_files
@@ -114,6 +121,10 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
 
 @pytest.mark.parametrize("group,name", _cases(("experiment", name) for name in EXPERIMENTS))
 def test_experiment_overlays_compose(compose, group, name):
+    if name == "hf_sft_tiny":  # its data and model dir, written into the launch dir (a temporary dir) as docs say
+        from hydratrain.examples.arith import main
+
+        assert main(["arith", "--records", "100"]) == 0
     cfg = compose([f"+experiment={name}"])
     validate(cfg)
     base = compose([])

@@ -149,18 +149,25 @@ def tokenizer_file(value, launch_dir: Path) -> TextTokenizer:
     return load_tokenizer(path)
 
 
-def records(data_cfg, launch_dir: Path, cache_dir: Path) -> dict:
-    """``{"train", "val"}``: ``datasets.Dataset`` splits of the files (``data.val_paths``', or ``data.val_fraction``
-    of the records, at least one, by a fixed shuffle with seed 0). Raises :class:`ConfigError` (``data.text_field``
-    not a column, a split with no record, files that do not parse)."""
+def read_files(data_cfg, launch_dir: Path, cache_dir: Path) -> dict:
+    """``{"train"[, "val"]}``: ``datasets.Dataset`` of ``data.paths`` (and ``data.val_paths``), read by
+    :func:`builder`'s builder. Raises :class:`ConfigError` naming ``data.paths`` when they do not parse."""
     files = split_files(data_cfg, launch_dir)
     kind = builder(data_cfg, [f for fs in files.values() for f in fs])
     try:
-        loaded = _load(kind, {s: [str(f) for f in fs] for s, fs in files.items()}, cache_dir / "hf-datasets")
+        return dict(_load(kind, {s: [str(f) for f in fs] for s, fs in files.items()}, cache_dir / "hf-datasets"))
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 (pyarrow's and datasets' parse errors)
         raise _unreadable("train", files["train"], kind, err) from None
+
+
+def records(data_cfg, launch_dir: Path, cache_dir: Path) -> dict:
+    """``{"train", "val"}``: ``datasets.Dataset`` splits of the files (``data.val_paths``', or ``data.val_fraction``
+    of the records, at least one, by a fixed shuffle with seed 0). Raises :class:`ConfigError` (``data.text_field``
+    not a column, a split with no record, files that do not parse)."""
+    loaded = read_files(data_cfg, launch_dir, cache_dir)
+    kind = builder(data_cfg, [f for fs in split_files(data_cfg, launch_dir).values() for f in fs])
     _check_field(loaded["train"].column_names, data_cfg, f"the {kind} files of data.paths")
     if "val" in loaded:
         return {"train": loaded["train"], "val": loaded["val"]}
