@@ -3,6 +3,7 @@
 
 - :class:`ModelState`, :class:`OptimizerState`: ``torch.distributed.checkpoint.state_dict`` (parameter names without
   DDP/FSDP/AC/compile prefixes; DTensor shards under FSDP), so a checkpoint loads into any strategy and world size.
+  Under ``+peft=lora`` the model's part is its trainable parameters (the adapters) only.
   On load the optimizer keeps the saved moments and step counts but takes its hyper-parameters (lr, betas, eps,
   weight decay) from this run's config: resuming with a new ``optim.lr`` means the new lr (fine-tuning intent). The
   implementation (``optim.impl``: torch's ``foreach``/``fused`` flags) is this run's too, whatever the checkpoint's
@@ -41,18 +42,26 @@ def set_group_value(group: dict, key: str, value) -> None:
 
 
 class ModelState:
-    def __init__(self, model: nn.Module):
-        self.model = model
+    """The model's parameters and buffers; ``trainable_only`` (LoRA adapters on a frozen base): the trainable
+    parameters alone, since the run builds the frozen ones again from their source (``model.pretrained``)."""
+
+    def __init__(self, model: nn.Module, trainable_only: bool = False):
+        self.model, self.trainable_only = model, trainable_only
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self.model, options=self._options())
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(self.model, state)
+        set_model_state_dict(self.model, state, options=self._options())
 
 
 class OptimizerState:

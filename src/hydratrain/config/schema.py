@@ -685,6 +685,18 @@ class PlanConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``+peft=lora``: LoRA adapters (Hu et al. 2021) through ``peft`` (extra ``[peft]``) on the model's named Linear
+    layers; the base weights stay frozen (see ``hydratrain.parallel.lora``)."""
+
+    r: int = 8  # rank of each adapter (A: r x in, B: out x r)
+    alpha: float = 16.0  # the update B @ A is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapter's input
+    # module names (or name suffixes) to adapt: [q_proj, v_proj]; null = peft's default for the architecture
+    target_modules: Optional[List[str]] = None
+
+
+@dataclass
 class TrainConfig:
     """The whole run config: one field per config group, plus a few top-level switches."""
 
@@ -709,6 +721,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    peft: Optional[LoraConfig] = None  # +peft=lora: train LoRA adapters, the base frozen (extra [peft])
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     # train | eval: evaluate checkpoint.resume_from (a run dir: its best, else its latest checkpoint) or
     # model.init_from on the val and test splits, training nothing (eval_results.json)

@@ -51,7 +51,7 @@ from hydratrain.config.schema import (
     StrategyName,
     WrapPolicyName,
 )
-from hydratrain.config.settings import node_dict
+from hydratrain.config.settings import LoraSettings, node_dict
 from hydratrain.config.values import (  # noqa: F401 (their home was here)
     COMPILE_VALUES,
     SHARD_ON_ONE_RANK_VALUES,
@@ -66,6 +66,7 @@ from hydratrain.data.tokenized import preflight_data, vocab_size_for
 from hydratrain.errors import RESERVED_EXIT_CODES, ConfigError, Placeholder
 from hydratrain.optim import LOWBIT_INSTALL, RUN_LENGTH_KEYWORDS, lowbit_available, own_keywords
 from hydratrain.optim import is_own as own
+from hydratrain.parallel import lora
 from hydratrain.parallel.strategy import HSDP
 from hydratrain.paths import Paths, resolve_path
 from hydratrain.protocols import max_seq_len_of
@@ -434,6 +435,11 @@ def validate(cfg: DictConfig) -> None:
     if strategy == StrategyName.single and launched > 1:
         raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
                           f"{launched}; allowed: ddp, fsdp, hsdp")
+    if cfg.get("peft") is not None:
+        positive("peft.r")
+        positive("peft.alpha")
+        if not 0 <= float(cfg.peft.dropout) < 1:
+            raise ConfigError("peft.dropout", cfg.peft.dropout, "must be >= 0 and < 1")
     check_components(cfg)
     _check_block_classes(cfg)
     objective = cfg.trainer.objective
@@ -714,6 +720,9 @@ def check_components(cfg: DictConfig) -> None:
     if model is not None:
         check_parameters(model, target)
         check_state_dict(model, target, built_on_meta=True)
+        adapters = LoraSettings.of(cfg)
+        if adapters is not None:  # (peft's own refusal of the target modules, on a copy)
+            lora.check(model, adapters)
     limit, seq_len = max_seq_len_of(model), cfg.data.get("seq_len") if cfg.get("data") else None
     if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
         raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "

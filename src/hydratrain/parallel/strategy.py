@@ -24,11 +24,12 @@ from torch import nn
 
 from hydratrain import components
 from hydratrain.config.schema import FSDPStrategy
-from hydratrain.config.settings import ModelSettings, option_value
+from hydratrain.config.settings import LoraSettings, ModelSettings, option_value
 from hydratrain.config.values import shard_on_one_rank_setting
 from hydratrain.dist.env import dist_info
 from hydratrain.errors import ConfigError, HydratrainError
 from hydratrain.parallel import init as param_init
+from hydratrain.parallel import lora
 from hydratrain.parallel.ac_compile import (
     CompileChoice,
     apply_activation_checkpointing,
@@ -645,6 +646,12 @@ def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.dev
                               f"initialised after sharding, but {shown} own parameters or buffers without a "
                               "reset_parameters() (and the model has no init_weights()): give them one, or build it "
                               "with storage: ++model.init_device=cpu (or cuda)")
+    adapters = LoraSettings.of(cfg)
+    if adapters is not None:  # (+peft=lora: the base frozen, adapters added, before any wrapper)
+        raw = lora.apply(raw, adapters)
     n_params = sum(p.numel() for p in raw.parameters())
     model, summary = strategy.parallelize(raw, precision, device, cfg.trainer.seed, built_on_meta=on_meta)
+    if adapters is not None:
+        summary += (f"; LoRA r={adapters.r} alpha={adapters.alpha:g}: {lora.trainable_count(raw):,} trainable "
+                    f"parameters of {n_params:,}, the base frozen")
     return model, raw, n_params, summary
