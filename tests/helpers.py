@@ -242,6 +242,7 @@ EXTRAS = {
     "slurm": ("submitit", "hydra_plugins.hydra_submitit_launcher"),
     "examples": ("sklearn",),
     "hf": ("transformers", "datasets"),
+    "peft": ("peft",),
     "docs": ("mkdocs", "material"),
 }
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from hydratrain.optim import Schedule
+from hydratrain.parallel.init import canonical_name
 
 HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 IMPLEMENTATION = ("foreach", "fused", "capturable")  # torch.optim's choice of kernels: this run's, not the saved one
@@ -56,7 +57,12 @@ class ModelState:
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model, options=self._options())
+        state = get_model_state_dict(self.model, options=self._options())
+        if self.trainable_only:  # (torch keeps a tied alias of a frozen weight, lm_head.weight: by name, all go)
+            frozen = {canonical_name(n.removeprefix("module.")) for n, p in
+                      self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
