@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -67,7 +68,9 @@ def apply(model: nn.Module, settings: LoraSettings) -> nn.Module:
     peft = _peft()
     config = lora_config(settings)
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # (peft asks transformers >= 5 a deprecated question; nothing to act on)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as err:  # peft: "Target modules {...} not found in the base model", or no default
         targets = list(settings.target_modules) if settings.target_modules is not None else None
         first = (str(err).strip().splitlines() or [""])[0][:200]
