@@ -51,11 +51,12 @@ def _extra(group: str, option: str, tmp_path: Path) -> list[str]:
 # the options (and experiments) that need an extra of pyproject.toml: skipped, with the reason, without it
 NEEDS = {("model", "hf_causal_lm"): "hf", ("data", "hf_dataset"): "hf", ("model", "digits_cnn"): "examples",
          ("data", "digits"): "examples", ("optim", "adamw8bit"): "lowbit", ("experiment", "hf_llama_tiny"): "hf",
-         ("launcher", "slurm"): "slurm", ("launcher", "submitit_local"): "slurm"}
+         ("launcher", "slurm"): "slurm", ("launcher", "submitit_local"): "slurm",
+         ("experiment", "hf_llama_lora_tiny"): "hf,peft"}
 
 
 def _cases(group_options):
-    return [pytest.param(*case, id="=".join(case), marks=[requires(NEEDS[case])] if case in NEEDS else [])
+    return [pytest.param(*case, id="=".join(case), marks=[requires(*NEEDS[case].split(","))] if case in NEEDS else [])
             for case in group_options]
 
 
