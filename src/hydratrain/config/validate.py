@@ -436,6 +436,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("strategy.name", "single", f"runs one process but launcher={cfg.launcher.name} starts "
                           f"{launched}; allowed: ddp, fsdp, hsdp")
     if cfg.get("peft") is not None:
+        if settings.init_from is not None:  # (its file holds the base's names; the run trains peft's)
+            raise ConfigError("model.init_from", settings.init_from, "is not read under +peft=lora: the base comes "
+                              "from model.pretrained (a save_pretrained dir, as the run's export/ is)")
         positive("peft.r")
         positive("peft.alpha")
         if not 0 <= float(cfg.peft.dropout) < 1:
