@@ -243,6 +243,7 @@ EXTRAS = {
     "examples": ("sklearn",),
     "report": ("matplotlib",),
     "hf": ("transformers", "datasets"),
+    "peft": ("peft",),
     "docs": ("mkdocs", "material"),
 }
 

@@ -16,6 +16,8 @@ import torch
 from omegaconf import DictConfig
 
 from hydratrain import components
+from hydratrain.config.settings import LoraSettings
+from hydratrain.parallel import lora
 from hydratrain.protocols import has_flops_per_token
 from hydratrain.train.batch import forward, loss_of, rebuilt, rows
 
@@ -107,12 +109,18 @@ def _fake(mode: Any, value: Any) -> Any:
 
 def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Optional[int], seq_len: int) -> float:
     """Training FLOPs per item (token for token data, else sample) for MFU: the model's own formula
-    (``flops_per_token(seq_len)``) where it has one and the data has tokens, else counted on a meta copy of the
-    model (:func:`hydratrain.flops.counted_flops_per_sample`)."""
+    (``flops_per_token(seq_len)``) where it has one and the data has tokens (and no ``+peft=lora``), else counted on
+    a meta copy of the model (:func:`hydratrain.flops.counted_flops_per_sample`), LoRA's adapters on it when the run
+    names them."""
     from hydratrain.flops import counted_flops_per_sample  # (start-up: torch ~2 s)
 
-    if seq_len and has_flops_per_token(raw):
+    adapters = LoraSettings.of(cfg)
+    if seq_len and has_flops_per_token(raw) and adapters is None:  # (a formula counts every weight as trained)
         return float(raw.flops_per_token(seq_len))
-    per_sample = counted_flops_per_sample(lambda: components.build_model(cfg, "meta", vocab_size, checked=True),
-                                          train_batches.example(), loss_fn)
+
+    def build() -> torch.nn.Module:
+        model = components.build_model(cfg, "meta", vocab_size, checked=True)
+        # with LoRA the counted backward skips the frozen weights' gradients: their layers cost the input's only
+        return lora.apply(model, adapters) if adapters is not None else model
+    per_sample = counted_flops_per_sample(build, train_batches.example(), loss_fn)
     return per_sample / seq_len if seq_len else per_sample

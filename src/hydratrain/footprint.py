@@ -53,13 +53,14 @@ class ModelSpec:
     """What the planner knows of the model, hashable (so plans can be cached): ``target`` (``model._target_``),
     ``node`` (the model node's constructor keywords and Hydra keys as JSON, vocabulary resolved), ``loss`` (the loss
     node as JSON), ``batch`` (an example micro-batch's structure and shapes, :func:`hydratrain.stepsim.describe`;
-    empty for a model with its own memory model), ``block_classes`` (``wrap_policy.block_classes``)."""
+    empty for a model with its own memory model), ``block_classes`` (``wrap_policy.block_classes``), ``peft``."""
 
     target: str
     node: str = "{}"
     loss: str = "{}"
     batch: tuple = ()
     block_classes: tuple = ()
+    peft: str = ""  # ``+peft=lora``'s settings as JSON (the adapters the model gets, the base frozen); "" without
 
     def keywords(self) -> dict:
         """The model's constructor keywords (the node without Hydra's ``_..._`` keys)."""

@@ -26,7 +26,7 @@ from hydratrain.checkpoint.preemption import Preemption, guard
 from hydratrain.checkpoint.stateful import ModelState, OptimizerState, RNGState, scheduler_state
 from hydratrain.cli import check, select_value
 from hydratrain.components import model_settings
-from hydratrain.config.settings import DataSettings
+from hydratrain.config.settings import DataSettings, LoraSettings
 from hydratrain.data.build import build_data, data_vocabulary
 from hydratrain.data.streams import EvalBatches, ShardedBatches
 from hydratrain.data.tokenizer import TextTokenizer
@@ -162,7 +162,8 @@ def build(cfg: DictConfig, strategy: Strategy, info: DistInfo, run_dir: Path, la
                                resuming)
     checkpoints = CheckpointManager(
         run_dir / "checkpoints",
-        components={"model": ModelState(model), "optim": optimizer_state, "scheduler": scheduler_state(scheduler),
+        components={"model": ModelState(model, trainable_only=LoraSettings.of(cfg) is not None),  # (LoRA: adapters)
+                    "optim": optimizer_state, "scheduler": scheduler_state(scheduler),
                     "scaler": scaler, "progress": progress, "data": data.train},
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),  # type: ignore[arg-type]  # (a dict)

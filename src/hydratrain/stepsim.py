@@ -40,6 +40,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from hydratrain import components
+from hydratrain.config.settings import LoraSettings
 from hydratrain.footprint import (
     CPU_FACT,
     DTYPE_BYTES,
@@ -56,6 +57,7 @@ from hydratrain.footprint import (
     step_temporaries,
 )
 from hydratrain.memsim import Mode, ShadowFactories, Tracker, fuse_norms, shadow, shadow_module
+from hydratrain.parallel import lora
 from hydratrain.parallel.ac_compile import apply_activation_checkpointing
 from hydratrain.parallel.blocks import find_blocks
 from hydratrain.parallel.precision import float32_modules
@@ -171,7 +173,10 @@ def meta_model(spec: ModelSpec) -> nn.Module:
     """The model of ``spec`` built on the meta device. Raises :class:`PlanUnavailable` naming what the build
     raised."""
     try:
-        return components.build_model(_config(spec), "meta")
+        model = components.build_model(_config(spec), "meta")
+        adapters = LoraSettings.of({"peft": json.loads(spec.peft)}) if spec.peft else None
+        # LoRA: the base frozen, so the plan holds no gradient or optimizer state for it
+        return lora.apply(model, adapters) if adapters is not None else model
     except Exception as err:  # noqa: BLE001 (a ConfigError of the constructor, or anything a build on meta raises)
         raise PlanUnavailable(f"model._target_={spec.target} does not build on the meta device, so its parameters "
                               f"are unknown: {_one_line(err)}") from None

@@ -58,11 +58,12 @@ def _extra(group: str, option: str, tmp_path: Path) -> list[str]:
 NEEDS = {("model", "hf_causal_lm"): "hf", ("data", "hf_dataset"): "hf", ("model", "digits_cnn"): "examples",
          ("data", "digits"): "examples", ("optim", "adamw8bit"): "lowbit", ("experiment", "hf_llama_tiny"): "hf",
          ("data", "instruct"): "hf", ("experiment", "hf_sft_tiny"): "hf",
-         ("launcher", "slurm"): "slurm", ("launcher", "submitit_local"): "slurm"}
+         ("launcher", "slurm"): "slurm", ("launcher", "submitit_local"): "slurm",
+         ("experiment", "hf_llama_lora_tiny"): "hf,peft"}
 
 
 def _cases(group_options):
-    return [pytest.param(*case, id="=".join(case), marks=[requires(NEEDS[case])] if case in NEEDS else [])
+    return [pytest.param(*case, id="=".join(case), marks=[requires(*NEEDS[case].split(","))] if case in NEEDS else [])
             for case in group_options]
 
 

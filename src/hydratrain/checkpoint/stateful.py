@@ -3,6 +3,7 @@
 
 - :class:`ModelState`, :class:`OptimizerState`: ``torch.distributed.checkpoint.state_dict`` (parameter names without
   DDP/FSDP/AC/compile prefixes; DTensor shards under FSDP), so a checkpoint loads into any strategy and world size.
+  Under ``+peft=lora`` the model's part is its trainable parameters (the adapters) only.
   On load the optimizer keeps the saved moments and step counts but takes its hyper-parameters (lr, betas, eps,
   weight decay) from this run's config: resuming with a new ``optim.lr`` means the new lr (fine-tuning intent). The
   implementation (``optim.impl``: torch's ``foreach``/``fused`` flags) is this run's too, whatever the checkpoint's
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from hydratrain.optim import Schedule
+from hydratrain.parallel.init import canonical_name
 
 HYPERPARAMETERS = ("lr", "initial_lr", "betas", "eps", "weight_decay")
 IMPLEMENTATION = ("foreach", "fused", "capturable")  # torch.optim's choice of kernels: this run's, not the saved one
@@ -41,18 +43,31 @@ def set_group_value(group: dict, key: str, value) -> None:
 
 
 class ModelState:
-    def __init__(self, model: nn.Module):
-        self.model = model
+    """The model's parameters and buffers; ``trainable_only`` (LoRA adapters on a frozen base): the trainable
+    parameters alone, since the run builds the frozen ones again from their source (``model.pretrained``)."""
+
+    def __init__(self, model: nn.Module, trainable_only: bool = False):
+        self.model, self.trainable_only = model, trainable_only
+
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model, options=self._options())
+        if self.trainable_only:  # (torch keeps a tied alias of a frozen weight, lm_head.weight: by name, all go)
+            frozen = {canonical_name(n.removeprefix("module.")) for n, p in
+                      self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-        set_model_state_dict(self.model, state)
+        set_model_state_dict(self.model, state, options=self._options())
 
 
 class OptimizerState:

@@ -16,8 +16,9 @@ Importing this module has no side effects and does not import torch; call :func:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
@@ -90,6 +91,18 @@ class PlanConfig:
 
 
 @dataclass
+class LoraConfig:
+    """``+peft=lora``: LoRA adapters (Hu et al. 2021) through ``peft`` (extra ``[peft]``) on the model's named Linear
+    layers; the base weights stay frozen (see ``hydratrain.parallel.lora``)."""
+
+    r: int = 8  # rank of each adapter (A: r x in, B: out x r)
+    alpha: float = 16.0  # the update B @ A is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapter's input
+    # module names (or name suffixes) to adapt: [q_proj, v_proj]; null = peft's default for the architecture
+    target_modules: Optional[List[str]] = None
+
+
+@dataclass
 class TrainConfig:
     """The whole run config: one field per config group, plus a few top-level switches."""
 
@@ -114,6 +127,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    peft: Optional[LoraConfig] = None  # +peft=lora: train LoRA adapters, the base frozen (extra [peft])
     activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
     # train | eval: evaluate checkpoint.resume_from (a run dir: its best, else its latest checkpoint) or
     # model.init_from on the val and test splits, training nothing (eval_results.json)
@@ -165,3 +179,20 @@ def check_callback_names(cfg: DictConfig) -> None:
     if cfg.trainer.ema.decay is not None and "ema" in (cfg.get("callbacks") or {}):
         raise ConfigError("callbacks.ema._target_", cfg.callbacks.ema.get("_target_"), "callbacks.ema is the name of "
                           "trainer.ema's own callback (trainer.ema.decay is set): give yours another name")
+
+
+def check_peft(cfg: DictConfig) -> None:
+    """``+peft=lora``'s values, and no ``model.init_from`` beside it (its file holds the base's names; the run trains
+    peft's)."""
+    if cfg.get("peft") is None:
+        return
+    init_from = cfg.model.get("init_from") if cfg.get("model") is not None else None
+    if init_from is not None:
+        raise ConfigError("model.init_from", init_from, "is not read under +peft=lora: the base comes from "
+                          "model.pretrained (a save_pretrained dir, as the run's export/ is)")
+    for key in ("r", "alpha"):
+        value = cfg.peft[key]
+        if not math.isfinite(float(value)) or value <= 0:
+            raise ConfigError(f"peft.{key}", value, "must be finite and > 0")
+    if not 0 <= float(cfg.peft.dropout) < 1:
+        raise ConfigError("peft.dropout", cfg.peft.dropout, "must be >= 0 and < 1")

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from hydratrain.config.data import LOADER_KEYS, LoaderKeys
 from hydratrain.config.model import MODEL_KEYS, ModelKeys
+from hydratrain.config.schema import LoraConfig
 
 _LOADER_DEFAULTS = LoaderKeys()
 _MODEL_DEFAULTS = ModelKeys()
@@ -71,6 +72,27 @@ class ModelSettings:
     def of(cls, model: Any) -> "ModelSettings":
         return cls(**{f.name: _value(model, f.name, getattr(_MODEL_DEFAULTS, f.name))
                       for f in dataclasses.fields(ModelKeys)})
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The ``peft`` group (``+peft=lora``) as the run reads it; :meth:`of` gives None when the run names no peft."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: Optional[tuple[str, ...]]  # None: peft's default for the architecture
+
+    @classmethod
+    def of(cls, cfg: Any) -> Optional["LoraSettings"]:
+        """The settings of the run config ``cfg``'s ``peft`` node, or None without one."""
+        node = _value(cfg, "peft", None)
+        if node is None:
+            return None
+        values = {f.name: _value(node, f.name, getattr(LoraConfig, f.name, None)) for f in dataclasses.fields(cls)}
+        targets = values["target_modules"]
+        return cls(r=int(values["r"]), alpha=float(values["alpha"]), dropout=float(values["dropout"]),
+                   target_modules=None if targets is None else tuple(str(t) for t in targets))
 
 
 #: the keys every composed config holds whether or not an option file lists them

@@ -55,7 +55,7 @@ from hydratrain.config import (
     wrap_policy,
 )
 from hydratrain.config.launcher import launched_processes
-from hydratrain.config.settings import node_dict
+from hydratrain.config.settings import LoraSettings, node_dict
 from hydratrain.config.strategy import StrategyName
 from hydratrain.config.values import NO_VALUE, check_ranges, select
 from hydratrain.data.loader import check_data_node, is_dataset_node
@@ -63,6 +63,7 @@ from hydratrain.data.tokenized import preflight_data, vocab_size_for
 from hydratrain.errors import ConfigError
 from hydratrain.optim import LOWBIT_INSTALL, RUN_LENGTH_KEYWORDS, lowbit_available, own_keywords
 from hydratrain.optim import is_own as own
+from hydratrain.parallel import lora
 from hydratrain.parallel.fsdp import HSDP
 from hydratrain.paths import Paths, resolve_path
 from hydratrain.protocols import max_seq_len_of
@@ -206,6 +207,9 @@ def check_components(cfg: DictConfig) -> None:
     if built is not None:
         check_parameters(built, target)
         check_state_dict(built, target, built_on_meta=True)
+        adapters = LoraSettings.of(cfg)
+        if adapters is not None:  # (peft's own refusal of the target modules, on a copy)
+            lora.check(built, adapters)
     limit, seq_len = max_seq_len_of(built), cfg.data.get("seq_len") if cfg.get("data") else None
     if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:  # positions the model has weights for
         raise ConfigError("data.seq_len", seq_len, f"longer than the {limit} positions the model has "
@@ -227,7 +231,7 @@ CHECKS: tuple[Callable[[DictConfig], None], ...] = (
     optim.check_param_groups, _check_own_scheduler, _check_own_optimizer, optim.check_betas, scheduler.check,
     trainer.check_run_length, wrap_policy.check, precision.check_fsdp_autocast, strategy.check_shard_size,
     precision.check_reduce_dtype, model.check_init_device, checkpoint.check_preempt_exit_code,
-    paths.refuse_empty_paths, model.check_init_from, launcher.check, strategy.check_launched,
+    paths.refuse_empty_paths, model.check_init_from, launcher.check, strategy.check_launched, schema.check_peft,
     check_components, _check_block_classes, _check_monitors,
     schema.check_mode, trainer.check_objective_at, checkpoint.check_save_top_k, trainer.check_ema,
     schema.check_callback_names, trainer.check_early_stopping, _check_callbacks, logger.check, trainer.check_profile,

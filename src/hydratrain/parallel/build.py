@@ -12,10 +12,11 @@ from torch import nn
 
 from hydratrain import components
 from hydratrain.config.schema import FSDPStrategy
-from hydratrain.config.settings import option_value
+from hydratrain.config.settings import LoraSettings, option_value
 from hydratrain.config.values import shard_on_one_rank_setting
 from hydratrain.errors import ConfigError
 from hydratrain.parallel import init as param_init
+from hydratrain.parallel import lora
 from hydratrain.parallel.fsdp import FSDP, HSDP
 from hydratrain.parallel.precision import Precision
 from hydratrain.parallel.strategy import DDP, Single, Strategy
@@ -90,8 +91,13 @@ def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.dev
                               f"initialised after sharding, but {shown} own parameters or buffers without a "
                               "reset_parameters() (and the model has no init_weights()): give them one, or build it "
                               "with storage: ++model.init_device=cpu (or cuda)")
+    adapters = LoraSettings.of(cfg)
+    if adapters is not None:  # (+peft=lora: the base frozen, adapters added, before any wrapper)
+        raw = lora.apply(raw, adapters)
     n_params = ParamCount.of(raw)
     model, summary = strategy.parallelize(raw, precision, device, cfg.trainer.seed, built_on_meta=on_meta)
+    if adapters is not None:
+        summary += f"; LoRA r={adapters.r} alpha={adapters.alpha:g}: only the adapters train, the base frozen"
     return model, raw, n_params, summary
 
 

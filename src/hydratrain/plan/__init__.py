@@ -11,6 +11,7 @@ What is counted, and how: :mod:`hydratrain.footprint` (any model: :mod:`hydratra
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from omegaconf import OmegaConf
 from hydratrain import components
 from hydratrain.components import locate
 from hydratrain.config.schema import AdamW8bitConfig, AdamWConfig, FSDPStrategy, SizeBasedWrapPolicy
-from hydratrain.config.settings import DataSettings, option_value
+from hydratrain.config.settings import DataSettings, LoraSettings, option_value
 from hydratrain.errors import ConfigError, OutOfMemoryError
 from hydratrain.footprint import GiB, ModelSpec, Plan, PlanUnavailable, Setup
 from hydratrain.protocols import has_memory_plan
@@ -225,7 +226,7 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
     batch_size, seq_len = int(data.batch_size), data.seq_len
     spec = ModelSpec(target, json.dumps(node, sort_keys=True, default=str),
                      json.dumps(loss, sort_keys=True, default=str), _example(example, batch_size, seq_len),
-                     tuple(cfg.wrap_policy.get("block_classes") or ()))
+                     tuple(cfg.wrap_policy.get("block_classes") or ()), peft=_peft_json(cfg))
     return Setup(model=spec, strategy=strategy.name,
                  world_size=1 if strategy.name == "single" else world_size, precision=precision,
                  reduce_dtype=str(cfg.precision.reduce_dtype), wrap_policy=str(cfg.wrap_policy.name),
@@ -238,6 +239,12 @@ def setup_for(cfg, strategy, *, world_size: int, precision: str, vocab_size: Opt
                  optim=str(cfg.optim.get("name") or "own"),
                  optim_block_size=int(option_value(cfg.optim, "block_size", AdamW8bitConfig)),
                  optim_impl=str(option_value(cfg.optim, "impl", AdamWConfig)), loader_workers=data.num_workers)
+
+
+def _peft_json(cfg) -> str:
+    """``+peft=lora``'s settings as :attr:`ModelSpec.peft` holds them ("" without)."""
+    adapters = LoraSettings.of(cfg)
+    return json.dumps(dataclasses.asdict(adapters), sort_keys=True) if adapters is not None else ""
 
 
 def _example(example: Optional[Callable[[int], Any]], batch_size: int, seq_len: int) -> tuple:
@@ -417,10 +424,10 @@ def _memory_model(target: str) -> Optional[Any]:
 
 
 def predict(s: Setup) -> Plan:
-    """The :class:`Plan` of setup ``s``: the model class's own ``memory_plan(s)`` where it has one that answers,
-    else the generic plan (:func:`hydratrain.stepsim.predict`). Raises what they raise
+    """The :class:`Plan` of setup ``s``: the model class's own ``memory_plan(s)`` where it has one that answers (and
+    the run names no LoRA), else the generic plan (:func:`hydratrain.stepsim.predict`). Raises what they raise
     (:class:`hydratrain.plan.PlanUnavailable` when the model does not build on the meta device)."""
-    hook = _memory_model(s.model.target)
+    hook = _memory_model(s.model.target) if not s.model.peft else None  # (a model's own plan: every weight trained)
     plan = hook(s) if hook is not None else None
     if plan is None:
         plan = simulated(s)

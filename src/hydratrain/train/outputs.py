@@ -1,8 +1,9 @@
 """What a finished run leaves in its run dir: ``model.safetensors`` (full weights, the model's own parameter names, so
 ``model.load_state_dict(load_file(path), strict=True)`` loads them into its class) and, for a model with an
 ``export_to`` hook (:data:`hydratrain.checkpoint.export.EXPORT_HOOK`), its own format under ``export/``; a generated
-sample (language models on token data), the hparams row in TensorBoard and ``results.json``. Every rank calls
-:func:`write_outputs` (gathering weights and sampling are collective); rank 0 writes the files."""
+sample (language models on token data), the hparams row in TensorBoard and ``results.json``. A ``+peft=lora`` run
+writes ``adapter/`` (peft's own format) and the adapters merged into ``model.safetensors`` and ``export/``. Every
+rank calls :func:`write_outputs` (gathering weights and sampling are collective); rank 0 writes the files."""
 from __future__ import annotations
 
 import contextlib
@@ -26,10 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 from hydratrain import components
 from hydratrain.checkpoint.export import export_model, write_safetensors
 from hydratrain.checkpoint.layout import list_checkpoints
+from hydratrain.config.settings import LoraSettings
 from hydratrain.data.loader import is_dataset_node
 from hydratrain.data.registry import CORPORA
 from hydratrain.dist.launch import unwritable_message
 from hydratrain.errors import HydratrainError, OutputError, unwritable_cause
+from hydratrain.parallel import lora
 from hydratrain.parallel.ac_compile import eager
 from hydratrain.train.batch import prediction
 
@@ -128,6 +131,30 @@ def save_weights(model: torch.nn.Module, path: Path, is_main: bool, metadata: Op
     out = write_safetensors(state, path, {"format": "pt", "producer": "hydratrain", **(metadata or {})})
     if export is not None:
         export_model(*export, state)
+    return out
+
+
+def save_lora(model: torch.nn.Module, cfg: DictConfig, adapters: LoraSettings, run_dir: Path, is_main: bool,
+              vocab_size: Optional[int], metadata: dict, tokenizer: Optional[Path]) -> Optional[Path]:
+    """A ``+peft=lora`` run's weights (every rank calls: FSDP all-gathers; rank 0 writes): ``adapter/`` as
+    ``PeftModel.save_pretrained`` writes it (``PeftModel.from_pretrained(base, dir)`` loads it onto the base), and
+    the adapters merged into the base (``merge_and_unload``) as ``model.safetensors`` under the model's own names,
+    plus ``export/`` for a model with an export hook. Rank 0 rebuilds the model on meta and takes the gathered
+    tensors (``assign``), so it holds one full copy, as :func:`save_weights` does. Returns the weights file on
+    rank 0, None elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main:
+        return None
+    wrapped = lora.apply(components.build_model(cfg, "meta", vocab_size), adapters)
+    wrapped.load_state_dict(state, assign=True)
+    wrapped.save_pretrained(str(run_dir / "adapter"))  # type: ignore[operator]  # (a PeftModel's)
+    base = lora.merged(wrapped)
+    merged = {k: v.detach().clone().contiguous() for k, v in base.state_dict().items()}  # (tied: one copy each)
+    out = write_safetensors(merged, run_dir / "model.safetensors", {"format": "pt", "producer": "hydratrain",
+                                                                     "peft": "lora merged", **metadata})
+    export_model(base, run_dir / "export", tokenizer, merged)
     return out
 
 
@@ -268,8 +295,17 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
     does not keep the others from being written: the first such error is raised once the rest are written (so a
     TensorBoard dir that refuses leaves results.json, the run's figures, written); other errors are raised at once."""
     refused: list = []
+    adapters = LoraSettings.of(cfg)
     with _keep_going(refused, run_dir):
-        if cfg.trainer.save_weights:
+        if cfg.trainer.save_weights and adapters is not None:
+            path = save_lora(model, cfg, adapters, run_dir, info.is_main, vocab_size,
+                             {"model_config": model_config_json(cfg, vocab_size)},
+                             Path(tokenizer.path) if tokenizer else None)
+            if path:
+                saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
+                log.info("wrote the LoRA adapter to %s and the merged model's weights to %s%s", run_dir / "adapter",
+                         path, saved)
+        elif cfg.trainer.save_weights:
             path = save_weights(model, run_dir / "model.safetensors", info.is_main,
                                 {"model_config": model_config_json(cfg, vocab_size)},
                                 export=(raw, run_dir / "export", Path(tokenizer.path) if tokenizer else None))
