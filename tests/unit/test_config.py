@@ -59,7 +59,7 @@ NEEDS = {("model", "hf_causal_lm"): "hf", ("data", "hf_dataset"): "hf", ("model"
          ("data", "digits"): "examples", ("optim", "adamw8bit"): "lowbit", ("experiment", "hf_llama_tiny"): "hf",
          ("data", "instruct"): "hf", ("experiment", "hf_sft_tiny"): "hf",
          ("launcher", "slurm"): "slurm", ("launcher", "submitit_local"): "slurm",
-         ("experiment", "hf_llama_lora_tiny"): "hf,peft"}
+         ("experiment", "hf_llama_lora_tiny"): "hf,peft", ("experiment", "hf_sft_lora_tiny"): "hf,peft"}
 
 
 def _cases(group_options):
@@ -122,7 +122,7 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
 
 @pytest.mark.parametrize("group,name", _cases(("experiment", name) for name in EXPERIMENTS))
 def test_experiment_overlays_compose(compose, group, name):
-    if name == "hf_sft_tiny":  # its data and model dir, written into the launch dir (a temporary dir) as docs say
+    if name in ("hf_sft_tiny", "hf_sft_lora_tiny"):  # its data and model dir, written into the (temporary) launch dir
         from hydratrain.examples.arith import main
 
         assert main(["arith", "--records", "100"]) == 0
