@@ -412,8 +412,8 @@ def run_plan(args) -> dict:
     from hydratrain.dist.env import DistInfo
     from hydratrain.dist.process_group import choose_device, device_type
     from hydratrain.dist.run_dir import register_resolvers
-    from hydratrain.parallel.precision import Precision
     from hydratrain.parallel.build import build_strategy
+    from hydratrain.parallel.precision import Precision
 
     register_configs()
     register_resolvers()
