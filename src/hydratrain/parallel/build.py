@@ -97,7 +97,8 @@ def build_model(cfg, strategy: Strategy, precision: Precision, device: torch.dev
     n_params = ParamCount.of(raw)
     model, summary = strategy.parallelize(raw, precision, device, cfg.trainer.seed, built_on_meta=on_meta)
     if adapters is not None:
-        summary += f"; LoRA r={adapters.r} alpha={adapters.alpha:g}: only the adapters train, the base frozen"
+        summary += (f"; LoRA r={adapters.r} alpha={adapters.alpha:g}: {n_params.trainable:,} trainable parameters of "
+                    f"{n_params.total:,}, the base frozen")
     return model, raw, n_params, summary
 
 
