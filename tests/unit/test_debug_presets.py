@@ -1,9 +1,11 @@
-"""The debug presets: ``+debug=fast`` shortens the run and the data of any model (one's own, an experiment's CNN) and
-leaves the model as it is; ``+debug=fast_gpt`` is that run of the built-in GPT with small sizes. All in this process
-(``compose``, ``cli``)."""
+"""The debug presets and what a run of another model is told about: ``+debug=fast`` shortens the run and the data of
+any model (one's own, an experiment's CNN) and leaves the model as it is; ``+debug=fast_gpt`` is that run of the
+built-in GPT with small sizes; ``--cfg job`` marks a key the run will not use (``trainer.sample_tokens`` for data
+that is not token data). All in this process (``compose``, ``cli``)."""
 from __future__ import annotations
 
 import pytest
+from omegaconf import OmegaConf
 
 from helpers import requires, results
 from hydratrain.config.validate import validate
@@ -11,6 +13,8 @@ from hydratrain.config.validate import validate
 # what +debug=fast sets, whatever the model (conf/debug/fast.yaml)
 FAST_TRAINER = {"max_steps": 10, "eval_every_n_steps": 5, "eval_samples": 16, "log_every_n_steps": 1,
                 "sample_tokens": 0, "save_weights": False, "progress_bar": False}
+UNUSED_SAMPLE = ("# not used by this run: trainer.sample_tokens (a sample of generated tokens: token data with "
+                 "loss=next_token only)")
 
 
 @pytest.mark.parametrize("experiment", [
@@ -50,3 +54,19 @@ def test_fast_gpt_is_fast_on_a_small_gpt_and_synthetic_data(compose):
     assert (gpt.model.d_model, gpt.model.n_layer, gpt.model.n_head, gpt.data.seq_len) == (64, 2, 2, 64)
     assert gpt.data.name == "synthetic"
 
+
+@pytest.mark.parametrize("args,marked", [
+    pytest.param(["+experiment=digits_cnn"], True, id="cnn", marks=requires("examples")),
+    pytest.param(["+experiment=digits_cnn", "trainer.sample_tokens=0"], False, id="cnn_no_sample",
+                 marks=requires("examples")),
+    pytest.param(["data=synthetic", "loss=cross_entropy"], True, id="tokens_without_next_token_loss"),
+    pytest.param([], False, id="gpt"),
+])
+def test_cfg_job_marks_sample_tokens_not_used_without_a_language_model(cli, args, marked):
+    """``--cfg job`` prints the config as composed (``trainer.sample_tokens: 120`` stays), then, once its checks
+    pass, a YAML comment for the key that the run ignores: only a language model on token data samples."""
+    r = cli(["--cfg", "job", "strategy=single", "device=cpu", *args], fast=False)
+    assert r.returncode == 0, r.output[-3000:]
+    printed = OmegaConf.create(r.out)  # the comment keeps it YAML
+    assert printed.trainer.sample_tokens == (0 if "trainer.sample_tokens=0" in args else 120)
+    assert (UNUSED_SAMPLE in r.out.splitlines()) == marked, r.out[-500:]
