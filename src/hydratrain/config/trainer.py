@@ -1,6 +1,8 @@
 """The ``trainer`` group: the loop's keys (:mod:`hydratrain.train.trainer`), early stopping and the EMA of the
 weights, and the checks of their values (against ``checkpoint.monitor`` too; whether a monitored metric is logged
-needs the loss and the metrics, checked with the components in :mod:`hydratrain.config.validate`). No torch import."""
+needs the loss and the metrics, checked with the components in :mod:`hydratrain.config.validate`); whether a run
+samples text (:func:`language_model`) and which of its keys a run will not use (:func:`unused_keys`). No torch
+import."""
 from __future__ import annotations
 
 import math
