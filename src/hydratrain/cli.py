@@ -124,6 +124,8 @@ def _check_printed_config() -> None:
     # still parses) marks each key that this run holds and will not use (trainer.sample_tokens for a CNN)
     for key in unused_keys(cfg):
         print(f"# not used by this run: {key}")
+    say(f"hydratrain: config checks passed ({world} rank(s)); the run checks the built data, model and process group "
+        "as it starts")
 
 
 

@@ -159,6 +159,7 @@ def test_cfg_job_prints_composed_config(cli):
     assert r.returncode == 0, r.output
     cfg = OmegaConf.create(r.out)
     assert cfg.strategy.name == "ddp" and cfg.optim.lr == 3e-4 and cfg.model._target_ == "hydratrain.models.GPT"
+    assert r.err.strip().splitlines()[-1].startswith("hydratrain: config checks passed (1 rank(s))"), r.err
 
 
 @pytest.mark.parametrize("overrides", [
