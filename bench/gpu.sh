@@ -7,7 +7,7 @@
 #   bench/gpu.sh                               # the table (bench/gpu_table.py --budget-s 420: 7 minutes at most)
 #   bench/gpu.sh --smoke                       # the smoke cases below on 1 GPU; with 2+ GPUs also fsdp +
 #                                              #   checkpoint/resume on all of them (torchrun, NCCL)
-#   bench/gpu.sh --dry-run [--smoke]           # the same sequence on CPU, tiny (+debug=fast, gloo); also DRY_RUN=1
+#   bench/gpu.sh --dry-run [--smoke]           # the same sequence on CPU, tiny (+debug=fast_gpt, gloo); also DRY_RUN=1
 #   bench/gpu.sh --out DIR                     # results dir (default bench/out/gpu-<date>-<time>[-dry])
 #   CASES=fsdp_bf16,compile bench/gpu.sh --smoke    # only these smoke cases (names below)
 #   bench/gpu.sh --smoke -- logger.peak_flops=9.9e14   # extra overrides for every smoke launch (PEAK_FLOPS too)
@@ -105,8 +105,8 @@ if ((DRY)); then
   STEPS="${STEPS:-8}"
   TIMEOUT="${CASE_TIMEOUT:-240}"
   MULTI=2
-  # +debug=fast: synthetic data, d_model 64, 2 layers, batch 4 x 64, log every step, no sample, no weights
-  COMMON=(+debug=fast device=cpu trainer.eval_every_n_steps=0 trainer.eval_samples=8)
+  # +debug=fast_gpt: synthetic data, d_model 64, 2 layers, batch 4 x 64, log every step, no sample, no weights
+  COMMON=(+debug=fast_gpt device=cpu trainer.eval_every_n_steps=0 trainer.eval_samples=8)
   BF16=precision=auto          # bf16 where this CPU computes it natively, else fp32
   LLAMA=(model=llama_1b model.n_kv_head=1 model.d_ff=128)
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

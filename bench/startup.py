@@ -9,7 +9,7 @@ Per rank count, three commands run in each round (order rotated per round), afte
 - ``pg``: ``bench/startup_baseline.py pg`` -- import torch, init a gloo (nccl) process group, barrier;
 - ``loop``: ``bench/startup_baseline.py loop`` -- the same plus the smallest hand-written loop to its first optimizer
   step (what any torch.optim loop pays on top: torch.optim imports torch._dynamo);
-- ``hydratrain``: ``train.py +debug=fast trainer.max_steps=1`` (``strategy=single`` for 1 rank, the default fsdp
+- ``hydratrain``: ``train.py +debug=fast_gpt trainer.max_steps=1`` (``strategy=single`` for 1 rank, the default fsdp
   for 2), timed to the end of its first optimizer step (``results.json``'s ``startup_s``), with its own breakdown:
   launcher (torchrun's start before the worker process), python + hydra + compose, imports, checks, device +
   distributed setup, data, model, optimizer, peak FLOP/s, logger/checkpoints/trainer, first step.
@@ -68,7 +68,9 @@ def run_one(kind: str, nproc: int, timeout: float, extra: list[str], root: Path 
         if root != ROOT:
             env["PYTHONPATH"] = str(root / "src")
         tmp = Path(tempfile.mkdtemp(prefix="bench-startup-"))
-        args = [str(root / "train.py"), "+debug=fast", "trainer.max_steps=1", "trainer.eval_samples=4",
+        # the built-in GPT's run of seconds: +debug=fast_gpt, which a checkout from before it called +debug=fast
+        debug = "fast_gpt" if (root / "conf" / "debug" / "fast_gpt.yaml").exists() else "fast"
+        args = [str(root / "train.py"), f"+debug={debug}", "trainer.max_steps=1", "trainer.eval_samples=4",
                 f"hydra.run.dir={tmp}", *(["strategy=single"] if nproc == 1 else []), *extra]
     else:
         args = [str(BENCH / "startup_baseline.py"), kind]
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
         body += f"\n\nhydratrain, {nproc} rank(s): where the time goes (median seconds per phase, rank 0)\n\n"
         body += table(names, [cells])
     body += ("\n\npg: import torch + process group; loop: + a hand-written GPT/AdamW loop to its first step; "
-             "hydratrain: `train.py +debug=fast trainer.max_steps=1` (strategy=single for 1 rank, fsdp for 2), "
+             "hydratrain: `train.py +debug=fast_gpt trainer.max_steps=1` (strategy=single for 1 rank, fsdp for 2), "
              "timed to the end of its first optimizer step; hydratrain (DIR): the same from checkout DIR, timed to "
              "its step-1 log line.")
     text = write_report(out, "bench/startup.py: command to first optimizer step", rec.rows[0], body,

@@ -2,11 +2,11 @@
 
     python bench/startup_baseline.py pg                      # import torch + a 1-rank gloo process group
     torchrun --standalone --nproc_per_node 2 bench/startup_baseline.py pg
-    python bench/startup_baseline.py loop                    # ... + GPT (+debug=fast shapes), AdamW, one step
+    python bench/startup_baseline.py loop                    # ... + GPT (+debug=fast_gpt shapes), AdamW, one step
 
 ``pg``: ``import torch`` and ``init_process_group`` (gloo on CPU, nccl on CUDA; a HashStore for one rank, torchrun's
 store otherwise), then a barrier. ``loop``: also the smallest hand-written training loop to its first optimizer step
-(the same model as ``+debug=fast``: 2 layers, d_model 64, batch 4 x 64), which adds what any torch.optim loop pays:
+(the same model as ``+debug=fast_gpt``: 2 layers, d_model 64, batch 4 x 64), which adds what any torch.optim loop pays:
 ``torch.optim`` imports ``torch._dynamo`` (sympy, inductor's helpers) on first use.
 """
 from __future__ import annotations

@@ -262,7 +262,7 @@ def make_job(compose):
     from hydratrain.run import build
 
     def _make(run_dir: Path, *overrides: str):
-        cfg = compose(["+debug=fast", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
+        cfg = compose(["+debug=fast_gpt", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
                        "logger.peak_flops=1e12", *overrides])
         return build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), run_dir, run_dir)
 

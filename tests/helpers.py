@@ -28,7 +28,7 @@ FIXTURE_V1 = ROOT / "tests" / "fixtures" / "ckpt_v1_fsdp2_step3"  # 2 ranks, FSD
 # A run of seconds: synthetic data, 2 layers, 10 steps, no progress bar, sample or weights, no matmul benchmark for
 # MFU; FAST adds fp32 (exact on CPU; bf16/fp16 are slow on some CPUs). DEBUG alone where a precision= comes later from
 # a config overlay (a command-line choice would override the overlay's).
-DEBUG = ["+debug=fast", "device=cpu", "logger.peak_flops=1e11"]
+DEBUG = ["+debug=fast_gpt", "device=cpu", "logger.peak_flops=1e11"]
 FAST = [*DEBUG, "precision=fp32"]
 
 # The 2-rank training runs several tests assert on: the jobs of one sweep inside 2 torchrun ranks, made once per

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from hydratrain import exits
 from hydratrain.config.launcher import launched_processes, validate_launcher
 from hydratrain.config.settings import plus_as_force
+from hydratrain.config.trainer import unused_keys
 from hydratrain.dist.env import dist_info
 from hydratrain.dist.run_dir import refuse_a_path_that_is_not_utf8
 from hydratrain.errors import HydratrainError, say
@@ -53,9 +54,11 @@ def with_config_checks(entry):
       start under a launcher that runs one run as a sweep of one job (a ``hydra.run.dir`` it would not use, the
       launcher's keys: :func:`_check_the_sweep_start`) and the run dir's path. A failed check ends the command as it
       ends the run: the run's one line (``hydratrain: config error: <key>=<value>: <why>``) and exit status 2, after
-      the printed config. When the printed config cannot be had, one line says it was not checked. Checks that need
-      the built data, model or process group (a token id beyond the vocabulary, the device mesh), or that write (the
-      run dir's probe and lock), run only in a run.
+      the printed config. A config that passes gets one comment line after it per key that the run will not use
+      (:func:`hydratrain.config.trainer.unused_keys`: ``# not used by this run: trainer.sample_tokens (...)``).
+      When the printed config cannot be had, one line says it was not checked. Checks that need the built data,
+      model or process group (a token id beyond the vocabulary, the device mesh), or that write (the run dir's probe
+      and lock), run only in a run.
     - ``--help`` lists the choices of this config (:func:`option_groups`, the resolver its template calls).
     """
     @functools.wraps(entry)
@@ -117,6 +120,12 @@ def _check_printed_config() -> None:
         raise SystemExit(err.exit_status) from None
     finally:
         OmegaConf.set_readonly(cfg, readonly)
+    # the config as composed stays as Hydra printed it; a YAML comment after it (stdout, so `--cfg job > f.yaml`
+    # still parses) marks each key that this run holds and will not use (trainer.sample_tokens for a CNN)
+    for key in unused_keys(cfg):
+        print(f"# not used by this run: {key}")
+    say(f"hydratrain: config checks passed ({world} rank(s)); the run checks the built data, model and process group "
+        "as it starts")
 
 
 

@@ -109,7 +109,12 @@ def _scalars(tb_dir: Path) -> Dict[str, Curve]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
-    events.Reload()
+    quiet = logging.getLogger("tensorboard")  # its directory watcher says "No path found after <the last file>" at
+    level, quiet.level = quiet.level, logging.ERROR  # the end of every read: a note of its own, no fault of the job
+    try:
+        events.Reload()
+    finally:
+        quiet.setLevel(level)
     return {tag: [(e.step, e.value) for e in events.Scalars(tag) if math.isfinite(e.value)]
             for tag in events.Tags().get("scalars", [])}
 
@@ -132,7 +137,8 @@ def _split(override: str) -> Tuple[str, str]:
 
 def _against_key(ax: Any, key: str, jobs: List[dict], objective: str) -> None:
     """A scatter of each job's final objective against its value of ``key``: numbers on a numeric axis (a log one
-    when they are positive and span more than a factor 20), anything else as categories in the order first seen.
+    when they are positive and span a factor 10 or more:
+    a learning rate's 1e-3, 3e-3, 1e-2), anything else as categories in the order first seen.
     Failed jobs are crosses."""
     points = [(dict(_split(o) for o in j["overrides"]).get(key, "(default)"), j["value"], j["failed"])
               for j in jobs if j["value"] is not None]
@@ -140,7 +146,7 @@ def _against_key(ax: Any, key: str, jobs: List[dict], objective: str) -> None:
     if points and all(x is not None for x in numbers):
         xs: List[Any] = numbers
         positive = [x for x in numbers if x is not None and x > 0]
-        if len(positive) == len(numbers) and max(positive) > 20 * min(positive):
+        if len(positive) == len(numbers) and max(positive) >= 10 * min(positive):
             ax.set_xscale("log")
     else:
         categories = list(dict.fromkeys(v for v, _, _ in points))

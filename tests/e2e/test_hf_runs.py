@@ -59,7 +59,7 @@ def hf_runs(tmp_path_factory, cache_dir) -> Sweep:
             "llama_fsdp": [*COMMON, "trainer.max_steps=8", "strategy=fsdp"],
             "gpt2_ddp": [*COMMON, "trainer.max_steps=8", "strategy=ddp", gpt2],
             "gpt2_fsdp": [*COMMON, "trainer.max_steps=8", "strategy=fsdp", gpt2], "resume_a": RESUME}
-    return sweep_runs(runs, base / "sweep", env=_env(cache_dir), common=[])  # (+debug=fast sets GPT keys)
+    return sweep_runs(runs, base / "sweep", env=_env(cache_dir), common=[])  # (+debug=fast_gpt sets GPT keys)
 
 
 @pytest.mark.slow  # the shared sweep's Llama FSDP job and an in-process run

@@ -31,7 +31,7 @@ def probe(overrides: Sequence[str]) -> Optional[dict]:
     register_resolvers()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["+debug=fast", "precision=fp32", "device=cpu", "logger.tensorboard=false",
+        cfg = compose("train", overrides=["+debug=fast_gpt", "precision=fp32", "device=cpu", "logger.tensorboard=false",
                                           "logger.peak_flops=1e12", *overrides])
     GlobalHydra.instance().clear()
     strategy = build_strategy(cfg)

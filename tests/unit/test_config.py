@@ -159,6 +159,7 @@ def test_cfg_job_prints_composed_config(cli):
     assert r.returncode == 0, r.output
     cfg = OmegaConf.create(r.out)
     assert cfg.strategy.name == "ddp" and cfg.optim.lr == 3e-4 and cfg.model._target_ == "hydratrain.models.GPT"
+    assert r.err.strip().splitlines()[-1].startswith("hydratrain: config checks passed (1 rank(s))"), r.err
 
 
 @pytest.mark.parametrize("overrides", [
@@ -248,9 +249,9 @@ def test_cfg_job_refuses_a_run_dir_the_logs_cannot_write(cli, tmp_path, monkeypa
     (["data=token_bin"], "data.train_path=???: has no value"),  # not "removed with ~data.train_path"
     (["~model"], "model=???: has no option: choose one with model=NAME (conf/model/), or give a file of your own "
                  "with _target_"),
-    (["~data", "+debug=fast"], "data=???: has no option (removed with ~data, or a file of your own without its "
-                               "schema line?): choose one with data=NAME (conf/data/); an option file of your own "
-                               "begins with 'defaults: [/schema/data/SCHEMA@_here_, _self_]' and name: SCHEMA"),
+    (["~data", "+debug=fast_gpt"], "data=???: has no option (removed with ~data, or a file of your own without "
+                                   "its schema line?): choose one with data=NAME (conf/data/); an option file of your "
+                                   "own begins with 'defaults: [/schema/data/SCHEMA@_here_, _self_]' and name: SCHEMA"),
     # ignored (the tokenizer's vocabulary is used), so refused rather than recorded as a hyper-parameter
     (["data=tokenized_text", "data.paths=[a.txt]", "data.tokenizer=tok.json", "data.vocab_size=999"],
      "data.vocab_size=999: unused with data.tokenizer=tok.json"),
@@ -349,7 +350,7 @@ def test_a_config_error_under_torchrun_is_one_line_from_rank_0_before_any_proces
       "data.synthetic_tokens=100000"], "hydratrain: config error: trainer.max_epochs=1: gives 0 optimizer steps"),
 ])
 def test_bad_values_found_at_run_time_are_one_line_config_errors(cli, args, expect, tmp_path):
-    r = cli(["+debug=fast", "precision=fp32", "strategy=single", *args], tmp_path, fast=False)
+    r = cli(["+debug=fast_gpt", "precision=fp32", "strategy=single", *args], tmp_path, fast=False)
     assert r.returncode == 2, r.output[-2000:]
     assert r.err.strip().splitlines()[-1].startswith(expect), r.output[-2000:]
     assert "Traceback" not in r.output

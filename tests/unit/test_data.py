@@ -142,7 +142,7 @@ def test_a_split_too_short_names_its_key_and_files(compose, tmp_path, empty):
     (tmp_path / "d" / full).write_text("hello world\n" * 300)
     (tmp_path / "d" / hollow).write_text("")
     info = DistInfo(device=torch.device("cpu"))
-    cfg = compose(["+debug=fast", "data=text_files", "data.paths=[d/*.txt]"])
+    cfg = compose(["+debug=fast_gpt", "data=text_files", "data.paths=[d/*.txt]"])
     with pytest.raises(ConfigError) as err:
         build_data(cfg, info, tmp_path, False, 256, cache_dir=tmp_path / "cache")
     assert str(err.value).startswith(f"data.paths=['d/*.txt']: {empty} split (2 tokens) from "
@@ -150,7 +150,7 @@ def test_a_split_too_short_names_its_key_and_files(compose, tmp_path, empty):
     if empty == "val":
         np.arange(3000, dtype=np.uint16).tofile(tmp_path / "train.bin")
         np.arange(10, dtype=np.uint16).tofile(tmp_path / "val.bin")
-        cfg = compose(["+debug=fast", "data=token_bin", "data.train_path=train.bin", "data.val_path=val.bin",
+        cfg = compose(["+debug=fast_gpt", "data=token_bin", "data.train_path=train.bin", "data.val_path=val.bin",
                        "model.vocab_size=3000"])
         with pytest.raises(ConfigError, match=rf"^data.val_path='val.bin': val split \(10 tokens\) from "
                                               rf"{tmp_path / 'val.bin'}: the split has no sample"):
@@ -174,7 +174,8 @@ def test_a_pattern_matching_nothing_says_where_it_looked(compose, tmp_path, monk
         with pytest.raises(FileNotFoundError) as err:
             expand_paths([pattern], launch)
         assert str(err.value) == f"data.paths: {pattern!r} matches no file ({where})"
-    cfg = compose(["+debug=fast", "strategy=single", "device=cpu", f"checkpoint.resume_from={tmp_path}/ckpt/step_1"])
+    cfg = compose(["+debug=fast_gpt", "strategy=single", "device=cpu",
+                   f"checkpoint.resume_from={tmp_path}/ckpt/step_1"])
     with pytest.raises(ConfigError, match=rf"^checkpoint.resume_from='{tmp_path}/ckpt/step_1': no such path "
                                           rf"\(looked for {tmp_path}/ckpt/step_1\)$"):
         check_environment(cfg, 1, launch)

@@ -21,7 +21,7 @@ def _job(compose, tmp_path, *overrides):
     from hydratrain.parallel.build import build_strategy
     from hydratrain.run import build
 
-    cfg = compose(["+debug=fast", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
+    cfg = compose(["+debug=fast_gpt", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
                    "logger.peak_flops=1e12", *overrides])
     return build(cfg, build_strategy(cfg), DistInfo(device=torch.device("cpu")), tmp_path, tmp_path)
 
@@ -31,7 +31,7 @@ def test_main_never_writes_the_config_and_resolves_auto_into_a_new_object(compos
     from hydratrain.parallel.precision import Precision
     from hydratrain.run import main
 
-    cfg = compose(["+debug=fast", "strategy=single", "device=cpu", "trainer.max_steps=2", "logger.peak_flops=1e12"])
+    cfg = compose(["+debug=fast_gpt", "strategy=single", "device=cpu", "trainer.max_steps=2", "logger.peak_flops=1e12"])
     before = OmegaConf.to_yaml(cfg)
     assert cfg.precision.name == "auto"
     writes = []

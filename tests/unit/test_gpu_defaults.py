@@ -261,7 +261,7 @@ def test_batch_size_auto_trains_with_the_planners_largest_fit(compose, tmp_path,
     from hydratrain.run import build
 
     monkeypatch.setattr(plan, "baseline_bytes", lambda device: 300 * 2**20)  # this process's RSS, held still
-    cfg = compose(["+debug=fast", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
+    cfg = compose(["+debug=fast_gpt", "strategy=single", "precision=fp32", "device=cpu", "logger.tensorboard=false",
                    "logger.peak_flops=1e12", "data.batch_size=auto", "plan.memory_gb=1.5"])
     OmegaConf.set_readonly(cfg, True)
     with caplog.at_level(logging.INFO, logger="hydratrain.auto_batch"):

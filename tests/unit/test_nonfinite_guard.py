@@ -67,8 +67,8 @@ def test_ddp_and_fsdp_read_nothing_on_the_host_between_log_steps(compose, tmp_pa
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
-    cfg = compose(["+debug=fast", f"strategy={strategy}", "precision=fp32", "device=cpu", "logger.tensorboard=false",
-                   "logger.peak_flops=1e12", *RUN, "trainer.on_nonfinite=skip"])
+    cfg = compose(["+debug=fast_gpt", f"strategy={strategy}", "precision=fp32", "device=cpu",
+                   "logger.tensorboard=false", "logger.peak_flops=1e12", *RUN, "trainer.on_nonfinite=skip"])
     strategy_ = build_strategy(cfg)
     with process_group("cpu", strategy_.backend, True) as info:
         assert dist.is_initialized()

@@ -513,9 +513,10 @@ def test_token_corpora_inputs_are_checked_with_the_environment_before_any_proces
         (["data=tokenized_text", "data.paths=[docs/*.txt]", "data.tokenizer=missing.json"],
          rf"^data.tokenizer='{tmp_path}/missing.json': no such file"),
     ]:
-        cfg = compose(["+debug=fast", "strategy=single", "device=cpu", *overrides])
+        cfg = compose(["+debug=fast_gpt", "strategy=single", "device=cpu", *overrides])
         with pytest.raises(ConfigError, match=expect):
             check_environment(cfg, 1, tmp_path)
-    cfg = compose(["+debug=fast", "strategy=single", "device=cpu", "data=tokenized_text", "data.paths=[docs/*.txt]"])
+    cfg = compose(["+debug=fast_gpt", "strategy=single", "device=cpu", "data=tokenized_text",
+                   "data.paths=[docs/*.txt]"])
     check_environment(cfg, 1, tmp_path)
     assert cfg.data.vocab_size is None and bpe_vocab_size(cfg.data) == 4096

@@ -128,7 +128,7 @@ class TrainConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     peft: Optional[LoraConfig] = None  # +peft=lora: train LoRA adapters, the base frozen (extra [peft])
-    activation_checkpointing: bool = False  # recompute each decoder block's activations in backward
+    activation_checkpointing: bool = False  # recompute each block (the model's repeated layers) in backward
     # train | eval: evaluate checkpoint.resume_from (a run dir: its best, else its latest checkpoint) or
     # model.init_from on the val and test splits, training nothing (eval_results.json)
     mode: RunMode = RunMode.train

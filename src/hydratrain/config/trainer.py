@@ -1,15 +1,17 @@
 """The ``trainer`` group: the loop's keys (:mod:`hydratrain.train.trainer`), early stopping and the EMA of the
 weights, and the checks of their values (against ``checkpoint.monitor`` too; whether a monitored metric is logged
-needs the loss and the metrics, checked with the components in :mod:`hydratrain.config.validate`). No torch import."""
+needs the loss and the metrics, checked with the components in :mod:`hydratrain.config.validate`); whether a run
+samples text (:func:`language_model`) and which of its keys a run will not use (:func:`unused_keys`). No torch
+import."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from hydratrain.config.values import Option, Ranges, compile_setting
+from hydratrain.config.values import Option, Ranges, compile_setting, has_target
 from hydratrain.errors import ConfigError
 
 
@@ -91,6 +93,28 @@ RANGES = Ranges(positive=("trainer.grad_accum_steps", "trainer.log_every_n_steps
                 non_negative=("trainer.grad_clip", "trainer.eval_every_n_steps", "trainer.eval_samples",
                               "trainer.sample_tokens"),
                 positive_or_null=("trainer.max_steps", "trainer.max_epochs"))
+
+
+#: the loss of a language model (conf/loss/next_token.yaml), named as its node names it: config imports no loss
+NEXT_TOKEN_LOSS = "hydratrain.losses.NextTokenLoss"
+
+
+def language_model(cfg: DictConfig) -> bool:
+    """Whether the run trains a language model on token data (a built-in corpus and the next-token loss, which
+    reports perplexity): only then is there a text sample to generate (``trainer.sample_tokens``,
+    :func:`hydratrain.train.outputs.write_outputs`)."""
+    return not has_target(cfg.data) and OmegaConf.select(cfg, "loss._target_") == NEXT_TOKEN_LOSS
+
+
+def unused_keys(cfg: DictConfig) -> list[str]:
+    """The keys of ``cfg`` that a run of it will not use, each as ``key (what it is for: when it is used)``, which
+    ``--cfg job`` prints after the config (:mod:`hydratrain.cli`). A key is listed only when its value asks for
+    something the run will not do: ``trainer.sample_tokens`` > 0 without :func:`language_model` (0 asks for no
+    sample, so no run uses it either way)."""
+    unused = []
+    if cfg.trainer.sample_tokens and not language_model(cfg):
+        unused.append("trainer.sample_tokens (a sample of generated tokens: token data with loss=next_token only)")
+    return unused
 
 
 def check_compile(cfg: DictConfig) -> None:

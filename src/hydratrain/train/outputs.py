@@ -28,7 +28,7 @@ from hydratrain import components
 from hydratrain.checkpoint.export import export_model, write_safetensors
 from hydratrain.checkpoint.layout import list_checkpoints
 from hydratrain.config.settings import LoraSettings
-from hydratrain.data.loader import is_dataset_node
+from hydratrain.config.trainer import language_model
 from hydratrain.data.registry import CORPORA
 from hydratrain.dist.launch import unwritable_message
 from hydratrain.errors import HydratrainError, OutputError, unwritable_cause
@@ -203,12 +203,6 @@ def sample_text(cfg: DictConfig, model: torch.nn.Module, device: torch.device, a
     if byte_level:
         return bytes(t % 256 for t in ids).decode("utf-8", errors="replace")
     return "token ids: " + " ".join(map(str, ids))
-
-
-def language_model(cfg: DictConfig) -> bool:
-    """Whether the run trains a language model on token data (a built-in corpus and a loss that reports perplexity,
-    the next-token loss): only then is there a text sample to generate."""
-    return not is_dataset_node(cfg.data) and OmegaConf.select(cfg, "loss._target_") == "hydratrain.losses.NextTokenLoss"
 
 
 def printable(text: str) -> str:
