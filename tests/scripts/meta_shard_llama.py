@@ -24,5 +24,5 @@ with process_group("cpu", "gloo", needs_group=True) as info:
                                                 info.device, cfg.model.vocab_size)
     assert not any(p.is_meta for p in model.parameters())
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"rank {info.rank}: local_param_bytes={strategy.local_param_bytes(model)} total_param_bytes={n_params * 4} "
-          f"max_rss_bytes={rss} summary={summary}", flush=True)
+    print(f"rank {info.rank}: local_param_bytes={strategy.local_param_bytes(model)} "
+          f"total_param_bytes={n_params.total * 4} max_rss_bytes={rss} summary={summary}", flush=True)
