@@ -112,8 +112,6 @@ def model_flops(cfg: DictConfig, raw, train_batches, loss_fn, vocab_size: Option
     (``flops_per_token(seq_len)``) where it has one and the data has tokens (and no ``+peft=lora``), else counted on
     a meta copy of the model (:func:`hydratrain.flops.counted_flops_per_sample`), LoRA's adapters on it when the run
     names them."""
-    from hydratrain.flops import counted_flops_per_sample  # (start-up: torch ~2 s)
-
     adapters = LoraSettings.of(cfg)
     if seq_len and has_flops_per_token(raw) and adapters is None:  # (a formula counts every weight as trained)
         return float(raw.flops_per_token(seq_len))
