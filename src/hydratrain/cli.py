@@ -1,19 +1,23 @@
 """``train.py``'s command line around Hydra: the run's config checks (:func:`check`), also on the config that
-``--cfg job`` prints (:func:`with_config_checks`), composition errors as one line, and the choices ``--help`` lists
-(:func:`option_groups`). Imports no torch: ``--help`` and ``--cfg`` stay fast; the checks import what they need when
-they run."""
+``--cfg job`` prints (:func:`with_config_checks`) and on every job of ``-m ... --cfg job``, composition errors as one
+line, and the choices ``--help`` lists (:func:`option_groups`). Imports no torch: ``--help`` and ``--cfg`` stay fast;
+the checks import what they need when they run."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import io
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.object_type import ObjectType
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -25,7 +29,11 @@ from hydratrain.dist.env import dist_info
 from hydratrain.dist.run_dir import refuse_a_path_that_is_not_utf8
 from hydratrain.errors import HydratrainError, say
 from hydratrain.paths import launch_dir, resolve_path
-from hydratrain.sweep.checks import refuse_a_run_dir, refuse_a_stored_study_over_its_job_dirs
+from hydratrain.sweep.checks import (
+    refuse_a_run_dir,
+    refuse_a_stored_study_over_its_job_dirs,
+    refuse_swept_executor_keys,
+)
 
 
 def check(cfg: DictConfig, world_size: int, launch: Path, local_world_size: Optional[int] = None) -> None:
@@ -59,6 +67,8 @@ def with_config_checks(entry):
       When the printed config cannot be had, one line says it was not checked. Checks that need the built data,
       model or process group (a token id beyond the vocabulary, the device mesh), or that write (the run dir's probe
       and lock), run only in a run.
+    - ``-m ... --cfg job`` (which Hydra refuses: "Only one of --multirun, --cfg ..."): every job of the sweep is
+      printed and checked as above, one after the other (:func:`_check_each_job`).
     - ``--help`` lists the choices of this config (:func:`option_groups`, the resolver its template calls).
     """
     @functools.wraps(entry)
@@ -68,6 +78,8 @@ def with_config_checks(entry):
         register_help_resolver()
         exits.composing()
         sys.argv[1:] = plus_as_force(sys.argv[1:])  # +model.init_device=meta, from before every node had the key
+        if _sweep_to_print():
+            return _check_each_job(entry)
         try:
             result = entry()
         except Exception as err:
@@ -84,9 +96,92 @@ def with_config_checks(entry):
 
 
 
-def _check_printed_config() -> None:
+def _sweep_to_print() -> bool:
+    """Whether the command line asks for a sweep's configs: ``-m`` / ``--multirun`` with ``--cfg job`` or ``all``."""
+    try:
+        args = get_args_parser().parse_args(sys.argv[1:])
+    except SystemExit:
+        return False
+    return bool(args.multirun) and args.cfg in ("job", "all")
+
+
+def _check_each_job(entry) -> None:
+    """``-m OVERRIDES --cfg job``: each job Hydra's basic sweeper would run for ``OVERRIDES`` (the product of the
+    swept keys' values and ``hydra.sweeper.params``', the command line winning) is composed, printed after a
+    ``# job N: OVERRIDES`` line and checked as ``--cfg job`` checks a run, the sweep's start included (composed with
+    ``hydra.mode=MULTIRUN``); a swept ``launcher.*`` key that submitit would not take per job is refused first.
+    Ends with a total on stderr and exit status 2 when a job failed a check (each job says its own line). A sweeper
+    that draws values while it runs (Optuna) has the one config checked, the searched keys at their composed
+    values. Nothing runs and no dir is made."""
+    argv = list(sys.argv)
+    args = get_args_parser().parse_args([a for a in argv[1:] if a not in ("-m", "--multirun")])
+    fixed = [a for a in argv[1:] if a not in ("-m", "--multirun") and a not in args.overrides]  # --cfg job, -cd D
+    parser = OverridesParser.create()
+    try:
+        overrides = parser.parse_overrides(args.overrides)
+        jobs = BasicSweeper.split_arguments(overrides, None)[0]
+        first = _composed(entry, argv[0], fixed, jobs[0])
+        sweeper = HydraConfig.get().sweeper
+        params = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()]
+        if params and str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            jobs = BasicSweeper.split_arguments(parser.parse_overrides([*params, *args.overrides]), None)[0]
+        elif params:
+            say(f"hydratrain: {sweeper._target_.rsplit('.', 1)[-1]} draws {', '.join(sorted(sweeper.params))} as "
+                "it runs: checked at their composed values")
+        if select_value(first, "launcher.name", None) in ("slurm", "submitit_local"):
+            refuse_swept_executor_keys(first.launcher.name, overrides)
+    except HydratrainError as err:
+        say(f"hydratrain: {err.label}: {err}")
+        raise SystemExit(err.exit_status) from None
+    except Exception as err:  # (a sweep or option Hydra cannot expand or compose: its one line)
+        exits.end_composition(err)
+        raise
+    finally:
+        sys.argv = argv
+    failed = [num for num, job in enumerate(jobs) if _printed_and_checked(entry, argv[0], fixed, job, num)]
+    say(f"hydratrain: {len(jobs)} job(s) checked: " +
+        (f"job(s) {', '.join(map(str, failed))} failed" if failed else "all passed"))
+    raise SystemExit(2 if failed else 0)
+
+
+def _composed(entry, script: str, fixed: list, job: list) -> DictConfig:
+    """The task config of one job of :func:`_check_each_job`, composed by Hydra's main ``entry`` (``--cfg hydra``,
+    its output discarded)."""
+    GlobalHydra.instance().clear()
+    sys.argv = [script, *[a if a not in ("job", "all") else "hydra" for a in fixed], *job, "hydra.mode=MULTIRUN"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        entry()
+    cfg = _printed_config()
+    if cfg is None:
+        raise RuntimeError("this Hydra keeps no composed config after --cfg: the sweep's jobs cannot be checked")
+    return cfg
+
+
+def _printed_and_checked(entry, script: str, fixed: list, job: list, num: int) -> int:
+    """One job of :func:`_check_each_job`, printed and checked as ``--cfg job`` is: its exit status."""
+    print(f"# job {num}: {' '.join(job)}", flush=True)
+    GlobalHydra.instance().clear()
+    sys.argv = [script, *fixed, *job, "hydra.mode=MULTIRUN"]
+    exits.composing()
+    try:
+        try:
+            entry()
+        except Exception as err:
+            exits.end_composition(err, f"job {num}: ")  # (its one line, and SystemExit)
+            raise
+        finally:
+            exits.composing(False)
+        _check_printed_config(f"job {num}: ")
+    except SystemExit as end:
+        return end.code if isinstance(end.code, int) else 1
+    finally:
+        sys.argv = [script]
+    return 0
+
+
+def _check_printed_config(job: str = "") -> None:
     """:func:`with_config_checks`' part after Hydra's ``--cfg``: raises ``SystemExit`` with the failed check's
-    status."""
+    status. ``job``: what the lines say after ``hydratrain: `` (a sweep's ``job N: ``)."""
     try:
         args = get_args_parser().parse_args(sys.argv[1:])
     except SystemExit:
@@ -116,7 +211,7 @@ def _check_printed_config() -> None:
         refuse_a_path_that_is_not_utf8(resolve_path(str(
             hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else hydra_cfg.run.dir)))
     except HydratrainError as err:
-        say(f"hydratrain: {err.label}: {err}")
+        say(f"hydratrain: {job}{err.label}: {err}")
         raise SystemExit(err.exit_status) from None
     finally:
         OmegaConf.set_readonly(cfg, readonly)
@@ -124,8 +219,8 @@ def _check_printed_config() -> None:
     # still parses) marks each key that this run holds and will not use (trainer.sample_tokens for a CNN)
     for key in unused_keys(cfg):
         print(f"# not used by this run: {key}")
-    say(f"hydratrain: config checks passed ({world} rank(s)); the run checks the built data, model and process group "
-        "as it starts")
+    say(f"hydratrain: {job}config checks passed ({world} rank(s))" + ("" if job else "; the run checks the built data, "
+                                                                    "model and process group as it starts"))
 
 
 

@@ -149,16 +149,16 @@ def tell_the_agent(line: str) -> None:
         pass
 
 
-def end_composition(err: BaseException) -> None:
+def end_composition(err: BaseException, job: str = "") -> None:
     """End the launch for ``err``, raised while Hydra composed the config (:func:`composing`), when it is Hydra's or
     OmegaConf's composition error: ``hydratrain: config error: <Hydra's reason in one line>`` (each node's first rank
     prints it: every rank composes the same config), exit status 2; under torchrun the other ranks leave after rank 0,
     which the agent then names as the root cause. Returns (raising nothing) for any other error, or when the config
-    was composed already."""
+    was composed already. ``job``: what the line says after ``hydratrain: `` (a sweep's ``job N: ``)."""
     if not _COMPOSING["on"] or not (type(err).__module__.startswith(("hydra.", "omegaconf.")) or _raised_by_hydra(err)):
         return
     composing(False)
-    line = f"hydratrain: config error: {composition_error_line(err)}"
+    line = f"hydratrain: {job}config error: {composition_error_line(err)}"
     if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
         say(line)
     tell_the_agent(line)

@@ -4,6 +4,7 @@ All in this process: ``compose`` for the config, ``cli`` for train.py's own comm
 stderr line)."""
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -215,6 +216,41 @@ def test_cfg_job_makes_the_checks_of_the_launch_the_run_makes(cli, overrides):
     assert line.startswith("hydratrain: config error: ") and "\n" not in line, shown.err
     ran = cli(overrides)
     assert ran.returncode == 2 and ran.err.strip() == line, (line, ran.output[-3000:])
+    assert not list(Path.cwd().iterdir())
+
+
+def test_cfg_job_of_a_sweep_prints_and_checks_every_job(cli, tmp_path_factory):
+    """``-m ... --cfg job`` (Hydra refuses the pair): every job the basic sweeper would run (the product of an
+    experiment's ``hydra.sweeper.params`` and the command line's swept keys) is printed after a ``# job N:`` line and
+    checked as ``--cfg job`` checks a run; each job says its line, a total ends it, exit status 2 when a job fails.
+    A job that does not compose says Hydra's reason on its line. Nothing is made in the launch dir."""
+    conf = tmp_path_factory.mktemp("my_conf")
+    (conf / "experiment").mkdir()
+    (conf / "experiment" / "lrs.yaml").write_text(
+        "# @package _global_\nhydra:\n  sweeper:\n    params:\n      optim.lr: 1e-3,-1\n")
+    r = cli(["-m", "--config-dir", str(conf), "+experiment=lrs", "strategy=single,ddp", "--cfg", "job"],
+            fast=False)
+    assert r.returncode == 2, r.output[-3000:]
+    headers = [line for line in r.out.splitlines() if line.startswith("# job ")]
+    assert headers == [f"# job {n}: optim.lr={lr} +experiment=lrs strategy={s}"
+                       for n, (lr, s) in enumerate([("0.001", "single"), ("0.001", "ddp"), ("-1", "single"),
+                                                    ("-1", "ddp")])], headers
+    configs = [OmegaConf.create(text) for text in re.split(r"^# job \d+: .*$", r.out, flags=re.M)[1:]]
+    assert [(c.optim.lr, c.strategy.name) for c in configs] == [(1e-3, "single"), (1e-3, "ddp"), (-1, "single"),
+                                                                 (-1, "ddp")]
+    assert r.err.strip().splitlines() == [
+        "hydratrain: job 0: config checks passed (1 rank(s))", "hydratrain: job 1: config checks passed (1 rank(s))",
+        "hydratrain: job 2: config error: optim.lr=-1.0: must be finite and > 0",
+        "hydratrain: job 3: config error: optim.lr=-1.0: must be finite and > 0",
+        "hydratrain: 4 job(s) checked: job(s) 2, 3 failed"], r.err
+
+    r = cli(["-m", "model=gpt_tiny,nope", "--cfg", "job"], fast=False)
+    lines = r.err.strip().splitlines()
+    assert r.returncode == 2 and lines[0] == "hydratrain: job 0: config checks passed (1 rank(s))", r.output[-3000:]
+    assert lines[1].startswith("hydratrain: job 1: config error: In 'train': Could not find 'model/nope'"), lines
+    assert lines[2:] == ["hydratrain: 2 job(s) checked: job(s) 1 failed"]
+    ok = cli(["-m", "optim.lr=1e-3,2e-3", "--cfg", "job"], fast=False)
+    assert ok.returncode == 0 and ok.err.strip().splitlines()[-1] == "hydratrain: 2 job(s) checked: all passed"
     assert not list(Path.cwd().iterdir())
 
 

@@ -42,9 +42,9 @@ from hydratrain.exits import (
 from hydratrain.sweep.checks import (
     _check_before_submitting,
     _hopeless,
-    _refuse_swept_executor_keys,
     refuse_a_run_dir,
     refuse_a_stored_study_over_its_job_dirs,
+    refuse_swept_executor_keys,
     sampled_keys,
 )
 from hydratrain.sweep_report import (
@@ -107,7 +107,8 @@ class SweepReportCallback(Callback):
                     validate_launcher(config.launcher, submitting=True)
                     if config.launcher.get("name") in ("slurm", "submitit_local"):
                         _check_before_submitting(config)
-                        _refuse_swept_executor_keys(config)
+                        refuse_swept_executor_keys(config.launcher.name, OverridesParser.create().parse_overrides(
+                            [str(line) for line in config.hydra.overrides.task]))
             except ConfigError as err:
                 if _is_rank0():
                     say(f"hydratrain: config error: {err}")

@@ -6,9 +6,10 @@ failed, whether the search can still find anything (:func:`_hopeless`). Called b
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 
 from hydratrain.dist.run_dir import MULTIRUN_MARK, _read_json, _sweep_dir
@@ -130,16 +131,16 @@ def _check_before_submitting(config: DictConfig) -> None:
     validate(task)
 
 
-def _refuse_swept_executor_keys(config: DictConfig) -> None:
+def refuse_swept_executor_keys(launcher: str, overrides: Sequence[Override]) -> None:
     """hydra-submitit-launcher makes one executor (nodes, tasks, GPUs, CPUs, time limit, partition) for the whole
     sweep from the sweep-level config: a swept ``launcher.*`` key (Hydra refuses ``hydra.*`` ones) would run every
     job with the sweep's value while each job's report row and hparams said its own. Raises ConfigError naming the
-    key."""
-    for override in OverridesParser.create().parse_overrides([str(line) for line in config.hydra.overrides.task]):
+    key. ``launcher``: its name; ``overrides``: the sweep's, parsed (``OverridesParser.parse_overrides``)."""
+    for override in overrides:
         if override.is_sweep_override() and override.key_or_group.startswith("launcher."):
             # (a parsed line's): why the ignore below
             raise ConfigError(override.key_or_group, override.input_line.split("=", 1)[1],  # type: ignore[union-attr]
-                              f"cannot be swept under launcher={config.launcher.name}: submitit sets one executor for "
+                              f"cannot be swept under launcher={launcher}: submitit sets one executor for "
                               "the whole sweep, so every job would run with the sweep's value while its report row "
                               "said its own; run one sweep per value (launcher=torchrun and ray take it per job)")
 
