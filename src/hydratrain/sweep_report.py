@@ -170,6 +170,10 @@ def write_sweep_report(sweep_dir: Path, chart: bool = False) -> Optional[Path]:
     columns = COLUMNS[:at] + metrics + COLUMNS[at:]
     if any("samples_per_sec" in r for r in rows):
         columns.insert(columns.index("tokens_per_sec") + 1, "samples_per_sec")
+        if all(r.get("tokens_per_sec") in (None, "") for r in rows):  # datasets only: no token column to leave empty
+            columns.remove("tokens_per_sec")
+            for r in rows:
+                r.pop("tokens_per_sec", None)
     csv_path = sweep_dir / "sweep_report.csv"
     tmp = sweep_dir / f".sweep_report.csv.tmp{os.getpid()}"
     with tmp.open("w", newline="") as f:

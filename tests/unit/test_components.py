@@ -27,6 +27,7 @@ def test_a_model_data_loss_and_metric_of_ones_own_train_export_and_report(cli, o
     assert res["objective"] == res["eval_metrics"]["accuracy"]  # trainer.objective=eval/accuracy (the experiment)
     assert res["hparams"]["model"] == "res_mlp" and res["hparams"]["model.width"] == 64
     assert res["hparams"]["loss"] == "cross_entropy" and res["samples_per_sec"] > 0 and res["tokens_per_sec"] is None
+    assert "data.seq_len" not in res["hparams"] and res["hparams"]["data.batch_size"] > 0  # (a dataset has no seq_len)
     scalars = tb_all(own / "run")
     assert {"eval/accuracy", "eval/loss", "perf/samples_per_sec", "perf/mfu", "train/loss"} <= set(scalars)
     assert "eval/perplexity" not in scalars and "sampling" not in r.output  # not a language model
@@ -49,6 +50,7 @@ def test_a_sweep_over_two_models_reports_each_row_with_the_metric(cli, own):
     report = (own / "sweep" / "sweep_report.csv").read_text().splitlines()
     assert report[0].split(",")[:6] == ["job", "overrides", "status", "steps", "train_loss", "eval_loss"]
     assert {"eval/accuracy", "samples_per_sec"} <= set(report[0].split(",")) and len(report) == 3
+    assert "tokens_per_sec" not in report[0].split(",")  # (no column that every row leaves empty)
     assert all("COMPLETED" in row for row in report[1:])
 
 

@@ -54,14 +54,16 @@ def hparams_of(cfg: DictConfig, world_size: int, precision_name: str) -> dict:
     -> None) or the chosen option (``strategy`` -> ddp). None stays None (null in results.json, a blank cell in
     TensorBoard), so a key swept over null and numbers is one number column, not numbers beside a string "null".
     The components are columns too: ``model`` (its option or class), every scalar keyword of the model node
-    (``model.d_model``, a user model's ``model.hidden``), ``data`` and ``loss``."""
+    (``model.d_model``, a user model's ``model.hidden``), ``data`` and ``loss``. A fixed key the config does not
+    hold (``data.seq_len`` of a dataset node) is left out."""
     out: dict[str, Any] = {"model": components.model_name(cfg)}
     for key, value in components.model_kwargs(cfg).items():
         if value is None or isinstance(value, (int, float, str, bool)):
             out[f"model.{key}"] = value
     out["data"] = _choice("data", cfg.data.get("name") or cfg.data.get("_target_"))
     out["loss"] = _choice("loss", cfg.loss.get("_target_"))
-    out.update({k: _plain(OmegaConf.select(cfg, k)) for k in HPARAM_KEYS})
+    absent = object()  # a key this run's config does not hold (data.seq_len of a dataset node): no column
+    out.update({k: _plain(v) for k in HPARAM_KEYS if (v := OmegaConf.select(cfg, k, default=absent)) is not absent})
     out["precision.resolved"] = precision_name
     out["world_size"] = world_size
 
