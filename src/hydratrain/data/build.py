@@ -43,7 +43,8 @@ def data_vocabulary(cfg, info, launch_dir: Path, progress: bool, cache_dir: Opti
     :func:`hydratrain.data.tokenized.vocab_size_for`). A dataset node (:mod:`hydratrain.data.loader`) has no
     vocabulary of its own: (None, ``model.vocab_size`` or None)."""
     if is_dataset_node(cfg.data):
-        if "vocab_size" in cfg.model and cfg.model.vocab_size is None and info.is_main:
+        if "vocab_size" in cfg.model and cfg.model.vocab_size is None and not cfg.model.get("pretrained") and \
+                info.is_main:  # (a pretrained dir's config fixes the vocabulary)
             log.warning("model.vocab_size=null takes the data's vocabulary, but data=%s (a dataset node) has none: the "
                         "model keeps its own default; set model.vocab_size to the ids your data holds",
                         cfg.data._target_)
