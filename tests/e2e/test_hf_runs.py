@@ -1,8 +1,8 @@
 """Hugging Face transformers models on 2 gloo ranks under torchrun (extra [hf]; skipped without it): a meta-built,
 FSDP-sharded Llama with activation checkpointing starts from exactly the weights one process draws (its step-1 loss
 is the single-process run's on the same 8 samples); Llama and GPT-2 train under DDP and FSDP with auto units and
-activation checkpointing; a 2-rank FSDP resume ends bit-identical; +experiment=hf_llama_tiny's loss falls >= 20 %;
-+experiment=hf_sft_tiny's response-only eval/loss halves.
+activation checkpointing; a 2-rank FSDP resume ends bit-identical; +experiment=hf_llama_tiny's loss falls >= 20 % in
+its first 60 steps; +experiment=hf_sft_tiny's response-only eval/loss is under half the first loss by step 50.
 In-process checks (init, pretrained, export, bad input): tests/unit/test_hf.py."""
 from __future__ import annotations
 
@@ -99,25 +99,26 @@ def test_fsdp_resume_on_two_ranks_is_bit_identical(hf_runs, tmp_path, cache_dir)
                         "final weights of a 2-rank FSDP run and of its resume from step 3")
 
 
-@pytest.mark.slow  # ~90 s: the experiment as documented
+@pytest.mark.slow  # ~30 s: the experiment as documented, its first 60 steps
 def test_hf_llama_tiny_experiment_loss_falls(tmp_path, cache_dir):
-    r = run(["+experiment=hf_llama_tiny", "strategy=fsdp", "trainer.progress_bar=false"], tmp_path / "x", nproc=2,
-            fast=False, env=_env(cache_dir), timeout=600).ok()
+    r = run(["+experiment=hf_llama_tiny", "strategy=fsdp", "trainer.progress_bar=false", "trainer.max_steps=60"],
+            tmp_path / "x", nproc=2, fast=False, env=_env(cache_dir), timeout=600).ok()
     res = results(tmp_path / "x")
-    assert res["steps"] == 200 and res["train_loss"] <= 0.8 * res["first_loss"], res
+    assert res["steps"] == 60 and res["train_loss"] <= 0.8 * res["first_loss"], res
     assert (tmp_path / "x" / "export" / "config.json").is_file(), r.output[-2000:]
 
 
-@pytest.mark.slow  # ~90 s: the experiment as documented
+@pytest.mark.slow  # ~40 s: the experiment as documented, its first 100 steps
 def test_hf_sft_tiny_experiment_response_only_eval_loss_falls(tmp_path, cache_dir):
-    """python -m hydratrain.examples.arith arith, then +experiment=hf_sft_tiny on 2 FSDP ranks (packed windows): the
-    response-only eval/loss of its last eval is under half its first."""
+    """python -m hydratrain.examples.arith arith, then +experiment=hf_sft_tiny on 2 FSDP ranks (packed windows) for
+    100 of its 300 steps: the response-only eval/loss at step 50 is under half the first step's loss, and falls
+    again by step 100."""
     from hydratrain.examples.arith import main as write_arith
 
     assert write_arith([str(tmp_path / "arith")]) == 0
-    r = run(["+experiment=hf_sft_tiny", "trainer.progress_bar=false"], tmp_path / "x", nproc=2, fast=False,
-            env=_env(cache_dir), cwd=tmp_path, timeout=600).ok()
-    evals = tb_scalars(tmp_path / "x", "eval/loss")
-    assert sorted(evals) == [50, 100, 150, 200, 250, 300], r.output[-2000:]
-    assert evals[300] < 0.5 * evals[50] and results(tmp_path / "x")["first_loss"] > 5, (evals, results(tmp_path / "x"))
+    r = run(["+experiment=hf_sft_tiny", "trainer.progress_bar=false", "trainer.max_steps=100"], tmp_path / "x",
+            nproc=2, fast=False, env=_env(cache_dir), cwd=tmp_path, timeout=600).ok()
+    evals, first = tb_scalars(tmp_path / "x", "eval/loss"), results(tmp_path / "x")["first_loss"]
+    assert sorted(evals) == [50, 100], r.output[-2000:]
+    assert first > 5 and evals[50] < 0.5 * first and evals[100] < evals[50], (first, evals)
     assert "data=instruct train: " in log_of(tmp_path / "x")
