@@ -139,7 +139,7 @@ def test_mlflow_run_holds_the_stream_params_and_summary_and_a_resume_continues_i
     assert got == expected()
 
 
-@pytest.mark.slow  # a sweep of 3 jobs in this process: about a minute on the shared 2-core machine
+@pytest.mark.slow  # a sweep of 2 jobs in this process
 def test_each_sweep_job_is_an_mlflow_run_grouped_by_the_sweep_and_the_report_draws_them(cli, tmp_path):
     """Issue 38's sweep: one tracker run per job, grouped by the sweep, with its overrides and objective; the report's
     chart of the same jobs is a valid image."""
@@ -147,13 +147,13 @@ def test_each_sweep_job_is_an_mlflow_run_grouped_by_the_sweep_and_the_report_dra
     from mlflow.tracking import MlflowClient
 
     sweep_dir = tmp_path / "multirun" / "lr"
-    r = cli(["-m", "strategy=single", "trainer.max_steps=2", "optim.lr=1e-3,2e-3,4e-3", "logger=[tensorboard,mlflow]",
+    r = cli(["-m", "strategy=single", "trainer.max_steps=2", "optim.lr=1e-3,2e-3", "logger=[tensorboard,mlflow]",
              f"paths.output_dir={tmp_path}", f"hydra.sweep.dir={sweep_dir}"])
     assert r.returncode == 0, r.output
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("hydratrain").experiment_id], "tags.sweep = 'multirun/lr'")
-    assert sorted(run.info.run_name for run in runs) == ["multirun/lr/0", "multirun/lr/1", "multirun/lr/2"]
-    assert sorted(run.data.params["optim.lr"] for run in runs) == ["0.001", "0.002", "0.004"]
+    assert sorted(run.info.run_name for run in runs) == ["multirun/lr/0", "multirun/lr/1"]
+    assert sorted(run.data.params["optim.lr"] for run in runs) == ["0.001", "0.002"]
     assert all("optim.lr=" in run.data.params["overrides"] and "final/objective" in run.data.metrics for run in runs)
     if importlib.util.find_spec("matplotlib") is not None:  # (the [report] extra draws the chart)
         from matplotlib.image import imread
