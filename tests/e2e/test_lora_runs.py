@@ -1,7 +1,6 @@
-"""LoRA (+peft=lora; extras [peft] and [hf], skipped without them) on 2 gloo ranks under FSDP, and its resume on 1
-rank: the base is sharded with the adapters and left bit for bit, the checkpoint holds adapters only, and the
-1-rank continuation from the 2-rank step-3 checkpoint starts from exactly its state. In-process checks:
-tests/unit/test_lora.py."""
+"""LoRA (+peft=lora; extras [peft] and [hf], skipped without them) on 2 gloo ranks under FSDP and HSDP: the base is
+sharded with the adapters and left bit for bit, the checkpoint holds adapters only, and a 2-rank FSDP run SIGKILLed
+after a save continues on 1 rank bit for bit. In-process checks: tests/unit/test_lora.py."""
 from __future__ import annotations
 
 import pytest
@@ -78,3 +77,23 @@ def test_fsdp_lora_killed_on_two_ranks_continues_bit_identically_on_one_rank(tmp
     for r in (a, c):
         merged = load_weights(r / "model.safetensors")
         assert kept and all(torch.equal(merged[k], pre[k]) for k in kept), r
+
+
+@pytest.mark.slow  # one 2-rank launch, ~15 s
+def test_hsdp_lora_trains_the_adapters_of_a_frozen_base(tmp_path, cache_dir):
+    """strategy=hsdp (2 replicas of 1-way shards on 2 ranks): the adapters train, every pretrained weight they do not
+    touch ends bit for bit, and the adapter dir is written."""
+    from safetensors.torch import load_file
+
+    env = {**HF_ENV, "HYDRATRAIN_CACHE": str(cache_dir)}
+    src = pretrained_dir(tmp_path / "pre")
+    a = tmp_path / "a"
+    run([*BASE, *LORA, f"model.pretrained={src}", "~model.config", "strategy=hsdp", "strategy.shard_size=1",
+         "trainer.max_steps=2", "trainer.save_weights=true"], a, nproc=2, fast=False, env=env).ok()
+    assert "hsdp: sharded 3 modules" in log_of(a), log_of(a)[-2000:]
+    adapter = load_file(str(a / "adapter" / "adapter_model.safetensors"))
+    assert any(".lora_B." in k and v.abs().max() > 0 for k, v in adapter.items())  # (B starts at zero: it trained)
+    pre, merged = load_file(str(src / "model.safetensors")), load_weights(a / "model.safetensors")
+    adapted = {k.split(".lora_A.")[0].removeprefix("base_model.model.") for k in adapter if ".lora_A." in k}
+    kept = [k for k in pre if k.removesuffix(".weight") not in adapted]
+    assert kept and all(torch.equal(merged[k], pre[k]) for k in kept)
