@@ -109,3 +109,59 @@ def test_checkpoints_go_fp8_to_bf16_and_back_with_equal_weights(cli, tmp_path):
     assert_same_tensors(weights["a"], weights["b"], "bf16 run resumed from the float8 run's checkpoint")
     assert_same_tensors(weights["a"], weights["c"], "float8 run resumed from the bf16 run's checkpoint")
     assert "float8" not in log_of(tmp_path / "b") and results(tmp_path / "c")["steps"] == 1
+
+
+def test_float8_all_gather_weights_initialise_save_and_load_as_plain_tensors(compose, tmp_path, monkeypatch):
+    """The GPU path's FSDP float8 all-gather wraps each converted weight in torchao's float8-cast tensor; gloo has no
+    float8 all-gather, so this builds it on one CPU rank without a forward (the wrapper forced on): the meta build
+    initialises the same weights as bf16's, the exported weights and the checkpoint hold plain float32 tensors (a
+    wrapper's storage made safetensors fail), a checkpoint loads back into the wrapped weights, and an optimizer
+    step precomputes torchao's scales."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from hydratrain.parallel.build import build_model, build_strategy
+    from hydratrain.parallel.precision import Precision
+    from hydratrain.train.outputs import save_weights
+
+    monkeypatch.setattr(Float8, "all_gather", lambda self, shards, device: shards)
+    cpu = torch.device("cpu")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        built = {}
+        for name, precision in (("bf16", ["precision=bf16"]), ("fp8", [*EMULATED, "precision.fp8_size_rule=false"])):
+            cfg = compose(["strategy=fsdp", "model.init_device=meta", "device=cpu", *precision])
+            strategy = build_strategy(cfg)
+            model, raw, _, _ = build_model(cfg, strategy, Precision.resolve(cfg.precision, cpu), cpu, 256)
+            save_weights(model, tmp_path / f"{name}.safetensors", True)
+            built[name] = (model, raw, strategy, cfg)
+        model, raw, strategy, cfg = built["fp8"]
+        assert strategy.float8.all_gather and isinstance(raw.blocks[0].attn.wq.weight._local_tensor,
+                                                         WeightWithDynamicFloat8CastTensor)
+        weights = {name: load_weights(tmp_path / f"{name}.safetensors") for name in built}
+        assert_same_tensors(weights["bf16"], weights["fp8"], "float8 all-gather build against bf16's")
+        dcp.save({"model": get_model_state_dict(built["bf16"][0])}, checkpoint_id=str(tmp_path / "ckpt"))
+        state = get_model_state_dict(model)
+        assert all(type(v._local_tensor) is torch.Tensor for v in state.values() if isinstance(v, DTensor))
+        for v in state.values():
+            v.to_local().zero_() if isinstance(v, DTensor) else v.zero_()  # (into the wrapped weights themselves)
+        assert not raw.blocks[0].attn.wq.weight.full_tensor().any()
+        dcp.load({"model": state}, checkpoint_id=str(tmp_path / "ckpt"))
+        set_model_state_dict(model, state)
+        save_weights(model, tmp_path / "loaded.safetensors", True)
+        assert_same_tensors(weights["bf16"], load_weights(tmp_path / "loaded.safetensors"), "loaded into float8")
+
+        from hydratrain.optim import build_optimizer
+
+        optimizer = build_optimizer(model, cfg.optim)
+        float8.precompute_scales_after_each_step(optimizer, model, strategy.float8)
+        for p in model.parameters():
+            p.grad = DTensor.from_local(torch.zeros(p.to_local().shape), p.device_mesh, p.placements, shape=p.shape,
+                                        stride=p.stride())
+        optimizer.step()
+        assert raw.blocks[0].attn.wq.weight._local_tensor._precomputed_scale is not None
+    finally:
+        dist.destroy_process_group()

@@ -158,7 +158,24 @@ def convert(model: nn.Module, float8: Float8, all_gather: bool) -> Conversion:
         return why is None
 
     ao.convert_to_float8_training(model, module_filter_fn=chosen, config=float8.linear_config(all_gather))
+    if all_gather and converted:
+        model._register_state_dict_hook(_plain_weights)
     return Conversion(float8, tuple(converted), kept, all_gather)
+
+
+def _plain_weights(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
+    """A state-dict hook of a model whose weights FSDP all-gathers in float8: each such weight (a DTensor whose local
+    shard is torchao's ``WeightWithDynamicFloat8CastTensor``) enters the state dict as the same DTensor over the
+    wrapper's inner tensor, so checkpoints and exported weights hold plain tensors of the parameter's dtype
+    (safetensors cannot read the wrapper's storage), and a load into that state dict writes into the parameter."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    for key, value in state.items():
+        local = value._local_tensor if isinstance(value, DTensor) else None
+        if isinstance(local, WeightWithDynamicFloat8CastTensor):
+            state[key] = DTensor.from_local(local._tensor, value.device_mesh, value.placements, run_check=False,
+                                            shape=value.shape, stride=value.stride())
 
 
 def _holders(model: nn.Module) -> dict:
