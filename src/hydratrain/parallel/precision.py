@@ -29,8 +29,9 @@ from hydratrain.metrics import matmul_flops
 from hydratrain.parallel.float8 import Float8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# fp8 computes what its float8 gemms do not in bf16 (activations, norms, attention, the layers kept in bf16)
-PRESET_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+PRESET_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 computes in bf16 what its float8 gemms do not (activations, norms, attention, the layers kept in bf16)
+AS_PRESET = {"fp8": "bf16"}
 # A precision whose matmuls run this many times slower than those of the preset ``auto`` picks is a slow path worth a
 # warning (fp16 on a CPU without native fp16: ~100x; bf16 on an AVX2-only CPU: ~10x; fp32 without TF32 on an A100:
 # 16x). fp32 against native bf16 (3.8-4.6x on an AVX512-BF16 CPU, 2x against TF32 on a GPU) stays below it.
@@ -92,7 +93,7 @@ class Precision:
         Reads ``cfg`` only."""
         requested = str(cfg.name)
         name = requested if requested != "auto" else auto_preset(device)
-        return cls(name=name, requested=requested, compute_dtype=PRESET_DTYPE[name],
+        return cls(name=name, requested=requested, compute_dtype=PRESET_DTYPE[AS_PRESET.get(name, name)],
                    reduce_dtype=DTYPES[str(cfg.reduce_dtype)], use_scaler=name == "fp16",
                    init_scale=float(cfg.get("init_scale", 65536.0)),
                    growth_interval=int(cfg.get("growth_interval", 2000)),
