@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hydratrain.errors import ConfigError
 
@@ -168,8 +169,7 @@ def _plain_weights(module: nn.Module, state: dict, prefix: str, local_metadata: 
     shard is torchao's ``WeightWithDynamicFloat8CastTensor``) enters the state dict as the same DTensor over the
     wrapper's inner tensor, so checkpoints and exported weights hold plain tensors of the parameter's dtype
     (safetensors cannot read the wrapper's storage), and a load into that state dict writes into the parameter."""
-    from torch.distributed.tensor import DTensor
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # (torchao: an optional extra)
 
     for key, value in state.items():
         local = value._local_tensor if isinstance(value, DTensor) else None
