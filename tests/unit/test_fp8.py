@@ -115,8 +115,8 @@ def test_float8_all_gather_weights_initialise_save_and_load_as_plain_tensors(com
     """The GPU path's FSDP float8 all-gather wraps each converted weight in torchao's float8-cast tensor; gloo has no
     float8 all-gather, so this builds it on one CPU rank without a forward (the wrapper forced on): the meta build
     initialises the same weights as bf16's, the exported weights and the checkpoint hold plain float32 tensors (a
-    wrapper's storage made safetensors fail), a checkpoint loads back into the wrapped weights, and an optimizer
-    step precomputes torchao's scales."""
+    wrapper's storage made safetensors fail), a checkpoint loads back into the wrapped weights, an optimizer step
+    precomputes torchao's scales, and the EMA's copies are plain tensors whose evaluation drops those scales."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -162,6 +162,14 @@ def test_float8_all_gather_weights_initialise_save_and_load_as_plain_tensors(com
             p.grad = DTensor.from_local(torch.zeros(p.to_local().shape), p.device_mesh, p.placements, shape=p.shape,
                                         stride=p.stride())
         optimizer.step()
-        assert raw.blocks[0].attn.wq.weight._local_tensor._precomputed_scale is not None
+        wq = raw.blocks[0].attn.wq.weight
+        assert wq._local_tensor._precomputed_scale is not None
+
+        from hydratrain.train.ema import EMA
+
+        ema = EMA(model, decay=0.9)  # trainer.ema: its copies (checkpointed, written as safetensors) are plain too
+        assert all(type(v._local_tensor) is torch.Tensor for v in ema.state_dict()["weights"].values())
+        with ema.swapped(raw):  # the EMA's values in the weights: the raw weights' precomputed scales are dropped
+            assert wq._local_tensor._precomputed_scale is None
     finally:
         dist.destroy_process_group()

@@ -36,6 +36,7 @@ slowly: for debugging and the CPU tests.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -165,17 +166,42 @@ def convert(model: nn.Module, float8: Float8, all_gather: bool) -> Conversion:
 
 
 def _plain_weights(module: nn.Module, state: dict, prefix: str, local_metadata: Any) -> None:
-    """A state-dict hook of a model whose weights FSDP all-gathers in float8: each such weight (a DTensor whose local
-    shard is torchao's ``WeightWithDynamicFloat8CastTensor``) enters the state dict as the same DTensor over the
-    wrapper's inner tensor, so checkpoints and exported weights hold plain tensors of the parameter's dtype
+    """A state-dict hook of a model whose weights FSDP all-gathers in float8: each such weight enters the state dict
+    as :func:`plain` gives it, so checkpoints and exported weights hold plain tensors of the parameter's dtype
     (safetensors cannot read the wrapper's storage), and a load into that state dict writes into the parameter."""
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # (torchao: an optional extra)
-
     for key, value in state.items():
-        local = value._local_tensor if isinstance(value, DTensor) else None
-        if isinstance(local, WeightWithDynamicFloat8CastTensor):
-            state[key] = DTensor.from_local(local._tensor, value.device_mesh, value.placements, run_check=False,
-                                            shape=value.shape, stride=value.stride())
+        state[key] = plain(value)
+
+
+def _wrapper_type() -> Any:
+    """torchao's ``WeightWithDynamicFloat8CastTensor`` (the local shard of a weight FSDP all-gathers in float8), or
+    None when ``torchao.float8`` was never imported: then no such weight exists, and torchao need not be there."""
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
+    return getattr(fsdp_utils, "WeightWithDynamicFloat8CastTensor", None)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without torchao's float8-cast wrapper: a DTensor whose local shard is the wrapper becomes the same DTensor
+    over the wrapper's inner tensor (sharing its storage); any other tensor is returned as it is."""
+    wrapper = _wrapper_type()
+    if wrapper is None or not isinstance(t, DTensor) or not isinstance(t._local_tensor, wrapper):
+        return t
+    local: Any = t._local_tensor
+    return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def drop_precomputed_scales(params: list) -> None:
+    """Forget torchao's float8 scales precomputed for ``params`` (after the last optimizer step): values copied into
+    them since (the EMA's, for its evaluation) have scales of their own, which each float8 all-gather then computes
+    (one all-reduce) until the next optimizer step precomputes them again."""
+    wrapper = _wrapper_type()
+    if wrapper is None:
+        return
+    for p in params:
+        local: Any = p._local_tensor if isinstance(p, DTensor) else None
+        if isinstance(local, wrapper):
+            local._precomputed_scale = None
 
 
 def _holders(model: nn.Module) -> dict:
