@@ -26,7 +26,9 @@ Llama-3 8B on 8 H100s in torchao's benchmark) and ``rowwise`` (one scale per row
 with outliers, 1.10x there). Under FSDP2 with ``tensorwise`` on CUDA the weights are all-gathered in float8
 (``enable_fsdp_float8_all_gather``: half the bytes of bf16), and torchao's scales for that cast are computed for all
 weights in one all-reduce after each optimizer step (:func:`precompute_scales_after_each_step`). gloo has no float8
-dtype, so on a CPU (``precision.fp8_emulate``) the weights gather in bf16.
+dtype, so on a CPU (``precision.fp8_emulate``) the weights gather in bf16. Such a weight is a DTensor over torchao's
+``WeightWithDynamicFloat8CastTensor``; state dicts and the EMA's copies take the plain tensor inside it
+(:func:`plain`), so checkpoints and safetensors files hold what a bf16 run's hold.
 
 A device computes float8 from CUDA compute capability 8.9 (Ada: L4, L40; Hopper: H100, H200; Blackwell): elsewhere
 the run stops with one config error (:func:`device_problem`) unless ``precision.fp8_emulate=true``, torchao's
