@@ -6,6 +6,7 @@ micro-batch the memory planner picks (``data.batch_size=auto``). One launch per 
     python bench/gpu_table.py --dry-run           # the same plan, tiny, on CPU (gloo); compile disabled unless
                                                   #   --dry-compile (torch.compile is covered by tests/e2e/test_compile)
     python bench/gpu_table.py --print-plan [--dry-run]    # the plan only
+    python bench/gpu_table.py --rows fp8          # only the fp8 row set (below)
 
 The plan (N = the GPUs, at most ``--max-nproc``; fsdp rows run on N ranks under torchrun):
 
@@ -18,6 +19,17 @@ The plan (N = the GPUs, at most ``--max-nproc``; fsdp rows run on N ranks under 
    rows run with no override but model, data, batch, seq, strategy and the bench's step
    counts (so ``precision=auto``, ``trainer.compile=auto``, ``strategy.shard_on_one_rank=auto``: on one GPU
    ``strategy=fsdp`` trains as ``single``, which the "trained as" column shows).
+
+Row sets (``--rows``, default all, in this order; the budget drops the rows it cannot fit, last first):
+
+- ``vs_hand``: the rows above;
+- ``fp8``: llama_1b, ``precision=fp8`` (torchao's float8, tensorwise) against ``precision=bf16``, both hydratrain
+  with its defaults otherwise (compile, strategy=fsdp as the llama_1b rows), at the same batch (the plan's, at most
+  :data:`FP8_MAX_BATCH`), :data:`FP8_STEPS` steps each (10 untimed): tokens/s and the loss at the last step (the
+  mean train loss of its logging window, the last 10 steps; synthetic data, the same batches on both sides). Alone
+  (``--rows fp8``, ``TABLE_ROWS=fp8 bench/gpu.sh``) it fits one 8-minute call; in the dry run fp8 is emulated
+  (``precision.fp8_emulate=true``) and converts every layer (``precision.fp8_size_rule=false``: gpt_tiny is below
+  torchao's size rule), a few steps.
 
 Each row: tokens/s over steps ``--warm``+1..``--steps`` (a device synchronisation after each step), MFU (the
 model's FLOPs per token over the device's datasheet peak, ``hydratrain.metrics``), peak memory over the timed steps,
@@ -54,12 +66,20 @@ class Row:
     compile: str  # train_worker --compile: default | none | model | blocks
     overrides: list = field(default_factory=list)
     profile: int = 0
+    steps: int = 0  # steps of this row (0: the table's --steps), the first `warm` untimed
+    warm: int = 0
+    max_batch: int = 0  # at most this batch (0: the plan's)
 
 
 # the targets on one H200 (bf16): (group, what, threshold)
 TARGETS = [("gpt_small single", "hydratrain defaults / hand eager (tokens/s)", 1.10),
            ("gpt_small single", "hydratrain defaults / hand compiled (tokens/s)", 0.98),
            ("llama_1b fsdp", "hydratrain defaults MFU", 0.45)]
+
+# the fp8 row set: steps per row on a GPU (the step whose loss is compared), untimed ones, the largest batch (8 x 2048
+# tokens keeps both rows within one 8-minute call on one GPU, compile included, while each gemm's M stays 16k)
+FP8_STEPS, FP8_WARM, FP8_MAX_BATCH = 100, 10, 8
+FP8_TARGETS = (1.15, 0.01)  # fp8 / bf16 tokens/s at least; |loss_fp8 / loss_bf16 - 1| at most
 
 TORCHTITAN_NOTE = (
     "torchtitan: its released package (0.3.0, a pure-Python wheel, Python >= 3.11) imports `torchtitan.config` and "
@@ -94,6 +114,22 @@ def rows(nproc: int) -> list[Row]:
     return out + [Row("gpt_small fsdp", "hand compiled (per block)", "gpt_small", "hand", "fsdp", "blocks")]
 
 
+def fp8_rows(dry: bool) -> list[Row]:
+    """llama_1b at precision=bf16 and precision=fp8, the same batch and steps (the ``fp8`` row set)."""
+    steps, warm = (5, 2) if dry else (FP8_STEPS, FP8_WARM)
+    fp8 = ["precision=fp8", *(["precision.fp8_emulate=true", "precision.fp8_size_rule=false"] if dry else [])]
+    return [Row("llama_1b fp8", side, "llama_1b", "hydratrain", "fsdp", "default", overrides, steps=steps, warm=warm,
+                max_batch=FP8_MAX_BATCH) for side, overrides in (("bf16", ["precision=bf16"]), ("fp8", fp8))]
+
+
+ROW_SETS = ("vs_hand", "fp8")
+
+
+def planned(nproc: int, dry: bool, sets=ROW_SETS) -> list[Row]:
+    """The rows of the chosen row sets, in :data:`ROW_SETS` order."""
+    return (rows(nproc) if "vs_hand" in sets else []) + (fp8_rows(dry) if "fp8" in sets else [])
+
+
 def gpu_count() -> int:
     import subprocess
 
@@ -114,8 +150,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-nproc", type=int, default=8)
     p.add_argument("--steps", type=int, default=None, help="steps per row (default 12; dry run 5)")
     p.add_argument("--warm", type=int, default=None, help="untimed steps (default 5; dry run 2)")
+    p.add_argument("--rows", default=",".join(ROW_SETS), help=f"row sets, comma-separated: {', '.join(ROW_SETS)}")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    sets = [x for x in args.rows.split(",") if x]
+    if not sets or set(sets) - set(ROW_SETS):
+        p.error(f"--rows {args.rows}: row sets are {', '.join(ROW_SETS)}")
     t_start = time.perf_counter()
     dry = args.dry_run
     if args.budget_s is None:
@@ -129,15 +169,16 @@ def main(argv=None) -> int:
         print("bench/gpu_table.py: torch sees no CUDA GPU; --dry-run runs the plan tiny on CPU", file=sys.stderr)
         return 2
     device, precision = ("cpu", "auto") if dry else ("cuda", "bf16")
-    plan = rows(nproc)
-    mods = {m.key: m for m in models(dry)}
+    plan = planned(nproc, dry, sets)
+    mods = {m.key: m for m in models(dry) if any(r.model == m.key for r in plan)}
     if args.print_plan:
         for m in mods.values():
             print(f"batch: {m.key} ({m.preset}), seq {m.seq}: data.batch_size=auto for strategy={m.plan_strategy} "
                   f"on {1 if m.plan_strategy == 'single' else nproc} rank(s)")
         for r in plan:
             print(f"row: {r.group:<18} {r.side:<58} impl={r.impl} strategy={r.strategy} compile={r.compile} "
-                  f"{' '.join(r.overrides)}{' profile ' + str(r.profile) if r.profile else ''}")
+                  f"{' '.join(r.overrides)}{' profile ' + str(r.profile) if r.profile else ''}"
+                  f"{f' steps {r.steps}' if r.steps else ''}")
         print(f"{steps} steps per row ({warm} untimed); budget {args.budget_s:.0f} s")
         return 0
     out = out_dir("gpu_table", args.out)
@@ -184,9 +225,11 @@ def main(argv=None) -> int:
             keep({**base, "status": f"skipped: {left():.0f} s of the budget left"})
             continue
         ranks = 1 if r.strategy == "single" else nproc
+        batch = min(batches[r.model], r.max_batch) if r.max_batch else batches[r.model]
+        own = ["--steps", str(r.steps), "--warm", str(r.warm), "--log-every", str(r.warm), "--device", device] \
+            if r.steps else common
         flags = ["--impl", r.impl, "--strategy", r.strategy, "--model", m.preset, "--seq", str(m.seq), "--batch",
-                 str(batches[r.model]), "--precision", precision if r.impl == "hand" else "auto", "--compile",
-                 r.compile, *common]
+                 str(batch), "--precision", precision if r.impl == "hand" else "auto", "--compile", r.compile, *own]
         for o in r.overrides:
             flags += ["--override", o]
         if r.profile:
@@ -199,7 +242,8 @@ def main(argv=None) -> int:
             continue
         mfu = row["tokens_per_sec"] * row["flops_per_token"] / row["peak_flops_total"] \
             if row.get("peak_flops_total") else None
-        keep({**base, **row, "kind": "row", "status": "PASS", "seconds": seconds, "nproc": ranks, "mfu": mfu})
+        keep({**base, **row, "kind": "row", "status": "PASS", "seconds": seconds, "nproc": ranks, "mfu": mfu,
+              "steps": r.steps or steps})
         print(f"{r.group:<18} {r.side:<58} {row['tokens_per_sec']:>12,.0f} tokens/s  MFU "
               f"{fmt(100 * mfu if mfu else None, '.1f')} %  compile {row.get('compile_s', 0):.1f} s  "
               f"({seconds:.0f} s; {left():.0f} s left)", flush=True)
@@ -253,6 +297,8 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
                      "n/a" if t["value"] is None else (fmt(100 * t["value"], ".1f") + " %" if "MFU" in t["what"]
                                                        else fmt(t["value"], ".3f")),
                      "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")] for t in targets]
+    fp8_text, fp8_targets = fp8_report(results)
+    targets += fp8_targets
     notes = [f"Steps {warm + 1}-{steps} of each launch timed (a device synchronisation after each step); "
              f"{'bf16 on both sides' if not dry else 'precision=auto on both sides'}; fsdp rows on {nproc} "
              "rank(s). Each model's batch is what data.batch_size=auto picks (the memory planner's largest fit "
@@ -272,9 +318,38 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
         notes.insert(0, "DRY RUN on CPU: tiny models named after the GPU ones, compile disabled unless "
                      "--dry-compile; the figures say nothing about speed.")
     text = (body + "\n\n## Targets (one H200, bf16)\n\n" +
-            table(["model, strategy", "what", "target", "measured", "status"], target_lines) +
+            table(["model, strategy", "what", "target", "measured", "status"], target_lines) + fp8_text +
             "\n\n## Notes\n\n" + "\n\n".join(notes))
     return text, targets
+
+
+def fp8_report(results: list[dict]) -> tuple[str, list[dict]]:
+    """The fp8 row set's section (tokens/s and loss of both sides, the ratio, the targets) and its target records;
+    nothing when neither row ran."""
+    side = {x["side"]: x for x in results if x["group"] == "llama_1b fp8"}
+    if not side:
+        return "", []
+    bf16, fp8 = (side.get(k) if side.get(k, {}).get("status") == "PASS" else None for k in ("bf16", "fp8"))
+    speed = fp8["tokens_per_sec"] / bf16["tokens_per_sec"] if bf16 and fp8 else None
+    loss = fp8["train_loss"] / bf16["train_loss"] - 1 if bf16 and fp8 and bf16.get("train_loss") else None
+    targets = [{"group": "llama_1b fp8", "what": "fp8 / bf16 (tokens/s)", "target": FP8_TARGETS[0], "value": speed,
+                "met": None if speed is None else speed >= FP8_TARGETS[0]},
+               {"group": "llama_1b fp8", "what": "fp8 loss / bf16 loss - 1 (last step)", "target": FP8_TARGETS[1],
+                "value": loss, "met": None if loss is None else abs(loss) <= FP8_TARGETS[1]}]
+    lines = [[name, x["status"], fmt(x.get("tokens_per_sec")), fmt(x.get("train_loss"), ".4f"),
+              f"{x.get('batch', '?')} x {x.get('seq', '?')}", x.get("steps", "?"),
+              fmt(x["peak_memory_bytes"] / 2**30, ".2f") + " GiB" if x.get("peak_memory_bytes") else "n/a"]
+             for name, x in side.items()]
+    verdict = [["fp8 / bf16 tokens/s", f">= {FP8_TARGETS[0]:.2f}", fmt(speed, ".3f"),
+                "n/a" if speed is None else ("met" if targets[0]["met"] else "NOT met")],
+               ["fp8 loss vs bf16 loss at the last step", f"within {100 * FP8_TARGETS[1]:.0f} %",
+                "n/a" if loss is None else f"{100 * loss:+.2f} %",
+                "n/a" if loss is None else ("met" if targets[1]["met"] else "NOT met")]]
+    return ("\n\n## precision=fp8 against bf16 (llama_1b)\n\n" +
+            table(["precision", "status", "tokens/s", "loss at the last step", "batch x seq", "steps", "peak memory"],
+                  lines) + "\n\n" + table(["what", "target", "measured", "status"], verdict) +
+            "\n\nThe loss at the last step is the mean train loss of its logging window (the last 10 steps on a "
+            "GPU); both runs see the same synthetic batches from the same initial weights."), targets
 
 
 if __name__ == "__main__":

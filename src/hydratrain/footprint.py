@@ -37,7 +37,8 @@ from hydratrain.parallel.wrap_policy import shard_units
 
 GiB = 2 ** 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# fp8 is planned as bf16: its float8 copies of a layer's input and weight live only around that layer's gemms
+PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 # what a CPU plan leaves out (docs/memory-planner.md: measured with glibc as it comes and with the threshold set)
 CPU_FACT = ("CPU: this counts tensors; glibc's malloc keeps freed memory in its heap, and the resident set measured "
             "40-120% above it (docs/memory-planner.md); MALLOC_MMAP_THRESHOLD_=131072 in the environment makes it "

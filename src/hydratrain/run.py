@@ -40,6 +40,7 @@ from hydratrain.flops import model_flops
 from hydratrain.metrics import peak_flops, peak_memory_bytes, reset_peak_memory
 from hydratrain.optim import build_optimizer, build_scheduler, optimizer_name, state_bytes, total_steps, warn_run_length
 from hydratrain.parallel.build import build_model, build_strategy
+from hydratrain.parallel.float8 import precompute_scales_after_each_step
 from hydratrain.parallel.init import seed_training_rng
 from hydratrain.parallel.precision import Precision
 from hydratrain.parallel.strategy import Strategy
@@ -157,6 +158,7 @@ def build(cfg: DictConfig, strategy: Strategy, info: DistInfo, run_dir: Path, la
     loss_fn = components.build_loss(cfg, device, checked=True)
     metrics = components.build_metrics(cfg, checked=True)
     optimizer, optimizer_state, scheduler, max_steps = _update(cfg, model, data.train, resuming)
+    precompute_scales_after_each_step(optimizer, model, strategy.float8)  # (precision=fp8, FSDP float8 all-gather)
     scaler, progress = precision.grad_scaler(device), TrainProgress()
     step_logger = _step_logger(cfg, run_dir, info, device, precision, paths, raw, data, loss_fn, max_steps, progress,
                                resuming)

@@ -81,7 +81,31 @@ def test_table_plan_puts_the_targets_rows_first_and_fits_the_budget():
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan"]).output
     assert "llama_1b" in out and "seq 2048" in out or "torch sees no CUDA GPU" in out
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run"]).ok().output
-    assert "budget 1800 s" in out and out.count("row: ") == len(gt.rows(1))
+    assert "budget 1800 s" in out and out.count("row: ") == len(gt.planned(1, True)) == len(gt.rows(1)) + 2
+    out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run", "--rows", "fp8"]).ok()
+    assert out.output.count("row: ") == 2 and "llama_1b fp8" in out.output and "fp8_emulate=true" in out.output
+
+
+def test_fp8_rows_compare_like_with_like_and_judge_both_targets():
+    """The fp8 row set: llama_1b at bf16 and at fp8, the same batch (capped) and steps (100 on a GPU), hydratrain
+    both; its section reports the speed ratio and the loss difference against their targets."""
+    gt = _table_module()
+    bf16, fp8 = gt.fp8_rows(dry=False)
+    assert (bf16.overrides, fp8.overrides) == (["precision=bf16"], ["precision=fp8"])
+    assert bf16.steps == fp8.steps == 100 and bf16.max_batch == fp8.max_batch and bf16.model == fp8.model == "llama_1b"
+    assert "precision.fp8_emulate=true" in gt.fp8_rows(dry=True)[1].overrides
+
+    def row(side, tps, loss):
+        return {"group": "llama_1b fp8", "side": side, "status": "PASS", "tokens_per_sec": tps, "train_loss": loss,
+                "batch": 8, "seq": 2048, "steps": 100, "peak_memory_bytes": 2**30}
+
+    text, targets = gt.fp8_report([row("bf16", 100.0, 4.0), row("fp8", 120.0, 4.02)])
+    got = {t["what"]: (round(t["value"], 4), t["met"]) for t in targets}
+    assert got == {"fp8 / bf16 (tokens/s)": (1.2, True), "fp8 loss / bf16 loss - 1 (last step)": (0.005, True)}
+    _, targets = gt.fp8_report([row("bf16", 100.0, 4.0), row("fp8", 110.0, 4.1)])
+    assert [t["met"] for t in targets] == [False, False]
+    assert "| fp8 loss vs bf16 loss at the last step | within 1 % | +0.50 % | met |" in text
+    assert gt.fp8_report([]) == ("", [])
 
 
 def test_table_targets_and_ratios():
@@ -115,12 +139,14 @@ def test_table_dry_run(tmp_path):
     plans = [r for r in rows if r["kind"] == "plan"]
     assert [(p["model"], p["batch"]) for p in plans] == [("gpt_small", 4), ("llama_1b", 4)]
     table = [r for r in rows if r["kind"] == "row"]
-    assert len(table) == 9 and all(r["status"] == "PASS" for r in table), [r.get("failed") for r in table]
+    assert len(table) == 11 and all(r["status"] == "PASS" for r in table), [r.get("failed") for r in table]
+    fp8 = [r for r in table if r["group"] == "llama_1b fp8"]  # emulated, every layer converted
+    assert [r["precision"] for r in fp8] == ["bf16", "fp8"] and all(r["train_loss"] > 0 for r in fp8)
     assert all(r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0 and r["batch"] == 4 for r in table)
     defaults = [r for r in table if r["side"] == "hydratrain defaults"]
     assert [r["trained_as"] for r in defaults] == ["single", "fsdp"]  # the CPU keeps FSDP at one rank
     assert defaults[0]["profile_top"] and (out / "profile-gpt_small-hydratrain.txt").exists()
-    assert len([r for r in rows if r["kind"] == "target"]) == 3
+    assert len([r for r in rows if r["kind"] == "target"]) == 5
     text = (out / "results.md").read_text()
     assert "DRY RUN" in text and "## Targets" in text and "x hand compiled" in text
 

@@ -94,7 +94,7 @@ def test_option_composes_validates_and_instantiates(compose, group, option, tmp_
     small = GPT(GPTConfig(d_model=32, n_layer=2, n_head=2))
     if group == "precision":
         precision = Precision.resolve(cfg.precision, torch.device("cpu"))
-        assert precision.name in ("fp32", "bf16", "fp16") and (option == "auto" or precision.name == option)
+        assert precision.name in ("fp32", "bf16", "fp16", "fp8") and (option == "auto" or precision.name == option)
         precision.mixed_precision_policy()
         assert precision.grad_scaler(torch.device("cpu")).is_enabled() == (option == "fp16")
         with precision.autocast(torch.device("cpu")):

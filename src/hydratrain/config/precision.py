@@ -17,6 +17,12 @@ class PrecisionName(Option):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
+    fp8 = "fp8"
+
+
+class Fp8Recipe(Option):
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
 
 
 class DType(Option):
@@ -66,6 +72,20 @@ class FP16Precision(PrecisionConfig):
     name: PrecisionName = PrecisionName.fp16
     init_scale: float = 65536.0  # the scaler's first scale
     growth_interval: int = 2000  # clean steps before the scale doubles
+
+
+@dataclass
+class FP8Precision(PrecisionConfig):
+    """bf16 as ``precision=bf16``, plus torchao's float8 training on the model's Linear layers
+    (:mod:`hydratrain.parallel.float8`); needs a GPU of compute capability 8.9+."""
+
+    option: ClassVar[PrecisionName] = PrecisionName.fp8
+    name: PrecisionName = PrecisionName.fp8
+    fp8_recipe: Fp8Recipe = Fp8Recipe.tensorwise  # scales per tensor (fastest; float8 all-gather under FSDP) or per row
+    # torchao's emulation (the casts, then high-precision gemms): runs on any device, slowly; for debugging
+    fp8_emulate: bool = False
+    # keep the layers too small to gain in bf16 (torchao's per-recipe rule); false: every Linear with dims % 16 == 0
+    fp8_size_rule: bool = True
 
 
 RANGES = Ranges(positive=("precision.init_scale", "precision.growth_interval"))

@@ -46,7 +46,7 @@ from hydratrain.config.logger import LoggerConfig
 from hydratrain.config.model import MODEL_KEYS, ModelKeys
 from hydratrain.config.optim import AdamW8bitConfig, AdamWConfig
 from hydratrain.config.paths import DefaultPaths, WorkspacePaths
-from hydratrain.config.precision import AutoPrecision, BF16Precision, FP16Precision, FP32Precision
+from hydratrain.config.precision import AutoPrecision, BF16Precision, FP8Precision, FP16Precision, FP32Precision
 from hydratrain.config.scheduler import ConstantSchedule, WarmupCosineSchedule
 from hydratrain.config.strategy import DDPStrategy, FSDPStrategy, HSDPStrategy, SingleStrategy
 from hydratrain.config.trainer import TrainerConfig
@@ -140,7 +140,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "data": {o.value: c for c in (PythonStdlibData, TextFilesData, SyntheticData, TokenBinData, TokenizedTextData,
                                   PythonStdlibBPEData, HFDatasetData) for o in [c.option]},
     "strategy": {o.value: c for c in (SingleStrategy, DDPStrategy, FSDPStrategy, HSDPStrategy) for o in [c.option]},
-    "precision": {o.value: c for c in (AutoPrecision, FP32Precision, BF16Precision, FP16Precision) for o in [c.option]},
+    "precision": {o.value: c for c in (AutoPrecision, FP32Precision, BF16Precision, FP16Precision,
+                                       FP8Precision) for o in [c.option]},
     "wrap_policy": {"auto": BlockWrapPolicy, "none": NamedWrapPolicy, "transformer_block": BlockWrapPolicy,
                     "size_based": SizeBasedWrapPolicy},
     "launcher": {o.value: c for c in (LocalLauncher, TorchrunLauncher, SlurmLauncher, SubmititLocalLauncher,

@@ -63,7 +63,7 @@ from hydratrain.data.tokenized import preflight_data, vocab_size_for
 from hydratrain.errors import ConfigError
 from hydratrain.optim import LOWBIT_INSTALL, RUN_LENGTH_KEYWORDS, lowbit_available, own_keywords
 from hydratrain.optim import is_own as own
-from hydratrain.parallel import lora
+from hydratrain.parallel import float8, lora
 from hydratrain.parallel.fsdp import HSDP
 from hydratrain.paths import Paths, resolve_path
 from hydratrain.protocols import max_seq_len_of
@@ -282,6 +282,8 @@ def check_environment(cfg: DictConfig, world_size: int, launch_dir: Path,
                           "sweep per value")
     if select(cfg, "optim.name") == "adamw8bit":
         _check_lowbit(cfg.device == "cpu" or (cfg.device == "auto" and not cuda))
+    float8.check(str(cfg.precision.name), bool(select(cfg, "precision.fp8_emulate")),
+                 "cuda" if cfg.device != "cpu" and cuda else "cpu")
     if cfg.strategy.name == StrategyName.hsdp:
         HSDP.mesh_shape(cfg.strategy.shard_size, world_size, local_world_size or world_size)
 

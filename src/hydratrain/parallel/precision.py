@@ -5,6 +5,8 @@
 - fp16: float16 compute, float32 master weights, dynamic loss scaling with ``torch.amp.GradScaler``. Gradients are
   reduced across ranks before the scaler looks for infs (DDP all-reduce, FSDP reduce-scatter), and the inf check
   over FSDP's sharded gradients is reduced across ranks, so every rank makes the same skip decision.
+- fp8: bf16 as above, plus torchao's float8 training on the model's Linear layers (:mod:`hydratrain.parallel.float8`:
+  which layers, the recipe, FSDP's float8 all-gather); the strategy converts them (``Strategy.parallelize``).
 - auto: bf16 where the device computes it natively -- a CUDA device with native bf16
   (``torch.cuda.is_bf16_supported(including_emulation=False)``: not V100/T4, which only emulate it), or a CPU with
   AVX512-BF16 or AMX -- else fp32. On an AVX2-only CPU bf16 matmuls run ~10x slower than fp32 (measured 11 vs 103
@@ -24,9 +26,12 @@ from typing import ContextManager, Optional
 import torch
 
 from hydratrain.metrics import matmul_flops
+from hydratrain.parallel.float8 import Float8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRESET_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 computes in bf16 what its float8 gemms do not (activations, norms, attention, the layers kept in bf16)
+AS_PRESET = {"fp8": "bf16"}
 # A precision whose matmuls run this many times slower than those of the preset ``auto`` picks is a slow path worth a
 # warning (fp16 on a CPU without native fp16: ~100x; bf16 on an AVX2-only CPU: ~10x; fp32 without TF32 on an A100:
 # 16x). fp32 against native bf16 (3.8-4.6x on an AVX512-BF16 CPU, 2x against TF32 on a GPU) stays below it.
@@ -60,7 +65,7 @@ class Precision:
     """The run's number formats.
 
     Attributes:
-        name: the resolved preset, ``fp32`` | ``bf16`` | ``fp16`` (never ``auto``).
+        name: the resolved preset, ``fp32`` | ``bf16`` | ``fp16`` | ``fp8`` (never ``auto``).
         requested: the configured ``precision.name`` (may be ``auto``).
         compute_dtype: dtype of matmuls and activations.
         reduce_dtype: dtype of the cross-rank gradient reduction.
@@ -68,6 +73,7 @@ class Precision:
         init_scale: the scaler's first scale; growth_interval: clean steps before it doubles.
         tf32: float32 matmuls may use TF32 (CUDA only).
         fsdp_autocast: FSDP's forward runs under ``torch.autocast`` too (``precision.fsdp_autocast``).
+        float8: ``precision=fp8``'s settings (:class:`~hydratrain.parallel.float8.Float8`); None for the others.
     """
 
     name: str
@@ -79,6 +85,7 @@ class Precision:
     growth_interval: int = 2000
     tf32: bool = False
     fsdp_autocast: bool = False
+    float8: Optional[Float8] = None
 
     @classmethod
     def resolve(cls, cfg, device: torch.device) -> "Precision":
@@ -86,17 +93,22 @@ class Precision:
         Reads ``cfg`` only."""
         requested = str(cfg.name)
         name = requested if requested != "auto" else auto_preset(device)
-        return cls(name=name, requested=requested, compute_dtype=PRESET_DTYPE[name],
+        return cls(name=name, requested=requested, compute_dtype=PRESET_DTYPE[AS_PRESET.get(name, name)],
                    reduce_dtype=DTYPES[str(cfg.reduce_dtype)], use_scaler=name == "fp16",
                    init_scale=float(cfg.get("init_scale", 65536.0)),
                    growth_interval=int(cfg.get("growth_interval", 2000)),
                    tf32=bool(cfg.tf32) and device.type == "cuda" and name == "fp32",
-                   fsdp_autocast=bool(cfg.get("fsdp_autocast", False)))
+                   fsdp_autocast=bool(cfg.get("fsdp_autocast", False)),
+                   float8=Float8(str(cfg.fp8_recipe), bool(cfg.fp8_emulate), bool(cfg.fp8_size_rule))
+                   if name == "fp8" else None)
 
     def describe(self) -> str:
         """One line for the log: ``precision=auto -> bf16 (compute bfloat16, reduce float32)``."""
         head = f"precision={self.requested}" + (f" -> {self.name}" if self.requested != self.name else "")
         extra = ", TF32 matmuls" if self.tf32 else ""
+        if self.float8 is not None:
+            extra += (f", float8 matmuls ({self.float8.recipe} scaling"
+                      f"{', emulated' if self.float8.emulate else ''})")
         return (f"{head} (compute {str(self.compute_dtype).removeprefix('torch.')}, reduce "
                 f"{str(self.reduce_dtype).removeprefix('torch.')}{', grad scaler' if self.use_scaler else ''}{extra})")
 
@@ -116,7 +128,7 @@ class Precision:
         if not (mine > 0 and best / mine >= SLOW_FACTOR):
             return None
         what = f"{device.type.upper()} " + ("without native fp16" if self.name == "fp16" and device.type == "cpu" else
-                                            "without native bf16" if self.name == "bf16" else "")
+                                            "without native bf16" if self.compute_dtype == torch.bfloat16 else "")
         return (f"precision={self.name} is a slow path on this {what.strip()}: its {_short(self.compute_dtype)} "
                 f"matmuls run {best / mine:.0f}x slower than {_short(PRESET_DTYPE[faster])} ({mine / 1e9:,.1f} vs "
                 f"{best / 1e9:,.1f} GFLOP/s, {where}); precision={faster} (what precision=auto picks here) is faster")

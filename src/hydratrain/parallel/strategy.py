@@ -8,7 +8,8 @@ meta? gradient sync on or off for this micro-batch? global grad norm and clippin
 module under the wrapper? how many bytes of parameters does this rank hold, or would it hold for a model of N bytes
 on W ranks?).
 
-Model set-up order (as torchtitan's parallelize functions): build (on meta or on the device) -> find the blocks
+Model set-up order (as torchtitan's parallelize functions): build (on meta or on the device) -> float8 conversion
+(``precision=fp8``: :mod:`hydratrain.parallel.float8`) -> find the blocks
 (:mod:`hydratrain.parallel.blocks`) -> activation checkpointing -> compile -> wrap (DDP, or FSDP2 ``fully_shard`` per
 wrap policy then the root) -> materialise (meta only) -> initialise by the model's init protocol
 (:mod:`hydratrain.parallel.init`). Nothing here knows which model it sets up.
@@ -35,6 +36,7 @@ from hydratrain.parallel.ac_compile import (
     choose_compile,
 )
 from hydratrain.parallel.blocks import Blocks, find_blocks
+from hydratrain.parallel.float8 import Conversion, convert
 from hydratrain.parallel.precision import Precision
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,7 @@ class Strategy:
     needs_process_group = False  # ddp/fsdp need one even on a single rank
     shards_parameters = False
     compiled: Optional[str] = None  # what parallelize() compiled ("the whole model (GPT)", "12 blocks (12 Block)")
+    float8: Optional[Conversion] = None  # what parallelize() converted to float8 (precision=fp8)
 
     def __init__(self, cfg):
         self.cfg = cfg  # the whole run config, read only
@@ -150,10 +153,15 @@ class Strategy:
         materialised (``built_on_meta``) and initialised (:func:`hydratrain.parallel.init.initialise`, seeded by
         ``seed``). Returns (the model to train, a one-line summary); :attr:`compiled` then says what was compiled
         (None: nothing). Raises :class:`ConfigError` when activation checkpointing or compile has no block to apply
-        to, and naming ``model.init_device`` when, after a meta build, the init left a buffer unset."""
+        to, and naming ``model.init_device`` when, after a meta build, the init left a buffer unset.
+        ``precision=fp8``: the Linear layers are converted first (:attr:`float8` then says which)."""
+        notes = []
+        if precision.float8 is not None:  # before AC, compile and wrapping (torchtitan's order)
+            self.float8 = convert(raw, precision.float8, precision.float8.all_gather(self.shards_parameters, device))
+            notes.append(self.float8.describe())
         blocks = self.blocks(raw)
         # which repeated submodules are the FSDP, checkpointing and compile units, and what chose them
-        notes = [f"blocks: {blocks.describe()} (from {blocks.source})"] if blocks.modules else []
+        notes += [f"blocks: {blocks.describe()} (from {blocks.source})"] if blocks.modules else []
         if self.cfg.activation_checkpointing and not blocks.modules:
             raise ConfigError("activation_checkpointing", True, "found no blocks in the model to apply it to (no "
                               "_no_split_modules, no nn.ModuleList or nn.Sequential of one class): name them with "

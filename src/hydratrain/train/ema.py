@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import nn
 
+from hydratrain.parallel import float8
 from hydratrain.parallel.init import canonical_name
 from hydratrain.train.callbacks import Callback, RunView
 from hydratrain.train.outputs import save_weights
@@ -78,8 +79,9 @@ class EMA(Callback):
             if p.requires_grad:
                 self.names.append(canonical_name(name))
                 self.params.append(p)
-        with torch.no_grad():  # (a DTensor clone keeps the placements: each rank its own shard)
-            self.ema = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        with torch.no_grad():  # (a DTensor clone keeps the placements: each rank its own shard; float8.plain: not
+            # torchao's float8-cast wrapper of a weight gathered in float8, which safetensors cannot write)
+            self.ema = [float8.plain(p).detach().to(torch.float32, copy=True) for p in self.params]
         self._fp32 = all(p.dtype == torch.float32 for p in self.params)
         self._restored = False  # loaded from a checkpoint (else it starts from the weights at on_fit_start)
         self.evaluated: dict = {}  # the latest evaluation of the EMA weights, {"eval_ema/<name>": value}
@@ -136,6 +138,7 @@ class EMA(Callback):
         _reshard(model)  # (gathered copies of the raw values would be used instead of the EMA's)
         backup = [_local(p).detach().clone() for p in self.params]
         self._copy(self.ema, self.params)
+        float8.drop_precomputed_scales(self.params)  # (precision=fp8: those were the raw weights' scales)
         try:
             yield
         finally:
