@@ -24,10 +24,14 @@ import logging
 import os
 import shutil
 import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hydratrain.checkpoint.architecture import check_architecture
@@ -179,6 +183,18 @@ def config_diff(saved: Mapping, now: Mapping) -> list[str]:
             if a.get(k, "<absent>") != b.get(k, "<absent>")]
 
 
+@dataclass
+class _InFlight:
+    """A save written in the background: its step, dirs, DCP's future, start time, and the step saved before it."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: Future
+    t0: float
+    previous: Optional[int]
+
+
 class CheckpointManager:
     """Saves and loads a dict of Stateful components under ``root``; every rank calls every method together.
 
@@ -191,10 +207,12 @@ class CheckpointManager:
         keep_last: complete checkpoints kept (0 = all).
         attachments: ``{file name: text, or a Path to copy}`` written into every checkpoint dir (the resolved
             model config, the tokenizer), so a checkpoint is usable without the run that wrote it.
+        async_save: stage each save in host memory and write it in the background (``checkpoint.async_save``).
     """
 
     def __init__(self, root: Path, components: dict[str, Any], rank_components: dict[str, Any],
-                 config: Mapping, keep_last: int, device: torch.device, attachments: Optional[Mapping] = None):
+                 config: Mapping, keep_last: int, device: torch.device, attachments: Optional[Mapping] = None,
+                 async_save: bool = False):
         self.root, self.components, self.rank_components = Path(root), components, rank_components
         self.config, self.keep_last, self.device = config, keep_last, device
         self.attachments = dict(attachments or {})
@@ -202,6 +220,21 @@ class CheckpointManager:
         self.last_saved_step: Optional[int] = None
         self.loaded_from: Optional[Path] = None  # the checkpoint this run resumed from (it may be another run's)
         self.protected_steps: set[int] = set()  # kept whatever keep_last says (the best ones: checkpoint.monitor)
+        self._in_flight: Optional[_InFlight] = None
+        self._stager, self._group = None, None
+        if async_save:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # (start-up: DCP, ~1 s)
+
+            cuda = device.type == "cuda"  # pinned host buffers, kept from one save to the next; pinning needs CUDA
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            # the background write's collectives get their own group: on the training's group they would interleave
+            # with the loop's (every rank calls new_group here, in the same order)
+            self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            if self._group is None:  # DCP's warning that one process saves alone (intended) comes from its thread,
+                # where quiet_without_process_group's filter (held by the calling thread only while it runs) is gone
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                                        "uninitialized, assuming the intent is to save")
         if self.rank == 0:
             recover_unfinished_saves(self.root)  # done already when run.main chose the checkpoint (idempotent)
 
@@ -240,8 +273,9 @@ class CheckpointManager:
         return state
 
     # ------------------------------------------------------------------------------------------------- save
-    def save(self, step: int) -> Path:
-        """Write a checkpoint for optimizer step ``step``; every rank calls. Returns the final dir.
+    def save(self, step: int) -> Optional[Path]:
+        """Write a checkpoint for optimizer step ``step``; every rank calls. Returns the final dir, or None when it
+        is written in the background (``checkpoint.async_save``: :meth:`wait` completes it and returns its dir).
 
         Written to ``.tmp-step_XXXXXXXX`` then renamed by rank 0 once all ranks have finished; older checkpoints
         beyond ``keep_last`` are deleted. Replaces a checkpoint of the same step, if any. Raises
@@ -252,6 +286,7 @@ class CheckpointManager:
 
         from hydratrain.checkpoint.io import quiet_without_process_group  # (start-up: DCP, ~1 s)
 
+        self.wait()  # at most one save in flight (the trainer waits first itself, to report the one it completes)
         t0 = time.perf_counter()
         stop_if_launcher_gone(f"before saving step {step}")
         state = self._state()
@@ -282,7 +317,12 @@ class CheckpointManager:
             raise self._save_failed(step, tmp, problem)
         try:
             with quiet_without_process_group():
-                dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+                if self._stager is None:
+                    dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+                else:  # stages (copies) the state here, then writes it in DCP's own background thread
+                    future = dcp.async_save(state, storage_writer=FileSystemWriter(str(tmp)),
+                                            async_stager=self._stager, process_group=self._group,
+                                            no_dist=self._group is None)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
@@ -290,7 +330,52 @@ class CheckpointManager:
             if isinstance(root_cause(err), KeyboardInterrupt):
                 raise  # Ctrl-C (hydratrain.run)
             raise self._save_failed(step, tmp, root_cause(err)) from err
+        if self._stager is not None:
+            assert isinstance(future, Future)  # (staging is synchronous: DCP returns the write's future alone)
+            self._in_flight = _InFlight(step, tmp, final, future, t0, self.last_saved_step)
+            self.last_saved_step = step  # (not saved again by the trainer; complete only once wait() says so)
+            log.info("staged checkpoint of step %d (%.2f s); writing it in the background", step,
+                     time.perf_counter() - t0)
+            return None
         barrier()  # every rank's shards are written and DCP's .metadata is in place
+        return self._complete(step, tmp, final, t0)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save (``checkpoint.async_save``) is being written in the background (the same on every rank)."""
+        return self._in_flight is not None
+
+    def wait(self) -> Optional[tuple[int, Path]]:
+        """Wait for the save in flight, if any, and complete it: once every rank's background write has finished,
+        rank 0 renames it to its ``step_XXXXXXXX`` and prunes, as :meth:`save` does for a synchronous one. Every
+        rank calls. Returns ``(step, final dir)`` of the save it completed, else None. Raises
+        :class:`~hydratrain.errors.CheckpointError` (and removes the partial dir) when any rank's write failed."""
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return None
+        problem: Optional[BaseException] = None
+        try:
+            pending.future.result()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
+            problem = root_cause(err)
+        if any_rank(problem is not None, self.device):  # (also the barrier: every rank's write has finished)
+            self.last_saved_step = pending.previous
+            raise self._save_failed(pending.step, pending.tmp, problem)
+        return pending.step, self._complete(pending.step, pending.tmp, pending.final, pending.t0)
+
+    def wait_if_written(self) -> Optional[tuple[int, Path]]:
+        """:meth:`wait` when every rank's background write has already finished (so it blocks for no write), else
+        None. Every rank calls (one all-reduce while a save is in flight): where the ranks meet anyway, so that a
+        written checkpoint counts for resume without waiting for the next save."""
+        if self._in_flight is None or any_rank(not self._in_flight.future.done(), self.device):
+            return None
+        return self.wait()
+
+    def _complete(self, step: int, tmp: Path, final: Path, t0: float) -> Path:
+        """Rename ``tmp``, whose every shard and ``.metadata`` are written, to ``final``, then prune; every rank
+        calls (after a barrier that follows the write)."""
         if self.rank == 0:
             stop_if_launcher_gone(f"before completing its save of step {step} (left as {tmp.name})")
             if final.exists():
