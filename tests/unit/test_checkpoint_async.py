@@ -97,18 +97,30 @@ def test_a_failed_background_write_is_the_synchronous_saves_error_and_nothing_co
     assert job.checkpoints.last_saved_step == 2 and not job.checkpoints.in_flight
 
 
-def test_fit_with_async_saves_reports_each_save_when_complete_and_ends_with_none_in_flight(make_job, tmp_path):
-    """trainer.fit of 3 steps with saves every 2 steps and save_last: every save is complete when fit returns, and
-    ``on_checkpoint_saved`` came once per step, in order, after its dir existed."""
-    job = make_job(tmp_path, ASYNC, "trainer.max_steps=3", "checkpoint.every_n_steps=2", "checkpoint.save_last=true",
-                   "checkpoint.keep_last=0", "trainer.eval_every_n_steps=0")
+@pytest.mark.parametrize("end", ["save_last", "preempted"])
+def test_fit_with_async_saves_reports_each_save_when_complete_and_ends_with_none_in_flight(make_job, tmp_path,
+                                                                                           caplog, end):
+    """trainer.fit with saves every 2 steps, ending after step 3 by ``save_last`` or by a preemption signal (SIGTERM)
+    received in step 3: every save is complete when fit returns, ``on_checkpoint_saved`` came once per step, in
+    order, after its dir existed, and the preemption's stop line names step 3's checkpoint."""
+    import signal
+
+    job = make_job(tmp_path, ASYNC, f"trainer.max_steps={3 if end == 'save_last' else 5}",
+                   "checkpoint.every_n_steps=2", "checkpoint.save_last=true", "checkpoint.keep_last=0",
+                   "trainer.eval_every_n_steps=0")
     saved: list[int] = []
 
-    def on_checkpoint_saved(step, path):
-        assert (path / ".metadata").exists()
-        saved.append(step)
+    def call(hook, *args):
+        if hook == "on_train_step_end" and args[0] == 3 and end == "preempted":
+            job.trainer.preemption.received = signal.SIGTERM
+        if hook == "on_checkpoint_saved":
+            assert (args[1] / ".metadata").exists()
+            saved.append(args[0])
 
-    job.trainer.callbacks.call = lambda hook, *a: on_checkpoint_saved(*a) if hook == "on_checkpoint_saved" else None
-    job.trainer.fit()
+    job.trainer.callbacks.call = call
+    result = job.trainer.fit()
+    assert result.preempted == (end == "preempted") and result.steps == 3
     assert saved == [2, 3] and not job.checkpoints.in_flight
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2, 3]
+    if end == "preempted":
+        assert f"stopping at step 3 after a preemption signal; checkpoint {ckpt_of(tmp_path, 3)};" in caplog.text
