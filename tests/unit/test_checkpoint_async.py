@@ -6,6 +6,7 @@ previous_checkpoint_exactly."""
 from __future__ import annotations
 
 import errno
+import math
 import re
 import threading
 
@@ -124,3 +125,15 @@ def test_fit_with_async_saves_reports_each_save_when_complete_and_ends_with_none
     assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2, 3]
     if end == "preempted":
         assert f"stopping at step 3 after a preemption signal; checkpoint {ckpt_of(tmp_path, 3)};" in caplog.text
+
+
+def test_the_non_finite_check_before_a_save_tells_values_from_an_overflowing_sum():
+    """The check reads a tensor's sum first (one pass; the mask of isfinite cost most of a save): NaN and infs are
+    found, while finite values whose sum overflows (float32, or fp16 accumulated in float32) are not taken for one."""
+    from hydratrain.checkpoint.manager import _all_finite
+
+    big = torch.full((4,), 3e38)
+    assert _all_finite(big) and _all_finite(torch.full((4,), 60000.0, dtype=torch.float16))
+    for bad in (math.nan, math.inf, -math.inf):
+        assert not _all_finite(torch.cat([big, torch.tensor([bad])]))
+    assert not _all_finite(torch.tensor([math.inf, -math.inf]))  # (their sum is NaN)

