@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from helpers import ckpt_of, cut_command, diff_checkpoints
 from hydratrain.checkpoint.io import read_all
 from hydratrain.checkpoint.manager import latest_checkpoint, list_checkpoints
-from hydratrain.errors import CheckpointError
+from hydratrain.errors import CheckpointError, DivergenceError
 
 ASYNC = "checkpoint.async_save=true"
 
@@ -98,6 +98,22 @@ def test_a_failed_background_write_is_the_synchronous_saves_error_and_nothing_co
     assert job.checkpoints.last_saved_step == 2 and not job.checkpoints.in_flight
 
 
+def test_a_non_finite_state_is_refused_by_the_background_write_and_evicts_nothing(make_job, tmp_path):
+    """The non-finite check of an async save reads the staged copy in the background write (the loop does not wait
+    for it): waiting raises the synchronous save's DivergenceError; no shard was written, keep_last=1 kept step 2."""
+    run_dir = tmp_path / "r"
+    job = make_job(run_dir, ASYNC, "checkpoint.keep_last=1")
+    job.checkpoints.save(2)
+    job.checkpoints.wait()
+    with torch.no_grad():
+        next(job.trainer.model.parameters()).view(-1)[0] = math.nan
+    assert job.checkpoints.save(4) is None
+    with pytest.raises(DivergenceError, match=r"not saving step 4: the state holds non-finite values \(model\."):
+        job.checkpoints.wait()
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000002"]
+    assert job.checkpoints.last_saved_step == 2
+
+
 @pytest.mark.parametrize("end", ["save_last", "preempted"])
 def test_fit_with_async_saves_reports_each_save_when_complete_and_ends_with_none_in_flight(make_job, tmp_path,
                                                                                            caplog, end):
@@ -130,7 +146,7 @@ def test_fit_with_async_saves_reports_each_save_when_complete_and_ends_with_none
 def test_the_non_finite_check_before_a_save_tells_values_from_an_overflowing_sum():
     """The check reads a tensor's sum first (one pass; the mask of isfinite cost most of a save): NaN and infs are
     found, while finite values whose sum overflows (float32, or fp16 accumulated in float32) are not taken for one."""
-    from hydratrain.checkpoint.manager import _all_finite
+    from hydratrain.checkpoint.io import all_finite as _all_finite
 
     big = torch.full((4,), 3e38)
     assert _all_finite(big) and _all_finite(torch.full((4,), 60000.0, dtype=torch.float16))

@@ -50,7 +50,7 @@ from hydratrain.checkpoint.layout import (  # noqa: F401 (their home was here; c
     with_previous,
 )
 from hydratrain.config import flat_keys
-from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
+from hydratrain.dist.collectives import all_reduce_max, any_rank, barrier, rank_and_world
 from hydratrain.dist.launch import stop_if_launcher_gone, unwritable_message
 from hydratrain.errors import CheckpointError, DivergenceError, root_cause
 
@@ -134,28 +134,6 @@ def _of_kind(value: Any, like: Any) -> Any:
 
 def _has(stored: set, name: str) -> bool:
     return any(k == name or k.startswith(name + ".") for k in stored)
-
-
-def _non_finite(state: dict) -> list[str]:
-    """Names of floating tensors (local shards) in ``state`` that hold a NaN or an inf."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    bad = []
-    for key, v in flatten_state_dict(state)[0].items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            local = v.to_local() if hasattr(v, "to_local") else v
-            if local.numel() and not _all_finite(local):
-                bad.append(key)
-    return bad
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of ``t`` is finite. A NaN or an inf makes the sum non-finite, so a finite sum (accumulated
-    in float32 at least: fp16 values would overflow) answers in one pass; only a non-finite sum, which finite values
-    may also give by overflowing, is checked value by value. (torch.isfinite(t).all() allocates a mask: 9.6 s for
-    1 GiB of float32 on the build machine against 0.16 s for the sum; it was most of a save's time.)"""
-    total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
 
 
 def _as_format_1(targets: dict, rank_key: str) -> dict:
@@ -293,17 +271,20 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
-        from hydratrain.checkpoint.io import quiet_without_process_group  # (start-up: DCP, ~1 s)
+        from hydratrain.checkpoint.io import (  # (start-up: DCP, ~1 s)
+            FiniteFirstPlanner,
+            non_finite_keys,
+            quiet_without_process_group,
+        )
 
         self.wait()  # at most one save in flight (the trainer waits first itself, to report the one it completes)
         t0 = time.perf_counter()
         stop_if_launcher_gone(f"before saving step {step}")
         state = self._state()
-        bad = _non_finite(state)
-        if any_rank(bool(bad), self.device):
-            raise DivergenceError(f"not saving step {step}: the state holds non-finite values"
-                                  + (f" ({', '.join(bad[:3])} on rank {self.rank})" if bad else ""),
-                                  step, str(self.last_good()) if self.last_good() else None)
+        if self._stager is None:  # (async: FiniteFirstPlanner checks the staged copy in the background write)
+            bad = non_finite_keys(state)
+            if any_rank(bool(bad), self.device):
+                raise self._diverged(step, bad)
         final = self.root / step_dir_name(step)
         tmp = self.root / (TMP_PREFIX + final.name)
         problem: Optional[BaseException] = None
@@ -330,8 +311,8 @@ class CheckpointManager:
                     dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
                 else:  # stages (copies) the state here, then writes it in DCP's own background thread
                     future = dcp.async_save(state, storage_writer=FileSystemWriter(str(tmp)),
-                                            async_stager=self._stager, process_group=self._group,
-                                            no_dist=self._group is None)
+                                            planner=FiniteFirstPlanner(), async_stager=self._stager,
+                                            process_group=self._group, no_dist=self._group is None)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
@@ -359,6 +340,8 @@ class CheckpointManager:
         rank 0 renames it to its ``step_XXXXXXXX`` and prunes, as :meth:`save` does for a synchronous one. Every
         rank calls. Returns ``(step, final dir)`` of the save it completed, else None. Raises
         :class:`~hydratrain.errors.CheckpointError` (and removes the partial dir) when any rank's write failed."""
+        from hydratrain.checkpoint.io import NonFiniteState  # (imported by the save in flight)
+
         pending, self._in_flight = self._in_flight, None
         if pending is None:
             return None
@@ -369,9 +352,16 @@ class CheckpointManager:
             raise
         except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
             problem = root_cause(err)
-        if any_rank(problem is not None, self.device):  # (also the barrier: every rank's write has finished)
+        # 0: written, 1: failed, 2: a non-finite state; the max over ranks is also the barrier after every write
+        verdict = 2 if isinstance(problem, NonFiniteState) else int(problem is not None)
+        verdict = int(all_reduce_max(torch.tensor([verdict], dtype=torch.int32, device=self.device)).item())
+        if verdict:
             self.last_saved_step = pending.previous
-            raise self._save_failed(pending.step, pending.tmp, problem)
+            if verdict == 1:
+                raise self._save_failed(pending.step, pending.tmp, problem)
+            if self.rank == 0:
+                shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise self._diverged(pending.step, problem.keys if isinstance(problem, NonFiniteState) else [])
         return pending.step, self._complete(pending.step, pending.tmp, pending.final, pending.t0)
 
     def wait_if_written(self) -> Optional[tuple[int, Path]]:
@@ -401,6 +391,12 @@ class CheckpointManager:
         if self.rank == 0:
             self._prune()  # after the new one is complete and logged: the log reads in the order things happened
         return final
+
+    def _diverged(self, step: int, bad: list[str]) -> DivergenceError:
+        """The error of a save refused for a non-finite state (``bad``: this rank's keys that hold one)."""
+        return DivergenceError(f"not saving step {step}: the state holds non-finite values"
+                               + (f" ({', '.join(bad[:3])} on rank {self.rank})" if bad else ""),
+                               step, str(self.last_good()) if self.last_good() else None)
 
     def _save_failed(self, step: int, tmp: Path, cause: Optional[BaseException]) -> CheckpointError:
         """The one-line error of a save that could not be written, with the remedy for its cause
