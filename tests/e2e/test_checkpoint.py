@@ -93,7 +93,7 @@ def test_exact_resume_after_sigkill(run_a, tmp_path):
     assert diff_checkpoints(ckpt_of(run_a, 20), ckpt_of(run_b, 20)) == []
 
 
-@pytest.mark.slow  # 2 launches of 2 ranks (~15 s)
+@pytest.mark.slow  # 2 launches of 2 ranks (21 s on a loaded 2-core machine)
 def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_exactly(run_a, tmp_path):
     """Run A with checkpoint.async_save=true and saves every 5 steps: every rank SIGKILLs itself inside the background
     write of step 15 (its shards written, DCP's .metadata not yet). The half-written save is no checkpoint: the

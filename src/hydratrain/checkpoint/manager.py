@@ -14,6 +14,12 @@ fsyncs the directory, prunes to ``checkpoint.keep_last``, and all ranks wait at 
 leaves only a temporary dir that is never loaded. A ``step_*`` dir without ``.metadata`` is not complete. A state
 holding a non-finite value is never saved (so it can never evict a good checkpoint).
 
+``checkpoint.async_save``: :meth:`CheckpointManager.save` copies the state into host buffers (DCP's ``DefaultStager``,
+pinned on CUDA, kept from one save to the next) and returns while ``torch.distributed.checkpoint.async_save`` writes
+it in DCP's thread, on a gloo group of its own; :meth:`CheckpointManager.wait` (the next save, a preemption, the end)
+completes it as above once every rank's write has finished, so a save in flight is never resumed from, pruned
+against, or reported saved. At most one is in flight: the buffers it reads are the next save's.
+
 Loading (:mod:`hydratrain.checkpoint.io`) reads DCP's ``.metadata`` with an allow-list unpickler and every other
 pickled value with ``torch.load(weights_only=True)``; shard files are checked against the metadata's offsets first,
 and the model's shapes against this run's model, so an unusable checkpoint stops the run with one line naming it.
