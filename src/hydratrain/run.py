@@ -170,7 +170,7 @@ def build(cfg: DictConfig, strategy: Strategy, info: DistInfo, run_dir: Path, la
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),  # type: ignore[arg-type]  # (a dict)
         keep_last=cfg.checkpoint.keep_last, device=device,
-        attachments=model_files(cfg, data.vocab_size, data.tokenizer))
+        attachments=model_files(cfg, data.vocab_size, data.tokenizer), async_save=cfg.checkpoint.async_save)
     callbacks = extras.build_callbacks(cfg, checkpoints, device, scheduler, model=raw, vocab_size=data.vocab_size)
     if callbacks:  # (their states ride in the checkpoints; a run without callbacks saves none)
         checkpoints.components["callbacks"] = callbacks

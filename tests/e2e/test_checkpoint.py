@@ -93,6 +93,29 @@ def test_exact_resume_after_sigkill(run_a, tmp_path):
     assert diff_checkpoints(ckpt_of(run_a, 20), ckpt_of(run_b, 20)) == []
 
 
+@pytest.mark.slow  # 2 launches of 2 ranks (21 s on a loaded 2-core machine)
+def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_exactly(run_a, tmp_path):
+    """Run A with checkpoint.async_save=true and saves every 5 steps: every rank SIGKILLs itself inside the background
+    write of step 15 (its shards written, DCP's .metadata not yet). The half-written save is no checkpoint: the
+    relaunch resumes from step 10 and matches the synchronous run A bit for bit (losses, final weights, and the
+    step-20 checkpoint, written in the background too)."""
+    run_b = tmp_path / "b"
+    args = [*RUN_A, "checkpoint.async_save=true", "checkpoint.every_n_steps=5"]
+    kill = {**KILL_AT_10, "HT_FAULT_STEP": "15", "HT_FAULT_AT": "async_write"}
+    killed = run(args, run_b, nproc=2, script=FAULTY, env=kill, fast=False)
+    assert killed.returncode != 0 and "SIGKILL" in killed.output
+    assert list(run_b.glob("fault_rank*_step15"))  # (the first rank killed, torchrun may end the other first)
+    assert [p.name for _, p in list_checkpoints(run_b / "checkpoints")] == ["step_00000005", "step_00000010"]
+    assert not (run_b / "checkpoints" / ".tmp-step_00000015" / ".metadata").exists()
+    run(args, run_b, nproc=2, fast=False).ok()
+    assert f"resumed from {ckpt_of(run_b, 10)}: step 10" in log_of(run_b)
+    losses_a, losses_b = tb_scalars(run_a), tb_scalars(run_b)
+    assert [losses_b[s] for s in range(11, 21)] == [losses_a[s] for s in range(11, 21)]
+    assert_same_tensors(load_weights(run_a / "model.safetensors"), load_weights(run_b / "model.safetensors"),
+                        "final weights of A and of the killed-and-resumed async B")
+    assert diff_checkpoints(ckpt_of(run_a, 20), ckpt_of(run_b, 20)) == []
+
+
 def test_the_old_format_checkpoint_still_loads_and_continues_exactly(two_rank_run):
     """tests/fixtures/ckpt_v1_fsdp2_step3 (2 ranks, FSDP, fp32, step 3, written by the first checkpoint format):
     resumed on 2 ranks (helpers.SHARED_RUNS["ckpt_v1"]) it trains steps 4 and 5 to the losses measured when it was

@@ -73,11 +73,15 @@ def started(request, tmp_path_factory):
 
 
 @pytest.mark.slow  # a sibling of it runs by default; CI runs this too (default suite near 4 minutes)
-def test_sigusr2_under_submitit_saves_on_every_rank_then_requeues(tmp_path):
+@pytest.mark.parametrize("saves", [["checkpoint.every_n_steps=0"],
+                                   ["checkpoint.every_n_steps=2", "checkpoint.async_save=true"]], ids=["sync", "async"])
+def test_sigusr2_under_submitit_saves_on_every_rank_then_requeues(tmp_path, saves):
+    """(async: background saves every 2 steps; the preemption's save waits for the one in flight and is complete
+    when the stop line names it.)"""
     run_dir, markers = tmp_path / "run", tmp_path / "markers"
     markers.mkdir()
     proc = start(["strategy=ddp", "trainer.max_steps=400", "trainer.eval_every_n_steps=0",
-                  "checkpoint.every_n_steps=0"], run_dir, nproc=2, script=FAULTY,
+                  *saves], run_dir, nproc=2, script=FAULTY,
                  env={"SUBMITIT_EXECUTOR": "slurm", "HT_FAKE_SUBMITIT": str(markers)})
     try:
         deadline = time.time() + 180
@@ -97,6 +101,9 @@ def test_sigusr2_under_submitit_saves_on_every_rank_then_requeues(tmp_path):
         assert f"stopping at step {step} after a preemption signal" in log_of(run_dir, rank)
     assert "SIGUSR2 received" in log_of(run_dir, 0)
     assert sorted(p.name for p in markers.iterdir()) == ["requeued_rank0"]  # submitit's handler ran once, rank 0
+    if "checkpoint.async_save=true" in saves:
+        assert "staged checkpoint of step 2" in log_of(run_dir) and "writing it in the background" in log_of(run_dir)
+        assert not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
 def _wait_for(path, proc, what: str, timeout: float = 180) -> None:

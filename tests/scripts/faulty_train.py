@@ -6,7 +6,9 @@
 - ``HT_FAULT_DELAY``: ``RANK:SECONDS``: that rank sleeps before its fault (so another rank's is recorded first).
 - ``HT_FAULT_AT=compose``: SIGTERM itself before Hydra composes the config (no ``HT_FAULT`` needed).
 - ``HT_FAULT_STEP``: the optimizer step; ``HT_FAULT_AT``: ``step`` (inside it, before its backward; default),
-  ``after_step`` (after the step's eval, checkpoint save and preemption check), ``startup`` (while the data is
+  ``after_step`` (after the step's eval, checkpoint save and preemption check), ``async_write`` (in the background
+  write of that step's save, ``checkpoint.async_save=true``: after the rank's shards, before DCP's ``.metadata``,
+  while the loop goes on), ``startup`` (while the data is
   built, before any step) or ``final`` (while the outputs are written, after the last step); with ``HT_FAULT=sleep``
   the rank touches ``fault_rank<R>_startup`` (``_final``) and sleeps 120 s there, as a long start-up (a slow export
   of the weights) would. ``HT_FAULT=swallow`` at ``startup``: the rank sleeps 120 s inside ``try: ... except
@@ -129,6 +131,23 @@ def _inject() -> None:
             return original_write_outputs(*args, **kwargs)
 
         outputs.write_outputs = run_module.write_outputs = write_outputs  # (hydratrain.run imported it by name)
+    elif os.environ.get("HT_FAULT_AT") == "async_write":
+        import threading
+
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        from hydratrain.checkpoint.layout import step_dir_name
+
+        original_write = FileSystemWriter.write_data
+
+        def write_data(self, *args, **kwargs):
+            written = original_write(self, *args, **kwargs)
+            if threading.current_thread() is not threading.main_thread() and \
+                    str(self.path).endswith(step_dir_name(step)):
+                fault()
+            return written
+
+        FileSystemWriter.write_data = write_data
     elif os.environ.get("HT_FAULT_AT", "step") == "step":
         original = trainer.Trainer.train_step
 

@@ -14,6 +14,12 @@ fsyncs the directory, prunes to ``checkpoint.keep_last``, and all ranks wait at 
 leaves only a temporary dir that is never loaded. A ``step_*`` dir without ``.metadata`` is not complete. A state
 holding a non-finite value is never saved (so it can never evict a good checkpoint).
 
+``checkpoint.async_save``: :meth:`CheckpointManager.save` copies the state into host buffers (DCP's ``DefaultStager``,
+pinned on CUDA, kept from one save to the next) and returns while ``torch.distributed.checkpoint.async_save`` writes
+it in DCP's thread, on a gloo group of its own; :meth:`CheckpointManager.wait` (the next save, a preemption, the end)
+completes it as above once every rank's write has finished, so a save in flight is never resumed from, pruned
+against, or reported saved. At most one is in flight: the buffers it reads are the next save's.
+
 Loading (:mod:`hydratrain.checkpoint.io`) reads DCP's ``.metadata`` with an allow-list unpickler and every other
 pickled value with ``torch.load(weights_only=True)``; shard files are checked against the metadata's offsets first,
 and the model's shapes against this run's model, so an unusable checkpoint stops the run with one line naming it.
@@ -24,10 +30,14 @@ import logging
 import os
 import shutil
 import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from hydratrain.checkpoint.architecture import check_architecture
@@ -46,7 +56,7 @@ from hydratrain.checkpoint.layout import (  # noqa: F401 (their home was here; c
     with_previous,
 )
 from hydratrain.config import flat_keys
-from hydratrain.dist.collectives import any_rank, barrier, rank_and_world
+from hydratrain.dist.collectives import all_reduce_max, any_rank, barrier, rank_and_world
 from hydratrain.dist.launch import stop_if_launcher_gone, unwritable_message
 from hydratrain.errors import CheckpointError, DivergenceError, root_cause
 
@@ -132,19 +142,6 @@ def _has(stored: set, name: str) -> bool:
     return any(k == name or k.startswith(name + ".") for k in stored)
 
 
-def _non_finite(state: dict) -> list[str]:
-    """Names of floating tensors (local shards) in ``state`` that hold a NaN or an inf."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    bad = []
-    for key, v in flatten_state_dict(state)[0].items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            local = v.to_local() if hasattr(v, "to_local") else v
-            if local.numel() and not bool(torch.isfinite(local).all()):
-                bad.append(key)
-    return bad
-
-
 def _as_format_1(targets: dict, rank_key: str) -> dict:
     """Format 1's layout of ``targets``: ``trainer`` held the progress and the data position, ``rank<r>`` the loss
     window directly, and there was no ``checkpoint`` entry."""
@@ -179,6 +176,18 @@ def config_diff(saved: Mapping, now: Mapping) -> list[str]:
             if a.get(k, "<absent>") != b.get(k, "<absent>")]
 
 
+@dataclass
+class _InFlight:
+    """A save written in the background: its step, dirs, DCP's future, start time, and the step saved before it."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: Future
+    t0: float
+    previous: Optional[int]
+
+
 class CheckpointManager:
     """Saves and loads a dict of Stateful components under ``root``; every rank calls every method together.
 
@@ -191,10 +200,12 @@ class CheckpointManager:
         keep_last: complete checkpoints kept (0 = all).
         attachments: ``{file name: text, or a Path to copy}`` written into every checkpoint dir (the resolved
             model config, the tokenizer), so a checkpoint is usable without the run that wrote it.
+        async_save: stage each save in host memory and write it in the background (``checkpoint.async_save``).
     """
 
     def __init__(self, root: Path, components: dict[str, Any], rank_components: dict[str, Any],
-                 config: Mapping, keep_last: int, device: torch.device, attachments: Optional[Mapping] = None):
+                 config: Mapping, keep_last: int, device: torch.device, attachments: Optional[Mapping] = None,
+                 async_save: bool = False):
         self.root, self.components, self.rank_components = Path(root), components, rank_components
         self.config, self.keep_last, self.device = config, keep_last, device
         self.attachments = dict(attachments or {})
@@ -202,6 +213,21 @@ class CheckpointManager:
         self.last_saved_step: Optional[int] = None
         self.loaded_from: Optional[Path] = None  # the checkpoint this run resumed from (it may be another run's)
         self.protected_steps: set[int] = set()  # kept whatever keep_last says (the best ones: checkpoint.monitor)
+        self._in_flight: Optional[_InFlight] = None
+        self._stager, self._group = None, None
+        if async_save:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # (start-up: DCP, ~1 s)
+
+            cuda = device.type == "cuda"  # pinned host buffers, kept from one save to the next; pinning needs CUDA
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            # the background write's collectives get their own group: on the training's group they would interleave
+            # with the loop's (every rank calls new_group here, in the same order)
+            self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            if self._group is None:  # DCP's warning that one process saves alone (intended) comes from its thread,
+                # where quiet_without_process_group's filter (held by the calling thread only while it runs) is gone
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                                        "uninitialized, assuming the intent is to save")
         if self.rank == 0:
             recover_unfinished_saves(self.root)  # done already when run.main chose the checkpoint (idempotent)
 
@@ -240,8 +266,9 @@ class CheckpointManager:
         return state
 
     # ------------------------------------------------------------------------------------------------- save
-    def save(self, step: int) -> Path:
-        """Write a checkpoint for optimizer step ``step``; every rank calls. Returns the final dir.
+    def save(self, step: int) -> Optional[Path]:
+        """Write a checkpoint for optimizer step ``step``; every rank calls. Returns the final dir, or None when it
+        is written in the background (``checkpoint.async_save``: :meth:`wait` completes it and returns its dir).
 
         Written to ``.tmp-step_XXXXXXXX`` then renamed by rank 0 once all ranks have finished; older checkpoints
         beyond ``keep_last`` are deleted. Replaces a checkpoint of the same step, if any. Raises
@@ -250,16 +277,20 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
-        from hydratrain.checkpoint.io import quiet_without_process_group  # (start-up: DCP, ~1 s)
+        from hydratrain.checkpoint.io import (  # (start-up: DCP, ~1 s)
+            FiniteFirstPlanner,
+            non_finite_keys,
+            quiet_without_process_group,
+        )
 
+        self.wait()  # at most one save in flight (the trainer waits first itself, to report the one it completes)
         t0 = time.perf_counter()
         stop_if_launcher_gone(f"before saving step {step}")
         state = self._state()
-        bad = _non_finite(state)
-        if any_rank(bool(bad), self.device):
-            raise DivergenceError(f"not saving step {step}: the state holds non-finite values"
-                                  + (f" ({', '.join(bad[:3])} on rank {self.rank})" if bad else ""),
-                                  step, str(self.last_good()) if self.last_good() else None)
+        if self._stager is None:  # (async: FiniteFirstPlanner checks the staged copy in the background write)
+            bad = non_finite_keys(state)
+            if any_rank(bool(bad), self.device):
+                raise self._diverged(step, bad)
         final = self.root / step_dir_name(step)
         tmp = self.root / (TMP_PREFIX + final.name)
         problem: Optional[BaseException] = None
@@ -282,7 +313,12 @@ class CheckpointManager:
             raise self._save_failed(step, tmp, problem)
         try:
             with quiet_without_process_group():
-                dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+                if self._stager is None:
+                    dcp.save(state, storage_writer=FileSystemWriter(str(tmp)))
+                else:  # stages (copies) the state here, then writes it in DCP's own background thread
+                    future = dcp.async_save(state, storage_writer=FileSystemWriter(str(tmp)),
+                                            planner=FiniteFirstPlanner(), async_stager=self._stager,
+                                            process_group=self._group, no_dist=self._group is None)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
@@ -290,7 +326,61 @@ class CheckpointManager:
             if isinstance(root_cause(err), KeyboardInterrupt):
                 raise  # Ctrl-C (hydratrain.run)
             raise self._save_failed(step, tmp, root_cause(err)) from err
+        if self._stager is not None:
+            assert isinstance(future, Future)  # (staging is synchronous: DCP returns the write's future alone)
+            self._in_flight = _InFlight(step, tmp, final, future, t0, self.last_saved_step)
+            self.last_saved_step = step  # (not saved again by the trainer; complete only once wait() says so)
+            log.info("staged checkpoint of step %d (%.2f s); writing it in the background", step,
+                     time.perf_counter() - t0)
+            return None
         barrier()  # every rank's shards are written and DCP's .metadata is in place
+        return self._complete(step, tmp, final, t0)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save (``checkpoint.async_save``) is being written in the background (the same on every rank)."""
+        return self._in_flight is not None
+
+    def wait(self) -> Optional[tuple[int, Path]]:
+        """Wait for the save in flight, if any, and complete it: once every rank's background write has finished,
+        rank 0 renames it to its ``step_XXXXXXXX`` and prunes, as :meth:`save` does for a synchronous one. Every
+        rank calls. Returns ``(step, final dir)`` of the save it completed, else None. Raises
+        :class:`~hydratrain.errors.CheckpointError` (and removes the partial dir) when any rank's write failed."""
+        from hydratrain.checkpoint.io import NonFiniteState  # (imported by the save in flight)
+
+        pending, self._in_flight = self._in_flight, None
+        if pending is None:
+            return None
+        problem: Optional[BaseException] = None
+        try:
+            pending.future.result()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # DCP's CheckpointException (a BaseException) holds each rank's error
+            problem = root_cause(err)
+        # 0: written, 1: failed, 2: a non-finite state; the max over ranks is also the barrier after every write
+        verdict = 2 if isinstance(problem, NonFiniteState) else int(problem is not None)
+        verdict = int(all_reduce_max(torch.tensor([verdict], dtype=torch.int32, device=self.device)).item())
+        if verdict:
+            self.last_saved_step = pending.previous
+            if verdict == 1:
+                raise self._save_failed(pending.step, pending.tmp, problem)
+            if self.rank == 0:
+                shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise self._diverged(pending.step, problem.keys if isinstance(problem, NonFiniteState) else [])
+        return pending.step, self._complete(pending.step, pending.tmp, pending.final, pending.t0)
+
+    def wait_if_written(self) -> Optional[tuple[int, Path]]:
+        """:meth:`wait` when every rank's background write has already finished (so it blocks for no write), else
+        None. Every rank calls (one all-reduce while a save is in flight): where the ranks meet anyway, so that a
+        written checkpoint counts for resume without waiting for the next save."""
+        if self._in_flight is None or any_rank(not self._in_flight.future.done(), self.device):
+            return None
+        return self.wait()
+
+    def _complete(self, step: int, tmp: Path, final: Path, t0: float) -> Path:
+        """Rename ``tmp``, whose every shard and ``.metadata`` are written, to ``final``, then prune; every rank
+        calls (after a barrier that follows the write)."""
         if self.rank == 0:
             stop_if_launcher_gone(f"before completing its save of step {step} (left as {tmp.name})")
             if final.exists():
@@ -307,6 +397,12 @@ class CheckpointManager:
         if self.rank == 0:
             self._prune()  # after the new one is complete and logged: the log reads in the order things happened
         return final
+
+    def _diverged(self, step: int, bad: list[str]) -> DivergenceError:
+        """The error of a save refused for a non-finite state (``bad``: this rank's keys that hold one)."""
+        return DivergenceError(f"not saving step {step}: the state holds non-finite values"
+                               + (f" ({', '.join(bad[:3])} on rank {self.rank})" if bad else ""),
+                               step, str(self.last_good()) if self.last_good() else None)
 
     def _save_failed(self, step: int, tmp: Path, cause: Optional[BaseException]) -> CheckpointError:
         """The one-line error of a save that could not be written, with the remedy for its cause

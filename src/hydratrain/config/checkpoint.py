@@ -19,6 +19,9 @@ class CheckpointConfig:
     every_n_steps: int = 100  # save every N optimizer steps; 0 = none (only save_last and SIGTERM saves)
     keep_last: int = 2  # complete checkpoints kept in the run dir (older ones deleted); 0 = keep all
     save_last: bool = False  # also save when training ends (true: a finished run can be extended or exported)
+    # stage each save in host memory (pinned on CUDA) and write it in the background while training goes on; a save
+    # counts (resume, keep_last, save_top_k) once every rank's write finished; the next save and the end wait for it
+    async_save: bool = False
     auto_resume: bool = True  # start from the latest complete checkpoint in this run dir, if there is one
     resume_from: Optional[str] = None  # a step_XXXXXXXX dir, or a checkpoints/run dir (its latest); used when the
     #                                    run dir has no checkpoint of its own; relative to the launch dir

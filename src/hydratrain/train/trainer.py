@@ -464,6 +464,7 @@ class Trainer:
             self.preemption.close()
             self.logger.close_bar()
             self.logger.trackers.flush()  # what was logged before an error stays readable
+        self._finish_save()  # the end of training waits for the save in flight
         self.read_guard(self.progress.step)
         result.steps, result.steps_this_launch = self.progress.step, self.progress.step - first + 1
         result.first_loss, result.skipped_steps = self.progress.first_loss, self.progress.skipped_steps
@@ -474,7 +475,7 @@ class Trainer:
             if self.save_last:
                 self.logger.fold_window()
                 self.strategy.sync_buffers(self.model)
-                self._save(self.progress.step)
+                self._save(self.progress.step, wait=True)
             elif self.progress.step >= first and self._last_checkpoint() is not None:
                 log.info("steps after %s are in no checkpoint (checkpoint.save_last=false): a relaunch with a larger "
                          "trainer.max_steps resumes from it and trains them again: %s trainer.max_steps=<more>",
@@ -485,7 +486,7 @@ class Trainer:
                 and self.checkpoints.last_saved_step != step:  # (the final evaluation is among the best)
             self.logger.fold_window()
             self.strategy.sync_buffers(self.model)
-            self._save(step)
+            self._save(step, wait=True)
         result.eval_loss = evaluated.get("loss", math.nan)
         result.eval_perplexity = evaluated.get("perplexity", math.nan)
         result.eval_metrics = {k: v for k, v in evaluated.items() if k not in ("loss", "perplexity")}
@@ -520,18 +521,38 @@ class Trainer:
             self.strategy.sync_buffers(self.model)
             with self.logger.paused():
                 self.logger.fold_window()  # the window rides in the progress it saves, the same on every rank
-                self._save(step)
+                self._save(step, wait=stop)
+        elif stop:
+            self._finish_save()  # (this step's save may be in flight) before the stop line names the last checkpoint
+        elif logged:
+            self._finish_save(only_if_written=True)  # the ranks meet here anyway
         if stop:
             self.preemption.stopping(step, self._last_checkpoint())
             return "preempted"
         return "stopped" if stopped else None
 
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, wait: bool = False) -> None:
+        """Save step ``step``, after completing the save in flight (``checkpoint.async_save``: at most one); ``wait``:
+        complete this one too before returning (a preemption's, the end's). ``on_checkpoint_saved`` is called as
+        each save is complete."""
         assert self.checkpoints is not None  # (every caller checked)
+        self._finish_save()
         self.callbacks.call("on_save_checkpoint", step)
         with _range("hydratrain/checkpoint_save"):
             path = self.checkpoints.save(step)
-        self.callbacks.call("on_checkpoint_saved", step, path)
+        if path is not None:
+            self.callbacks.call("on_checkpoint_saved", step, path)
+        elif wait:
+            self._finish_save()
+
+    def _finish_save(self, only_if_written: bool = False) -> None:
+        """Complete the save written in the background, if any (``only_if_written``: only if every rank's write has
+        finished already); every rank calls."""
+        if self.checkpoints is None or not self.checkpoints.in_flight:
+            return
+        done = self.checkpoints.wait_if_written() if only_if_written else self.checkpoints.wait()
+        if done is not None:
+            self.callbacks.call("on_checkpoint_saved", *done)
 
     def evaluate(self) -> dict:
         """The evaluation of the model as it is now, ``{"loss": ..., name: ...}``, logged nowhere (every rank calls;
