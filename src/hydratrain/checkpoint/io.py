@@ -10,6 +10,7 @@ and :class:`FiniteFirstPlanner`, which makes it in an async save's background wr
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import io
 import logging
 import pickle
@@ -379,6 +380,11 @@ class NonFiniteState(Exception):
     def __init__(self, keys: list[str]):
         super().__init__(f"non-finite values in {', '.join(keys[:3])}")
         self.keys = keys
+
+    def __reduce__(self):
+        """Pickle as the message and the keys (DCP gathers a rank's exception to every rank pickled): ``__init__``
+        cannot be called again with the formatted message."""
+        return copyreg.__newobj__, (type(self), *self.args), self.__dict__
 
 
 class FiniteFirstPlanner(DefaultSavePlanner):
