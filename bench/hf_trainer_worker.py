@@ -84,11 +84,11 @@ class Samples(Dataset):
 
 
 class StepClock(transformers.TrainerCallback):
-    """The time at the end of every optimizer step, after a device synchronisation, and the peak memory up to step
-    ``last`` (the last timed one)."""
+    """The time at the end of every optimizer step, after a device synchronisation, and the peak memory up to the
+    last one (before the Trainer's own end of training)."""
 
-    def __init__(self, device: torch.device, last: int):
-        self.device, self.last, self.times, self.start, self.peak = device, last, [], 0.0, 0
+    def __init__(self, device: torch.device):
+        self.device, self.times, self.start, self.peak = device, [], 0.0, 0
 
     def on_train_begin(self, args, state, control, **kwargs):
         sync(self.device)
@@ -97,8 +97,7 @@ class StepClock(transformers.TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         sync(self.device)
         self.times.append(time.perf_counter())
-        if state.global_step <= self.last:
-            self.peak = peak_memory(self.device)
+        self.peak = peak_memory(self.device)
 
 
 def main(argv=None) -> int:
@@ -120,7 +119,7 @@ def main(argv=None) -> int:
     with device:
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     tokens = corpus("synthetic").splits(data, config.vocab_size, ROOT, False)["train"]  # (as hydratrain's run)
-    clock = StepClock(device, args.steps)
+    clock = StepClock(device)
     with tempfile.TemporaryDirectory(prefix="bench-hf-trainer-") as tmp:
         training = transformers.TrainingArguments(
             output_dir=tmp, bf16=precision == "bf16", use_cpu=not cuda, per_device_train_batch_size=args.batch,
