@@ -7,6 +7,7 @@ micro-batch the memory planner picks (``data.batch_size=auto``). One launch per 
                                                   #   --dry-compile (torch.compile is covered by tests/e2e/test_compile)
     python bench/gpu_table.py --print-plan [--dry-run]    # the plan only
     python bench/gpu_table.py --rows fp8          # only the fp8 row set (below)
+    python bench/gpu_table.py --rows hf_trainer   # only hydratrain against transformers.Trainer (below)
 
 The plan (N = the GPUs, at most ``--max-nproc``; fsdp rows run on N ranks under torchrun):
 
@@ -29,7 +30,20 @@ Row sets (``--rows``, default all, in this order; the budget drops the rows it c
   mean train loss of its logging window, the last 10 steps; synthetic data, the same batches on both sides). Alone
   (``--rows fp8``, ``TABLE_ROWS=fp8 bench/gpu.sh``) it fits one 8-minute call; in the dry run fp8 is emulated
   (``precision.fp8_emulate=true``) and converts every layer (``precision.fp8_size_rule=false``: gpt_tiny is below
-  torchao's size rule), a few steps.
+  torchao's size rule), a few steps;
+- ``hf_trainer``: hydratrain ``model=hf_causal_lm`` (its defaults: compile, precision; ``strategy=single``) against
+  ``transformers.Trainer`` (``bench/hf_trainer_worker.py``: ``bf16=True``, its own defaults otherwise, no compile)
+  on one GPU, the same Llama of 1,038,682,112 parameters (:data:`HF_LLAMA_1B`: llama_1b's shape, SDPA attention on
+  both sides), the same :data:`HF_BATCH` x 2048 tokens of ``data=synthetic`` per step (labels = inputs on the
+  Trainer's side), lr, weight decay, clipping and schedule, :data:`HF_STEPS` steps each (:data:`HF_WARM` untimed).
+  A fixed batch, no plan launch: 4 x 2048 is about 45 GB for the eager Trainer in bf16 without activation
+  checkpointing (16.6 GB of fp32 weights, gradients and AdamW state, about 23 GB of activations, 3 GB of logits and
+  their loss), within an H100's 80 GB; 8 x 2048 would be about 70 GB. Estimated about 2.5 minutes on one H200 (the
+  llama_1b rows of vs_hand: 80 s with 49 s of compilation for hydratrain, 33 s eager), so alone (``--rows
+  hf_trainer``, ``TABLE_ROWS=hf_trainer bench/gpu.sh``) it fits one 8-minute call; after vs_hand (397 s of the
+  420 s budget on one H200) the budget drops it. In the dry run a tiny Llama (:data:`HF_TINY`), 2 x 64 tokens, a few
+  steps, each side's ``auto`` precision (fp32 on a CPU without native bf16). Both sides need transformers (extra
+  [hf]); without it the rows are skipped.
 
 Each row: tokens/s over steps ``--warm``+1..``--steps`` (a device synchronisation after each step), MFU (the
 model's FLOPs per token over the device's datasheet peak, ``hydratrain.metrics``), peak memory over the timed steps,
@@ -41,6 +55,8 @@ is reported as skipped. Results: ``<out>/results.jsonl`` (machine, plan, one lin
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -54,6 +70,8 @@ class Model:
     preset: str  # the conf/model preset the launches train (a tiny one in the dry run)
     seq: int
     plan_strategy: str  # the strategy the batch is planned for
+    batch: int = 0  # a fixed batch for every row of the model (no plan launch)
+    hf_config: dict = field(default_factory=dict)  # model=hf_causal_lm: the transformers config both sides build
 
 
 @dataclass
@@ -61,7 +79,7 @@ class Row:
     group: str  # "gpt_small single": rows compared with the group's hand-written rows
     side: str  # hand eager | hand compiled | hydratrain defaults | hydratrain, FSDP kept
     model: str  # Model.key
-    impl: str  # hand | hydratrain
+    impl: str  # hand | hydratrain (bench/train_worker.py) | hf_trainer (bench/hf_trainer_worker.py)
     strategy: str
     compile: str  # train_worker --compile: default | none | model | blocks
     overrides: list = field(default_factory=list)
@@ -81,6 +99,20 @@ TARGETS = [("gpt_small single", "hydratrain defaults / hand eager (tokens/s)", 1
 FP8_STEPS, FP8_WARM, FP8_MAX_BATCH = 100, 10, 8
 FP8_TARGETS = (1.15, 0.01)  # fp8 / bf16 tokens/s at least; |loss_fp8 / loss_bf16 - 1| at most
 
+# the hf_trainer row set: a Llama of llama_1b's shape as transformers builds it (1,038,682,112 parameters, the
+# embedding tied to the head; keys of model=hf_causal_lm's model.config, vocab_size set through model.vocab_size so
+# that data=synthetic draws from the same vocabulary), its tiny stand-in for the dry run, the batch (a fixed one: see
+# the docstring), steps and untimed steps on a GPU, and the target (hydratrain / Trainer tokens/s at least)
+HF_LLAMA_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 2048,
+               "tie_word_embeddings": True, "vocab_size": 32000}
+HF_TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+           "tie_word_embeddings": True, "vocab_size": 256}
+HF_BATCH, HF_STEPS, HF_WARM = 4, 30, 10
+HF_TARGET = 1.10
+HF_GROUP = "hf_llama_1b single"
+
 TORCHTITAN_NOTE = (
     "torchtitan: its released package (0.3.0, a pure-Python wheel, Python >= 3.11) imports `torchtitan.config` and "
     "`torchtitan.distributed.compile` on torch 2.13 once its pure-Python dependencies are on the path (tyro, "
@@ -93,8 +125,18 @@ TORCHTITAN_NOTE = (
 
 def models(dry: bool) -> list[Model]:
     if dry:
-        return [Model("gpt_small", "gpt_tiny", 64, "single"), Model("llama_1b", "gpt_tiny", 128, "fsdp")]
-    return [Model("gpt_small", "gpt_small", 1024, "single"), Model("llama_1b", "llama_1b", 2048, "fsdp")]
+        return [Model("gpt_small", "gpt_tiny", 64, "single"), Model("llama_1b", "gpt_tiny", 128, "fsdp"),
+                Model("hf_llama_1b", "hf_causal_lm", 64, "single", batch=2, hf_config=HF_TINY)]
+    return [Model("gpt_small", "gpt_small", 1024, "single"), Model("llama_1b", "llama_1b", 2048, "fsdp"),
+            Model("hf_llama_1b", "hf_causal_lm", 2048, "single", batch=HF_BATCH, hf_config=HF_LLAMA_1B)]
+
+
+def hf_overrides(config: dict) -> list[str]:
+    """hydratrain's overrides that build the transformers model ``config`` describes with ``model=hf_causal_lm``:
+    its vocabulary as ``model.vocab_size`` (which data=synthetic draws from too), the other keys under
+    ``model.config`` (the preset's keys: each one is set)."""
+    rest = [f"model.config.{k}={json.dumps(v)}" for k, v in config.items() if k != "vocab_size"]
+    return [f"model.vocab_size={config['vocab_size']}", *rest]
 
 
 def rows(nproc: int) -> list[Row]:
@@ -122,12 +164,23 @@ def fp8_rows(dry: bool) -> list[Row]:
                 max_batch=FP8_MAX_BATCH) for side, overrides in (("bf16", ["precision=bf16"]), ("fp8", fp8))]
 
 
-ROW_SETS = ("vs_hand", "fp8")
+def hf_rows(dry: bool) -> list[Row]:
+    """transformers.Trainer and hydratrain's defaults on the same Llama, batch and steps, one rank (the
+    ``hf_trainer`` row set)."""
+    steps, warm = (4, 2) if dry else (HF_STEPS, HF_WARM)
+    return [Row(HF_GROUP, "transformers.Trainer", "hf_llama_1b", "hf_trainer", "single", "none", steps=steps,
+                warm=warm),
+            Row(HF_GROUP, "hydratrain defaults", "hf_llama_1b", "hydratrain", "single", "default", steps=steps,
+                warm=warm)]
+
+
+ROW_SETS = ("vs_hand", "fp8", "hf_trainer")
 
 
 def planned(nproc: int, dry: bool, sets=ROW_SETS) -> list[Row]:
     """The rows of the chosen row sets, in :data:`ROW_SETS` order."""
-    return (rows(nproc) if "vs_hand" in sets else []) + (fp8_rows(dry) if "fp8" in sets else [])
+    return ((rows(nproc) if "vs_hand" in sets else []) + (fp8_rows(dry) if "fp8" in sets else []) +
+            (hf_rows(dry) if "hf_trainer" in sets else []))
 
 
 def gpu_count() -> int:
@@ -173,6 +226,10 @@ def main(argv=None) -> int:
     mods = {m.key: m for m in models(dry) if any(r.model == m.key for r in plan)}
     if args.print_plan:
         for m in mods.values():
+            if m.batch:
+                print(f"batch: {m.key} ({m.preset}), seq {m.seq}: {m.batch} (fixed); hydratrain "
+                      f"{' '.join(hf_overrides(m.hf_config))}")
+                continue
             print(f"batch: {m.key} ({m.preset}), seq {m.seq}: data.batch_size=auto for strategy={m.plan_strategy} "
                   f"on {1 if m.plan_strategy == 'single' else nproc} rank(s)")
         for r in plan:
@@ -185,14 +242,15 @@ def main(argv=None) -> int:
     rec = Recorder(out, "gpu_table", {**vars(args), "steps": steps, "warm": warm, "nproc": nproc, "device": device})
     extra = {} if not dry or args.dry_compile else {"TORCH_COMPILE_DISABLE": "1"}
     env = clean_env(**extra)
-    # log every warm - 1 steps: hydratrain's first log step (TensorBoard's writer is made there) is not timed
-    common = ["--steps", str(steps), "--warm", str(warm), "--log-every", str(max(1, warm - 1)), "--device", device]
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - t_start)
 
     batches: dict[str, int] = {}
     for m in mods.values():
+        if m.batch:  # fixed: nothing to plan
+            batches[m.key] = m.batch
+            continue
         ranks = 1 if m.plan_strategy == "single" else nproc
         cmd = command([str(BENCH / "train_worker.py"), "--impl", "plan", "--model", m.preset, "--seq", str(m.seq),
                        "--strategy", m.plan_strategy, "--precision", precision, "--device", device, "--nproc",
@@ -224,17 +282,28 @@ def main(argv=None) -> int:
         if left() < args.min_case_s:
             keep({**base, "status": f"skipped: {left():.0f} s of the budget left"})
             continue
+        if m.hf_config and importlib.util.find_spec("transformers") is None:
+            keep({**base, "status": "skipped: transformers is not installed (pip install -e '.[hf]')"})
+            continue
         ranks = 1 if r.strategy == "single" else nproc
         batch = min(batches[r.model], r.max_batch) if r.max_batch else batches[r.model]
-        own = ["--steps", str(r.steps), "--warm", str(r.warm), "--log-every", str(r.warm), "--device", device] \
-            if r.steps else common
-        flags = ["--impl", r.impl, "--strategy", r.strategy, "--model", m.preset, "--seq", str(m.seq), "--batch",
-                 str(batch), "--precision", precision if r.impl == "hand" else "auto", "--compile", r.compile, *own]
-        for o in r.overrides:
-            flags += ["--override", o]
+        timed = ["--steps", str(r.steps or steps), "--warm", str(r.warm if r.steps else warm), "--device", device]
+        if r.impl == "hf_trainer":  # the Trainer's worker: the transformers config, no hydratrain flags
+            script = "hf_trainer_worker.py"
+            flags = ["--config", json.dumps(m.hf_config), "--batch", str(batch), "--seq", str(m.seq), "--precision",
+                     precision, *timed]
+        else:
+            # hydratrain's first log step (TensorBoard's writer is made there) is not timed: it is step warm - 1 (a
+            # row's own warm with its own steps)
+            script = "train_worker.py"
+            flags = ["--impl", r.impl, "--strategy", r.strategy, "--model", m.preset, "--seq", str(m.seq), "--batch",
+                     str(batch), "--precision", precision if r.impl == "hand" else "auto", "--compile", r.compile,
+                     *timed, "--log-every", str(r.warm if r.steps else max(1, warm - 1))]
+            for o in (hf_overrides(m.hf_config) if m.hf_config else []) + r.overrides:
+                flags += ["--override", o]
         if r.profile:
             flags += ["--profile", str(r.profile), "--profile-out", str(out / f"profile-{r.model}-{r.impl}.txt")]
-        row, tail, seconds = run_json(command([str(BENCH / "train_worker.py"), *flags], ranks), env,
+        row, tail, seconds = run_json(command([str(BENCH / script), *flags], ranks), env,
                                       min(args.case_timeout, left()))
         if row is None:
             print(f"{r.group}: {r.side} FAILED ({seconds:.0f} s)\n{tail[-1500:]}", flush=True)
@@ -298,7 +367,8 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
                                                        else fmt(t["value"], ".3f")),
                      "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")] for t in targets]
     fp8_text, fp8_targets = fp8_report(results)
-    targets += fp8_targets
+    hf_text, hf_targets = hf_report(results)
+    targets += fp8_targets + hf_targets
     notes = [f"Steps {warm + 1}-{steps} of each launch timed (a device synchronisation after each step); "
              f"{'bf16 on both sides' if not dry else 'precision=auto on both sides'}; fsdp rows on {nproc} "
              "rank(s). Each model's batch is what data.batch_size=auto picks (the memory planner's largest fit "
@@ -318,7 +388,7 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
         notes.insert(0, "DRY RUN on CPU: tiny models named after the GPU ones, compile disabled unless "
                      "--dry-compile; the figures say nothing about speed.")
     text = (body + "\n\n## Targets (one H200, bf16)\n\n" +
-            table(["model, strategy", "what", "target", "measured", "status"], target_lines) + fp8_text +
+            table(["model, strategy", "what", "target", "measured", "status"], target_lines) + fp8_text + hf_text +
             "\n\n## Notes\n\n" + "\n\n".join(notes))
     return text, targets
 
@@ -350,6 +420,34 @@ def fp8_report(results: list[dict]) -> tuple[str, list[dict]]:
                   lines) + "\n\n" + table(["what", "target", "measured", "status"], verdict) +
             "\n\nThe loss at the last step is the mean train loss of its logging window (the last 10 steps on a "
             "GPU); both runs see the same synthetic batches from the same initial weights."), targets
+
+
+def hf_report(results: list[dict]) -> tuple[str, list[dict]]:
+    """The hf_trainer row set's section (each side's tokens/s, MFU, peak memory; the ratio against
+    :data:`HF_TARGET`) and its target record; nothing when neither row ran."""
+    side = {x["side"]: x for x in results if x["group"] == HF_GROUP}
+    if not side:
+        return "", []
+    ours, theirs = (side.get(k) if side.get(k, {}).get("status") == "PASS" else None
+                    for k in ("hydratrain defaults", "transformers.Trainer"))
+    ratio = ours["tokens_per_sec"] / theirs["tokens_per_sec"] if ours and theirs else None
+    met = None if ratio is None else ratio >= HF_TARGET
+    targets = [{"group": HF_GROUP, "what": "hydratrain defaults / transformers.Trainer (tokens/s)",
+                "target": HF_TARGET, "value": ratio, "met": met}]
+    lines = [[name, x["status"], x.get("compiled", ""), fmt(x.get("tokens_per_sec")),
+              fmt(100 * x["mfu"], ".1f") + " %" if x.get("mfu") else "n/a",
+              fmt(x["peak_memory_bytes"] / 2**30, ".2f") + " GiB" if x.get("peak_memory_bytes") else "n/a",
+              f"{x.get('batch', '?')} x {x.get('seq', '?')}", x.get("steps", "?")] for name, x in side.items()]
+    verdict = [["hydratrain defaults / transformers.Trainer tokens/s", f">= {HF_TARGET:.2f}", fmt(ratio, ".3f"),
+                "n/a" if met is None else ("met" if met else "NOT met")]]
+    return ("\n\n## hydratrain against transformers.Trainer (model=hf_causal_lm, a Llama of about 1B)\n\n" +
+            table(["side", "status", "compiled", "tokens/s", "MFU", "peak memory", "batch x seq", "steps"], lines) +
+            "\n\n" + table(["what", "target", "measured", "status"], verdict) +
+            "\n\nThe same transformers LlamaForCausalLM (SDPA attention, float32 weights) on both sides, the same "
+            "synthetic token windows per step, lr, weight decay, clipping and schedule: hydratrain with its defaults "
+            "(precision=auto, trainer.compile=auto: the whole model compiled on CUDA), the Trainer with bf16=True "
+            "and its own defaults (fused AdamW, no torch.compile). MFU: FLOPs per token counted on a meta copy of "
+            "the model on both sides."), targets
 
 
 if __name__ == "__main__":

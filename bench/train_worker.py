@@ -5,7 +5,8 @@ more); usable alone:
     python bench/train_worker.py --impl hand --strategy single --precision fp32
     torchrun --standalone --nproc_per_node 2 bench/train_worker.py --impl hydratrain --strategy fsdp --precision bf16
 
-Both implementations train ``hydratrain.models.gpt.GPT`` (shapes from ``conf/model/<model>.yaml``) on the same
+Both implementations train ``hydratrain.models.gpt.GPT`` (shapes from ``conf/model/<model>.yaml``; hydratrain any
+``--model`` preset with ``--override``s, as bench/gpu_table.py's hf_causal_lm rows) on the same
 synthetic token stream (``hydratrain.data.corpora.synthetic_stream``), ``--batch`` x ``--seq`` tokens per rank and
 step, with
 AdamW (decay on matrices only, lr 2e-3, betas 0.9/0.95; ``--adamw``: the implementation, by default torch's choice
@@ -338,7 +339,8 @@ def run_hydratrain(args) -> dict:
         row = {"precision": job.precision.name, "logged_tokens_per_sec": windows_rate(logger.rates, args),
                "logged_mfu_last": logger.rates[-1][1] if logger.rates else None,
                "flops_per_token": logger.flops_per_token, "peak_flops_total": logger.peak,
-               "n_params": job.raw.num_params(), "train_loss": result.train_loss, "startup_s": result.startup_s,
+               "n_params": sum(p.numel() for p in job.raw.parameters()),  # (tied ones once; any model: hf_causal_lm)
+               "train_loss": result.train_loss, "startup_s": result.startup_s,
                "first_step_s": times[0] - fit_start, "batch": job.cfg.data.batch_size,
                "trained_as": job.strategy.name, "compiled": job.strategy.compiled or "none",
                "peak_memory_bytes": max_over_ranks({"peak": train_peak[0]}, device)["peak"], **profiler.finish()}

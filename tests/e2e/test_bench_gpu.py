@@ -1,10 +1,12 @@
 """bench/gpu.sh: it parses; its side-by-side table (bench/gpu_table.py) plans the rows, computes the targets right
-and its CPU dry run (the same plan, tiny, on gloo) writes the JSON lines and the table; the smoke helper compiles and
-judges results right, and the smoke dry run (``--smoke``) passes."""
+and its CPU dry run (the same plan, tiny, on gloo) writes the JSON lines and the table, the hf_trainer row set
+(hydratrain against transformers.Trainer) on its own; the smoke helper compiles and judges results right, and the
+smoke dry run (``--smoke``) passes."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import py_compile
 import sys
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, Run, sh
+from helpers import ROOT, Run, requires, sh
 
 SCRIPT = ROOT / "bench" / "gpu.sh"
 HELPER = ROOT / "bench" / "gpu_report.py"
@@ -27,8 +29,10 @@ def _helper():
     return module
 
 
-def _dry_run(out: Path, cache: Path, cases: str = "", extra=(), timeout: int = 900, smoke: bool = True) -> Run:
-    env = {"DRY_RUN": "1", "CASES": cases, "PYTHON": sys.executable, "HYDRATRAIN_CACHE": str(cache)}
+def _dry_run(out: Path, cache: Path, cases: str = "", extra=(), timeout: int = 900, smoke: bool = True,
+             rows: str = "") -> Run:
+    env = {"DRY_RUN": "1", "CASES": cases, "PYTHON": sys.executable, "HYDRATRAIN_CACHE": str(cache),
+           "TABLE_ROWS": rows}
     return sh(["bash", str(SCRIPT), *(["--smoke"] if smoke else []), "--out", str(out),
                *(["--", *extra] if extra else [])], env=env, timeout=timeout)
 
@@ -81,7 +85,7 @@ def test_table_plan_puts_the_targets_rows_first_and_fits_the_budget():
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan"]).output
     assert "llama_1b" in out and "seq 2048" in out or "torch sees no CUDA GPU" in out
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run"]).ok().output
-    assert "budget 1800 s" in out and out.count("row: ") == len(gt.planned(1, True)) == len(gt.rows(1)) + 2
+    assert "budget 1800 s" in out and out.count("row: ") == len(gt.planned(1, True)) == len(gt.rows(1)) + 4
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run", "--rows", "fp8"]).ok()
     assert out.output.count("row: ") == 2 and "llama_1b fp8" in out.output and "fp8_emulate=true" in out.output
 
@@ -106,6 +110,98 @@ def test_fp8_rows_compare_like_with_like_and_judge_both_targets():
     assert [t["met"] for t in targets] == [False, False]
     assert "| fp8 loss vs bf16 loss at the last step | within 1 % | +0.50 % | met |" in text
     assert gt.fp8_report([]) == ("", [])
+
+
+def test_hf_trainer_rows_train_one_model_at_one_batch_after_fp8():
+    """The hf_trainer row set: transformers.Trainer and hydratrain's defaults (no override but the model's) on one
+    rank, the same Llama of llama_1b's shape, batch, sequence and steps; hydratrain gets the model through every key
+    of model=hf_causal_lm's model.config (an override of a key the preset lacks would fail to compose); the set runs
+    after fp8 and prints its fixed batch."""
+    from omegaconf import OmegaConf
+
+    gt = _table_module()
+    trainer, ours = gt.hf_rows(dry=False)
+    assert (trainer.impl, ours.impl, trainer.side, ours.side) == ("hf_trainer", "hydratrain", "transformers.Trainer",
+                                                                  "hydratrain defaults")
+    assert trainer.model == ours.model and trainer.strategy == ours.strategy == "single"
+    assert ours.compile == "default" and not ours.overrides and (trainer.steps, trainer.warm) == (ours.steps, ours.warm)
+    model = {m.key: m for m in gt.models(dry=False)}[ours.model]
+    cfg = model.hf_config
+    assert (model.preset, model.batch, model.seq) == ("hf_causal_lm", 4, 2048)
+    assert [cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                             "intermediate_size", "vocab_size")] == [2048, 16, 32, 8, 8192, 32000]
+    preset = OmegaConf.load(ROOT / "conf" / "model" / "hf_causal_lm.yaml").config
+    for config in (cfg, gt.HF_TINY):
+        overrides = gt.hf_overrides(config)
+        assert overrides[0] == f"model.vocab_size={config['vocab_size']}"
+        assert sorted(o.split("=")[0].removeprefix("model.config.") for o in overrides[1:]) == sorted(preset)
+    assert "model.config.tie_word_embeddings=true" in gt.hf_overrides(cfg)
+    assert gt.planned(1, True)[-2:] == gt.hf_rows(dry=True) and gt.ROW_SETS[-2:] == ("fp8", "hf_trainer")
+    out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run", "--rows",
+              "hf_trainer"]).ok().output
+    assert out.count("row: ") == 2 and "impl=hf_trainer" in out and "seq 64: 2 (fixed)" in out, out
+
+
+def test_hf_trainer_report_judges_the_ratio():
+    """The hf_trainer section: hydratrain's tokens/s over the Trainer's against 1.1x; n/a when a side failed."""
+    gt = _table_module()
+
+    def row(side, tps):
+        return {"group": gt.HF_GROUP, "side": side, "status": "PASS", "tokens_per_sec": tps, "mfu": 0.4, "batch": 4,
+                "seq": 2048, "steps": 30, "peak_memory_bytes": 2**30, "compiled": "none"}
+
+    what = "hydratrain defaults / transformers.Trainer (tokens/s)"
+    text, targets = gt.hf_report([row("transformers.Trainer", 100.0), row("hydratrain defaults", 115.0)])
+    assert [(t["what"], round(t["value"], 3), t["met"]) for t in targets] == [(what, 1.15, True)]
+    assert "| hydratrain defaults / transformers.Trainer tokens/s | >= 1.10 | 1.150 | met |" in text
+    assert "| transformers.Trainer | PASS | none | 100 | 40.0 % | 1.00 GiB | 4 x 2048 | 30 |" in text
+    _, targets = gt.hf_report([row("transformers.Trainer", 100.0), row("hydratrain defaults", 105.0)])
+    assert targets[0]["met"] is False
+    failed = {"group": gt.HF_GROUP, "side": "hydratrain defaults", "status": "FAIL"}
+    text, targets = gt.hf_report([row("transformers.Trainer", 100.0), failed])
+    assert (targets[0]["value"], targets[0]["met"]) == (None, None) and "| >= 1.10 | n/a | n/a |" in text
+    assert gt.hf_report([]) == ("", [])
+    text, targets = gt.report([row("transformers.Trainer", 100.0), row("hydratrain defaults", 120.0)], dry=False,
+                              nproc=1, steps=12, warm=5)
+    assert "## hydratrain against transformers.Trainer" in text and (targets[-1]["what"], targets[-1]["met"]) == (
+        what, True)
+
+
+@pytest.mark.slow
+@requires("hf")
+def test_hf_trainer_dry_run(tmp_path):
+    """The hf_trainer row set end to end, tiny, on CPU: both sides train the same Llama (one parameter count, one
+    FLOP count) at the same batch and steps, and the report judges the ratio (a CPU's figure, not a GPU's). The
+    GPU rows' Llama has the parameter count gpu_table.py states (built on meta)."""
+    # (the extra [hf]; torch with it: the rest of this module imports no torch)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hydratrain.models.hf import hf_config
+
+    out = tmp_path / "out"
+    proc = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--dry-run", "--rows", "hf_trainer", "--out",
+               str(out)], env={"HYDRATRAIN_CACHE": str(tmp_path / "cache")}, timeout=300)
+    assert proc.returncode == 0, proc.output[-9000:]
+    rows = _rows(out)
+    assert not [r for r in rows if r["kind"] == "plan"]  # a fixed batch
+    trainer, ours = [r for r in rows if r["kind"] == "row"]
+    assert (trainer["side"], ours["side"]) == ("transformers.Trainer", "hydratrain defaults")
+    assert trainer["status"] == ours["status"] == "PASS", (trainer.get("failed"), ours.get("failed"))
+    for r in (trainer, ours):
+        assert (r["batch"], r["seq"], r["steps"], r["timed_steps"]) == (2, 64, 4, 2), r
+        assert r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0 and math.isfinite(r["train_loss"]), r
+    assert trainer["n_params"] == ours["n_params"] and trainer["flops_per_token"] == ours["flops_per_token"]
+    assert trainer["precision"] == ours["precision"]  # each side's auto: bf16 where native, else fp32
+    target = [r for r in rows if r["kind"] == "target"][-1]
+    assert target["what"] == "hydratrain defaults / transformers.Trainer (tokens/s)" and target["value"] > 0
+    text = (out / "results.md").read_text()
+    assert "DRY RUN" in text and "## hydratrain against transformers.Trainer" in text
+
+    gt = _table_module()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(gt.HF_LLAMA_1B, None))
+    assert sum(p.numel() for p in model.parameters()) == 1_038_682_112
 
 
 def test_table_targets_and_ratios():
@@ -133,7 +229,7 @@ def test_table_targets_and_ratios():
 def test_table_dry_run(tmp_path):
     """The side-by-side table end to end, tiny, on CPU (compile disabled: tests/e2e/test_compile compiles)."""
     out = tmp_path / "out"
-    proc = _dry_run(out, tmp_path / "cache", smoke=False, timeout=1200)
+    proc = _dry_run(out, tmp_path / "cache", smoke=False, timeout=1200, rows="vs_hand,fp8")  # (hf_trainer: its own)
     assert proc.returncode == 0, proc.output[-9000:]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     plans = [r for r in rows if r["kind"] == "plan"]
