@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -111,11 +113,18 @@ def pytest_configure(config):
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+#: the file where the workers leave each test's group for the controller's scheduler (pytest_configure_node)
+GROUPS = "hydratrain_xdist_groups"
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``-n 2 --dist loadgroup``, pyproject's addopts) a shared launch runs once: the tests that
     read the session's shared 2-rank sweep run in one worker, so do the tests of a module with a module-scoped
     fixture (its own shared sweep), and the Ray tests (one local Ray cluster at a time). Every other test goes to
-    whichever worker is free."""
+    whichever worker is free. xdist 3.8's loadgroup cannot group under pytest 9 (it marks a group by rewriting
+    ``item._nodeid``, which pytest 9 no longer reads): each worker writes the groups to a file that
+    :func:`pytest_xdist_make_scheduler`'s scheduler reads, once every worker has collected."""
+    groups = {}
     for item in items:
         infos = getattr(item, "_fixtureinfo", None)
         defs = [d for ds in (infos.name2fixturedefs.values() if infos else ()) for d in ds]
@@ -128,6 +137,41 @@ def pytest_collection_modifyitems(config, items):
         else:
             continue
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item.nodeid] = group
+    where = getattr(config, "workerinput", {}).get(GROUPS)
+    if where:  # every worker collects the same tests: the last write is as good as the first
+        tmp = Path(f"{where}.{os.getpid()}")
+        tmp.write_text(json.dumps(groups))
+        os.replace(tmp, where)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist's controller, for each worker: where to write the groups."""
+    if not hasattr(node.config, "_hydratrain_groups"):
+        node.config._hydratrain_groups = Path(tempfile.mkdtemp(prefix="pytest-groups-")) / "groups.json"
+    node.workerinput[GROUPS] = str(node.config._hydratrain_groups)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup``: xdist's scope scheduling with the groups the workers wrote (a test in no group is a
+    scope of its own, as in xdist's loadgroup): a group's tests run in one worker, one after another, so a shared
+    launch runs once."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # (xdist's: only under xdist)
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: Optional[dict] = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                where = getattr(config, "_hydratrain_groups", None)
+                self.groups = json.loads(where.read_text()) if where and where.exists() else {}
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
