@@ -362,3 +362,16 @@ class PreemptedError(HydratrainError):
     def __init__(self, message: str, exit_status: int = EXIT_PREEMPTED):
         self.exit_status = exit_status
         super().__init__(message)
+
+
+class NonFiniteState(Exception):
+    """A staged state holds non-finite values (``keys``, on this rank): the background write stops before any shard."""
+
+    def __init__(self, keys: list[str]):
+        super().__init__(f"non-finite values in {', '.join(keys[:3])}")
+        self.keys = keys
+
+    def __reduce__(self):
+        """Pickle as the message and the keys (DCP gathers a rank's exception to every rank pickled): ``__init__``
+        cannot be called again with the formatted message."""
+        return copyreg.__newobj__, (type(self), *self.args), self.__dict__

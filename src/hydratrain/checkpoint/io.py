@@ -10,7 +10,6 @@ and :class:`FiniteFirstPlanner`, which makes it in an async save's background wr
 from __future__ import annotations
 
 import contextlib
-import copyreg
 import io
 import logging
 import pickle
@@ -28,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from hydratrain.checkpoint import METADATA
 from hydratrain.checkpoint.architecture import check_architecture
 from hydratrain.dist.collectives import rank_and_world, sampled_digest, unlike_rank0
-from hydratrain.errors import CheckpointError, DamagedCheckpointError, root_cause
+from hydratrain.errors import CheckpointError, DamagedCheckpointError, NonFiniteState, root_cause
 
 log = logging.getLogger(__name__)
 
@@ -372,19 +371,6 @@ def all_finite(t: torch.Tensor) -> bool:
     1 GiB of float32 on the build machine against 0.16 s for the sum; it was most of a save's time.)"""
     total = t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
     return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
-
-
-class NonFiniteState(Exception):
-    """A staged state holds non-finite values (``keys``, on this rank): the background write stops before any shard."""
-
-    def __init__(self, keys: list[str]):
-        super().__init__(f"non-finite values in {', '.join(keys[:3])}")
-        self.keys = keys
-
-    def __reduce__(self):
-        """Pickle as the message and the keys (DCP gathers a rank's exception to every rank pickled): ``__init__``
-        cannot be called again with the formatted message."""
-        return copyreg.__newobj__, (type(self), *self.args), self.__dict__
 
 
 class FiniteFirstPlanner(DefaultSavePlanner):

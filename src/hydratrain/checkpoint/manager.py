@@ -58,7 +58,7 @@ from hydratrain.checkpoint.layout import (  # noqa: F401 (their home was here; c
 from hydratrain.config import flat_keys
 from hydratrain.dist.collectives import all_reduce_max, any_rank, barrier, rank_and_world
 from hydratrain.dist.launch import stop_if_launcher_gone, unwritable_message
-from hydratrain.errors import CheckpointError, DivergenceError, root_cause
+from hydratrain.errors import CheckpointError, DivergenceError, NonFiniteState, root_cause
 
 log = logging.getLogger(__name__)
 
@@ -346,8 +346,6 @@ class CheckpointManager:
         rank 0 renames it to its ``step_XXXXXXXX`` and prunes, as :meth:`save` does for a synchronous one. Every
         rank calls. Returns ``(step, final dir)`` of the save it completed, else None. Raises
         :class:`~hydratrain.errors.CheckpointError` (and removes the partial dir) when any rank's write failed."""
-        from hydratrain.checkpoint.io import NonFiniteState  # (imported by the save in flight)
-
         pending, self._in_flight = self._in_flight, None
         if pending is None:
             return None
