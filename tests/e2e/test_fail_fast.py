@@ -263,7 +263,10 @@ def test_ranks_stop_at_once_when_their_launcher_is_killed_and_a_relaunch_resumes
     out = finish(proc, timeout=30).output
     assert took < 10, (took, out[-3000:])  # (old: ~30 s; a rank hung in its teardown: for good)
     log1 = log_of(run_dir, 1)
-    assert "Timeout (0:00:0" in log1 and "in destroy_process_group" in log1, log1[-3000:]  # cut where it hung
+    hung = "Timeout (0:00:0" in log1 and "in destroy_process_group" in log1  # cut where it hung
+    # launcher=torchrun's parent-death SIGINT may reach rank 1 before its teardown does: it then ends at once, its
+    # KeyboardInterrupt cutting the teardown short before the hang (plain torchrun's agent sends no signal)
+    assert hung or (not plain and "(KeyboardInterrupt followed)" in log1), log1[-3000:]
     # no save begun after the kill (one in flight at the kill may complete: its rename is atomic)
     after = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert set(at_kill) <= set(after) <= set(at_kill) | set(in_flight), (at_kill, in_flight, after)
