@@ -3,8 +3,9 @@ sides), eager and compiled, for gpt_small (single and fsdp) and llama_1b (fsdp, 
 micro-batch the memory planner picks (``data.batch_size=auto``). One launch per row (``bench/train_worker.py``).
 
     python bench/gpu_table.py                     # on the GPU(s): the plan below, within --budget-s (420 s)
-    python bench/gpu_table.py --dry-run           # the same plan, tiny, on CPU (gloo); compile disabled unless
-                                                  #   --dry-compile (torch.compile is covered by tests/e2e/test_compile)
+    python bench/gpu_table.py --dry-run           # the same plan, tiny, on CPU (gloo); compile disabled and the
+                                                  #   hand compiled rows skipped unless --dry-compile
+                                                  #   (torch.compile is covered by tests/e2e/test_compile)
     python bench/gpu_table.py --print-plan [--dry-run]    # the plan only
     python bench/gpu_table.py --rows fp8          # only the fp8 row set (below)
     python bench/gpu_table.py --rows hf_trainer   # only hydratrain against transformers.Trainer (below)
@@ -282,6 +283,10 @@ def main(argv=None) -> int:
         if left() < args.min_case_s:
             keep({**base, "status": f"skipped: {left():.0f} s of the budget left"})
             continue
+        if dry and not args.dry_compile and r.impl == "hand" and r.compile != "none":
+            keep({**base, "status": "skipped: the dry run compiles nothing (--dry-compile does), so this row would "
+                                    "be its hand eager row again"})
+            continue
         if m.hf_config and importlib.util.find_spec("transformers") is None:
             keep({**base, "status": "skipped: transformers is not installed (pip install -e '.[hf]')"})
             continue
@@ -385,8 +390,8 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
              "by attention or the head is the model's ceiling.",
              TORCHTITAN_NOTE]
     if dry:
-        notes.insert(0, "DRY RUN on CPU: tiny models named after the GPU ones, compile disabled unless "
-                     "--dry-compile; the figures say nothing about speed.")
+        notes.insert(0, "DRY RUN on CPU: tiny models named after the GPU ones, compile disabled (the hand compiled "
+                     "rows skipped) unless --dry-compile; the figures say nothing about speed.")
     text = (body + "\n\n## Targets (one H200, bf16)\n\n" +
             table(["model, strategy", "what", "target", "measured", "status"], target_lines) + fp8_text + hf_text +
             "\n\n## Notes\n\n" + "\n\n".join(notes))

@@ -314,11 +314,34 @@ def make_job(compose):
 
 
 # ------------------------------------------------------------------------------ the shared 2-rank torchrun sweep
+#: fixtures that read some shared runs only, by name: a session whose tests reach the shared sweep through these
+#: alone (the slow suite: test_checkpoint's run_a) runs those jobs only
+SHARED_READERS = {"run_a": ("ckpt_a",)}
+
+
+def _shared_runs_needed(items) -> dict:
+    """The jobs of :data:`SHARED_RUNS` the session's tests (after ``-m`` and ``-k``) read: all of them when a test
+    asks for ``shared_sweep`` or ``two_rank_run`` itself, else those its :data:`SHARED_READERS` fixtures name."""
+    names: set = set()
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if not {"shared_sweep", "two_rank_run"} & used:
+            continue
+        direct = set(getattr(getattr(item, "_fixtureinfo", None), "initialnames", ()))
+        readers = used & set(SHARED_READERS)
+        if {"shared_sweep", "two_rank_run"} & direct or not readers:
+            return dict(SHARED_RUNS)
+        names.update(n for r in readers for n in SHARED_READERS[r])
+    return {k: v for k, v in SHARED_RUNS.items() if k in names} or dict(SHARED_RUNS)
+
+
 @pytest.fixture(scope="session")
-def shared_sweep(tmp_path_factory, cache_dir) -> Sweep:
-    """The 2-rank training runs several tests assert on (helpers.SHARED_RUNS), as the jobs of ONE sweep inside 2
-    torchrun ranks, started in an empty dir without hydra.sweep.dir (so the ranks must agree on its time stamp)."""
-    return sweep_runs(SHARED_RUNS, tmp_path_factory.mktemp("shared"), env={"HYDRATRAIN_CACHE": str(cache_dir)})
+def shared_sweep(request, tmp_path_factory, cache_dir) -> Sweep:
+    """The 2-rank training runs several tests assert on (helpers.SHARED_RUNS; those the session's tests read), as
+    the jobs of ONE sweep inside 2 torchrun ranks, started in an empty dir without hydra.sweep.dir (so the ranks
+    must agree on its time stamp)."""
+    runs = _shared_runs_needed(request.session.items)
+    return sweep_runs(runs, tmp_path_factory.mktemp("shared"), env={"HYDRATRAIN_CACHE": str(cache_dir)})
 
 
 @pytest.fixture(scope="session")
