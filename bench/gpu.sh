@@ -3,7 +3,8 @@
 # at the same precision (bf16), eager and compiled, for gpt_small (single, fsdp) and llama_1b (fsdp, seq 2048) at the
 # batch the memory planner picks (bench/gpu_table.py: tokens/s, MFU, peak memory, compile seconds, the targets), and
 # llama_1b's precision=fp8 against bf16 (tokens/s, the loss at step 100; alone with TABLE_ROWS=fp8 in one call), and
-# hydratrain model=hf_causal_lm against transformers.Trainer on a Llama of about 1B (alone with TABLE_ROWS=hf_trainer);
+# hydratrain model=hf_causal_lm against transformers.Trainer on a Llama of about 1B (alone with TABLE_ROWS=hf_trainer),
+# and llama_1b's step that saves a checkpoint, asynchronous against synchronous (alone with TABLE_ROWS=save);
 # with --smoke instead, the paths no CPU test reaches, each as one train.py launch (about 3-5 minutes on one H200).
 #
 #   bench/gpu.sh                               # the table (bench/gpu_table.py --budget-s 420: 7 minutes at most)
@@ -14,9 +15,10 @@
 #   CASES=fsdp_bf16,compile bench/gpu.sh --smoke    # only these smoke cases (names below)
 #   bench/gpu.sh --smoke -- logger.peak_flops=9.9e14   # extra overrides for every smoke launch (PEAK_FLOPS too)
 #   TABLE_BUDGET=300 bench/gpu.sh              # the table's budget in seconds (default 420; dry run 1800)
-#   TABLE_ROWS=fp8 bench/gpu.sh                # only these row sets of the table (vs_hand, fp8, hf_trainer; default
-#                                              #   all): fp8 = llama_1b precision=fp8 against bf16, 100 steps each;
-#                                              #   hf_trainer = hydratrain against transformers.Trainer, 4 x 2048
+#   TABLE_ROWS=fp8 bench/gpu.sh                # only these row sets of the table (vs_hand, fp8, hf_trainer, save;
+#                                              #   default all): fp8 = llama_1b precision=fp8 against bf16, 100 steps
+#                                              #   each; hf_trainer = hydratrain against transformers.Trainer, 4 x
+#                                              #   2048; save = llama_1b's save step, async against synchronous
 #
 # Smoke cases (data=synthetic; on GPU gpt_small runs batch 8 x 1024 tokens per rank; FSDP is kept on one GPU with
 # strategy.shard_on_one_rank=true, where the default would train as single):

@@ -9,6 +9,7 @@ micro-batch the memory planner picks (``data.batch_size=auto``). One launch per 
     python bench/gpu_table.py --print-plan [--dry-run]    # the plan only
     python bench/gpu_table.py --rows fp8          # only the fp8 row set (below)
     python bench/gpu_table.py --rows hf_trainer   # only hydratrain against transformers.Trainer (below)
+    python bench/gpu_table.py --rows save         # only asynchronous against synchronous checkpoint saves (below)
 
 The plan (N = the GPUs, at most ``--max-nproc``; fsdp rows run on N ranks under torchrun):
 
@@ -45,6 +46,11 @@ Row sets (``--rows``, default all, in this order; the budget drops the rows it c
   420 s budget on one H200) the budget drops it. In the dry run a tiny Llama (:data:`HF_TINY`), 2 x 64 tokens, a few
   steps, each side's ``auto`` precision (fp32 on a CPU without native bf16). Both sides need transformers (extra
   [hf]); without it the rows are skipped.
+- ``save``: llama_1b (hydratrain's defaults, the fp8 rows' batch) saving one checkpoint after step :data:`SAVE_AT`,
+  synchronously and with ``checkpoint.async_save=true``, :data:`SAVE_STEPS` steps each (:data:`SAVE_WARM`
+  untimed): the step after the save (which holds what the save blocked) against the median of the other timed
+  steps; the target: the async save's step within :data:`SAVE_TARGET` of a normal step. Alone (``--rows save``,
+  ``TABLE_ROWS=save bench/gpu.sh``) it fits one 8-minute call.
 
 Each row: tokens/s over steps ``--warm``+1..``--steps`` (a device synchronisation after each step), MFU (the
 model's FLOPs per token over the device's datasheet peak, ``hydratrain.metrics``), peak memory over the timed steps,
@@ -58,6 +64,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -113,6 +120,13 @@ HF_TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "
 HF_BATCH, HF_STEPS, HF_WARM = 4, 30, 10
 HF_TARGET = 1.10
 HF_GROUP = "hf_llama_1b single"
+
+# the save row set: llama_1b with one checkpoint saved after step SAVE_AT, synchronous against checkpoint.async_save;
+# steps per row and untimed ones on a GPU (the save's step and 5 normal ones timed), the target (an async save's step
+# over the median normal step, at most)
+SAVE_STEPS, SAVE_WARM, SAVE_AT = 12, 5, 9
+SAVE_TARGET = 1.10
+SAVE_GROUP = "llama_1b save"
 
 TORCHTITAN_NOTE = (
     "torchtitan: its released package (0.3.0, a pure-Python wheel, Python >= 3.11) imports `torchtitan.config` and "
@@ -175,13 +189,35 @@ def hf_rows(dry: bool) -> list[Row]:
                 warm=warm)]
 
 
-ROW_SETS = ("vs_hand", "fp8", "hf_trainer")
+def save_rows(dry: bool) -> list[Row]:
+    """llama_1b saving one checkpoint after step ``at``, synchronously and with ``checkpoint.async_save=true``, the
+    same batch as the fp8 rows (the ``save`` row set). No final save: the end waits for nothing but the one save."""
+    steps, warm, at = (6, 2, 3) if dry else (SAVE_STEPS, SAVE_WARM, SAVE_AT)
+    return [Row(SAVE_GROUP, side, "llama_1b", "hydratrain", "fsdp", "default",
+                [f"checkpoint.every_n_steps={at}", "checkpoint.save_last=false", f"checkpoint.async_save={flag}"],
+                steps=steps, warm=warm, max_batch=FP8_MAX_BATCH)
+            for side, flag in (("synchronous save", "false"), ("async save", "true"))]
+
+
+def save_step(row: dict) -> tuple[float, float] | None:
+    """(the save's step seconds, the median of the other timed steps' seconds) of a ``save`` row: the checkpoint
+    saved after step ``checkpoint.every_n_steps`` lands in the next step's seconds (``step_seconds``: steps 2..N)."""
+    at = int(next(o for o in row["overrides"] if o.startswith("checkpoint.every_n_steps=")).split("=")[1])
+    seconds, warm = row.get("step_seconds") or [], row["steps"] - row["timed_steps"]
+    timed = {step: seconds[step - 2] for step in range(warm + 1, row["steps"] + 1) if 2 <= step <= len(seconds) + 1}
+    if at + 1 not in timed or len(timed) < 2:
+        return None
+    save = timed.pop(at + 1)
+    return save, statistics.median(timed.values())
+
+
+ROW_SETS = ("vs_hand", "fp8", "hf_trainer", "save")
 
 
 def planned(nproc: int, dry: bool, sets=ROW_SETS) -> list[Row]:
     """The rows of the chosen row sets, in :data:`ROW_SETS` order."""
     return ((rows(nproc) if "vs_hand" in sets else []) + (fp8_rows(dry) if "fp8" in sets else []) +
-            (hf_rows(dry) if "hf_trainer" in sets else []))
+            (hf_rows(dry) if "hf_trainer" in sets else []) + (save_rows(dry) if "save" in sets else []))
 
 
 def gpu_count() -> int:
@@ -373,7 +409,8 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
                      "n/a" if t["met"] is None else ("met" if t["met"] else "NOT met")] for t in targets]
     fp8_text, fp8_targets = fp8_report(results)
     hf_text, hf_targets = hf_report(results)
-    targets += fp8_targets + hf_targets
+    save_text, save_targets = save_report(results)
+    targets += fp8_targets + hf_targets + save_targets
     notes = [f"Steps {warm + 1}-{steps} of each launch timed (a device synchronisation after each step); "
              f"{'bf16 on both sides' if not dry else 'precision=auto on both sides'}; fsdp rows on {nproc} "
              "rank(s). Each model's batch is what data.batch_size=auto picks (the memory planner's largest fit "
@@ -394,6 +431,7 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
                      "rows skipped) unless --dry-compile; the figures say nothing about speed.")
     text = (body + "\n\n## Targets (one H200, bf16)\n\n" +
             table(["model, strategy", "what", "target", "measured", "status"], target_lines) + fp8_text + hf_text +
+            save_text +
             "\n\n## Notes\n\n" + "\n\n".join(notes))
     return text, targets
 
@@ -453,6 +491,31 @@ def hf_report(results: list[dict]) -> tuple[str, list[dict]]:
             "(precision=auto, trainer.compile=auto: the whole model compiled on CUDA), the Trainer with bf16=True "
             "and its own defaults (fused AdamW, no torch.compile). MFU: FLOPs per token counted on a meta copy of "
             "the model on both sides."), targets
+
+
+def save_report(results: list[dict]) -> tuple[str, list[dict]]:
+    """The save row set's section (each side's normal and save step, their ratio; the async side against
+    :data:`SAVE_TARGET`) and its target record; nothing when neither row ran."""
+    side = {x["side"]: x for x in results if x["group"] == SAVE_GROUP}
+    if not side:
+        return "", []
+    steps = {name: save_step(x) if x["status"] == "PASS" else None for name, x in side.items()}
+    ratio = {name: got[0] / got[1] if got else None for name, got in steps.items()}
+    value = ratio.get("async save")
+    met = None if value is None else value <= SAVE_TARGET
+    targets = [{"group": SAVE_GROUP, "what": "async save step / normal step", "target": SAVE_TARGET, "value": value,
+                "met": met}]
+    lines = [[name, x["status"], fmt(steps[name][1], ".3f") if steps[name] else "n/a",
+              fmt(steps[name][0], ".3f") if steps[name] else "n/a", fmt(ratio[name], ".2f"),
+              f"{x.get('batch', '?')} x {x.get('seq', '?')}"] for name, x in side.items()]
+    verdict = [["async save step / normal step", f"<= {SAVE_TARGET:.2f}", fmt(value, ".3f"),
+                "n/a" if met is None else ("met" if met else "NOT met")]]
+    return ("\n\n## Asynchronous against synchronous checkpoint saves (llama_1b)\n\n" +
+            table(["side", "status", "normal step s (median)", "save step s", "save / normal", "batch x seq"],
+                  lines) + "\n\n" + table(["what", "target", "measured", "status"], verdict) +
+            "\n\nOne checkpoint (weights, AdamW state, run state; DCP) saved after the same step of each run; the save "
+            "step is the step after it, whose seconds hold what the save blocked. Async: the state staged "
+            "(pinned host memory on CUDA), the write in the background (checkpoint.async_save=true)."), targets
 
 
 if __name__ == "__main__":

@@ -343,7 +343,10 @@ def run_hydratrain(args) -> dict:
                "train_loss": result.train_loss, "startup_s": result.startup_s,
                "first_step_s": times[0] - fit_start, "batch": job.cfg.data.batch_size,
                "trained_as": job.strategy.name, "compiled": job.strategy.compiled or "none",
-               "peak_memory_bytes": max_over_ranks({"peak": train_peak[0]}, device)["peak"], **profiler.finish()}
+               "peak_memory_bytes": max_over_ranks({"peak": train_peak[0]}, device)["peak"], **profiler.finish(),
+               # each step's wall seconds from the previous step's end (steps 2..N; a checkpoint saved after step K
+               # lands in step K+1's: the trainer saves after logging the step)
+               "step_seconds": [b - a for a, b in zip(times, times[1:])]}
         if args.memory:
             # max over ranks (shards differ by FSDP's padding); peak memory: CUDA max_memory_allocated, CPU VmHWM,
             # and what it grew by from just before the build (the interpreter and torch's libraries excluded)

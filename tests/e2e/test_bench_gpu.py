@@ -85,7 +85,7 @@ def test_table_plan_puts_the_targets_rows_first_and_fits_the_budget():
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan"]).output
     assert "llama_1b" in out and "seq 2048" in out or "torch sees no CUDA GPU" in out
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run"]).ok().output
-    assert "budget 1800 s" in out and out.count("row: ") == len(gt.planned(1, True)) == len(gt.rows(1)) + 4
+    assert "budget 1800 s" in out and out.count("row: ") == len(gt.planned(1, True)) == len(gt.rows(1)) + 6
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run", "--rows", "fp8"]).ok()
     assert out.output.count("row: ") == 2 and "llama_1b fp8" in out.output and "fp8_emulate=true" in out.output
 
@@ -112,6 +112,35 @@ def test_fp8_rows_compare_like_with_like_and_judge_both_targets():
     assert gt.fp8_report([]) == ("", [])
 
 
+def test_save_rows_time_the_step_after_the_one_save_against_the_other_timed_steps():
+    """The save row set: llama_1b saving once after step 9 of 12, synchronously and asynchronously, nothing else
+    different; the save's step (step 10: the trainer saves after logging step 9) against the median of the other
+    timed steps (6-12), and the async side's ratio judged against 1.10."""
+    gt = _table_module()
+    sync, async_ = gt.save_rows(dry=False)
+    assert [o for o in sync.overrides if "async" not in o] == [o for o in async_.overrides if "async" not in o] == \
+        ["checkpoint.every_n_steps=9", "checkpoint.save_last=false"]
+    assert (sync.overrides[-1], async_.overrides[-1]) == ("checkpoint.async_save=false", "checkpoint.async_save=true")
+    assert sync.steps == async_.steps == 12 and sync.model == async_.model == "llama_1b"
+
+    def row(side, save_s, overrides):  # step_seconds: steps 2..12, 1.0 s each but the save's step
+        seconds = [1.0] * 11
+        seconds[10 - 2] = save_s
+        seconds[6 - 2] = 1.2  # a log step, outweighed by the median
+        return {"group": "llama_1b save", "side": side, "status": "PASS", "overrides": overrides, "steps": 12,
+                "timed_steps": 7, "step_seconds": seconds, "batch": 8, "seq": 2048}
+
+    assert gt.save_step(row("x", 3.0, sync.overrides)) == (3.0, 1.0)
+    text, targets = gt.save_report([row("synchronous save", 9.0, sync.overrides),
+                                    row("async save", 1.05, async_.overrides)])
+    assert [(t["what"], round(t["value"], 3), t["met"]) for t in targets] == [
+        ("async save step / normal step", 1.05, True)]
+    assert "| synchronous save | PASS | 1.000 | 9.000 | 9.00 | 8 x 2048 |" in text, text
+    _, targets = gt.save_report([row("async save", 1.5, async_.overrides)])
+    assert targets[0]["met"] is False
+    assert gt.save_report([]) == ("", [])
+
+
 def test_hf_trainer_rows_train_one_model_at_one_batch_after_fp8():
     """The hf_trainer row set: transformers.Trainer and hydratrain's defaults (no override but the model's) on one
     rank, the same Llama of llama_1b's shape, batch, sequence and steps; hydratrain gets the model through every key
@@ -136,7 +165,7 @@ def test_hf_trainer_rows_train_one_model_at_one_batch_after_fp8():
         assert overrides[0] == f"model.vocab_size={config['vocab_size']}"
         assert sorted(o.split("=")[0].removeprefix("model.config.") for o in overrides[1:]) == sorted(preset)
     assert "model.config.tie_word_embeddings=true" in gt.hf_overrides(cfg)
-    assert gt.planned(1, True)[-2:] == gt.hf_rows(dry=True) and gt.ROW_SETS[-2:] == ("fp8", "hf_trainer")
+    assert gt.planned(1, True)[-4:-2] == gt.hf_rows(dry=True) and gt.ROW_SETS[1:3] == ("fp8", "hf_trainer")
     out = sh([sys.executable, str(ROOT / "bench" / "gpu_table.py"), "--print-plan", "--dry-run", "--rows",
               "hf_trainer"]).ok().output
     assert out.count("row: ") == 2 and "impl=hf_trainer" in out and "seq 64: 2 (fixed)" in out, out
@@ -229,7 +258,8 @@ def test_table_targets_and_ratios():
 def test_table_dry_run(tmp_path):
     """The side-by-side table end to end, tiny, on CPU (compile disabled: tests/e2e/test_compile compiles)."""
     out = tmp_path / "out"
-    proc = _dry_run(out, tmp_path / "cache", smoke=False, timeout=1200, rows="vs_hand,fp8")  # (hf_trainer: its own)
+    # (hf_trainer: a test of its own)
+    proc = _dry_run(out, tmp_path / "cache", smoke=False, timeout=1200, rows="vs_hand,fp8,save")
     assert proc.returncode == 0, proc.output[-9000:]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     plans = [r for r in rows if r["kind"] == "plan"]
@@ -238,16 +268,21 @@ def test_table_dry_run(tmp_path):
     skipped = [r["side"] for r in every if r["status"].startswith("skipped: the dry run compiles nothing")]
     assert skipped == ["hand compiled (whole model)", "hand compiled (per block)", "hand compiled (per block)"]
     table = [r for r in every if not r["status"].startswith("skipped")]
-    assert len(table) == 8 and all(r["status"] == "PASS" for r in table), [r.get("failed") for r in table]
+    assert len(table) == 10 and all(r["status"] == "PASS" for r in table), [r.get("failed") for r in table]
     fp8 = [r for r in table if r["group"] == "llama_1b fp8"]  # emulated, every layer converted
     assert [r["precision"] for r in fp8] == ["bf16", "fp8"] and all(r["train_loss"] > 0 for r in fp8)
     assert all(r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0 and r["batch"] == 4 for r in table)
     defaults = [r for r in table if r["side"] == "hydratrain defaults"]
     assert [r["trained_as"] for r in defaults] == ["single", "fsdp"]  # the CPU keeps FSDP at one rank
     assert defaults[0]["profile_top"] and (out / "profile-gpt_small-hydratrain.txt").exists()
-    assert len([r for r in rows if r["kind"] == "target"]) == 5
+    targets = [r for r in rows if r["kind"] == "target"]
+    assert len(targets) == 6 and targets[-1]["what"] == "async save step / normal step" and targets[-1]["value"] > 0
+    saves = [r for r in table if r["group"] == "llama_1b save"]  # each saved once, after step 3 of 6
+    assert [r["side"] for r in saves] == ["synchronous save", "async save"] and all(len(r["step_seconds"]) == 5
+                                                                                    for r in saves)
     text = (out / "results.md").read_text()
     assert "DRY RUN" in text and "## Targets" in text and "x hand compiled" in text
+    assert "## Asynchronous against synchronous checkpoint saves (llama_1b)" in text
 
 
 def test_judge_catches_what_a_smoke_test_must():
