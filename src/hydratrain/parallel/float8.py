@@ -44,6 +44,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hydratrain.errors import ConfigError
 
@@ -174,24 +175,18 @@ def _plain_weights(module: nn.Module, state: dict, prefix: str, local_metadata: 
         state[key] = plain(value)
 
 
-def _wrapper_types() -> Any:
-    """torchao's float8-cast wrapper class and torch's ``DTensor``, or None when ``torchao.float8`` (or DTensor) was
-    never imported: then no such weight exists, torchao need not be there, and a run that shards nothing does not
-    pay DTensor's import (0.6 s)."""
+def _wrapper_type() -> Any:
+    """torchao's ``WeightWithDynamicFloat8CastTensor`` (the local shard of a weight FSDP all-gathers in float8), or
+    None when ``torchao.float8`` was never imported: then no such weight exists, and torchao need not be there."""
     fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")
-    tensor = sys.modules.get("torch.distributed.tensor")
-    wrapper = getattr(fsdp_utils, "WeightWithDynamicFloat8CastTensor", None)
-    return None if wrapper is None or tensor is None else (wrapper, tensor.DTensor)
+    return getattr(fsdp_utils, "WeightWithDynamicFloat8CastTensor", None)
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` without torchao's float8-cast wrapper: a DTensor whose local shard is the wrapper becomes the same DTensor
     over the wrapper's inner tensor (sharing its storage); any other tensor is returned as it is."""
-    types = _wrapper_types()
-    if types is None:
-        return t
-    wrapper, DTensor = types
-    if not isinstance(t, DTensor) or not isinstance(t._local_tensor, wrapper):
+    wrapper = _wrapper_type()
+    if wrapper is None or not isinstance(t, DTensor) or not isinstance(t._local_tensor, wrapper):
         return t
     local: Any = t._local_tensor
     return DTensor.from_local(local._tensor, t.device_mesh, t.placements, run_check=False, shape=t.shape,
@@ -202,10 +197,9 @@ def drop_precomputed_scales(params: list) -> None:
     """Forget torchao's float8 scales precomputed for ``params`` (after the last optimizer step): values copied into
     them since (the EMA's, for its evaluation) have scales of their own, which each float8 all-gather then computes
     (one all-reduce) until the next optimizer step precomputes them again."""
-    types = _wrapper_types()
-    if types is None:
+    wrapper = _wrapper_type()
+    if wrapper is None:
         return
-    wrapper, DTensor = types
     for p in params:
         local: Any = p._local_tensor if isinstance(p, DTensor) else None
         if isinstance(local, wrapper):
