@@ -104,9 +104,10 @@ def clean_env(threads: Optional[int] = None, **extra: str) -> dict:
     return env
 
 
-def command(script: Sequence[str], nproc: int) -> list[str]:
-    """``python SCRIPT...`` or ``python -m torch.distributed.run --standalone --nproc_per_node N SCRIPT...``."""
-    if nproc > 1:
+def command(script: Sequence[str], nproc: int, torchrun: bool = False) -> list[str]:
+    """``python SCRIPT...`` or ``python -m torch.distributed.run --standalone --nproc_per_node N SCRIPT...`` (for more
+    than one process, or with ``torchrun``)."""
+    if nproc > 1 or torchrun:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
     return [sys.executable, *script]
 

@@ -4,7 +4,9 @@
 # batch the memory planner picks (bench/gpu_table.py: tokens/s, MFU, peak memory, compile seconds, the targets), and
 # llama_1b's precision=fp8 against bf16 (tokens/s, the loss at step 100; alone with TABLE_ROWS=fp8 in one call), and
 # hydratrain model=hf_causal_lm against transformers.Trainer on a Llama of about 1B (alone with TABLE_ROWS=hf_trainer),
-# and llama_1b's step that saves a checkpoint, asynchronous against synchronous (alone with TABLE_ROWS=save);
+# and llama_1b's step that saves a checkpoint, asynchronous against synchronous (alone with TABLE_ROWS=save), and
+# torchtitan's Llama-3 trainer against hydratrain on llama_1b's shape (alone with TABLE_ROWS=torchtitan; torchtitan's
+# wheels carried in bench/wheels: bash bench/torchtitan_deps.sh wheels);
 # with --smoke instead, the paths no CPU test reaches, each as one train.py launch (about 3-5 minutes on one H200).
 #
 #   bench/gpu.sh                               # the table (bench/gpu_table.py --budget-s 420: 7 minutes at most)
@@ -15,10 +17,12 @@
 #   CASES=fsdp_bf16,compile bench/gpu.sh --smoke    # only these smoke cases (names below)
 #   bench/gpu.sh --smoke -- logger.peak_flops=9.9e14   # extra overrides for every smoke launch (PEAK_FLOPS too)
 #   TABLE_BUDGET=300 bench/gpu.sh              # the table's budget in seconds (default 420; dry run 1800)
-#   TABLE_ROWS=fp8 bench/gpu.sh                # only these row sets of the table (vs_hand, fp8, hf_trainer, save;
-#                                              #   default all): fp8 = llama_1b precision=fp8 against bf16, 100 steps
-#                                              #   each; hf_trainer = hydratrain against transformers.Trainer, 4 x
-#                                              #   2048; save = llama_1b's save step, async against synchronous
+#   TABLE_ROWS=fp8 bench/gpu.sh                # only these row sets of the table (vs_hand, fp8, hf_trainer, save,
+#                                              #   torchtitan; default all): fp8 = llama_1b precision=fp8 against
+#                                              #   bf16, 100 steps each; hf_trainer = hydratrain against
+#                                              #   transformers.Trainer, 4 x 2048; save = llama_1b's save step, async
+#                                              #   against synchronous; torchtitan = torchtitan's trainer against
+#                                              #   hydratrain, compile and full activation checkpointing on both
 #
 # Smoke cases (data=synthetic; on GPU gpt_small runs batch 8 x 1024 tokens per rank; FSDP is kept on one GPU with
 # strategy.shard_on_one_rank=true, where the default would train as single):
@@ -49,7 +53,8 @@
 #
 # Env: PYTHON (default python), CASES, STEPS (steps per smoke case, >= 4), CASE_TIMEOUT (s per launch), MAX_NPROC
 # (default 8), PEAK_FLOPS (logger.peak_flops), HYDRATRAIN_CACHE (where the CPU peak and corpora are cached),
-# TABLE_BUDGET (the table's seconds), TABLE_ROWS (the table's row sets).
+# TABLE_BUDGET (the table's seconds), TABLE_ROWS (the table's row sets), TORCHTITAN_SITE (where torchtitan is
+# unpacked; default: bench/wheels unpacked into $TMPDIR/torchtitan-site when it holds them).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -103,6 +108,10 @@ if ((!SMOKE)); then  # the side-by-side table: bench/gpu_table.py keeps its own 
   echo "bench/gpu.sh: the side-by-side table$( ((DRY)) && echo " (CPU dry run)"), results in $OUT"
   [[ -n "${TABLE_BUDGET:-}" ]] && TABLE+=(--budget-s "$TABLE_BUDGET")
   [[ -n "${TABLE_ROWS:-}" ]] && TABLE+=(--rows "$TABLE_ROWS")
+  if [[ -z "${TORCHTITAN_SITE:-}" ]] && compgen -G "$ROOT/bench/wheels/torchtitan-*.whl" > /dev/null; then
+    export TORCHTITAN_SITE="${TMPDIR:-/tmp}/torchtitan-site"  # the carried wheels (bench/torchtitan_deps.sh)
+    PYTHON="$PY" bash "$ROOT/bench/torchtitan_deps.sh" install "$TORCHTITAN_SITE" "$ROOT/bench/wheels" || exit 2
+  fi
   (cd "$ROOT" && PYTHONUNBUFFERED=1 "$PY" bench/gpu_table.py "${TABLE[@]}" --out "$OUT") 2>&1 | tee "$OUT/logs/table.log"
   exit "${PIPESTATUS[0]}"
 fi

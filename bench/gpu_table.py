@@ -10,6 +10,7 @@ micro-batch the memory planner picks (``data.batch_size=auto``). One launch per 
     python bench/gpu_table.py --rows fp8          # only the fp8 row set (below)
     python bench/gpu_table.py --rows hf_trainer   # only hydratrain against transformers.Trainer (below)
     python bench/gpu_table.py --rows save         # only asynchronous against synchronous checkpoint saves (below)
+    python bench/gpu_table.py --rows torchtitan   # only torchtitan's trainer against hydratrain (below)
 
 The plan (N = the GPUs, at most ``--max-nproc``; fsdp rows run on N ranks under torchrun):
 
@@ -51,6 +52,16 @@ Row sets (``--rows``, default all, in this order; the budget drops the rows it c
   untimed): the step after the save (which holds what the save blocked) against the median of the other timed
   steps; the target: the async save's step within :data:`SAVE_TARGET` of a normal step. Alone (``--rows save``,
   ``TABLE_ROWS=save bench/gpu.sh``) it fits one 8-minute call.
+- ``torchtitan``: torchtitan's Llama-3 trainer (``bench/torchtitan_worker.py``: its ``Llama3Model`` with llama_1b's
+  dimensions, FSDP2 with bf16 parameters, each block compiled, every block's activations recomputed, causal SDPA)
+  as it ships (one CUDA graph per step) and with CUDA graphs off, against hydratrain's defaults with
+  ``activation_checkpointing=true`` (and, on one GPU, with FSDP kept), the same batch (the plan's, at most
+  :data:`TT_MAX_BATCH`) and :data:`TT_STEPS` steps each (:data:`TT_WARM` untimed): tokens/s, MFU, peak memory and
+  parameter count; the targets (:data:`TT_TARGETS`): hydratrain >= 1.0x torchtitan's tokens/s at <= 1.05x its
+  peak memory, against torchtitan's faster row. torchtitan is not a dependency of hydratrain: ``bash
+  bench/torchtitan_deps.sh wheels`` puts its wheels in bench/wheels, which bench/gpu.sh unpacks (or
+  ``TORCHTITAN_SITE=DIR``); without it the rows are skipped. Alone (``--rows torchtitan``, ``TABLE_ROWS=torchtitan
+  bench/gpu.sh``) it fits one 8-minute call; in the dry run compile is off on both sides.
 
 Each row: tokens/s over steps ``--warm``+1..``--steps`` (a device synchronisation after each step), MFU (the
 model's FLOPs per token over the device's datasheet peak, ``hydratrain.metrics``), peak memory over the timed steps,
@@ -64,10 +75,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from benchlib import BENCH, Recorder, clean_env, command, fmt, out_dir, run_json, table, write_report
 
@@ -87,9 +100,10 @@ class Row:
     group: str  # "gpt_small single": rows compared with the group's hand-written rows
     side: str  # hand eager | hand compiled | hydratrain defaults | hydratrain, FSDP kept
     model: str  # Model.key
-    impl: str  # hand | hydratrain (bench/train_worker.py) | hf_trainer (bench/hf_trainer_worker.py)
+    impl: str  # hand | hydratrain (bench/train_worker.py) | hf_trainer (bench/hf_trainer_worker.py) | torchtitan
+    #   (bench/torchtitan_worker.py)
     strategy: str
-    compile: str  # train_worker --compile: default | none | model | blocks
+    compile: str  # train_worker --compile: default | none | model | blocks (torchtitan: blocks = its own compile)
     overrides: list = field(default_factory=list)
     profile: int = 0
     steps: int = 0  # steps of this row (0: the table's --steps), the first `warm` untimed
@@ -128,14 +142,23 @@ SAVE_STEPS, SAVE_WARM, SAVE_AT = 12, 5, 9
 SAVE_TARGET = 1.10
 SAVE_GROUP = "llama_1b save"
 
-TORCHTITAN_NOTE = (
-    "torchtitan: its released package (0.3.0, a pure-Python wheel, Python >= 3.11) imports `torchtitan.config` and "
-    "`torchtitan.distributed.compile` on torch 2.13 once its pure-Python dependencies are on the path (tyro, "
-    "spmd_types==0.2.3, torchdata, torch_checkpointing, einops, docstring-parser, shtab, typeguard); its Llama "
-    "model and trainer also import triton (shipped with CUDA builds of torch, absent from the CPU build this was "
-    "checked on) and its data loading imports `datasets` (with pyarrow) and `tokenizers`, binary wheels that the "
-    "offline GPU machine would need carried. It has a `1B` Llama3 flavor, so a row of the same shape could be added "
-    "by carrying those wheels and a tokenizer; not run here.")
+# the torchtitan row set: torchtitan's Llama-3 trainer (bench/torchtitan_worker.py) against hydratrain on llama_1b's
+# shape, the same batch (the plan's, at most TT_MAX_BATCH), sequence, bf16, compile and full activation checkpointing
+# on both sides; steps and untimed steps on a GPU; the targets: hydratrain / torchtitan tokens/s at least, peak
+# memory at most
+TT_STEPS, TT_WARM, TT_MAX_BATCH = 30, 10, 8
+TT_TARGETS = (1.0, 1.05)
+TT_GROUP = "llama_1b vs torchtitan"
+
+
+def torchtitan_missing() -> str | None:
+    """Why the torchtitan rows cannot run here, or None: torchtitan must be importable, from ``$TORCHTITAN_SITE``
+    (``bench/torchtitan_deps.sh install DIR``) or the environment."""
+    site = os.environ.get("TORCHTITAN_SITE")
+    if (site and (Path(site) / "torchtitan").is_dir()) or importlib.util.find_spec("torchtitan") is not None:
+        return None
+    return ("skipped: torchtitan is not installed (bash bench/torchtitan_deps.sh install DIR, then "
+            "TORCHTITAN_SITE=DIR)")
 
 
 def models(dry: bool) -> list[Model]:
@@ -211,13 +234,33 @@ def save_step(row: dict) -> tuple[float, float] | None:
     return save, statistics.median(timed.values())
 
 
-ROW_SETS = ("vs_hand", "fp8", "hf_trainer", "save")
+def torchtitan_rows(nproc: int, dry: bool) -> list[Row]:
+    """torchtitan's Llama-3 trainer and hydratrain on llama_1b's shape, both compiled, with every block's
+    activations recomputed, at the same batch (the ``torchtitan`` row set). torchtitan runs as it ships (its forward
+    and backward captured as one CUDA graph) and with CUDA graphs off; hydratrain runs its defaults otherwise, and on
+    one GPU, where ``strategy=fsdp`` trains as ``single``, also with FSDP kept (torchtitan's work there). A
+    torchtitan row's overrides are worker flags."""
+    steps, warm = (4, 2) if dry else (TT_STEPS, TT_WARM)
+    ac = ["activation_checkpointing=true"]
+    same = {"steps": steps, "warm": warm, "max_batch": TT_MAX_BATCH}
+    out = [Row(TT_GROUP, "torchtitan", "llama_1b", "torchtitan", "fsdp", "blocks", **same),
+           Row(TT_GROUP, "hydratrain defaults", "llama_1b", "hydratrain", "fsdp", "default", ac, **same),
+           Row(TT_GROUP, "torchtitan, CUDA graphs off", "llama_1b", "torchtitan", "fsdp", "blocks",
+               ["--cuda-graphs", "off"], **same)]
+    if nproc == 1:
+        out.append(Row(TT_GROUP, "hydratrain, FSDP kept (strategy.shard_on_one_rank=true)", "llama_1b", "hydratrain",
+                       "fsdp", "default", ["strategy.shard_on_one_rank=true", *ac], **same))
+    return out
+
+
+ROW_SETS = ("vs_hand", "fp8", "hf_trainer", "save", "torchtitan")
 
 
 def planned(nproc: int, dry: bool, sets=ROW_SETS) -> list[Row]:
     """The rows of the chosen row sets, in :data:`ROW_SETS` order."""
     return ((rows(nproc) if "vs_hand" in sets else []) + (fp8_rows(dry) if "fp8" in sets else []) +
-            (hf_rows(dry) if "hf_trainer" in sets else []) + (save_rows(dry) if "save" in sets else []))
+            (hf_rows(dry) if "hf_trainer" in sets else []) + (save_rows(dry) if "save" in sets else []) +
+            (torchtitan_rows(nproc, dry) if "torchtitan" in sets else []))
 
 
 def gpu_count() -> int:
@@ -326,6 +369,9 @@ def main(argv=None) -> int:
         if m.hf_config and importlib.util.find_spec("transformers") is None:
             keep({**base, "status": "skipped: transformers is not installed (pip install -e '.[hf]')"})
             continue
+        if r.impl == "torchtitan" and torchtitan_missing():
+            keep({**base, "status": torchtitan_missing()})
+            continue
         ranks = 1 if r.strategy == "single" else nproc
         batch = min(batches[r.model], r.max_batch) if r.max_batch else batches[r.model]
         timed = ["--steps", str(r.steps or steps), "--warm", str(r.warm if r.steps else warm), "--device", device]
@@ -333,6 +379,10 @@ def main(argv=None) -> int:
             script = "hf_trainer_worker.py"
             flags = ["--config", json.dumps(m.hf_config), "--batch", str(batch), "--seq", str(m.seq), "--precision",
                      precision, *timed]
+        elif r.impl == "torchtitan":  # torchtitan's trainer on the preset's shape (compile: see the dry run's env)
+            script = "torchtitan_worker.py"
+            flags = ["--model", m.preset, "--batch", str(batch), "--seq", str(m.seq), "--ac", "full", "--compile",
+                     "off" if dry and not args.dry_compile else "on", *timed, *r.overrides]
         else:
             # hydratrain's first log step (TensorBoard's writer is made there) is not timed: it is step warm - 1 (a
             # row's own warm with its own steps)
@@ -344,8 +394,9 @@ def main(argv=None) -> int:
                 flags += ["--override", o]
         if r.profile:
             flags += ["--profile", str(r.profile), "--profile-out", str(out / f"profile-{r.model}-{r.impl}.txt")]
-        row, tail, seconds = run_json(command([str(BENCH / script), *flags], ranks), env,
-                                      min(args.case_timeout, left()))
+        # (torchtitan's trainer reads its rank from torchrun's environment, even for one process)
+        row, tail, seconds = run_json(command([str(BENCH / script), *flags], ranks, torchrun=r.impl == "torchtitan"),
+                                      env, min(args.case_timeout, left()))
         if row is None:
             print(f"{r.group}: {r.side} FAILED ({seconds:.0f} s)\n{tail[-1500:]}", flush=True)
             keep({**base, "status": "FAIL", "seconds": seconds, "failed": tail[-2000:]})
@@ -410,7 +461,8 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
     fp8_text, fp8_targets = fp8_report(results)
     hf_text, hf_targets = hf_report(results)
     save_text, save_targets = save_report(results)
-    targets += fp8_targets + hf_targets + save_targets
+    tt_text, tt_targets = torchtitan_report(results)
+    targets += fp8_targets + hf_targets + save_targets + tt_targets
     notes = [f"Steps {warm + 1}-{steps} of each launch timed (a device synchronisation after each step); "
              f"{'bf16 on both sides' if not dry else 'precision=auto on both sides'}; fsdp rows on {nproc} "
              "rank(s). Each model's batch is what data.batch_size=auto picks (the memory planner's largest fit "
@@ -424,14 +476,13 @@ def report(results: list[dict], dry: bool, nproc: int, steps: int, warm: int) ->
              "rows). Where a target is not met, the profile files (profile-*.txt: top device kernels of the "
              "profiled steps; 'profile_busy' in results.jsonl: the share of those steps' wall time the device was "
              "busy) show what stands in the way: a busy share well below 1 is host overhead, a top kernel list led "
-             "by attention or the head is the model's ceiling.",
-             TORCHTITAN_NOTE]
+             "by attention or the head is the model's ceiling."]
     if dry:
         notes.insert(0, "DRY RUN on CPU: tiny models named after the GPU ones, compile disabled (the hand compiled "
                      "rows skipped) unless --dry-compile; the figures say nothing about speed.")
     text = (body + "\n\n## Targets (one H200, bf16)\n\n" +
             table(["model, strategy", "what", "target", "measured", "status"], target_lines) + fp8_text + hf_text +
-            save_text +
+            save_text + tt_text +
             "\n\n## Notes\n\n" + "\n\n".join(notes))
     return text, targets
 
@@ -516,6 +567,53 @@ def save_report(results: list[dict]) -> tuple[str, list[dict]]:
             "\n\nOne checkpoint (weights, AdamW state, run state; DCP) saved after the same step of each run; the save "
             "step is the step after it, whose seconds hold what the save blocked. Async: the state staged "
             "(pinned host memory on CUDA), the write in the background (checkpoint.async_save=true)."), targets
+
+
+def torchtitan_report(results: list[dict]) -> tuple[str, list[dict]]:
+    """The torchtitan row set's section (each side's tokens/s, MFU, peak memory, parameters; hydratrain's defaults
+    against torchtitan: tokens/s against :data:`TT_TARGETS` [0], peak memory against [1]) and its target records;
+    nothing when no row of it ran."""
+    side = {x["side"]: x for x in results if x["group"] == TT_GROUP}
+    if not side:
+        return "", []
+    passed = {k: x for k, x in side.items() if x["status"] == "PASS"}
+    # torchtitan's fastest row that ran (as it ships, or with CUDA graphs off), the baseline of both targets
+    theirs = max((x for x in passed.values() if x["impl"] == "torchtitan"), key=lambda x: x["tokens_per_sec"],
+                 default=None)
+    ours = passed.get("hydratrain defaults")
+    speed = ours["tokens_per_sec"] / theirs["tokens_per_sec"] if ours and theirs else None
+    memory = ours["peak_memory_bytes"] / theirs["peak_memory_bytes"] \
+        if ours and theirs and theirs.get("peak_memory_bytes") else None
+    same = ours["n_params"] == theirs["n_params"] if ours and theirs and "n_params" in ours else None
+    targets = [{"group": TT_GROUP, "what": "hydratrain / torchtitan (tokens/s)", "target": TT_TARGETS[0],
+                "value": speed, "met": None if speed is None else speed >= TT_TARGETS[0]},
+               {"group": TT_GROUP, "what": "hydratrain / torchtitan (peak memory)", "target": TT_TARGETS[1],
+                "value": memory, "met": None if memory is None else memory <= TT_TARGETS[1]},
+               {"group": TT_GROUP, "what": "the same parameter count", "target": None,
+                "value": same, "met": same}]
+    lines = [[name, x["status"], x.get("trained_as", ""), fmt(x.get("tokens_per_sec")),
+              fmt(100 * x["mfu"], ".1f") + " %" if x.get("mfu") else "n/a",
+              fmt(x["peak_memory_bytes"] / 2**30, ".2f") + " GiB" if x.get("peak_memory_bytes") else "n/a",
+              fmt(x.get("compile_s"), ".1f"), fmt(x.get("n_params")), f"{x.get('batch', '?')} x {x.get('seq', '?')}",
+              x.get("steps", "?")] for name, x in side.items()]
+    verdict = [[f"hydratrain / torchtitan tokens/s (against '{theirs['side'] if theirs else 'n/a'}')",
+                f">= {TT_TARGETS[0]:.2f}", fmt(speed, ".3f"),
+                "n/a" if speed is None else ("met" if targets[0]["met"] else "NOT met")],
+               ["hydratrain / torchtitan peak memory", f"<= {TT_TARGETS[1]:.2f}", fmt(memory, ".3f"),
+                "n/a" if memory is None else ("met" if targets[1]["met"] else "NOT met")],
+               ["parameters", "equal", "n/a" if same is None else ("equal" if same else "DIFFER"),
+                "n/a" if same is None else ("met" if same else "NOT met")]]
+    return ("\n\n## hydratrain against torchtitan (llama_1b's shape, compiled, activations recomputed)\n\n" +
+            table(["side", "status", "trained as", "tokens/s", "MFU", "peak memory", "compile s", "parameters",
+                   "batch x seq", "steps"], lines) + "\n\n" + table(["what", "target", "measured", "status"], verdict) +
+            "\n\ntorchtitan's Llama3Model built with llama_1b's dimensions (bench/torchtitan_worker.py: fused QKV, "
+            "its init, the chunked cross-entropy of its Llama-3 recipe, FSDP2 over every rank with bf16 parameters "
+            "and fp32 reductions, each block compiled, every block recomputed in backward, causal SDPA attention: "
+            "the kernel hydratrain uses) against hydratrain's defaults with activation_checkpointing=true (on one "
+            "GPU they train as single, the whole model compiled; the FSDP-kept row is torchtitan's work), the same "
+            "batch, sequence and step counts, synthetic tokens on both sides. MFU: hydratrain's FLOPs per token "
+            "for the shape on both sides. The targets compare hydratrain's defaults with torchtitan's faster row."
+            ), targets
 
 
 if __name__ == "__main__":
