@@ -116,6 +116,37 @@ def test_the_two_best_checkpoints_by_accuracy_are_kept_tested_and_evaluated_agai
     assert not (own / "again" / "checkpoints").exists()  # nothing trained, nothing saved
 
 
+def test_a_checkpoint_pushed_out_of_the_top_k_after_the_last_save_is_removed_at_once(tmp_path):
+    """The run's last evaluation can re-rank the top k after the run's last save (a periodic save of the last step):
+    the checkpoint it pushes out is pruned then, not at a next save that never comes; a resume restores the ranking
+    without pruning."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hydratrain.checkpoint.layout import METADATA
+    from hydratrain.checkpoint.manager import CheckpointManager, step_dir_name
+    from hydratrain.train.best_checkpoints import BestCheckpoints
+
+    root = tmp_path / "checkpoints"
+    for step in (100, 200, 300):
+        (root / step_dir_name(step)).mkdir(parents=True)
+        (root / step_dir_name(step) / METADATA).write_text("")
+    manager = CheckpointManager(root, {}, {}, {}, keep_last=2, device=torch.device("cpu"))
+    best = BestCheckpoints(manager, "eval/accuracy", "max", save_top_k=2)
+    run = SimpleNamespace(is_main=True, run_dir=tmp_path, request_checkpoint=lambda: None)
+    best.load_state_dict(best.state_dict() | {"best": json.dumps([{"step": 100, "value": 0.9, "objective": None},
+                                                                   {"step": 50, "value": 0.8, "objective": None}])})
+    assert sorted(p.name for p in root.iterdir()) == [step_dir_name(s) for s in (100, 200, 300)]  # resumed as is
+    manager.last_saved_step = 300
+    best.on_eval_end(run, 200, {"eval/accuracy": 0.95})  # 100 still second: nothing pushed out
+    assert [b["step"] for b in best.best] == [200, 100] and (root / step_dir_name(100)).is_dir()
+    best.on_eval_end(run, 300, {"eval/accuracy": 0.97})  # after step 300's save: 100 out, neither best nor latest
+    assert [b["step"] for b in best.best] == [300, 200]
+    assert sorted(p.name for p in root.iterdir()) == [step_dir_name(s) for s in (200, 300)]
+    assert [b["step"] for b in json.loads((tmp_path / "best_checkpoints.json").read_text())["best"]] == [300, 200]
+
+
 def test_a_monitor_that_names_no_logged_metric_is_one_line_before_the_run(cli, own):
     r = cli([*QUICK, "checkpoint.monitor=eval/acuracy"], own / "typo", fast=False)
     assert r.returncode == 2 and r.err.strip().splitlines() == [

@@ -416,6 +416,15 @@ class CheckpointManager:
         err.own_failure = True  # ... as its own, whichever rank recorded it first (not "another rank failed first")
         return err
 
+    def protect(self, steps: set[int], prune: bool = True) -> None:
+        """Keep the checkpoints of ``steps`` whatever ``keep_last`` says (the best ones); a step no longer among them
+        is pruned at once (rank 0), not at the next save, which may never come (the run's last evaluation can
+        re-rank after its last save)."""
+        dropped = self.protected_steps - set(steps)
+        self.protected_steps = set(steps)
+        if dropped and prune and self.rank == 0:
+            self._prune()
+
     def _prune(self) -> None:
         if not self.keep_last:
             return

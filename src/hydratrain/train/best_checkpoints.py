@@ -4,8 +4,7 @@
 
 After each evaluation whose ``checkpoint.monitor`` value enters the top k (by ``checkpoint.mode``), the run saves a
 checkpoint of that step (if the step has none yet). Those checkpoints are kept beside the ``checkpoint.keep_last``
-latest ones that resume uses; one pushed out of the top k is deleted at the next save, unless it is among the
-latest. ``best_checkpoints.json`` in the run dir lists them, best first (step, value, path). At the end of the run
+latest ones that resume uses; one pushed out of the top k is deleted at once, unless it is among the latest. ``best_checkpoints.json`` in the run dir lists them, best first (step, value, path). At the end of the run
 the best one's weights are written as ``best/model.safetensors`` (the format of ``model.safetensors``). With
 ``trainer.objective_at=best``, ``results.json`` and a sweeper get ``trainer.objective``'s value at the best
 evaluation instead of the final one. The list is checkpointed, so a resumed run keeps ranking where it left off.
@@ -74,11 +73,11 @@ class BestCheckpoints(Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.best = json.loads(state.get("best") or "[]")
-        self._protect()
+        self._protect(prune=False)  # (while resuming: the next ranking prunes)
 
     # ----------------------------------------------------------------------------------------------- helpers
-    def _protect(self) -> None:
-        self.manager.protected_steps = {b["step"] for b in self.best}
+    def _protect(self, prune: bool = True) -> None:
+        self.manager.protect({b["step"] for b in self.best}, prune)
 
     def _write_record(self, run: RunView) -> None:
         if not run.is_main:
