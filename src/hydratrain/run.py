@@ -29,7 +29,7 @@ from hydratrain.components import model_settings
 from hydratrain.config.settings import DataSettings, LoraSettings
 from hydratrain.data.build import build_data, data_vocabulary
 from hydratrain.data.streams import EvalBatches, ShardedBatches
-from hydratrain.data.tokenizer import TextTokenizer
+from hydratrain.data.tokenizer import TextTokenizer, run_tokenizer_dir
 from hydratrain.dist.collectives import max_over_ranks
 from hydratrain.dist.env import DistInfo, dist_info, quiet_console, under_submitit
 from hydratrain.dist.launch import note_launcher, stop_if_launcher_gone
@@ -170,7 +170,9 @@ def build(cfg: DictConfig, strategy: Strategy, info: DistInfo, run_dir: Path, la
         rank_components={"rng": RNGState(device), "step_logger": step_logger},
         config=OmegaConf.to_container(composed, resolve=True, enum_to_str=True),  # type: ignore[arg-type]  # (a dict)
         keep_last=cfg.checkpoint.keep_last, device=device,
-        attachments=model_files(cfg, data.vocab_size, data.tokenizer), async_save=cfg.checkpoint.async_save)
+        attachments=model_files(cfg, data.vocab_size, data.tokenizer,
+                                run_tokenizer_dir(cfg, paths.data, paths.launch)),
+        async_save=cfg.checkpoint.async_save)
     callbacks = extras.build_callbacks(cfg, checkpoints, device, scheduler, model=raw, vocab_size=data.vocab_size)
     if callbacks:  # (their states ride in the checkpoints; a run without callbacks saves none)
         checkpoints.components["callbacks"] = callbacks
@@ -343,7 +345,8 @@ def _train(cfg: DictConfig, job: Job, strategy: Strategy, info: DistInfo, run_di
     stop_if_launcher_gone("before writing the run's outputs")
     write_outputs(job.cfg, result, model=job.model, raw=job.raw, strategy=strategy, precision=job.precision, info=info,
                   run_dir=run_dir, trackers=job.step_logger.trackers, tokenizer=job.tokenizer,
-                  vocab_size=job.vocab_size, test=tester(job, run_dir))
+                  vocab_size=job.vocab_size, test=tester(job, run_dir),
+                  tokenizer_json=job.checkpoints.attachments.get("tokenizer.json"))
     return result
 
 

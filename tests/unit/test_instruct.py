@@ -191,7 +191,8 @@ def test_the_data_position_resumes_exactly_on_another_world_size(arith, tmp_path
 
 def test_a_packed_fine_tune_resumes_bit_identically(cli, arith, tmp_path):
     """A run of data=instruct with packing on the tiny Llama dir, and its resume from step 2: the same final weights;
-    the log counts the records, windows and response tokens."""
+    the log counts the records, windows and response tokens. The pretrained dir's tokenizer (its special tokens and
+    chat template) travels with the checkpoints into export/ and python -m hydratrain.export's dir, as it was."""
     args = ["model=hf_causal_lm", "model.config=null", f"model.pretrained={arith / 'tiny'}", "model.vocab_size=320",
             "data=instruct", f"data.paths=[{arith / 'arith.jsonl'}]", "data.seq_len=64", "data.packing=true",
             "data.batch_size=2", "device=cpu", "precision=fp32", "strategy=single", "logger.peak_flops=1e11",
@@ -202,6 +203,18 @@ def test_a_packed_fine_tune_resumes_bit_identically(cli, arith, tmp_path):
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     cli(args, run_a, fast=False).ok()
     assert "data=instruct train: 200 records -> " in log_of(run_a)
+    from transformers import AutoTokenizer
+
+    from hydratrain.export import main as export_main
+
+    assert export_main([str(ckpt_of(run_a, 4)), str(tmp_path / "again")]) == 0
+    source = AutoTokenizer.from_pretrained(str(arith / "tiny"))
+    for where in (ckpt_of(run_a, 4), run_a / "export", tmp_path / "again"):
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            assert (where / name).read_bytes() == (arith / "tiny" / name).read_bytes(), (where, name)
+        tok = AutoTokenizer.from_pretrained(str(where))
+        chat = [{"role": "user", "content": "1+2"}, {"role": "assistant", "content": "3"}]
+        assert tok.apply_chat_template(chat) == source.apply_chat_template(chat) and tok.eos_token == source.eos_token
     cli([*args, f"checkpoint.resume_from={ckpt_of(run_a, 2)}"], run_b, fast=False).ok()
     assert_same_tensors(load_weights(run_a / "model.safetensors"), load_weights(run_b / "model.safetensors"),
                         "final weights of a packed fine-tune and of its resume from step 2")

@@ -37,6 +37,7 @@ from omegaconf import OmegaConf
 
 from hydratrain.data import hf_dataset
 from hydratrain.data.cache import build_lock, verified_cache, write_manifest
+from hydratrain.data.tokenizer import TRANSFORMERS_TOKENIZER_FILES
 from hydratrain.errors import ConfigError
 from hydratrain.paths import default_cache_dir
 
@@ -45,8 +46,6 @@ log = logging.getLogger(__name__)
 IGNORE = -100  # the label transformers' loss (and torch's cross_entropy) skips
 TRUNCATION = ("cut", "drop")
 FORMAT_VERSION = 1  # part of the cache key: bump when the cached layout changes
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
-                    "special_tokens_map.json")
 
 
 def instruct_datasets(paths: Sequence[str], val_paths: Optional[Sequence[str]] = None, format: Optional[str] = None,
@@ -104,7 +103,7 @@ def _hf_tokenizer(path: Path):
 
 def _tokenizer_hash(path: Path) -> str:
     digest = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
+    for name in TRANSFORMERS_TOKENIZER_FILES:
         if (path / name).is_file():
             digest.update(name.encode() + (path / name).read_bytes())
     return digest.hexdigest()[:16]

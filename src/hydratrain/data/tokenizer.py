@@ -99,6 +99,36 @@ def load_tokenizer(path: Path | str, key: str = "data.tokenizer") -> TextTokeniz
     return TextTokenizer(path, tok, hashlib.sha256(data).hexdigest()[:16])
 
 
+#: what a ``transformers`` tokenizer's ``save_pretrained`` writes (and a pretrained model dir holds): carried with the
+#: checkpoints and exports of a run whose tokenizer it is, so the special tokens and chat template travel too
+TRANSFORMERS_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                                "special_tokens_map.json")  # (this order keys data=instruct's caches)
+
+
+def transformers_tokenizer_files(directory: Optional[Path]) -> dict[str, Path]:
+    """``{name: path}`` of the :data:`TRANSFORMERS_TOKENIZER_FILES` in ``directory``; empty unless it holds both
+    tokenizer.json and tokenizer_config.json (a ``transformers`` tokenizer, not a bare ``tokenizers`` file)."""
+    if directory is None or not all((Path(directory) / f).is_file() for f in TRANSFORMERS_TOKENIZER_FILES[:2]):
+        return {}
+    return {f: Path(directory) / f for f in TRANSFORMERS_TOKENIZER_FILES if (Path(directory) / f).is_file()}
+
+
+def run_tokenizer_dir(cfg, data_dir: Path, launch_dir: Path) -> Optional[Path]:
+    """The ``transformers`` tokenizer dir of a run, if it has one: ``data.tokenizer`` when it names a dir (relative
+    to ``data_dir``: data=instruct and hf_dataset default it to ``model.pretrained``), else ``model.pretrained``
+    (relative to ``launch_dir``, as the model reads it) for data that names no tokenizer (a dataset node of one's
+    own). None when that dir holds no ``transformers`` tokenizer (:func:`transformers_tokenizer_files`)."""
+    data, model = cfg.get("data"), cfg.get("model")
+    named = data.get("tokenizer") if data is not None and "tokenizer" in data else None
+    if named:
+        candidate = data_dir / Path(str(named)).expanduser()
+    elif model is not None and model.get("pretrained") and not (data is not None and "tokenizer" in data):
+        candidate = launch_dir / Path(str(model.pretrained)).expanduser()
+    else:
+        return None
+    return candidate if transformers_tokenizer_files(candidate) else None
+
+
 def padded_vocab_size(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
     """``n`` rounded up to a multiple of ``multiple`` (embedding and output matmuls run faster on such sizes)."""
     return -(-n // multiple) * multiple

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from hydratrain.data.tokenizer import EOT, load_tokenizer, padded_vocab_size
+from hydratrain.data.tokenizer import EOT, copy_atomic, load_tokenizer, padded_vocab_size, transformers_tokenizer_files
 from hydratrain.errors import ConfigError
 from hydratrain.parallel.init import canonical_name
 
@@ -340,8 +340,15 @@ def export_pretrained(config, hf_class: type[Any], state_dict: dict, out_dir: Un
 
 
 def save_tokenizer(tokenizer_json: Union[str, Path], out_dir: Path) -> None:
-    """``tokenizer_json`` (a ``tokenizers`` tokenizer.json) saved into ``out_dir`` as a ``transformers`` fast
-    tokenizer (tokenizer.json, tokenizer_config.json), ``<|endoftext|>`` as its end-of-text token when it has one."""
+    """The tokenizer of ``tokenizer_json`` saved into ``out_dir`` for ``AutoTokenizer.from_pretrained``: the
+    ``transformers`` tokenizer files beside it copied as they are (a pretrained model's, carried in the checkpoints:
+    its special tokens and chat template kept), else the bare ``tokenizers`` file wrapped as a fast tokenizer
+    (tokenizer.json, tokenizer_config.json), ``<|endoftext|>`` as its end-of-text token when it has one."""
+    files = transformers_tokenizer_files(Path(tokenizer_json).parent)
+    if files and files["tokenizer.json"].resolve() == Path(tokenizer_json).resolve():
+        for name, path in files.items():
+            copy_atomic(path, Path(out_dir) / name)
+        return
     from transformers import PreTrainedTokenizerFast
 
 

@@ -4,8 +4,9 @@
 
 After each evaluation whose ``checkpoint.monitor`` value enters the top k (by ``checkpoint.mode``), the run saves a
 checkpoint of that step (if the step has none yet). Those checkpoints are kept beside the ``checkpoint.keep_last``
-latest ones that resume uses; one pushed out of the top k is deleted at once, unless it is among the latest. ``best_checkpoints.json`` in the run dir lists them, best first (step, value, path). At the end of the run
-the best one's weights are written as ``best/model.safetensors`` (the format of ``model.safetensors``). With
+latest ones that resume uses; one pushed out of the top k is deleted at once, unless it is among the latest.
+``best_checkpoints.json`` in the run dir lists them, best first (step, value, path). At the end of the run the best
+one's weights are written as ``best/model.safetensors`` (the format of ``model.safetensors``). With
 ``trainer.objective_at=best``, ``results.json`` and a sweeper get ``trainer.objective``'s value at the best
 evaluation instead of the final one. The list is checkpointed, so a resumed run keeps ranking where it left off.
 """

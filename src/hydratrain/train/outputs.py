@@ -30,6 +30,7 @@ from hydratrain.checkpoint.layout import list_checkpoints
 from hydratrain.config.settings import LoraSettings
 from hydratrain.config.trainer import language_model
 from hydratrain.data.registry import CORPORA
+from hydratrain.data.tokenizer import transformers_tokenizer_files
 from hydratrain.dist.launch import unwritable_message
 from hydratrain.errors import HydratrainError, OutputError, unwritable_cause
 from hydratrain.parallel import lora
@@ -96,11 +97,16 @@ def model_config_json(cfg: DictConfig, vocab_size: Optional[int]) -> str:
     return json.dumps(model_record(cfg, vocab_size), default=str)
 
 
-def model_files(cfg: DictConfig, vocab_size: Optional[int], tokenizer) -> dict:
-    """Files every checkpoint carries besides the tensors: ``model.json`` (:func:`model_config_json`) and, for
-    subword data, ``tokenizer.json`` (the path of the file to copy)."""
+def model_files(cfg: DictConfig, vocab_size: Optional[int], tokenizer, tokenizer_dir: Optional[Path] = None) -> dict:
+    """Files every checkpoint carries besides the tensors: ``model.json`` (:func:`model_config_json`) and the run's
+    tokenizer (paths of the files to copy): a ``transformers`` tokenizer dir's files (``tokenizer_dir``:
+    :func:`hydratrain.data.tokenizer.run_tokenizer_dir`; its tokenizer.json, config, special tokens, chat template)
+    when the data's tokenizer, if any, is that dir's; else, for subword data, its tokenizer.json."""
     files: dict[str, Any] = {"model.json": model_config_json(cfg, vocab_size)}
-    if tokenizer is not None:
+    hf = transformers_tokenizer_files(tokenizer_dir)
+    if hf and (tokenizer is None or Path(tokenizer.path).resolve() == hf["tokenizer.json"].resolve()):
+        files.update(hf)
+    elif tokenizer is not None:
         files["tokenizer.json"] = Path(tokenizer.path)
     return files
 
@@ -279,13 +285,15 @@ def done_line(payload: dict, carried: list[str]) -> str:
 
 
 def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, info, run_dir: Path, trackers,
-                  tokenizer=None, vocab_size: Optional[int] = None, test=None) -> None:
+                  tokenizer=None, vocab_size: Optional[int] = None, test=None,
+                  tokenizer_json: Optional[Path] = None) -> None:
     """Weights (with the tokenizer next to them), sample, hparams row and results.json of a finished run (every rank
     calls), then close ``trackers`` (:class:`hydratrain.train.trackers.Trackers`: TensorBoard and the others). The
     hparams metrics are the figures results.json gets (:func:`results_payload`); the trackers' summary adds the
     objective.
     ``test(result)``: called once the weights and the sample are written (it may load other weights), before the
-    figures are (:func:`hydratrain.train.testing.tester`).
+    figures are (:func:`hydratrain.train.testing.tester`). ``tokenizer_json``: the tokenizer.json the checkpoints
+    carry (:func:`model_files`; beside a ``transformers`` tokenizer's other files), handed to a model's export hook.
 
     An output whose dir takes no writes (full, read-only, permissions: :func:`hydratrain.errors.unwritable_cause`)
     does not keep the others from being written: the first such error is raised once the rest are written (so a
@@ -295,8 +303,7 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
     with _keep_going(refused, run_dir):
         if cfg.trainer.save_weights and adapters is not None:
             path = save_lora(model, cfg, adapters, run_dir, info.is_main, vocab_size,
-                             {"model_config": model_config_json(cfg, vocab_size)},
-                             Path(tokenizer.path) if tokenizer else None)
+                             {"model_config": model_config_json(cfg, vocab_size)}, tokenizer_json)
             if path:
                 saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
                 log.info("wrote the LoRA adapter to %s and the merged model's weights to %s%s", run_dir / "adapter",
@@ -304,7 +311,7 @@ def write_outputs(cfg: DictConfig, result, *, model, raw, strategy, precision, i
         elif cfg.trainer.save_weights:
             path = save_weights(model, run_dir / "model.safetensors", info.is_main,
                                 {"model_config": model_config_json(cfg, vocab_size)},
-                                export=(raw, run_dir / "export", Path(tokenizer.path) if tokenizer else None))
+                                export=(raw, run_dir / "export", tokenizer_json))
             if path:
                 saved = f" and its tokenizer to {tokenizer.save(run_dir)}" if tokenizer is not None else ""
                 log.info("wrote full model weights to %s%s", path, saved)
