@@ -75,7 +75,7 @@ def check_param_groups(cfg: DictConfig) -> None:
         key = f"optim.param_groups[{i}]"
         if not OmegaConf.is_dict(entry) or not isinstance(entry.get("match"), str) or not entry.match:
             raise ConfigError(f"{key}.match", entry.get("match") if OmegaConf.is_dict(entry) else entry,
-                              "each entry needs match: a glob on parameter names (embed*, *.norm.weight)")
+                              "each entry needs match: a glob on parameter names (tok_emb.*, blocks.*.attn.*)")
         unknown = [k for k in entry if k not in ("match", "lr_scale", "weight_decay")]
         if unknown:
             raise ConfigError(f"{key}.{unknown[0]}", entry[unknown[0]], "allowed keys: match, lr_scale, weight_decay")

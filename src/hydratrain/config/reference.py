@@ -232,13 +232,24 @@ def render(conf_dir: Path = CONF_DIR) -> str:
             out += [f"## `{f.name}`", "", *([_doc(cls), ""] if _doc(cls) else []), *_TABLE]
             out += _rows(cls, default[f.name], comments)
             out.append("")
+    for f in dataclasses.fields(top):  # a node that is null unless an option adds it (+peft=lora)
+        cls = next((a for a in typing.get_args(hints[f.name]) if isinstance(a, type) and dataclasses.is_dataclass(a)),
+                   None)
+        if cls is None or f.name in schema.SCHEMAS:
+            continue
+        for option in sorted(p.stem for p in (conf_dir / f.name).glob("*.yaml")):
+            added = {**_plain(cls), **_plain(OmegaConf.load(conf_dir / f.name / f"{option}.yaml"))}
+            out += [f"## `{f.name}`", "", f"Null unless `+{f.name}={option}` adds it. {_doc(cls)}", "", *_TABLE,
+                    *_rows(cls, added, comments, prefix=f"{f.name}."), ""]
     # keys every node of a group holds (a user's own file too): listed once, before the group's options, with the
     # values a node gets that does not set them (the schema's: TrainConfig's default node, the option merged onto it)
     owned = {"model": schema.ModelKeys, "data": schema.LoaderKeys}
     out += ["## `model`", "", _doc(schema.ModelKeys), "", *_TABLE,
             *_rows(schema.ModelKeys, _plain(schema.ModelKeys), comments), ""]
     for group, names in schema.SCHEMAS.items():
-        out += [f"## `{group}`", "", f"Options: {', '.join(f'`{o}`' for o in names)} (`{group}=OPTION`).", ""]
+        nodes = sorted(p.stem for p in (conf_dir / group).glob("*.yaml") if p.stem not in names)
+        out += [f"## `{group}`", "", f"Options: {', '.join(f'`{o}`' for o in names)} (`{group}=OPTION`)"
+                + (f"; and {', '.join(f'`{o}`' for o in nodes)}, `_target_` nodes (below)." if nodes else "."), ""]
         shared: dict = _plain(owned[group]) if group in owned else {}
         if group in owned:
             out += [_doc(owned[group]), "", *_TABLE, *_rows(owned[group], shared, comments), ""]
@@ -252,7 +263,26 @@ def render(conf_dir: Path = CONF_DIR) -> str:
                 out += [_doc(cls), ""]
             out += [*_TABLE, *rows] if rows else ["No keys of its own."]
             out.append("")
+        for option in nodes:
+            out += _node_option(conf_dir / group / f"{option}.yaml", group, option, shared)
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _node_option(path: Path, group: str, option: str, shared: dict) -> list[str]:
+    """The section of an option file that is a ``_target_`` node (``data=instruct``): its target, and each key it
+    sets with the value and the comment beside it in the file (its keys are the target's arguments, unchecked by a
+    schema); the shared keys it leaves at their defaults are not repeated."""
+    node = _plain(OmegaConf.load(path))
+    notes = {}
+    for line in path.read_text().splitlines():  # a top-level "key: value  # comment" line
+        key, _, rest = line.partition(":")
+        if key and not key[0].isspace() and not key.startswith("#") and "#" in rest:
+            notes[key.strip()] = rest.split("#", 1)[1].strip()
+    rows = [f"| `{k}` | {_cell(_value(v))} | {_cell(notes.get(k) or ('a data key above' if k in shared else ''))} |"
+            for k, v in node.items() if k not in ("_target_", "defaults") and not (k in shared and v == shared[k])]
+    table = ["| key | value | meaning |", "| --- | --- | --- |"]
+    return [f"### `{group}={option}`", "", f"A `_target_` node: `{node['_target_']}`, whose arguments its keys are "
+            "(no schema types them).", "", *(table + rows if rows else ["No keys of its own."]), ""]
 
 
 def main() -> int:
