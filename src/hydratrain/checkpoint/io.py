@@ -144,14 +144,16 @@ def find_corrupt_entry(ckpt: Path) -> Optional[str]:
     return None
 
 
-def load_dcp(state: dict, ckpt: Path) -> None:
-    """``dcp.load`` of ``state`` (filled in place) from ``ckpt`` with the safe reader and planner; every rank calls.
+def load_dcp(state: dict, ckpt: Path, alone: bool = False) -> None:
+    """``dcp.load`` of ``state`` (filled in place) from ``ckpt`` with the safe reader and planner; every rank calls,
+    unless ``alone``: one process reads by itself, without a collective even where a process group exists (rank 0
+    exporting the best checkpoint while the other ranks go on: DCP's default would wait for them on the group).
 
     Raises :class:`CheckpointError` (one line naming the corrupt file, or ``ckpt``) when DCP fails on any rank.
     """
     try:
         with quiet_without_process_group():
-            dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner())
+            dcp.load(state, storage_reader=SafeReader(str(ckpt)), planner=SafeLoadPlanner(), no_dist=alone)
     except (CheckpointError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # DCP's CheckpointException derives from BaseException
@@ -203,7 +205,7 @@ def read_model_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     if not model:
         raise CheckpointError(f"{ckpt}: holds no model weights (no 'model.*' entries)")
     state = {"model": model}
-    load_dcp(state, ckpt)
+    load_dcp(state, ckpt, alone=True)
     return state["model"]
 
 
@@ -213,7 +215,7 @@ def read_all(ckpt: Path) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for k, v in md.state_dict_metadata.items():
         flat[k] = torch.empty(v.size, dtype=v.properties.dtype) if isinstance(v, TensorStorageMetadata) else None
-    load_dcp(flat, ckpt)
+    load_dcp(flat, ckpt, alone=True)
     return flat
 
 
