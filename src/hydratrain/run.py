@@ -362,6 +362,16 @@ def _restore(job: Job, resume: Path, run_dir: Path, evaluating: bool) -> None:
     trainer.keep_the_epoch_limit()
     if evaluating:
         return
+    stopped = trainer.callbacks.resumed_stop
+    if stopped and resume.parent == run_dir / "checkpoints":  # a relaunch of a run that stopped (a requeue): done
+        log.warning("resumed at step %d, where this run stopped (%s): nothing to train, evaluating only; to train "
+                    "on, resume its checkpoint into a new run dir: checkpoint.resume_from=%s", step, stopped, resume)
+        trainer.max_steps = trainer.logger.max_steps = step
+        trainer.callbacks.stopped = stopped
+        return
+    if stopped:
+        log.info("%s was saved by a run that stopped (%s): training on from it, as checkpoint.resume_from asks",
+                 resume, stopped)
     lr_change = job.checkpoints.components["scheduler"].lr_change(step)
     if lr_change and step < trainer.max_steps:
         log.warning(lr_change)

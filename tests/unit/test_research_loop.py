@@ -77,6 +77,17 @@ def test_a_callback_and_early_stopping_go_on_after_a_crash_as_if_uninterrupted(c
     split = results(own / "split")
     assert (split["steps"], split["eval_loss"], split["train_loss"]) == \
         (done["steps"], done["eval_loss"], done["train_loss"])
+    kept = [*LOOP, "checkpoint.save_last=true"]  # the stop step saved: a relaunch (a requeue) stays stopped
+    assert cli(kept, own / "kept", fast=False).returncode == 0
+    done = results(own / "kept")
+    again = cli(kept, own / "kept", fast=False)
+    assert again.returncode == 0, again.output[-3000:]
+    assert "resumed at step 15, where this run stopped (early stopping: eval/loss" in again.output, again.output[-4000:]
+    assert "nothing to train, evaluating only" in again.output and "stopping after" not in again.output
+    redone = results(own / "kept")
+    assert (redone["steps"], redone["eval_loss"], redone["stopped_early"]) == (15, done["eval_loss"],
+                                                                               done["stopped_early"])
+    assert sorted(p.name for p in (own / "kept" / "checkpoints").glob("step_*"))[-1] == "step_00000015"
 
 
 QUICK = [*OWN, "trainer.max_steps=12", "trainer.eval_every_n_steps=2", "trainer.log_every_n_steps=6", "optim.lr=0.02"]

@@ -124,6 +124,9 @@ class RunView:
         self._log_scalars(values, step)
 
 
+STOPPED = "__stopped__"  # the key of the agreed stop's reason in the callbacks' checkpointed state
+
+
 class Callbacks:
     """The run's callbacks by name, called in order; also the Stateful entry of their states in checkpoints."""
 
@@ -132,6 +135,7 @@ class Callbacks:
         self.view: Optional[RunView] = None
         self.stop_reason: Optional[str] = None  # this rank's request
         self.stopped: Optional[str] = None  # the agreed stop's reason, once agreed
+        self.resumed_stop: Optional[str] = None  # the stop the checkpoint this run resumed from was saved after
         self.checkpoint_requested = False  # this rank's request for a save at this step
 
     def __bool__(self) -> bool:
@@ -174,15 +178,18 @@ class Callbacks:
             self.stopped = self.stop_reason or "a callback on another rank asked to stop"
         return self.stopped is not None, bool(flags[1])
 
-    # Stateful: the states of the callbacks that have one, by name
+    # Stateful: the states of the callbacks that have one, by name, and the agreed stop's reason (every save at or
+    # after the stop's step comes after the agreement: a relaunch of the stopped run knows it stopped)
     def state_dict(self) -> dict:
-        return {name: cb.state_dict() for name, cb in self.callbacks.items() if callable(getattr(cb, "state_dict",
-                                                                                                   None))}
+        states = {name: cb.state_dict() for name, cb in self.callbacks.items()
+                  if callable(getattr(cb, "state_dict", None))}
+        return {**states, STOPPED: self.stopped or ""}
 
     def load_state_dict(self, state: dict) -> None:
         for name, cb in self.callbacks.items():
             if name in state and callable(getattr(cb, "load_state_dict", None)):
                 cb.load_state_dict(state[name])
+        self.resumed_stop = state.get(STOPPED) or None
 
 
 
