@@ -108,6 +108,8 @@ def test_the_two_best_checkpoints_by_accuracy_are_kept_tested_and_evaluated_agai
     assert [b["value"] for b in record["best"]] == [accuracy[s] for s in ranked]
     kept = sorted(p.name for p in (own / "run" / "checkpoints").glob("step_*"))
     assert kept == sorted({f"step_{s:08d}" for s in ranked} | {f"step_{max(ranked):08d}"})  # the best and no other
+    # the end says the last steps are in no checkpoint only when the final evaluation did not save the last step
+    assert ("are in no checkpoint" in r.output) == (12 not in ranked), r.output[-2000:]
     res = results(own / "run")
     assert res["objective"] == accuracy[ranked[0]] and res["best"] == {"step": ranked[0],
                                                                          "eval/accuracy": accuracy[ranked[0]]}

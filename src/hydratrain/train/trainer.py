@@ -471,15 +471,10 @@ class Trainer:
         result.train_loss = self.logger.last_loss
         if result.preempted:
             return result
-        if self.checkpoints is not None and self.checkpoints.last_saved_step != self.progress.step:
-            if self.save_last:
-                self.logger.fold_window()
-                self.strategy.sync_buffers(self.model)
-                self._save(self.progress.step, wait=True)
-            elif self.progress.step >= first and self._last_checkpoint() is not None:
-                log.info("steps after %s are in no checkpoint (checkpoint.save_last=false): a relaunch with a larger "
-                         "trainer.max_steps resumes from it and trains them again: %s trainer.max_steps=<more>",
-                         self._last_checkpoint(), resume_command(self.checkpoints.root.parent))
+        if self.checkpoints is not None and self.checkpoints.last_saved_step != self.progress.step and self.save_last:
+            self.logger.fold_window()
+            self.strategy.sync_buffers(self.model)
+            self._save(self.progress.step, wait=True)
         step = self.progress.step
         evaluated = self._evaluated[1] if self._evaluated[0] == step else self._eval_and_log(step)
         if self.callbacks and self.checkpoints is not None and self.callbacks.agree()[1] \
@@ -487,6 +482,11 @@ class Trainer:
             self.logger.fold_window()
             self.strategy.sync_buffers(self.model)
             self._save(step, wait=True)
+        if self.checkpoints is not None and self.checkpoints.last_saved_step != step and step >= first \
+                and self._last_checkpoint() is not None:  # (after the final evaluation's save, if it made one)
+            log.info("steps after %s are in no checkpoint (checkpoint.save_last=false): a relaunch with a larger "
+                     "trainer.max_steps resumes from it and trains them again: %s trainer.max_steps=<more>",
+                     self._last_checkpoint(), resume_command(self.checkpoints.root.parent))
         result.eval_loss = evaluated.get("loss", math.nan)
         result.eval_perplexity = evaluated.get("perplexity", math.nan)
         result.eval_metrics = {k: v for k, v in evaluated.items() if k not in ("loss", "perplexity")}
