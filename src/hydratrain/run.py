@@ -219,6 +219,9 @@ def _data(cfg: DictConfig, strategy: Strategy, info: DistInfo, precision: Precis
     cfg = auto_batch.resolve(cfg, strategy, info, precision, vocab_size)
     train, eval_, test = build_data(cfg, info, paths.data, cfg.trainer.progress_bar, vocab_size,
                                     cache_dir=paths.cache, with_test=True)
+    if cfg.trainer.test_after_fit and test is None and str(cfg.mode) != "eval":  # (known now, not after training)
+        raise ConfigError("trainer.test_after_fit", True, "the data has no test split (a data function returns "
+                          "{'train', 'val', 'test'}: docs/research-loop.md#a-test-split); or set it to false")
     timing.mark("data")
     return cfg, _Data(train, eval_, test, tokenizer, vocab_size)
 

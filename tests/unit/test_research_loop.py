@@ -167,6 +167,11 @@ def test_a_monitor_that_names_no_logged_metric_is_one_line_before_the_run(cli, o
         "eval/loss, eval/accuracy"], r.output[-2000:]
     r = cli([*QUICK, "trainer.objective_at=best"], own / "best", fast=False)
     assert r.returncode == 2 and "trainer.objective_at='best': needs checkpoint.monitor" in r.err
+    r = cli([*QUICK, "trainer.test_after_fit=true"], own / "untested", fast=False)  # (no test split): before training
+    assert r.returncode == 2 and r.err.strip().splitlines() == [
+        "hydratrain: config error: trainer.test_after_fit=True: the data has no test split (a data function returns "
+        "{'train', 'val', 'test'}: docs/research-loop.md#a-test-split); or set it to false"], r.output[-2000:]
+    assert "eval at step" not in r.output and not (own / "untested" / "checkpoints").exists()
 
 
 def test_a_schedule_of_ones_own_and_parameter_groups_resume_bit_identically(cli, own):

@@ -40,12 +40,8 @@ def tester(job: Any, run_dir: Path) -> Optional[Callable[[Any], None]]:
     """For ``trainer.test_after_fit``: what :func:`hydratrain.train.outputs.write_outputs` calls after writing the
     last weights: loads the best weights (``best/model.safetensors``, when ``checkpoint.monitor`` kept some), tests
     them and puts ``test_metrics`` in the result and ``test/*`` in TensorBoard. None when the data has no test
-    split (said once)."""
-    if not job.cfg.trainer.test_after_fit:
-        return None
-    if job.test_batches is None:
-        log.warning("trainer.test_after_fit: the data has no test split (a data factory returns {'train', 'val', "
-                    "'test'}): nothing to test")
+    split (a config error when the job was built)."""
+    if not job.cfg.trainer.test_after_fit or job.test_batches is None:
         return None
 
     def test(result: Any) -> None:
