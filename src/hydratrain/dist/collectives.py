@@ -73,6 +73,16 @@ def unlike_rank0(label: str, fingerprint: str) -> Optional[tuple[int, list]]:
     return None if other is None else (other, every)
 
 
+def first_given(value: Optional[str]) -> Optional[str]:
+    """The first rank's ``value`` that is not None (by rank), gathered from every rank; ``value`` itself without a
+    process group."""
+    if _group_size() <= 1:
+        return value
+    every: list[Any] = [None] * _group_size()
+    dist.all_gather_object(every, value)
+    return next((v for v in every if v is not None), None)
+
+
 def barrier() -> None:
     if _group_size() > 1 or (dist.is_available() and dist.is_initialized()):
         dist.barrier()

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from hydratrain.dist.collectives import all_reduce_max
+from hydratrain.dist.collectives import all_reduce_max, first_given
 from hydratrain.errors import CallbackError, ConfigError
 
 log = logging.getLogger("hydratrain.callbacks")
@@ -110,7 +110,7 @@ class RunView:
         self._stop(why)
 
     def request_checkpoint(self) -> None:
-        """Save a checkpoint of this step (agreed by every rank; from an evaluation or a log step's hook)."""
+        """Save a checkpoint at the next log step or evaluation, this step if it is one (agreed by every rank)."""
         self._checkpoint()
 
     def evaluate(self) -> dict:
@@ -120,7 +120,8 @@ class RunView:
         return self._evaluate()
 
     def log_scalars(self, values: dict, step: int) -> None:
-        """Write ``{tag: value}`` to the run's TensorBoard at ``step`` (rank 0 writes; any rank may call)."""
+        """Log ``{tag: value}`` at ``step`` to every tracker of the run (TensorBoard, and CSV, MLflow, W&B where
+        ``logger`` names them; rank 0 writes; any rank may call)."""
         self._log_scalars(values, step)
 
 
@@ -174,8 +175,8 @@ class Callbacks:
         flags = all_reduce_max(torch.tensor([int(self.stop_reason is not None), int(self.checkpoint_requested)],
                                             dtype=torch.int32, device=self.device)).tolist()
         self.checkpoint_requested = False
-        if flags[0] and self.stopped is None:
-            self.stopped = self.stop_reason or "a callback on another rank asked to stop"
+        if flags[0] and self.stopped is None:  # (once, on every rank alike: the asking rank's reason for all)
+            self.stopped = first_given(self.stop_reason) or "a callback asked to stop"
         return self.stopped is not None, bool(flags[1])
 
     # Stateful: the states of the callbacks that have one, by name, and the agreed stop's reason (every save at or
