@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hydratrain.errors import DivergenceError
+from hydratrain.train.nonfinite import stop_advice
 
 RUN = ["trainer.max_steps=8", "trainer.log_every_n_steps=4", "trainer.eval_every_n_steps=0", "scheduler=constant",
        "scheduler.warmup_steps=0"]
@@ -92,6 +93,10 @@ def test_stop_drops_the_update_on_the_device_and_raises_at_the_next_log_step(mak
     assert job.trainer.progress.skipped_steps == 3  # steps 2, 3 and 4: every dropped update counts
     assert "non-finite gradient norm (nan) at step 2" in str(err.value)
     assert "and every update after it up to step 4, was not applied (trainer.on_nonfinite=stop" in str(err.value)
+    # the advice names the clipping as it is set: on by default, so lowered, not "set"
+    clip = job.cfg.trainer.grad_clip
+    assert (f"or lower trainer.grad_clip (now {clip:g})" if clip else "or set trainer.grad_clip") in str(err.value)
+    assert stop_advice(0.0).endswith("or set trainer.grad_clip (1.0 is common)")
     # steps 2-4 changed nothing: the weights and moments are step 1's, bit for bit
     assert all(torch.equal(v, _params(one_step)[k]) for k, v in _params(job).items())
     state = job.trainer.optimizer.state_dict()["state"][0]

@@ -30,7 +30,10 @@ from hydratrain.errors import DivergenceError
 
 log = logging.getLogger("hydratrain.trainer")
 
-STOP_ADVICE = "lower optim.lr, raise scheduler.warmup_steps, or set trainer.grad_clip"
+def stop_advice(grad_clip: Optional[float]) -> str:
+    """What to change after a divergence: the clipping named as it is set (a clip already on is lowered)."""
+    clip = f"lower trainer.grad_clip (now {grad_clip:g})" if grad_clip else "set trainer.grad_clip (1.0 is common)"
+    return f"lower optim.lr, raise scheduler.warmup_steps, or {clip}"
 
 
 def drops_updates_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
@@ -54,13 +57,15 @@ class NonFiniteGuard:
         scaler_skips: fp16's grad scaler drops non-finite updates itself (``policy`` then does not apply; the limit
             on consecutive skips does).
         consecutive: steps skipped in a row just before this launch (``TrainProgress.consecutive_skipped`` on resume).
+        grad_clip: ``trainer.grad_clip`` (0: none), which the advice after a divergence names as it is set.
     """
 
     def __init__(self, policy: str, max_consecutive: int, device: torch.device, scaler_skips: bool,
-                 consecutive: int = 0):
+                 consecutive: int = 0, grad_clip: Optional[float] = None):
         self.stop = str(policy) == "stop" and not scaler_skips
         self.warn = not scaler_skips  # the scaler's skips are routine (the loss scale searching down), not news
         self.max_consecutive = int(max_consecutive)
+        self.advice = stop_advice(grad_clip)
         zero = torch.zeros((), dtype=torch.float64, device=device)
         self._consecutive = zero + consecutive
         self._halted = torch.zeros((), dtype=torch.bool, device=device)
@@ -146,7 +151,7 @@ class NonFiniteGuard:
         err = None
         if self.stop:
             after = f", and every update after it up to step {step}," if step > first else ""
-            advice = "check that step's data on those ranks" if partial else STOP_ADVICE
+            advice = "check that step's data on those ranks" if partial else self.advice
             err = DivergenceError(f"{what}: its update{after} was not applied (trainer.on_nonfinite=stop; "
                                   f"{advice})", first, last_checkpoint())
         else:

@@ -268,7 +268,8 @@ class Trainer:
         if self.guard is None:
             self._guard_on_device = drops_updates_on_device(self.optimizer, self.device)
             self.guard = NonFiniteGuard(self.tcfg.on_nonfinite, self.tcfg.max_consecutive_nonfinite, self.device,
-                                        self.scaler.is_enabled(), self.progress.consecutive_skipped)
+                                        self.scaler.is_enabled(), self.progress.consecutive_skipped,
+                                        self.tcfg.grad_clip)
         accum = self.tcfg.grad_accum_steps
         total = torch.zeros((), device=self.device)
         probe = None  # this launch's first micro-batch, for the eval-mode check after its first step
