@@ -40,8 +40,9 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
     ``example`` (a batch; only its shapes and dtypes are used), counted by ``FlopCounterMode``. A forward that reads a
     value on the way (``.item()``, ``if mask.all()``: meta tensors have none) is counted again under
     ``FakeTensorMode``, where libraries that check for tracing (``transformers``) take their value-free path. A loss
-    that refuses the outputs is counted as :func:`_stand_in_loss` (the first step names the refusal; no warning
-    here repeats it). NaN when the model runs in neither (the run goes on without MFU)."""
+    that refuses the outputs is counted as :func:`_stand_in_loss`, and one that is no scalar as its sum (the run's
+    checks name either; no warning here repeats it). NaN when the model runs in neither (the run goes on without
+    MFU)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -61,6 +62,8 @@ def counted_flops_per_sample(build_meta: Callable[[], torch.nn.Module], example:
                     value = loss_of(outputs, batch, loss)
                 except Exception as err:  # noqa: BLE001 (the first step names a loss that refuses the outputs)
                     value = _stand_in_loss(outputs, err)
+                if isinstance(value, torch.Tensor) and value.ndim:  # a loss that is no scalar: the check names it
+                    value = value.float().sum()  # (the backward through the model is the same)
                 value.backward()
         return counter.get_total_flops() / max(n, 1)
 

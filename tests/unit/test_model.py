@@ -105,6 +105,9 @@ def test_flops_are_counted_with_a_loss_module_that_holds_a_buffer():
     # per sample: 2 FLOPs per multiply-add forward, 2 for the weight's gradient (the input needs none)
     assert counted == counted_flops_per_sample(build, batch, torch.nn.CrossEntropyLoss()) == 4 * 8 * 3
     assert weighted.weight.device.type == "cpu"
+    # a loss that is no scalar (the run's check names it): counted through its sum, no warning blaming the model
+    per_sample = torch.nn.CrossEntropyLoss(reduction="none")
+    assert counted_flops_per_sample(build, batch, per_sample) == 4 * 8 * 3
 
 
 def test_a_configured_loss_gets_low_precision_predictions_in_float32():
