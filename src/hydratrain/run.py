@@ -358,7 +358,10 @@ def _restore(job: Job, resume: Path, run_dir: Path, evaluating: bool) -> None:
     the resume changes: the lr, nothing left to train, the run length."""
     trainer = job.trainer
     try:
-        job.checkpoints.load(resume, compare_config=not evaluating)
+        # (mode=eval: the weights, the step and the callbacks' states such as the EMA's; no optimizer state or data
+        # position, which it would allocate or remap for nothing)
+        job.checkpoints.load(resume, compare_config=not evaluating,
+                             skip=("optim", "scheduler", "scaler", "data") if evaluating else ())
     except DamagedCheckpointError as err:  # found while reading (corrupt bytes), not by find_resume's checks
         raise with_previous(err, resume) if resume.parent == run_dir / "checkpoints" else err from None
     step = trainer.progress.step

@@ -436,10 +436,11 @@ class CheckpointManager:
             log.info("removed old checkpoint %s (checkpoint.keep_last=%d)", path, self.keep_last)
 
     # ------------------------------------------------------------------------------------------------- load
-    def load(self, ckpt: Path, compare_config: bool = True) -> None:
-        """Restore every component from ``ckpt`` (resharded by DCP to this strategy and world size); every rank
-        calls. Logs every config value that differs from the one the checkpoint was saved with (``compare_config``:
-        not when the weights are only evaluated, ``mode=eval``).
+    def load(self, ckpt: Path, compare_config: bool = True, skip: tuple = ()) -> None:
+        """Restore every component from ``ckpt`` (resharded by DCP to this strategy and world size) but those named
+        in ``skip``, which are neither read nor asked for their state (an optimizer asked for one allocates it:
+        ``mode=eval`` skips the training state); every rank calls. Logs every config value that differs from the one
+        the checkpoint was saved with (``compare_config``: not when the weights are only evaluated, ``mode=eval``).
 
         Raises :class:`CheckpointError` when the checkpoint is unreadable, from a model of another shape, or a
         component refuses its state (e.g. the data order changed).
@@ -463,7 +464,8 @@ class CheckpointManager:
             check_model_shapes(md, shapes, ckpt, saved_config, dict(self.config))
         check_architecture((saved_config or {}).get("model"), dict(self.config).get("model") or {}, str(ckpt))
         rank_key = f"rank{self.rank}"
-        targets = {name: obj.state_dict() for name, obj in self.components.items()}
+        components = {name: obj for name, obj in self.components.items() if name not in skip}
+        targets = {name: obj.state_dict() for name, obj in components.items()}
         targets[rank_key] = {name: obj.state_dict() for name, obj in self.rank_components.items()}
         targets["checkpoint"] = {"format_version": 0, "world_size": 0}
         format_1 = not _has(stored, "checkpoint.format_version")
@@ -473,8 +475,8 @@ class CheckpointManager:
         load_dcp(loadable, ckpt)
         _restore_kinds(loadable, changed)
         if format_1:
-            loadable = _from_format_1(loadable, rank_key, self.components)
-        for name, obj in self.components.items():
+            loadable = _from_format_1(loadable, rank_key, components)
+        for name, obj in components.items():
             if name not in loadable:
                 if obj.state_dict():
                     log.warning("%s holds no '%s' state: it starts fresh", ckpt, name)
