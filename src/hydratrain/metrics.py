@@ -283,7 +283,7 @@ def cpu_peak_flops(dtype: torch.dtype, cache_dir: Optional[Path] = None) -> tupl
         try:
             tmp.write_text(json.dumps({"entries": entries}, indent=1, sort_keys=True))
             os.replace(tmp, path)
-            where = f"measured now ({key}; best of {len(taken) + 1} launches') and cached in {path}"
+            where = f"measured now ({key}; best of {len(taken) + 1} launches) and cached in {path}"
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()

@@ -190,6 +190,15 @@ def test_cpu_peak_measured_while_busy_is_replaced_by_a_later_launchs_higher_figu
     assert peak_flops(cpu, FP32, None, cache_dir=tmp_path) == 1.0e11 and len(counted_measure) == 3
 
 
+def test_where_the_cpu_peak_comes_from_reads_without_a_stray_quote(tmp_path, counted_measure):
+    """The peak FLOP/s log line's source: measured now (its parentheses closed, no stray ``'``), then cached."""
+    path, key = tmp_path / metrics.CPU_PEAK_CACHE, metrics.cpu_peak_key(FP32)
+    assert metrics.cpu_peak_flops(FP32, tmp_path) == (1.0e11, f"measured now ({key}; best of 1 launches) and cached in "
+                                                               f"{path}")
+    assert metrics.cpu_peak_flops(FP32, tmp_path) == (1.0e11, f"cached in {path} ({key}, best of 1 launches' "
+                                                               "measurements)")
+
+
 def test_cpu_cache_key_changes_with_threads(tmp_path, counted_measure):
     threads = torch.get_num_threads()
     try:
