@@ -59,6 +59,30 @@ def test_too_little_data_is_a_clear_error():
         ShardedBatches(TokenDataset(np.arange(50), seq_len=10), batch_size=8, rank=0, world_size=2, seed=0)
 
 
+@pytest.mark.parametrize("n, batch_size, line", [
+    # 1 train sample for 2 ranks: the data is too small, whatever data.batch_size is
+    (2, 1, "data._target_='mypkg.data.spirals': train split: the split has 1 samples, fewer than world_size=2: use "
+           "more data"),
+    # 4 train samples, 2 a rank, for batches of 4: that one is data.batch_size's
+    (5, 4, "data.batch_size=4: train split (4 samples): each rank has 2 samples per epoch, fewer than "
+           "data.batch_size=4: use more data or a smaller data.batch_size"),
+])
+def test_a_dataset_node_too_small_for_the_ranks_names_the_data_not_the_batch_size(own, monkeypatch, n, batch_size,
+                                                                                  line):
+    from types import SimpleNamespace
+
+    from hydratrain.data import loader
+
+    monkeypatch.setattr(loader, "unlike_rank0", lambda *a: None)  # (rank 1's datasets: the same, no process group)
+    cfg = OmegaConf.create({"data": {"_target_": "mypkg.data.spirals", "n": n, "batch_size": batch_size,
+                                     "num_workers": 0},
+                            "trainer": {"seed": 0}, "checkpoint": {"restore_data_position": True}})
+    info = SimpleNamespace(rank=0, world_size=2, device=torch.device("cpu"))
+    with pytest.raises(ConfigError) as err:
+        loader.build_dataset_batches(cfg, info)
+    assert str(err.value) == line
+
+
 def test_stdlib_corpus_is_split_by_file_cached_and_reused(tmp_path):
     root, files = stdlib_files()
     assert len(files) > 500 and files == sorted(files)

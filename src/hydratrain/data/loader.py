@@ -342,6 +342,8 @@ def build_dataset_batches(cfg: DictConfig, info, fetch_device: Optional[Any] = N
                                device=info.device, strict_position=cfg.checkpoint.restore_data_position,
                                fetch=loader_fetch(splits["train"], data, info.device, cfg.trainer.seed))
     except ValueError as err:
+        if len(splits["train"]) < info.world_size:  # fewer samples than ranks: the data's size, whatever the batch
+            raise ConfigError("data._target_", data._target_, f"train split: {err}") from None
         raise ConfigError("data.batch_size", batch_size, f"train split ({len(splits['train'])} samples): {err}") \
             from None
     try:
