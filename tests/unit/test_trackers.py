@@ -6,13 +6,14 @@ from __future__ import annotations
 import csv
 import importlib.util
 import logging
+import socket
 
 import pytest
 
 from hydratrain.config.validate import validate
 from hydratrain.errors import ConfigError
 from hydratrain.metrics import TensorBoardLogger
-from hydratrain.train.trackers import CSVTracker, Tracker, Trackers, flat, scrub
+from hydratrain.train.trackers import CSVTracker, Tracker, Trackers, flat, scrub, start_trackers
 
 # what a StepLogger sends: log lines at steps 1, 2 (timed: perf/), an eval at 2, a callback's scalar at 2
 STREAM = [(1, {"train/loss": 5.5, "train/lr": 1e-4, "mem/peak": 1000.0}),
@@ -163,13 +164,40 @@ def test_each_sweep_job_is_an_mlflow_run_grouped_by_the_sweep_and_the_report_dra
         assert "sweep_report.png" in (sweep_dir / "sweep_report.md").read_text()
 
 
-def test_a_tracker_that_fails_to_start_is_one_line_naming_its_key(compose, tmp_path):
+def test_a_tracker_that_fails_to_start_is_one_line_naming_its_key(compose, tmp_path, monkeypatch):
     pytest.importorskip("mlflow", reason="logger=mlflow needs the extra: pip install 'hydratrain[mlflow]'")
-    from hydratrain.train.trackers import start_trackers
-
     cfg = compose(["logger=[tensorboard,csv,mlflow]", "logger.mlflow.tracking_uri=nosuchstore://u:hunter2@host/x"])
     with pytest.raises(ConfigError) as err:
         start_trackers(cfg, tmp_path, tmp_path, resuming=False)
-    assert str(err.value).startswith("logger.mlflow='nosuchstore://host/x': did not start: ")
+    assert str(err.value).startswith("logger.mlflow.tracking_uri='nosuchstore://host/x': MLflow did not start: ")
     assert "\n" not in str(err.value) and "hunter2" not in str(err.value)
     assert not (tmp_path / "trackers.json").exists()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchstore://u:hunter2@host/y")  # the URI from the environment
+    with pytest.raises(ConfigError) as err:
+        start_trackers(compose(["logger=[tensorboard,mlflow]"]), tmp_path, tmp_path, resuming=False)
+    assert str(err.value).startswith("$MLFLOW_TRACKING_URI='nosuchstore://host/y': MLflow did not start: ")
+    assert "\n" not in str(err.value) and "hunter2" not in str(err.value)
+
+
+def closed_port() -> int:
+    """A local TCP port nothing listens on (bound, then closed): a connection to it is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_wandb_online_without_an_api_key_names_the_mode_and_offline(compose, tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="logger=wandb needs the extra: pip install 'hydratrain[wandb]'")
+    for name in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings with a key
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")  # a request would be refused, not sent
+    cfg = compose(["logger=[tensorboard,wandb]"])
+    assert cfg.logger.wandb.mode == "online"
+    with pytest.raises(ConfigError) as err:
+        start_trackers(cfg, tmp_path, tmp_path, resuming=False)
+    line = str(err.value)
+    assert line.startswith("logger.wandb.mode='online': W&B did not start: UsageError: No API key configured")
+    assert "logger.wandb.mode=offline needs no account" in line and "\n" not in line

@@ -10,7 +10,8 @@ A :class:`Tracker` takes the run's parameters once (the flat config and the comm
 each logged step, and a summary at the end (the figures results.json holds, ``objective`` among them, as
 ``final/<name>``); its ``id`` is kept in ``<run dir>/trackers.json``, so a resumed run continues the same tracker run.
 
-A tracker that fails to start is a :class:`~hydratrain.errors.ConfigError` naming its key, before training; one that
+A tracker that fails to start is a :class:`~hydratrain.errors.ConfigError` naming the key and value that chose where
+it logs (``logger.mlflow.tracking_uri``, ``$MLFLOW_TRACKING_URI``, ``logger.wandb.mode``), before training; one that
 fails later is one warning, and the run goes on without it.
 
 Credentials: hydratrain reads none (each library reads its own variables: $WANDB_API_KEY, $MLFLOW_TRACKING_PASSWORD)
@@ -65,6 +66,8 @@ class Tracker:
     resume (None: nothing to keep). The methods a tracker has nothing to do for are left as they are here."""
 
     key = "logger"
+    name = "tracker"  # (in messages)
+    where = ""  # where it logs (in the line that says it started), scrubbed
     id: Optional[str] = None
 
     def log_params(self, params: Mapping[str, str]) -> None:
@@ -142,6 +145,7 @@ class CSVTracker(Tracker):
     an earlier row changes, and at a resume, whose rows after the resume point go as TensorBoard's do."""
 
     key = "logger.csv"
+    name = "CSV"
 
     def __init__(self, path: Path):
         self.path = path
@@ -202,6 +206,7 @@ class MLflowTracker(Tracker):
     summary metrics ``final/<name>``."""
 
     key = "logger.mlflow"
+    name = "MLflow"
     _PARAMS, _METRICS, _VALUE = 100, 1000, 6000  # MLflow's limits: params and metrics per batch, a param's length
 
     def __init__(self, uri: str, experiment: str, run_id: Optional[str], name: str, tags: Mapping[str, str]):
@@ -209,6 +214,7 @@ class MLflowTracker(Tracker):
         from mlflow.tracking import MlflowClient
 
         self._metric, self._param = Metric, Param
+        self.where = scrub(uri)
         self.client = MlflowClient(tracking_uri=uri)
         if run_id is not None:
             self.client.update_run(run_id, status="RUNNING")
@@ -255,6 +261,7 @@ class WandbTracker(Tracker):
     launch logged them), parameters are the run's config, the summary ``final/<name>``."""
 
     key = "logger.wandb"
+    name = "W&B"
 
     def __init__(self, node: DictConfig, run_dir: Path, run_id: Optional[str], name: str, group: Optional[str]):
         import wandb  # (extra [wandb]: only in a run that uses it)
@@ -264,7 +271,7 @@ class WandbTracker(Tracker):
                               tags=list(node.tags) or None, name=name, dir=str(run_dir), mode=node.mode.value,
                               id=run_id, resume="allow" if run_id else None,
                               settings=wandb.Settings(silent=True, console="off"))
-        self.id = self.run.id
+        self.id, self.where = self.run.id, f"mode {node.mode}"
 
     def log_params(self, params: Mapping[str, str]) -> None:
         self.run.config.update(dict(params), allow_val_change=True)
@@ -291,35 +298,64 @@ def start_trackers(cfg: DictConfig, run_dir: Path, output_dir: Path, resuming: b
     group = _relative(sweep_dir, output_dir) if sweep_dir is not None else None
     params = flat(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     params["overrides"] = scrub(" ".join(overrides))
-    trackers: list[Tracker] = []
+    started: list[tuple[Tracker, str, Any]] = []  # (tracker, the key and value that chose where it logs)
     if node.csv:
-        trackers.append(CSVTracker(run_dir / "metrics.csv"))
+        started.append((CSVTracker(run_dir / "metrics.csv"), "logger.csv", True))
     if node.mlflow.enabled:
-        uri = node.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _local_store(output_dir)
-        trackers.append(_started(MLflowTracker, "logger.mlflow", uri, uri, node.mlflow.experiment,
-                                 ids.get("mlflow"), name, {"sweep": group} if group else {}))
+        key, value, uri = _mlflow_uri(node.mlflow.tracking_uri, output_dir)
+        where = f" (its local store {uri})" if value is None else ""
+        started.append(_started(MLflowTracker, key, value, where, "", uri, node.mlflow.experiment, ids.get("mlflow"),
+                                name, {"sweep": group} if group else {}))
     if node.wandb.enabled:
-        trackers.append(_started(WandbTracker, "logger.wandb", f"mode {node.wandb.mode}", node.wandb, run_dir,
-                                 ids.get("wandb"), name, group))
-    for tracker in trackers:
+        mode = node.wandb.mode
+        hint = "" if mode == "offline" else "; allowed: online, offline (logger.wandb.mode=offline needs no " \
+            "account or network: `wandb sync` uploads its run later)"
+        started.append(_started(WandbTracker, "logger.wandb.mode", mode, "", hint, node.wandb, run_dir,
+                                ids.get("wandb"), name, group))
+    for tracker, key, value in started:
         try:
             tracker.log_params(params)
         except Exception as err:
-            raise ConfigError(tracker.key, "", f"could not log the run's parameters: {type(err).__name__}: "
-                              f"{scrub(str(err))}") from None
+            raise ConfigError(key, _shown(value), f"{tracker.name} could not log the run's parameters: "
+                              f"{_error(err)}") from None
+    trackers = [tracker for tracker, _, _ in started]
     kept = {t.key.removeprefix("logger."): t.id for t in trackers if t.id is not None}
     if kept:
         _write_ids(run_dir, {**ids, **kept})
     return trackers
 
 
-def _started(kind, key: str, where: str, *args) -> Tracker:
+def _started(kind, key: str, value: Any, where: str, hint: str, *args) -> tuple[Tracker, str, Any]:
+    """(``kind(*args)``, ``key``, ``value``): the tracker started, with the config key (or environment variable) and
+    value that chose where it logs. Raises :class:`ConfigError` ``key=value`` when it does not start: ``where`` and
+    ``hint`` follow the tracker's error."""
     try:
         tracker = kind(*args)
     except Exception as err:
-        raise ConfigError(key, scrub(where), f"did not start: {type(err).__name__}: {scrub(str(err))}") from None
-    log.info("%s: run %s (%s)", key, tracker.id, scrub(where))
-    return tracker
+        raise ConfigError(key, _shown(value), f"{kind.name} did not start{where}: {_error(err)}{hint}") from None
+    log.info("%s: run %s (%s)", tracker.key, tracker.id, tracker.where)
+    return tracker, key, value
+
+
+def _mlflow_uri(tracking_uri: Optional[str], output_dir: Path) -> tuple[str, Optional[str], str]:
+    """(the key that chose MLflow's store, its value, the store's URI): ``logger.mlflow.tracking_uri`` when set, else
+    ``$MLFLOW_TRACKING_URI`` when set, else ``logger.mlflow.tracking_uri=None`` and the local store
+    (:func:`_local_store`)."""
+    if tracking_uri:
+        return "logger.mlflow.tracking_uri", tracking_uri, tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return "$MLFLOW_TRACKING_URI", os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_TRACKING_URI"]
+    return "logger.mlflow.tracking_uri", None, _local_store(output_dir)
+
+
+def _shown(value: Any) -> Any:
+    """``value`` for a message: a string scrubbed of credentials, anything else (an option, None) as it is."""
+    return scrub(value) if type(value) is str else value
+
+
+def _error(err: BaseException) -> str:
+    """``<type>: <message>`` of ``err`` on one line, scrubbed of credentials."""
+    return f"{type(err).__name__}: {' '.join(scrub(str(err)).split())}"
 
 
 def _local_store(output_dir: Path) -> str:
