@@ -6,7 +6,9 @@ from __future__ import annotations
 import csv
 import importlib.util
 import logging
+import os
 import socket
+import time
 
 import pytest
 
@@ -184,6 +186,67 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+HTTP_VARS = ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT")
+
+
+@pytest.fixture
+def mlflow_requests(monkeypatch):
+    """(max_retries, backoff_factor, timeout) of each HTTP request MLflow makes, which then goes out as it would;
+    none of MLflow's HTTP variables is set (a test sets its own)."""
+    pytest.importorskip("mlflow", reason="logger=mlflow needs the extra: pip install 'hydratrain[mlflow]'")
+    from mlflow.utils import rest_utils
+
+    for name in (*HTTP_VARS, "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+    real = rest_utils._get_http_response_with_retries
+
+    def spy(method, url, max_retries, backoff_factor, *args, **kwargs):
+        seen.append((max_retries, backoff_factor, kwargs["timeout"]))
+        return real(method, url, max_retries, backoff_factor, *args, **kwargs)
+
+    monkeypatch.setattr(rest_utils, "_get_http_response_with_retries", spy)
+    return seen
+
+
+def test_an_mlflow_server_that_does_not_answer_stops_the_start_in_seconds_and_the_users_settings_hold(
+        compose, tmp_path, monkeypatch, mlflow_requests, caplog):
+    """MLflow's own retries (7, backing off over ~4 minutes) held the start 263 s before the config error: now one
+    retry, at once, and a short timeout, except where the user set MLflow's variable (the timeout here)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    uri = f"http://127.0.0.1:{closed_port()}"
+    cfg = compose(["logger=[tensorboard,mlflow]", f"logger.mlflow.tracking_uri={uri}"])
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as err:
+        start_trackers(cfg, tmp_path, tmp_path, resuming=False)
+    assert time.monotonic() - start < 15
+    assert str(err.value).startswith(f"logger.mlflow.tracking_uri='{uri}': MLflow did not start: MlflowException: ")
+    # no urllib3 "Retrying ..." line before it
+    assert "\n" not in str(err.value) and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert mlflow_requests == [(1, 1, 3)]  # the user's 3 s timeout kept
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "3" and not any(os.environ.get(n) for n in HTTP_VARS[:2])
+
+
+def test_an_mlflow_server_gone_mid_run_costs_a_short_stall_and_one_warning(tmp_path, mlflow_requests, caplog):
+    from mlflow.tracking import MlflowClient
+
+    from hydratrain.train.trackers import MLflowTracker, _local_store
+
+    tracker = MLflowTracker(_local_store(tmp_path), "tests", None, "outputs/run", {})
+    tracker.client = MlflowClient(f"http://127.0.0.1:{closed_port()}")  # its server went away
+    kept = CSVTracker(tmp_path / "metrics.csv")
+    trackers = Trackers(TensorBoardLogger(tmp_path / "tb", enabled=False), [tracker, kept])
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        for step, values in STREAM:
+            trackers.scalars(values, step)
+        trackers.close()
+    assert time.monotonic() - start < 15 and read_csv(tmp_path / "metrics.csv") == expected()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]  # no urllib3 "Retrying ..."
+    assert line.startswith("logger.mlflow failed (MlflowException: ")
+    assert mlflow_requests == [(2, 1, 10)]  # one request (two retries), then the tracker was dropped
 
 
 def test_wandb_online_without_an_api_key_names_the_mode_and_offline(compose, tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ each logged step, and a summary at the end (the figures results.json holds, ``ob
 
 A tracker that fails to start is a :class:`~hydratrain.errors.ConfigError` naming the key and value that chose where
 it logs (``logger.mlflow.tracking_uri``, ``$MLFLOW_TRACKING_URI``, ``logger.wandb.mode``), before training; one that
-fails later is one warning, and the run goes on without it.
+fails later is one warning, and the run goes on without it. MLflow's HTTP retries are bounded so that either comes
+in seconds (:attr:`MLflowTracker.HTTP_START`, :attr:`MLflowTracker.HTTP_RUN`).
 
 Credentials: hydratrain reads none (each library reads its own variables: $WANDB_API_KEY, $MLFLOW_TRACKING_PASSWORD)
 and logs no environment variable; a URI is logged with its ``user:password@`` removed (:func:`scrub`), and so is
@@ -20,6 +21,7 @@ every parameter value.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -28,7 +30,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -208,6 +210,15 @@ class MLflowTracker(Tracker):
     key = "logger.mlflow"
     name = "MLflow"
     _PARAMS, _METRICS, _VALUE = 100, 1000, 6000  # MLflow's limits: params and metrics per batch, a param's length
+    #: MLflow's HTTP settings (mlflow.environment_variables, which MLflow reads at each request) for this tracker's
+    #: requests, each one only where the environment sets none: MLflow's own (7 retries backing off over ~4 minutes,
+    #: 120 s a try) held a run's start-up 263 s against a server that does not answer. Starting: one retry at once,
+    #: 5 s a try, so a dead server is a ConfigError within seconds; later: two retries (the second ~2 s later),
+    #: 10 s a try, so a server gone mid-run costs a short stall, then the one warning of a failed tracker.
+    HTTP_START = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": 1, "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 1,
+                  "MLFLOW_HTTP_REQUEST_TIMEOUT": 5}
+    HTTP_RUN = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": 2, "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": 1,
+                "MLFLOW_HTTP_REQUEST_TIMEOUT": 10}
 
     def __init__(self, uri: str, experiment: str, run_id: Optional[str], name: str, tags: Mapping[str, str]):
         from mlflow.entities import Metric, Param  # (extra [mlflow]; ~2 s to import: only in a run that uses it)
@@ -216,6 +227,12 @@ class MLflowTracker(Tracker):
         self._metric, self._param = Metric, Param
         self.where = scrub(uri)
         self.client = MlflowClient(tracking_uri=uri)
+        with _mlflow_http(self.HTTP_START):
+            self.run_id: str = self._start(experiment, run_id, name, tags)
+        self.id = self.run_id
+
+    def _start(self, experiment: str, run_id: Optional[str], name: str, tags: Mapping[str, str]) -> str:
+        """The id of run ``run_id`` set running again, or of a new run ``name`` in ``experiment``."""
         if run_id is not None:
             self.client.update_run(run_id, status="RUNNING")
         else:
@@ -231,26 +248,53 @@ class MLflowTracker(Tracker):
             else:
                 exp_id = found.experiment_id
             run_id = self.client.create_run(exp_id, run_name=name, tags=dict(tags)).info.run_id
-        self.run_id: str = run_id
-        self.id = run_id
+        return run_id
 
     def log_params(self, params: Mapping[str, str]) -> None:
-        have = self.client.get_run(self.run_id).data.params
-        new = [self._param(k, v[:self._VALUE]) for k, v in params.items() if k not in have and len(k) <= 250]
-        for i in range(0, len(new), self._PARAMS):
-            self.client.log_batch(self.run_id, params=new[i:i + self._PARAMS])
+        with _mlflow_http(self.HTTP_RUN):
+            have = self.client.get_run(self.run_id).data.params
+            new = [self._param(k, v[:self._VALUE]) for k, v in params.items() if k not in have and len(k) <= 250]
+            for i in range(0, len(new), self._PARAMS):
+                self.client.log_batch(self.run_id, params=new[i:i + self._PARAMS])
 
     def log_metrics(self, step: int, values: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
         metrics = [self._metric(tag, value, now, step) for tag, value in values.items()]
-        for i in range(0, len(metrics), self._METRICS):
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + self._METRICS])
+        with _mlflow_http(self.HTTP_RUN):
+            for i in range(0, len(metrics), self._METRICS):
+                self.client.log_batch(self.run_id, metrics=metrics[i:i + self._METRICS])
 
     def log_summary(self, step: int, values: Mapping[str, float]) -> None:
         self.log_metrics(step, {f"final/{name}": value for name, value in values.items()})
 
     def close(self, status: str) -> None:
-        self.client.set_terminated(self.run_id, status=status.upper())
+        with _mlflow_http(self.HTTP_RUN):
+            self.client.set_terminated(self.run_id, status=status.upper())
+
+
+@contextlib.contextmanager
+def _mlflow_http(settings: Mapping[str, int]) -> Iterator[None]:
+    """MLflow's HTTP environment variables ``settings`` ({name: value}) for the requests made inside, each one that
+    the environment does not set already (a value the user set is theirs), and unset again after. urllib3's
+    "Retrying ..." warnings are held back meanwhile: the retries are these bounded ones, and a request that still
+    fails is one error (start-up) or one warning (later) of hydratrain's."""
+    from mlflow import environment_variables  # (loaded with mlflow: only in a run that uses it)
+
+    added = [var for var in (getattr(environment_variables, name) for name in settings) if not var.is_set()]
+    for var in added:
+        var.set(settings[var.name])
+    pool = logging.getLogger("urllib3.connectionpool")
+    pool.addFilter(_no_retry_warnings)
+    try:
+        yield
+    finally:
+        pool.removeFilter(_no_retry_warnings)
+        for var in added:
+            var.unset()
+
+
+def _no_retry_warnings(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Retrying")
 
 
 # ------------------------------------------------------------------------------------------- Weights & Biases
